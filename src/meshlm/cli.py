@@ -1,0 +1,119 @@
+"""`meshlm` command line: train | prepare | plan | estimate | schedule | report."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def _fail(msg: str, code: int = 2) -> int:
+    print(f"meshlm: {msg}", file=sys.stderr)
+    return code
+
+
+def cmd_train(args, extra: list[str]) -> int:
+    from . import config as C
+    from .layout import check_data, resolve
+    from .train.launch import spawn, under_launcher
+
+    try:
+        pairs, rest = C.parse_overrides(extra)
+        if rest:
+            raise C.ConfigError(f"unrecognised argument: {rest[0]}")
+        cfg = C.load(args.config, pairs)
+        worker = args.worker or under_launcher()
+        world = int(os.environ["WORLD_SIZE"]) if worker else (args.nproc or 1)
+        if worker and args.nproc:
+            raise C.ConfigError("--nproc: leave it out under torchrun or Slurm (the launcher starts the workers)")
+        resolve(cfg, world)
+        check_data(cfg)
+    except (C.ConfigError, RuntimeError) as e:
+        return _fail(str(e))
+    run_dir = args.run_dir or os.path.join("runs", f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if not worker or int(os.environ.get("RANK", "0")) == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        resolved = os.path.join(run_dir, "config.toml")
+        if not (args.config and os.path.abspath(args.config) == os.path.abspath(resolved) and not pairs):
+            with open(resolved, "w") as f:
+                f.write(C.to_toml(cfg))
+    if not worker and world > 1:
+        print(f"meshlm: {world} workers, run dir {run_dir}", file=sys.stderr)
+        code = spawn(world, os.path.join(run_dir, "config.toml"), run_dir)
+        return code and _fail(f"training failed (exit {code}); worker logs in {run_dir}/logs", code)
+    from .train.trainer import run
+    try:
+        last = run(cfg, run_dir)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        return _fail(f"rank {os.environ.get('RANK', '0')}: {str(e).splitlines()[0] if str(e) else type(e).__name__}", 1)
+    if last and int(os.environ.get("RANK", "0")) == 0:
+        print(f"meshlm: done, step {last.get('step')} loss {last.get('loss', float('nan')):.4f}; "
+              f"run dir {run_dir}", file=sys.stderr)
+    return 0
+
+
+def cmd_prepare(args, extra: list[str]) -> int:
+    from .data import prepare
+    if extra:
+        return _fail(f"unrecognised argument: {extra[0]}")
+    try:
+        index = prepare(args.input, args.tokenizer, args.out, val_fraction=args.val_fraction)
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(str(e))
+    n = {k: sum(s["tokens"] for s in v) for k, v in index["splits"].items()}
+    print(f"meshlm: prepared {n} tokens ({index['dtype']}, vocab {index['vocab_size']}) into {args.out}")
+    return 0
+
+
+def cmd_report(args, extra: list[str]) -> int:
+    from .train.report import write_report
+    if extra:
+        return _fail(f"unrecognised argument: {extra[0]}")
+    try:
+        out = write_report(args.run_dir, args.out)
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(str(e))
+    print(f"meshlm: wrote {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshlm", description="Train LLMs on one device mesh.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a model (extra --section.key VALUE pairs override the config)")
+    t.add_argument("--config", help="TOML config file")
+    t.add_argument("--nproc", type=int, help="start N local workers through torchrun")
+    t.add_argument("--run-dir", help="where config, metrics, checkpoints and logs go")
+    t.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    t.set_defaults(func=cmd_train)
+    pr = sub.add_parser("prepare", help="tokenise text files into memory-mapped shards")
+    pr.add_argument("--input", nargs="+", required=True, help="files or directories")
+    pr.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizer.json")
+    pr.add_argument("--out", required=True)
+    pr.add_argument("--val-fraction", type=float, default=0.01)
+    pr.set_defaults(func=cmd_prepare)
+    r = sub.add_parser("report", help="draw a run's loss, throughput and memory curves to a PNG")
+    r.add_argument("run_dir")
+    r.add_argument("--out", help="PNG path (default RUN_DIR/report.png)")
+    r.set_defaults(func=cmd_report)
+    for mod, fn in (("meshlm.plan.cli_cmds", "add_parsers"), ("meshlm.parallel.pipeline.schedule_cmd", "add_parser")):
+        try:
+            module = __import__(mod, fromlist=[fn])
+        except ImportError:
+            continue
+        getattr(module, fn)(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    return args.func(args, extra) if _takes_extra(args.func) else args.func(args)
+
+
+def _takes_extra(fn) -> bool:
+    return fn.__code__.co_argcount >= 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

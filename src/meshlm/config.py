@@ -1,0 +1,273 @@
+"""Configuration: one dataclass per section, loaded from TOML, overridden by `--section.key value`.
+
+Everything that can be checked without starting a worker is checked here (`validate`), so a bad run
+fails in the parent process with one line naming the key and the reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration problem; its message is one line that names the key."""
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 0
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    shared_experts: int = 0
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "small"
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_dim: int | None = None
+    vocab_size: int | None = None
+    max_seq_len: int | None = None
+    rope_theta: float | None = None
+    tie_embeddings: bool | None = None
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # empty: the embedded corpus (stdlib sources, byte tokenizer)
+    tokenizer: str = "bytes"
+    seq_len: int = 256
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = -1  # -1: the ranks left over
+    zero: int = 0
+    zero_group: int = 0  # 0: = dp (plain ZeRO); g < dp: HSDP
+    tp: int = 1
+    sp: bool = False
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual: int = 1
+    microbatches: int = 0  # 0: the gradient-accumulation count
+    cp: int = 1
+    cp_impl: str = "ring"
+    ep: int = 1
+    offload: str = "none"
+    bucket_mb: float = 25.0
+    reduce_dtype: str = "fp32"
+    timeout_s: float = 300.0
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 100
+    global_batch: int = 16
+    micro_batch: int = 16
+    precision: str = "fp32"
+    ac: str = "none"
+    seed: int = 0
+    clip: float = 1.0
+    compile: bool = False
+    eval_every: int = 50
+    eval_batches: int = 4
+    device: str = "auto"  # auto, cpu, cuda
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # 0: never
+    keep: int = 2
+    async_: bool = False
+    resume: str = "auto"  # auto, never, or a path
+
+
+@dataclass
+class MetricsConfig:
+    every: int = 1
+    tensorboard: bool = False
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+# TOML keys that are Python keywords get a trailing underscore in the dataclass.
+def _attr(key: str) -> str:
+    return key + "_" if key in ("async",) else key
+
+
+def _key(attr: str) -> str:
+    return attr[:-1] if attr.endswith("_") else attr
+
+
+def _coerce(value: Any, current: Any, typ: Any, where: str) -> Any:
+    """Turn a TOML value or a command-line string into the field's type."""
+    t = str(typ)
+    if isinstance(value, str) and "str" not in t.split("|")[0]:
+        low = value.strip().lower()
+        if "bool" in t:
+            if low in ("true", "1", "yes", "on"):
+                return True
+            if low in ("false", "0", "no", "off"):
+                return False
+            raise ConfigError(f"{where}: expected true/false, got '{value}'")
+        if low in ("none", "null", "") and "None" in t:
+            return None
+        try:
+            if "int" in t:
+                return int(value)
+            if "float" in t:
+                return float(value)
+        except ValueError:
+            raise ConfigError(f"{where}: expected a number, got '{value}'") from None
+    if "bool" in t and not isinstance(value, bool):
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if "int" in t and "float" not in t and isinstance(value, float) and not value.is_integer():
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if "int" in t and "float" not in t and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value)
+    if "float" in t and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _set(section: Any, path: list[str], value: Any, where: str) -> None:
+    names = {_key(f.name): f for f in fields(section)}
+    head = path[0]
+    if head not in names:
+        raise ConfigError(f"{where}: unknown config key (known: {', '.join(sorted(names))})")
+    f = names[head]
+    current = getattr(section, f.name)
+    if is_dataclass(current):
+        if len(path) == 1:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: is a section, not a value")
+            for k, v in value.items():
+                _set(current, [k], v, f"{where}.{k}")
+            return
+        _set(current, path[1:], value, where)
+        return
+    if len(path) > 1:
+        raise ConfigError(f"{where}: unknown config key")
+    setattr(section, f.name, _coerce(value, current, f.type, where))
+
+
+def apply(cfg: Config, key: str, value: Any) -> None:
+    """Set `section.key` (dotted, e.g. `model.moe.top_k`) with type checking."""
+    _set(cfg, key.split("."), value, key)
+
+
+def load(path: str | None = None, overrides: list[tuple[str, str]] | None = None) -> Config:
+    cfg = Config()
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"--config: file not found: {path}")
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"--config: {path} is not valid TOML: {e}") from None
+        for k, v in data.items():
+            _set(cfg, [k], v, k)
+    for k, v in overrides or []:
+        apply(cfg, k, v)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict:
+    out = {}
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        out[_key(f.name)] = to_dict(v) if is_dataclass(v) else v
+    return out
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def to_toml(cfg: Config) -> str:
+    """Write the resolved config; None values are left out (they mean 'from the preset')."""
+    lines: list[str] = []
+
+    def emit(prefix: str, d: dict) -> None:
+        scalars = {k: v for k, v in d.items() if not isinstance(v, dict) and v is not None}
+        lines.append(f"[{prefix}]")
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in scalars.items())
+        lines.append("")
+        for k, v in d.items():
+            if isinstance(v, dict):
+                emit(f"{prefix}.{k}", v)
+
+    for section, d in to_dict(cfg).items():
+        emit(section, d)
+    return "\n".join(lines)
+
+
+def parse_overrides(argv: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """Split `--section.key value` / `--section.key=value` pairs out of argv; returns (pairs, rest)."""
+    pairs, rest, i = [], [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("--") and "." in a.split("=", 1)[0]:
+            if "=" in a:
+                k, v = a[2:].split("=", 1)
+            else:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{a}: missing value")
+                k, v = a[2:], argv[i + 1]
+                i += 1
+            pairs.append((k, v))
+        else:
+            rest.append(a)
+        i += 1
+    return pairs, rest
+
+
+def replace(cfg: Config, **sections: dict) -> Config:
+    """A copy of cfg with some keys changed: replace(cfg, parallel={"dp": 2})."""
+    new = dataclasses.replace(cfg)
+    for name, changes in sections.items():
+        sec = dataclasses.replace(getattr(cfg, name))
+        for k, v in changes.items():
+            _set(sec, k.split("."), v, f"{name}.{k}")
+        setattr(new, name, sec)
+    return new

@@ -1,0 +1,175 @@
+"""Every collective goes through a `Comm`: one process group plus byte/time accounting and errors
+that say which collective on which group stopped, instead of a silent hang (DESIGN invariant 4).
+
+Bytes are the logical payload per rank: all-reduce counts 2× the tensor (a reduce-scatter plus an
+all-gather), all-gather its output, reduce-scatter its input, send/recv the tensor. That is the
+textbook unit (DDP moves 2Ψ, ZeRO-3 3Ψ). `wire_bytes` is what a ring actually puts on a link,
+(n-1)/n of it.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the rank, the collective and the group."""
+
+
+@dataclass
+class Stat:
+    calls: int = 0
+    bytes: int = 0
+    wire_bytes: float = 0.0
+    seconds: float = 0.0
+
+
+class Handle:
+    """An in-flight async collective; `wait()` books the time blocked in it."""
+
+    def __init__(self, comm: "Comm", kind: str, work, after=None):
+        self.comm, self.kind, self.work, self.after = comm, kind, work, after
+
+    def wait(self) -> None:
+        if self.work is not None:
+            t0 = time.perf_counter()
+            self.comm._guard(self.kind, self.work.wait)
+            self.comm.stats[self.kind].seconds += time.perf_counter() - t0
+            self.work = None
+        if self.after is not None:
+            self.after()
+            self.after = None
+
+
+class Comm:
+    """A process group along one mesh dimension. With one member every operation is a no-op."""
+
+    def __init__(self, name: str, group, ranks: list[int], rank: int):
+        self.name, self.group, self.ranks, self.global_rank = name, group, list(ranks), rank
+        self.size = len(ranks)
+        self.rank = self.ranks.index(rank)
+        self.stats: dict[str, Stat] = defaultdict(Stat)
+        self.watchdog = None  # set by the trainer: names lagging ranks when a collective times out
+
+    # -- accounting ---------------------------------------------------------------------------
+    def _book(self, kind: str, nbytes: int, wire_factor: float) -> None:
+        s = self.stats[kind]
+        s.calls += 1
+        s.bytes += nbytes
+        s.wire_bytes += nbytes * wire_factor
+
+    def _guard(self, kind: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # gloo/nccl timeouts and peer failures surface here
+            lag = self.watchdog.describe() if self.watchdog is not None else ""
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CollectiveError(f"rank {self.global_rank}: {kind} on group '{self.name}' (ranks "
+                                  f"{self.ranks}) failed: {first[:300]}{lag}") from e
+
+    def _run(self, kind: str, nbytes: int, wire_factor: float, fn, async_op: bool, after=None, **kw):
+        self._book(kind, nbytes, wire_factor)
+        if not async_op:
+            t0 = time.perf_counter()
+            self._guard(kind, fn, group=self.group, async_op=False, **kw)
+            self.stats[kind].seconds += time.perf_counter() - t0
+            if after is not None:
+                after()
+            return None
+        work = self._guard(kind, fn, group=self.group, async_op=True, **kw)
+        return Handle(self, kind, work, after)
+
+    @property
+    def ring(self) -> float:
+        return (self.size - 1) / self.size
+
+    # -- collectives --------------------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
+        if self.size == 1:
+            return Handle(self, "all_reduce", None) if async_op else None
+        return self._run("all_reduce", 2 * t.numel() * t.element_size(), self.ring,
+                         lambda **kw: dist.all_reduce(t, op=op, **kw), async_op)
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+        """out (size × shard.numel(), contiguous) <- every rank's shard, in rank order."""
+        if self.size == 1:
+            out.copy_(shard.reshape(out.shape))
+            return Handle(self, "all_gather", None) if async_op else None
+        return self._run("all_gather", out.numel() * out.element_size(), self.ring,
+                         lambda **kw: dist.all_gather_into_tensor(out, shard, **kw), async_op)
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
+        """out <- this rank's 1/size slice of the sum of every rank's `full` (flat, divisible)."""
+        if self.size == 1:
+            out.copy_(full.reshape(out.shape))
+            return Handle(self, "reduce_scatter", None) if async_op else None
+        nbytes = full.numel() * full.element_size()
+        if self.group is not None and dist.get_backend(self.group) == "gloo":
+            # gloo has no reduce-scatter: all-reduce a copy and keep our slice. The accounting still
+            # books a reduce-scatter, the collective an NCCL job would run.
+            tmp = full.detach().clone()
+            n = out.numel()
+
+            def keep() -> None:
+                out.copy_(tmp.view(-1)[self.rank * n:(self.rank + 1) * n].view(out.shape))
+            return self._run("reduce_scatter", nbytes, self.ring,
+                             lambda **kw: dist.all_reduce(tmp, op=op, **kw), async_op, after=keep)
+        return self._run("reduce_scatter", nbytes, self.ring,
+                         lambda **kw: dist.reduce_scatter_tensor(out, full, op=op, **kw), async_op)
+
+    def broadcast(self, t: torch.Tensor, src_index: int = 0) -> None:
+        if self.size == 1:
+            return
+        self._run("broadcast", t.numel() * t.element_size(), 1.0,
+                  lambda **kw: dist.broadcast(t, src=self.ranks[src_index], **kw), False)
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self._guard("barrier", dist.barrier, group=self.group)
+
+    def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int]]) -> list:
+        """ops: ("send"|"recv", tensor, peer index in this group); started together, returns works."""
+        if not ops:
+            return []
+        p2p = []
+        for kind, t, peer in ops:
+            self._book(kind, t.numel() * t.element_size(), 1.0)
+            fn = dist.isend if kind == "send" else dist.irecv
+            p2p.append(dist.P2POp(fn, t, self.ranks[peer], group=self.group))
+        return self._guard("send/recv", dist.batch_isend_irecv, p2p)
+
+    def wait_p2p(self, works: list) -> None:
+        t0 = time.perf_counter()
+        for w in works:
+            self._guard("send/recv", w.wait)
+        self.stats["recv_wait"].seconds += time.perf_counter() - t0
+
+    def all_reduce_scalars(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+        """Reduce a few host floats (loss sums, norms, inf flags) in one small collective."""
+        if self.size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64)
+        self.all_reduce(t, op=op)
+        return t.tolist()
+
+
+def merge_stats(comms: list[Comm]) -> dict[str, Stat]:
+    """Totals per collective kind over several groups (each group counted once)."""
+    out: dict[str, Stat] = defaultdict(Stat)
+    for c in comms:
+        for kind, s in c.stats.items():
+            o = out[kind]
+            o.calls += s.calls
+            o.bytes += s.bytes
+            o.wire_bytes += s.wire_bytes
+            o.seconds += s.seconds
+    return dict(out)
+
+
+def reset_stats(comms: list[Comm]) -> None:
+    for c in comms:
+        c.stats.clear()

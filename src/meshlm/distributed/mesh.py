@@ -1,0 +1,135 @@
+"""The 5-D device mesh (pp, dp_replicate, dp_shard, cp, tp) and the process groups along it.
+
+Rank r sits at coordinates given by r in row-major order over that shape, so tp neighbours are
+consecutive ranks (one node) and pp is outermost. Groups are created once, on every rank, in the same
+order (c10d requires it), and handed around in a `ParallelContext`; nothing is kept in globals.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .comm import Comm
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Groups that span several mesh dimensions at once.
+COMPOSITES = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp")}
+
+
+def coords_of(rank: int, shape: dict[str, int]) -> dict[str, int]:
+    out = {}
+    for d in reversed(DIMS):
+        out[d] = rank % shape[d]
+        rank //= shape[d]
+    return {d: out[d] for d in DIMS}
+
+
+def rank_of(coords: dict[str, int], shape: dict[str, int]) -> int:
+    r = 0
+    for d in DIMS:
+        r = r * shape[d] + coords[d]
+    return r
+
+
+def groups_along(dims: tuple[str, ...], shape: dict[str, int]) -> list[list[int]]:
+    """Every set of ranks that differ only in `dims` (each set sorted), in a fixed order."""
+    fixed = [d for d in DIMS if d not in dims]
+    out = []
+    for fixed_vals in itertools.product(*(range(shape[d]) for d in fixed)):
+        base = dict(zip(fixed, fixed_vals))
+        members = []
+        for var_vals in itertools.product(*(range(shape[d]) for d in dims)):
+            c = dict(base, **dict(zip(dims, var_vals)))
+            members.append(rank_of(c, shape))
+        out.append(sorted(members))
+    return out
+
+
+@dataclass
+class ParallelContext:
+    """This rank's place in the mesh and one `Comm` (a group with accounting) per dimension."""
+    rank: int
+    world_size: int
+    shape: dict[str, int]
+    device: torch.device
+    comms: dict[str, Comm] = field(default_factory=dict)
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return coords_of(self.rank, self.shape)
+
+    def size(self, dim: str) -> int:
+        dims = COMPOSITES.get(dim, (dim,))
+        return math.prod(self.shape[d] for d in dims)
+
+    def index(self, dim: str) -> int:
+        """This rank's position within the group along `dim` (composite dims row-major)."""
+        c = self.coords
+        idx = 0
+        for d in COMPOSITES.get(dim, (dim,)):
+            idx = idx * self.shape[d] + c[d]
+        return idx
+
+    def comm(self, dim: str) -> Comm:
+        return self.comms[dim]
+
+    @property
+    def is_logger(self) -> bool:
+        return self.rank == 0
+
+    def all_comms(self) -> list[Comm]:
+        return list(self.comms.values())
+
+
+def pick_device(kind: str = "auto") -> torch.device:
+    if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if kind in ("cuda", "auto"):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    raise ValueError(f"training.device: unknown device '{kind}'")
+
+
+def init_context(shape: dict[str, int], device: torch.device, timeout_s: float = 300.0) -> ParallelContext:
+    """Join the job described by the torchrun environment (or run alone) and build all groups."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    need = math.prod(shape[d] for d in DIMS)
+    if need != world:
+        raise RuntimeError(f"layout needs {need} ranks but WORLD_SIZE is {world}")
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    ctx = ParallelContext(rank=rank, world_size=world, shape=dict(shape), device=device)
+    for name in DIMS + tuple(COMPOSITES):
+        dims = COMPOSITES.get(name, (name,))
+        ctx.comms[name] = _make_comm(name, groups_along(dims, shape), rank, world, timeout_s)
+    ctx.comms["world"] = Comm("world", dist.group.WORLD if world > 1 else None, list(range(world)), rank)
+    return ctx
+
+
+def _make_comm(name: str, all_groups: list[list[int]], rank: int, world: int, timeout_s: float) -> Comm:
+    mine = next(g for g in all_groups if rank in g)
+    if len(mine) == 1:
+        return Comm(name, None, mine, rank)
+    if len(mine) == world:
+        return Comm(name, dist.group.WORLD, mine, rank)
+    handle = None
+    for g in all_groups:  # every rank creates every group, in the same order
+        pg = dist.new_group(g, timeout=timedelta(seconds=timeout_s))
+        if rank in g:
+            handle = pg
+    return Comm(name, handle, mine, rank)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

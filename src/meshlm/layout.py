@@ -1,0 +1,157 @@
+"""Resolve a config into a concrete layout and refuse impossible ones before any worker starts."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from .config import Config, ConfigError
+from .model.args import PRESETS, ModelArgs
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+AC_MODES = ("none", "full", "selective")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+OFFLOAD = ("none", "optimizer")
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+
+# Dimensions whose runtime has not landed yet: refused with the issue that brings them.
+NOT_YET: dict[str, str] = {
+    "tp": "tensor parallelism (issue #4)",
+    "pp": "pipeline parallelism (issue #5)",
+    "cp": "context parallelism",
+    "ep": "expert parallelism",
+    "zero": "ZeRO sharding (issue #3)",
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees of the 5-D mesh (outermost first) and the batch split they imply."""
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    micro_batch: int
+    accum: int  # micro-batches per optimizer step on each dp rank
+    microbatches: int  # pipeline micro-batches per step (= accum unless set)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    def shape(self) -> dict[str, int]:
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
+                "cp": self.cp, "tp": self.tp}
+
+
+def model_args(cfg: Config) -> ModelArgs:
+    m = cfg.model
+    if m.preset not in PRESETS:
+        raise ConfigError(f"model.preset: unknown preset '{m.preset}' (known: {', '.join(PRESETS)})")
+    base = PRESETS[m.preset]
+    changes = {f.name: getattr(m, f.name) for f in dataclasses.fields(ModelArgs)
+               if hasattr(m, f.name) and getattr(m, f.name) is not None}
+    args = dataclasses.replace(base, **changes)
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+        if getattr(args, key) < 1:
+            raise ConfigError(f"model.{key}: must be positive, got {getattr(args, key)}")
+    if args.dim % args.n_heads:
+        raise ConfigError(f"model.n_heads: {args.n_heads} does not divide model.dim {args.dim}")
+    if args.head_dim % 2:
+        raise ConfigError(f"model.n_heads: head_dim {args.head_dim} must be even for RoPE")
+    if args.n_heads % args.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads: {args.n_kv_heads} does not divide model.n_heads {args.n_heads}")
+    if m.moe.num_experts:
+        raise ConfigError("model.moe.num_experts: mixture-of-experts is not implemented yet")
+    return args
+
+
+def _choice(value: str, allowed: tuple[str, ...], key: str) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: '{value}' is not one of {', '.join(allowed)}")
+
+
+def resolve(cfg: Config, world_size: int) -> Layout:
+    """The layout for `world_size` ranks, or a ConfigError naming the offending key."""
+    p, t, tr = cfg.parallel, cfg.training, cfg.model
+    args = model_args(cfg)
+    _choice(t.precision, PRECISIONS, "training.precision")
+    _choice(t.ac, AC_MODES, "training.ac")
+    _choice(p.pp_schedule, PP_SCHEDULES, "parallel.pp_schedule")
+    _choice(p.offload, OFFLOAD, "parallel.offload")
+    _choice(p.reduce_dtype, REDUCE_DTYPES, "parallel.reduce_dtype")
+    _choice(p.cp_impl, ("ring", "ulysses"), "parallel.cp_impl")
+    for key in ("tp", "pp", "cp", "ep", "pp_virtual"):
+        if getattr(p, key) < 1:
+            raise ConfigError(f"parallel.{key}: must be >= 1, got {getattr(p, key)}")
+    if p.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero: must be 0, 1, 2 or 3, got {p.zero}")
+    if p.offload != "none" and p.zero < 1:
+        raise ConfigError("parallel.offload: optimizer offload needs a ZeRO stage that shards the optimizer (zero >= 1)")
+    if world_size < 1:
+        raise ConfigError(f"--nproc: must be >= 1, got {world_size}")
+    inner = p.pp * p.cp * p.tp
+    if world_size % inner:
+        raise ConfigError(f"parallel: pp×cp×tp = {inner} does not divide the world size {world_size}")
+    dp = world_size // inner if p.dp == -1 else p.dp
+    if dp < 1:
+        raise ConfigError(f"parallel.dp: must be >= 1 or -1, got {p.dp}")
+    if dp * inner != world_size:
+        raise ConfigError(f"--nproc: {world_size} ranks but the layout pp×dp×cp×tp = "
+                          f"{p.pp}×{dp}×{p.cp}×{p.tp} needs {dp * inner}")
+    group = p.zero_group or dp
+    if dp % group:
+        raise ConfigError(f"parallel.zero_group: {group} does not divide dp {dp}")
+    if p.zero_group and p.zero == 0:
+        raise ConfigError("parallel.zero_group: HSDP groups need a ZeRO stage (zero >= 1)")
+    dp_shard = group if p.zero else 1
+    if args.n_heads % p.tp:
+        raise ConfigError(f"parallel.tp: {p.tp} does not divide model.n_heads {args.n_heads}")
+    if args.n_layers < p.pp * p.pp_virtual:
+        raise ConfigError(f"parallel.pp: {args.n_layers} layers cannot fill pp×pp_virtual = {p.pp * p.pp_virtual} stages")
+    if (dp_shard * p.cp) % p.ep:
+        raise ConfigError(f"parallel.ep: {p.ep} does not divide dp_shard×cp = {dp_shard * p.cp}")
+    if t.micro_batch < 1 or t.global_batch < 1:
+        raise ConfigError("training.micro_batch: batch sizes must be >= 1")
+    if t.global_batch % (t.micro_batch * dp):
+        raise ConfigError(f"training.global_batch: {t.global_batch} is not divisible by "
+                          f"micro_batch×dp = {t.micro_batch}×{dp}")
+    accum = t.global_batch // (t.micro_batch * dp)
+    microbatches = p.microbatches or accum
+    if microbatches != accum:
+        raise ConfigError(f"parallel.microbatches: {microbatches} must equal the accumulation count "
+                          f"global_batch/(micro_batch×dp) = {accum}")
+    if cfg.data.seq_len < 1:
+        raise ConfigError(f"data.seq_len: must be >= 1, got {cfg.data.seq_len}")
+    if t.steps < 0:
+        raise ConfigError(f"training.steps: must be >= 0, got {t.steps}")
+    for key, label in NOT_YET.items():
+        value = getattr(p, key)
+        if value > (0 if key == "zero" else 1):
+            raise ConfigError(f"parallel.{key}: {label} is not available in this build yet")
+    del tr
+    return Layout(pp=p.pp, dp_replicate=dp // dp_shard, dp_shard=dp_shard, cp=p.cp, tp=p.tp,
+                  micro_batch=t.micro_batch, accum=accum, microbatches=microbatches)
+
+
+def check_data(cfg: Config) -> None:
+    """Missing data or an unreadable tokenizer: refused before workers start."""
+    if cfg.data.path:
+        if not os.path.exists(cfg.data.path):
+            raise ConfigError(f"data.path: no such directory: {cfg.data.path}")
+        if not os.path.isfile(os.path.join(cfg.data.path, "index.json")):
+            raise ConfigError(f"data.path: {cfg.data.path} has no index.json (run `meshlm prepare` first)")
+    if cfg.data.tokenizer != "bytes":
+        if not os.path.isfile(cfg.data.tokenizer):
+            raise ConfigError(f"data.tokenizer: cannot read tokenizer file {cfg.data.tokenizer}")
+        try:
+            from tokenizers import Tokenizer
+            Tokenizer.from_file(cfg.data.tokenizer)
+        except Exception as e:  # noqa: BLE001 - any failure means unusable
+            raise ConfigError(f"data.tokenizer: cannot read tokenizer {cfg.data.tokenizer}: "
+                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None

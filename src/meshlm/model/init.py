@@ -1,0 +1,76 @@
+"""Layout-independent initialisation (DESIGN invariant 2).
+
+Each parameter's values come from a generator seeded by (seed, parameter name) alone, so any layout
+that holds a slice of a parameter gets exactly the slice a single process would have had. Big models
+are built on the meta device; `materialize` then allocates and fills only what this rank holds, one
+parameter at a time (the full tensor of one parameter at most is ever on the host).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+STD = 0.02
+
+
+def name_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_tensor(name: str, shape: tuple[int, ...], seed: int, n_layers: int) -> torch.Tensor:
+    """The full fp32 initial value of parameter `name` (its unsharded, single-process name)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    g = torch.Generator().manual_seed(name_seed(seed, name))
+    std = STD
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        std = STD / math.sqrt(2 * n_layers)  # residual projections, as in GPT-2 / Megatron
+    return torch.empty(shape).normal_(0.0, std, generator=g)
+
+
+# A slicer turns the full value of a parameter into this rank's local piece.
+Slicer = Callable[[torch.Tensor], torch.Tensor]
+
+
+def materialize(model: nn.Module, seed: int, device: torch.device | str, dtype: torch.dtype = torch.float32,
+                full_shapes: dict[str, tuple[int, ...]] | None = None,
+                slicers: dict[str, Slicer] | None = None) -> None:
+    """Allocate every parameter of `model` on `device` and fill it from its name.
+
+    `full_shapes` / `slicers` come from the parallelizer: the shape of the unsharded parameter and how
+    to cut this rank's part out of it. Without them the parameter is taken as whole.
+    """
+    full_shapes = full_shapes or {}
+    slicers = slicers or {}
+    n_layers = model.args.n_layers
+    seen: dict[int, nn.Parameter] = {}
+    for mod_name, mod in list(model.named_modules()):
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            if p is None:
+                continue
+            fqn = f"{mod_name}.{pname}" if mod_name else pname
+            if id(p) in seen:  # tied weights: keep the tie
+                setattr(mod, pname, seen[id(p)])
+                continue
+            shape = tuple(full_shapes.get(fqn, p.shape))
+            value = init_tensor(canonical_name(fqn), shape, seed, n_layers)
+            if fqn in slicers:
+                value = slicers[fqn](value)
+            new = nn.Parameter(value.to(device=device, dtype=dtype).contiguous(), requires_grad=p.requires_grad)
+            setattr(mod, pname, new)
+            seen[id(p)] = new
+    for buf_name, buf in list(model.named_buffers()):
+        if buf.is_meta:
+            raise RuntimeError(f"buffer {buf_name} is still on the meta device")
+
+
+def canonical_name(fqn: str) -> str:
+    """The single-process name of a parameter, with wrapper prefixes (checkpointing, compile) removed."""
+    for junk in ("_checkpoint_wrapped_module.", "_orig_mod.", "_wrapped."):
+        fqn = fqn.replace(junk, "")
+    return fqn

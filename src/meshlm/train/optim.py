@@ -1,0 +1,143 @@
+"""AdamW over fp32 master weights, the LR schedule, global grad-norm clipping and fp16 loss scaling."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..config import OptimConfig
+from ..distributed.comm import Comm
+
+
+class MasterOptimizer:
+    """AdamW on fp32 masters. With fp32 compute the master *is* the parameter (no copy); with bf16/fp16
+    compute each parameter gets an fp32 master and the update is copied back after the step.
+
+    Weight decay skips 1-D tensors (norm gains), as Megatron and most Llama recipes do.
+    """
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], cfg: OptimConfig, device: torch.device):
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
+        self.copies = [(m, p) for m, p in zip(self.masters, self.params) if m is not p]
+        decay = [m for m in self.masters if m.dim() >= 2]
+        no_decay = [m for m in self.masters if m.dim() < 2]
+        kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}],
+                                     lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kw)
+        # Allocate Adam's moments now rather than at the first step, so memory is what it will be
+        # from the start (and a checkpoint can be loaded into them before any step).
+        for m in self.masters:
+            self.opt.state[m] = {"step": torch.zeros((), dtype=torch.float32,
+                                                     device=m.device if "fused" in kw else "cpu"),
+                                 "exp_avg": torch.zeros_like(m), "exp_avg_sq": torch.zeros_like(m)}
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.opt.step()
+        if self.copies:
+            torch._foreach_copy_([p for _, p in self.copies], [m for m, _ in self.copies])
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Master weights and Adam moments by parameter name (checkpoint format, any layout)."""
+        out = {}
+        for name, m in zip(self.names, self.masters):
+            st = self.opt.state[m]
+            out[f"master/{name}"] = m
+            out[f"exp_avg/{name}"] = st["exp_avg"]
+            out[f"exp_avg_sq/{name}"] = st["exp_avg_sq"]
+        return out
+
+    def step_count(self) -> int:
+        for st in self.opt.state.values():
+            return int(st["step"])
+        return 0
+
+    @torch.no_grad()
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor], step: int) -> None:
+        for name, m in zip(self.names, self.masters):
+            m.copy_(tensors[f"master/{name}"])
+            st = self.opt.state[m]
+            st["exp_avg"].copy_(tensors[f"exp_avg/{name}"])
+            st["exp_avg_sq"].copy_(tensors[f"exp_avg_sq/{name}"])
+            st["step"].fill_(float(step))
+        if self.copies:
+            torch._foreach_copy_([p for _, p in self.copies], [m for m, _ in self.copies])
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer-only tensors: Adam moments plus separate fp32 masters."""
+        seen, total = set(), 0
+        tensors = [t for st in self.opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+        tensors += [m for m, _ in self.copies]
+        for t in tensors:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+
+def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Linear warmup to `lr`, then cosine decay to `lr × min_lr_ratio` at the last step."""
+    if cfg.warmup and step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    span = max(1, total_steps - cfg.warmup)
+    progress = min(1.0, (step - cfg.warmup) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def grad_norm(grads: list[torch.Tensor], comms: list[Comm]) -> torch.Tensor:
+    """Global L2 norm. `grads` are the elements this rank owns (each element of the model counted on
+    exactly one rank of every `comms` group it is sharded over); their squares are summed across those
+    groups. Returns a 0-d fp32 tensor without a host sync when there is nothing to reduce."""
+    if grads:
+        sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+    else:
+        sq = torch.zeros((), dtype=torch.float32)
+    for c in comms:
+        if c.size > 1:
+            c.all_reduce(sq)
+    return sq.sqrt()
+
+
+@torch.no_grad()
+def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    if max_norm <= 0:
+        return
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(grads, coef.to(grads[0].device) if grads else coef)
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16: skip the step on inf/nan and halve, double after a clean run."""
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0 ** 16, growth_interval: int = 1000):
+        self.enabled = enabled
+        self.scale = init_scale if enabled else 1.0
+        self.growth_interval = growth_interval
+        self.good_steps = 0
+
+    def update(self, found_inf: bool) -> None:
+        if not self.enabled:
+            return
+        if found_inf:
+            self.scale = max(self.scale / 2.0, 1.0)
+            self.good_steps = 0
+        else:
+            self.good_steps += 1
+            if self.good_steps >= self.growth_interval:
+                self.scale *= 2.0
+                self.good_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.scale, self.good_steps = float(d["scale"]), int(d["good_steps"])

@@ -1,0 +1,199 @@
+"""The training loop. One code path for 1 and N ranks: the layout only changes what `parallelize`
+returns and which slice of the global batch this rank reads."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ..config import Config, to_dict
+from ..data import GlobalBatchSampler, TokenShards, default_data_dir, eval_batches
+from ..distributed.comm import merge_stats, reset_stats
+from ..distributed.mesh import ParallelContext, init_context, pick_device, shutdown
+from ..layout import Layout, model_args, resolve
+from ..model import Llama
+from ..parallel import Parallelized, parallelize
+from . import checkpoint as ckpt
+from .metrics import MetricsLog, device_peak, peak_bytes, tensor_bytes
+from .optim import LossScaler, MasterOptimizer, clip_, grad_norm, lr_at
+
+
+def run(cfg: Config, run_dir: str) -> dict:
+    """Entry point of one worker (or of the only process)."""
+    device = pick_device(cfg.training.device)
+    layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    ctx = init_context(layout.shape(), device, cfg.parallel.timeout_s)
+    try:
+        return Trainer(cfg, run_dir, ctx, layout).fit()
+    finally:
+        shutdown()
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir: str, ctx: ParallelContext, layout: Layout):
+        self.cfg, self.run_dir, self.ctx, self.layout = cfg, run_dir, ctx, layout
+        t = cfg.training
+        torch.manual_seed(t.seed)
+        self.args = model_args(cfg)
+        data_dir = cfg.data.path or default_data_dir()
+        self.train_data = TokenShards(data_dir, "train")
+        self.val_data = TokenShards(data_dir, "val")
+        if self.train_data.vocab_size > self.args.vocab_size:
+            raise ValueError(f"model.vocab_size: {self.args.vocab_size} is smaller than the tokenizer's "
+                             f"{self.train_data.vocab_size}")
+        self.seq_len = cfg.data.seq_len
+        self.sampler = GlobalBatchSampler.for_shards(self.train_data, self.seq_len, t.global_batch, t.seed)
+        with torch.device("meta"):
+            model = Llama(self.args)
+        self.par: Parallelized = parallelize(model, ctx, cfg, layout, MasterOptimizer)
+        self.model = self.par.model
+        self.scaler = LossScaler(t.precision == "fp16")
+        self.step = 0
+        self.dp_comm = ctx.comm("dp")
+        self.checkpointer = ckpt.Checkpointer(os.path.join(run_dir, "checkpoints"), ctx.comm("world"),
+                                              cfg.checkpoint.keep, cfg.checkpoint.async_)
+        self.peak_flops, self.peak_label = device_peak(ctx.device)
+        self.flops_per_step = self.args.flops_per_token(self.seq_len) * t.global_batch * self.seq_len
+
+    # -- one step -----------------------------------------------------------------------------
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(inputs)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def train_step(self) -> dict:
+        t, par = self.cfg.training, self.par
+        inputs, targets = self.sampler.next_batch(self.train_data, self.ctx.index("dp"), self.layout.dp)
+        inputs = inputs.to(self.ctx.device, non_blocking=True)
+        targets = targets.to(self.ctx.device, non_blocking=True)
+        lr = lr_at(self.step, self.cfg.optim, t.steps)
+        par.grads.begin_step()
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        mb, accum = self.layout.micro_batch, self.layout.accum
+        scale = self.scaler.scale / accum
+        for i in range(accum):
+            par.grads.set_sync(i == accum - 1)
+            loss = self._loss(inputs[i * mb:(i + 1) * mb], targets[i * mb:(i + 1) * mb])
+            (loss * scale).backward()
+            loss_sum += loss.detach()
+        par.grads.finish()
+        grads = par.grads.grad_tensors()
+        if self.scaler.scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+        norm = grad_norm(grads, par.norm_comms)
+        skipped = False
+        if self.scaler.enabled:
+            skipped = not bool(torch.isfinite(norm))
+            self.scaler.update(skipped)
+        mem = None
+        if not skipped:
+            clip_(grads, norm, t.clip)
+            par.optimizer.set_lr(lr)
+            mem = self.memory()
+            par.optimizer.step()
+        self.step += 1
+        return {"loss_sum": loss_sum, "norm": norm, "lr": lr, "skipped": skipped, "mem": mem}
+
+    def memory(self) -> dict:
+        """Live bytes on this rank just before the optimizer step (DESIGN: metrics.jsonl `mem`)."""
+        opt = self.par.optimizer
+        return {"params": tensor_bytes(opt.params),
+                "grads": tensor_bytes(self.par.grads.grad_tensors()),
+                "optim": opt.state_bytes(),
+                "peak": peak_bytes(self.ctx.device)}
+
+    def global_loss(self, loss_sum: torch.Tensor) -> float:
+        """Mean loss over the whole global batch: every micro-batch has the same token count."""
+        total = self.dp_comm.all_reduce_scalars([float(loss_sum)])[0]
+        return total / (self.layout.accum * self.layout.dp)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        dp, r = self.layout.dp, self.ctx.index("dp")
+        batches = eval_batches(self.val_data, self.seq_len, self.layout.micro_batch * dp,
+                               self.cfg.training.eval_batches)
+        total, count = 0.0, 0
+        for inputs, targets in batches:
+            n = inputs.shape[0] // dp
+            x, y = inputs[r * n:(r + 1) * n], targets[r * n:(r + 1) * n]
+            if n:
+                total += float(self._loss(x.to(self.ctx.device), y.to(self.ctx.device))) * n
+            count += inputs.shape[0] - inputs.shape[0] % dp
+        total = self.dp_comm.all_reduce_scalars([total])[0]
+        return total / max(count, 1)
+
+    # -- state --------------------------------------------------------------------------------
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out = dict(self.par.optimizer.state_tensors())
+        out["rng/cpu"] = torch.get_rng_state()
+        return out
+
+    def save(self) -> None:
+        meta = {"step": self.step, "sampler": self.sampler.state_dict(), "scaler": self.scaler.state_dict(),
+                "optimizer_step": self.par.optimizer.step_count(), "layout": self.layout.shape(),
+                "config": to_dict(self.cfg)}
+        self.checkpointer.save(self.step, self.state_tensors(), meta)
+
+    def maybe_resume(self) -> None:
+        path = ckpt.find_resume(os.path.join(self.run_dir, "checkpoints"), self.cfg.checkpoint.resume)
+        if path is None:
+            return
+        tensors = self.state_tensors()
+        meta = ckpt.load(path, tensors)
+        self.par.optimizer.load_state_tensors(tensors, meta["optimizer_step"])
+        torch.set_rng_state(tensors["rng/cpu"])
+        self.sampler.load_state_dict(meta["sampler"])
+        self.scaler.load_state_dict(meta["scaler"])
+        self.step = int(meta["step"])
+
+    # -- loop ---------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        t, m = self.cfg.training, self.cfg.metrics
+        self.maybe_resume()
+        log = MetricsLog(self.run_dir, self.ctx.is_logger, t.steps, self.step, m.progress, m.tensorboard)
+        comms = self.ctx.all_comms()
+        reset_stats(comms)
+        last: dict = {}
+        tokens_per_step = t.global_batch * self.seq_len
+        window_start, window_steps = time.perf_counter(), 0
+        try:
+            while self.step < t.steps:
+                out = self.train_step()
+                window_steps += 1
+                log.advance()
+                if self.step % m.every == 0 or self.step == t.steps:
+                    last = self._record(out, comms, window_start, window_steps, tokens_per_step)
+                    log.write(last)
+                    window_start, window_steps = time.perf_counter(), 0
+                if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                    ev = self.evaluate()
+                    last = dict(last, eval_loss=ev)
+                    log.write({"step": self.step, "eval_loss": ev})
+                    log.message(f"step {self.step}: eval loss {ev:.4f}")
+                if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
+                    self.save()
+            self.checkpointer.wait()
+        finally:
+            log.close()
+        return last
+
+    def _record(self, out: dict, comms, window_start: float, window_steps: int, tokens_per_step: int) -> dict:
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)
+        step_s = (time.perf_counter() - window_start) / window_steps
+        stats = merge_stats(comms)
+        reset_stats(comms)
+        tps = tokens_per_step / step_s
+        mfu = self.flops_per_step / step_s / (self.peak_flops * self.ctx.world_size) if self.peak_flops else 0.0
+        rec = {"step": self.step, "loss": self.global_loss(out["loss_sum"]), "grad_norm": float(out["norm"]),
+               "lr": out["lr"], "tokens": self.step * tokens_per_step, "tokens_per_s": tps, "mfu": mfu,
+               "step_s": step_s, "mem": out["mem"] or self.memory(), "peak_flops": self.peak_flops,
+               "peak_label": self.peak_label,
+               "comm": {k: {"calls": s.calls / window_steps, "bytes": s.bytes / window_steps,
+                            "seconds": s.seconds / window_steps} for k, s in stats.items()}}
+        if out["skipped"]:
+            rec["skipped"] = True
+            rec["loss_scale"] = self.scaler.scale
+        return rec
+
