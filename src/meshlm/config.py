@@ -135,6 +135,8 @@ def _key(attr: str) -> str:
 def _coerce(value: Any, current: Any, typ: Any, where: str) -> Any:
     """Turn a TOML value or a command-line string into the field's type."""
     t = str(typ)
+    if value is None and "None" in t:
+        return None
     if isinstance(value, str) and "str" not in t.split("|")[0]:
         low = value.strip().lower()
         if "bool" in t:
@@ -203,6 +205,14 @@ def load(path: str | None = None, overrides: list[tuple[str, str]] | None = None
             _set(cfg, [k], v, k)
     for k, v in overrides or []:
         apply(cfg, k, v)
+    return cfg
+
+
+def from_dict(data: dict) -> Config:
+    """Inverse of to_dict (checked like a TOML file)."""
+    cfg = Config()
+    for k, v in data.items():
+        _set(cfg, [k], v, k)
     return cfg
 
 

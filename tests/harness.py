@@ -1,0 +1,151 @@
+"""Equivalence harness (DESIGN invariant 1): run one config in one process and in a layout, compare
+per-step losses.
+
+Spawning gloo workers costs seconds on two cores, so each world size gets one pool of persistent
+workers for the whole test session; every case reuses the pool's default process group and only
+builds its (cheap) sub-groups.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import traceback
+
+from meshlm import config as C
+
+TINY = {
+    "model.preset": "debug",
+    "data.seq_len": 32,
+    "training.global_batch": 8,
+    "training.micro_batch": 2,
+    "training.steps": 10,
+    "training.eval_every": 0,
+    "training.seed": 1,
+    "optim.warmup": 2,
+    "optim.lr": 3e-3,
+    "metrics.progress": False,
+    "checkpoint.resume": "never",
+}
+
+
+def make_config(**overrides) -> C.Config:
+    """TINY with overrides; keys use `__` for dots: make_config(parallel__dp=2)."""
+    cfg = C.Config()
+    for k, v in {**TINY, **{k.replace("__", "."): v for k, v in overrides.items()}}.items():
+        C.apply(cfg, k, v)
+    return cfg
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if '"loss"' in line]
+
+
+def run_local(cfg: C.Config, run_dir: str | None = None) -> list[dict]:
+    """Train `cfg` in this process, world size 1."""
+    from meshlm.distributed.mesh import init_context, pick_device
+    from meshlm.layout import resolve
+    from meshlm.train.trainer import Trainer
+
+    run_dir = run_dir or tempfile.mkdtemp(prefix="meshlm-ref-")
+    layout = resolve(cfg, 1)
+    ctx = init_context(layout.shape(), pick_device("cpu"))
+    Trainer(cfg, run_dir, ctx, layout).fit()
+    return read_metrics(run_dir)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, payload = task
+        try:
+            results.put((rank, "ok", fn(*payload)))
+        except BaseException as e:  # noqa: BLE001 - report, keep the pool alive
+            results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+def train_case(cfg_dict: dict, run_dir: str) -> dict | None:
+    """Runs inside a pool worker: train the config; rank 0 returns nothing (metrics are on disk)."""
+    from meshlm.distributed.mesh import init_context, pick_device
+    from meshlm.layout import resolve
+    from meshlm.train.trainer import Trainer
+
+    cfg = C.from_dict(cfg_dict)
+    layout = resolve(cfg, int(os.environ["WORLD_SIZE"]))
+    ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=120)
+    Trainer(cfg, run_dir, ctx, layout).fit()
+    return None
+
+
+class Pool:
+    """`world` persistent gloo workers that run functions (module-level, picklable) on every rank."""
+
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        port = _free_port()
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, *payload, timeout: float = 600.0) -> list:
+        for q in self.tasks:
+            q.put((fn, payload))
+        out: list = [None] * self.world
+        errors = []
+        for _ in range(self.world):
+            rank, status, value = self.results.get(timeout=timeout)
+            if status == "error":
+                errors.append(f"rank {rank}: {value}")
+            out[rank] = value
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return out
+
+    def close(self) -> None:
+        for q in self.tasks:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+def run_layout(pools, cfg: C.Config, world: int) -> list[dict]:
+    run_dir = tempfile.mkdtemp(prefix="meshlm-case-")
+    pools(world).run(train_case, C.to_dict(cfg), run_dir)
+    return read_metrics(run_dir)
+
+
+def assert_same_losses(ref: list[dict], got: list[dict], rtol: float) -> None:
+    assert len(ref) == len(got) and len(ref) > 0, (len(ref), len(got))
+    worst = 0.0
+    for a, b in zip(ref, got):
+        assert a["step"] == b["step"]
+        rel = abs(a["loss"] - b["loss"]) / abs(a["loss"])
+        worst = max(worst, rel)
+        assert rel <= rtol, f"step {a['step']}: loss {b['loss']!r} vs one process {a['loss']!r} (rel {rel:.2e} > {rtol})"
+    print(f"worst relative loss difference {worst:.2e}")
