@@ -7,14 +7,14 @@ The optimizer class comes from the trainer (train/ sits above parallel/); it mus
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import Config
-from ..distributed.comm import Comm
 from ..distributed.mesh import ParallelContext
 from ..layout import Layout
 from ..model.init import canonical_name, materialize
@@ -24,13 +24,29 @@ from .data_parallel import DTYPES, DataParallel, GradBuckets
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _identity(name: str, t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 @dataclass
 class Parallelized:
+    """What the trainer drives. Later dimensions replace pieces:
+    - `loss_fn(model_output, targets)`: the mean token loss (vocab-parallel under TP);
+    - `to_full(name, t)` / `to_local(name, t)`: turn this rank's piece of a named parameter-shaped
+      tensor (master, Adam moment) into the full single-process tensor and back. The optimizer's
+      `state_tensors()` gives what the rank holds; the trainer maps it through these so checkpoints
+      hold full tensors by single-process name and load into any layout (DESIGN invariant 3).
+    """
     model: nn.Module
     optimizer: object
-    grads: GradBuckets  # begin_step / set_sync / finish / grad_tensors
-    norm_comms: list[Comm] = field(default_factory=list)  # groups that shard the gradients
-    inf_comms: list[Comm] = field(default_factory=list)  # groups whose ranks must agree on skipping
+    grads: GradBuckets  # begin_step / set_sync / finish / grad_tensors / norm_terms
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
+    to_full: Callable[[str, torch.Tensor], torch.Tensor] = _identity
+    to_local: Callable[[str, torch.Tensor], torch.Tensor] = _identity
 
 
 def named_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -56,4 +72,4 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
         grads: GradBuckets = DataParallel(opt.params, opt.masters, dp, bucket_bytes, reduce_dtype)
     else:
         grads = GradBuckets(opt.params, opt.masters, bucket_bytes, reduce_dtype)
-    return Parallelized(model=model, optimizer=opt, grads=grads, inf_comms=[dp])
+    return Parallelized(model=model, optimizer=opt, grads=grads)

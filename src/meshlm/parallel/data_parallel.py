@@ -91,8 +91,13 @@ class GradBuckets:
         pass
 
     def grad_tensors(self) -> list[torch.Tensor]:
-        """Every gradient element this rank holds, once (for norms and inf checks)."""
+        """Every gradient element this rank holds, once (for unscaling, clipping, inf checks)."""
         return [b.buf for b in self.buckets]
+
+    def norm_terms(self) -> list[tuple[list[torch.Tensor], list[Comm]]]:
+        """Groups of gradients and the comms they are sharded over: the global squared norm is, per
+        group, the sum of squares all-reduced over those comms (replicated copies counted once)."""
+        return [(self.grad_tensors(), [])]
 
 
 class DataParallel(GradBuckets):

@@ -93,18 +93,17 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def grad_norm(grads: list[torch.Tensor], comms: list[Comm]) -> torch.Tensor:
-    """Global L2 norm. `grads` are the elements this rank owns (each element of the model counted on
-    exactly one rank of every `comms` group it is sharded over); their squares are summed across those
-    groups. Returns a 0-d fp32 tensor without a host sync when there is nothing to reduce."""
-    if grads:
-        sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
-    else:
-        sq = torch.zeros((), dtype=torch.float32)
-    for c in comms:
-        if c.size > 1:
-            c.all_reduce(sq)
-    return sq.sqrt()
+def grad_norm(terms: list[tuple[list[torch.Tensor], list[Comm]]]) -> torch.Tensor:
+    """Global L2 norm from `GradBuckets.norm_terms()`: each group's sum of squares is all-reduced over
+    the comms that shard it, so every element of the model is counted exactly once."""
+    total = None
+    for grads, comms in terms:
+        sq = torch._foreach_norm(grads, 2.0) if grads else []
+        part = torch.stack([n.float() for n in sq]).pow(2).sum() if sq else torch.zeros(())
+        for c in comms:
+            c.all_reduce(part)
+        total = part if total is None else total + part.to(total.device)
+    return (total if total is not None else torch.zeros(())).sqrt()
 
 
 @torch.no_grad()

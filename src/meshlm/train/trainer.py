@@ -6,7 +6,6 @@ import os
 import time
 
 import torch
-import torch.nn.functional as F
 
 from ..config import Config, to_dict
 from ..data import GlobalBatchSampler, TokenShards, default_data_dir, eval_batches
@@ -59,8 +58,7 @@ class Trainer:
 
     # -- one step -----------------------------------------------------------------------------
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.model(inputs)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return self.par.loss_fn(self.model(inputs), targets)
 
     def train_step(self) -> dict:
         t, par = self.cfg.training, self.par
@@ -81,7 +79,7 @@ class Trainer:
         grads = par.grads.grad_tensors()
         if self.scaler.scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-        norm = grad_norm(grads, par.norm_comms)
+        norm = grad_norm(par.grads.norm_terms())
         skipped = False
         if self.scaler.enabled:
             skipped = not bool(torch.isfinite(norm))
@@ -125,7 +123,8 @@ class Trainer:
 
     # -- state --------------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        out = dict(self.par.optimizer.state_tensors())
+        """Full single-process tensors by name (`kind/param_name`), whatever the layout."""
+        out = {k: self.par.to_full(k.split("/", 1)[1], t) for k, t in self.par.optimizer.state_tensors().items()}
         out["rng/cpu"] = torch.get_rng_state()
         return out
 
@@ -141,7 +140,8 @@ class Trainer:
             return
         tensors = self.state_tensors()
         meta = ckpt.load(path, tensors)
-        self.par.optimizer.load_state_tensors(tensors, meta["optimizer_step"])
+        local = {k: self.par.to_local(k.split("/", 1)[1], t) for k, t in tensors.items() if k != "rng/cpu"}
+        self.par.optimizer.load_state_tensors(local, meta["optimizer_step"])
         torch.set_rng_state(tensors["rng/cpu"])
         self.sampler.load_state_dict(meta["sampler"])
         self.scaler.load_state_dict(meta["scaler"])
