@@ -73,7 +73,7 @@ class ParallelConfig:
 
 @dataclass
 class TrainingConfig:
-    steps: int = 100
+    steps: int = 80
     global_batch: int = 16
     micro_batch: int = 16
     precision: str = "fp32"
@@ -81,7 +81,7 @@ class TrainingConfig:
     seed: int = 0
     clip: float = 1.0
     compile: bool = False
-    eval_every: int = 50
+    eval_every: int = 40
     eval_batches: int = 4
     device: str = "auto"  # auto, cpu, cuda
 

@@ -157,6 +157,40 @@ class Comm:
         return t.tolist()
 
 
+class Watchdog:
+    """Per-rank heartbeats in the job's key-value store, so a collective that times out can name the
+    ranks that stopped answering instead of hanging or failing anonymously."""
+
+    def __init__(self, store, rank: int, world: int):
+        self.store, self.rank, self.world = store, rank, world
+        self.step = -1
+
+    @classmethod
+    def for_job(cls, rank: int, world: int) -> "Watchdog | None":
+        if world == 1 or not dist.is_initialized():
+            return None
+        from torch.distributed.distributed_c10d import _get_default_store
+        return cls(_get_default_store(), rank, world)
+
+    def beat(self, step: int) -> None:
+        self.step = step
+        self.store.set(f"meshlm/beat/{self.rank}", str(step))
+
+    def describe(self) -> str:
+        behind = []
+        try:
+            for r in range(self.world):
+                key = f"meshlm/beat/{r}"
+                step = int(self.store.get(key)) if self.store.check([key]) else -1
+                if r != self.rank and step < self.step:
+                    behind.append(f"rank {r} at step {step}" if step >= 0 else f"rank {r} never started")
+        except Exception:  # the store itself may be gone with the failed peer
+            return "; peers' progress unknown (store unreachable)"
+        if not behind:
+            return ""
+        return f"; stopped answering: {', '.join(behind)} (this rank is at step {self.step})"
+
+
 def merge_stats(comms: list[Comm]) -> dict[str, Stat]:
     """Totals per collective kind over several groups (each group counted once)."""
     out: dict[str, Stat] = defaultdict(Stat)

@@ -1,4 +1,4 @@
-"""Plain PyTorch Llama. Nothing here knows about torch.distributed (DESIGN invariant 5)."""
+"""Plain PyTorch Llama. Nothing here knows it may be distributed (DESIGN invariant 5)."""
 from .args import PRESETS, ModelArgs
 from .llama import Attention, Block, FeedForward, Llama, RMSNorm
 from .init import init_tensor, materialize

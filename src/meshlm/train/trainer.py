@@ -9,7 +9,7 @@ import torch
 
 from ..config import Config, to_dict
 from ..data import GlobalBatchSampler, TokenShards, default_data_dir, eval_batches
-from ..distributed.comm import merge_stats, reset_stats
+from ..distributed.comm import Watchdog, merge_stats, reset_stats
 from ..distributed.mesh import ParallelContext, init_context, pick_device, shutdown
 from ..layout import Layout, model_args, resolve
 from ..model import Llama
@@ -34,6 +34,7 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: str, ctx: ParallelContext, layout: Layout):
         self.cfg, self.run_dir, self.ctx, self.layout = cfg, run_dir, ctx, layout
         t = cfg.training
+        os.makedirs(run_dir, exist_ok=True)
         torch.manual_seed(t.seed)
         self.args = model_args(cfg)
         data_dir = cfg.data.path or default_data_dir()
@@ -53,6 +54,9 @@ class Trainer:
         self.dp_comm = ctx.comm("dp")
         self.checkpointer = ckpt.Checkpointer(os.path.join(run_dir, "checkpoints"), ctx.comm("world"),
                                               cfg.checkpoint.keep, cfg.checkpoint.async_)
+        self.watchdog = Watchdog.for_job(ctx.rank, ctx.world_size)
+        for c in ctx.all_comms():
+            c.watchdog = self.watchdog
         self.peak_flops, self.peak_label = device_peak(ctx.device)
         self.flops_per_step = self.args.flops_per_token(self.seq_len) * t.global_batch * self.seq_len
 
@@ -159,6 +163,8 @@ class Trainer:
         window_start, window_steps = time.perf_counter(), 0
         try:
             while self.step < t.steps:
+                if self.watchdog is not None:
+                    self.watchdog.beat(self.step)
                 out = self.train_step()
                 window_steps += 1
                 log.advance()

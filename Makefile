@@ -1,0 +1,26 @@
+# Two commands: `make train` and `make test`. Both create the virtual environment when missing.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# CPU machines get the CPU build on disk; GPU users install their CUDA torch into the venv first
+# (see README), and this line then installs nothing more because torch>=2.6 is already satisfied.
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.meshlm-installed
+
+.PHONY: train test setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/meshlm train $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

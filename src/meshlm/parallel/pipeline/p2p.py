@@ -1,0 +1,283 @@
+"""Where SEND/RECV go in a schedule, and the blocking model that proves it safe.
+
+The runtime executes each rank's list in order under these rules, and
+`run_blocking` replays exactly them:
+
+1. A maximal run of adjacent SEND_*/RECV_* actions is ONE batch: post all of
+   them together (``dist.batch_isend_irecv`` in list order), wait for all,
+   then run the next compute. `p2p_batches` yields these units.
+2. Per ordered pair (a, b), the k-th SEND on a to b pairs with the k-th RECV
+   on b from a (NCCL matches p2p in posting order, tags are ignored).
+3. A SEND completes only once its RECV is posted and vice versa (rendezvous;
+   the worst case, so buffering in NCCL can only help).
+
+`add_p2p` decides where each SEND/RECV goes. From an ideal timeline of the
+compute order (default costs F=1, B=2, I=W=1, free p2p) it exchanges each
+tensor in a sender gap (after the producer) and a receiver gap (before the
+consumer) that coincide in time, so rendezvous batches stall nobody; sends
+are only delayed and recvs only hoisted to keep each channel in one order.
+Then it replays the blocking model and repairs any deadlock by hoisting the
+receiver's next RECV into its current batch (receiving early into a buffer
+is always data-safe). placement="eager" (SEND right after the producer, RECV
+right before the consumer) is kept for comparison: it is correct but stalls
+badly under rendezvous for interleaved and zero-bubble schedules.
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import Counter
+
+from .actions import Action, ScheduleError, message_of, source_of, stage_index
+
+
+def p2p_batches(rank_actions: list[Action]) -> list:
+    """Split a rank's list into compute Actions and tuples of adjacent p2p Actions."""
+    out: list = []
+    run: list[Action] = []
+    for a in rank_actions:
+        if a.is_p2p:
+            run.append(a)
+            continue
+        if run:
+            out.append(tuple(run))
+            run = []
+        out.append(a)
+    if run:
+        out.append(tuple(run))
+    return out
+
+
+def _channel(r: int, a: Action) -> tuple[int, int]:
+    return (r, a.peer) if a.is_send else (a.peer, r)
+
+
+def run_blocking(actions: list[list[Action]], p: int, v: int, repair: bool = False) -> list[list[Action]]:
+    """Replay `actions` under the blocking batch model; return the (repaired) lists.
+
+    Without `repair` a deadlock or a compute whose input was never produced
+    raises ScheduleError naming every stuck rank, its action and what it waits
+    for. Message contents are not compared here (see check.match_p2p).
+    """
+    rows = [[list(it) if isinstance(it, tuple) else it for it in p2p_batches(acts)] for acts in actions]
+    pos = [0] * p
+    posted = Counter()        # (channel, is_send) -> ops posted so far
+    ords: list[list | None] = [None] * p   # ordinals of the posted current batch
+    fwd_done: set[tuple[int, int]] = set()
+    bwd_done: set[tuple[int, int]] = set()
+
+    def post(r: int) -> None:
+        ords[r] = []
+        for a in rows[r][pos[r]]:
+            key = (_channel(r, a), a.is_send)
+            ords[r].append(posted[key])
+            posted[key] += 1
+
+    def unmatched(r: int) -> list[tuple[Action, int]]:
+        return [(a, k) for a, k in zip(rows[r][pos[r]], ords[r])
+                if posted[(_channel(r, a), not a.is_send)] <= k]
+
+    def compute_wait(r: int, a: Action):
+        src = source_of(a, r, p, v)
+        if src is None:
+            return None
+        s = stage_index(src[0], src[1], p)
+        done = fwd_done if a.kind == "F" else bwd_done
+        return None if (s, a.mb) in done else (s, src[0])
+
+    progress = True
+    while True:
+        while progress:
+            progress = False
+            for r in range(p):
+                while pos[r] < len(rows[r]):
+                    it = rows[r][pos[r]]
+                    if isinstance(it, list):
+                        if ords[r] is None:
+                            post(r)
+                            progress = True
+                        if unmatched(r):
+                            break
+                        ords[r] = None
+                    else:
+                        if compute_wait(r, it) is not None:
+                            break
+                        s = stage_index(r, it.chunk, p)
+                        if it.kind == "F":
+                            fwd_done.add((s, it.mb))
+                        elif it.kind in ("B", "I"):
+                            bwd_done.add((s, it.mb))
+                    pos[r] += 1
+                    progress = True
+        stuck = [r for r in range(p) if pos[r] < len(rows[r])]
+        if not stuck:
+            break
+        if repair and _hoist_one(rows, pos, ords, posted, stuck, unmatched):
+            progress = True
+            continue
+        raise ScheduleError("deadlock: " + "; ".join(_why(rows, pos, r, unmatched, compute_wait) for r in stuck))
+    return [[a for it in row for a in (it if isinstance(it, list) else [it])] for row in rows]
+
+
+def _hoist_one(rows, pos, ords, posted, stuck, unmatched) -> bool:
+    """Move one later RECV into the blocked batch of its receiver; False if none fits."""
+    for r in stuck:
+        if not isinstance(rows[r][pos[r]], list):
+            continue
+        for a, _k in unmatched(r):
+            if not a.is_send:
+                continue
+            q = a.peer
+            if pos[q] >= len(rows[q]) or not isinstance(rows[q][pos[q]], list):
+                continue
+            for j in range(pos[q] + 1, len(rows[q])):
+                it = rows[q][j]
+                if not isinstance(it, list):
+                    continue
+                hit = next((x for x in it if not x.is_send and x.peer == r), None)
+                if hit is None:
+                    continue
+                it.remove(hit)
+                if not it:   # an emptied batch leaves two computes adjacent: fine
+                    del rows[q][j]
+                rows[q][pos[q]].append(hit)
+                key = ((r, q), False)
+                ords[q].append(posted[key])
+                posted[key] += 1
+                return True
+    return False
+
+
+def _why(rows, pos, r: int, unmatched, compute_wait) -> str:
+    idx = sum(len(it) if isinstance(it, list) else 1 for it in rows[r][:pos[r]])
+    it = rows[r][pos[r]]
+    if isinstance(it, list):
+        a, k = unmatched(r)[0]
+        other = "RECV" if a.is_send else "SEND"
+        return (f"rank {r} blocked at action #{idx + it.index(a)} {a}: waits for rank {a.peer} to post "
+                f"its {other} #{k} on channel {_channel(r, a)[0]}->{_channel(r, a)[1]}")
+    s, owner = compute_wait(r, it)
+    what = "forward" if it.kind == "F" else "backward"
+    return f"rank {r} blocked at action #{idx} {it}: waits for the {what} of mb {it.mb} at stage {s} (rank {owner})"
+
+
+PLACEMENT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+def _ideal_times(compute: list[list[Action]], p: int, v: int, costs: dict) -> list[list[tuple[float, float]]]:
+    """Dataflow (start, end) of every compute under `costs`, with free p2p."""
+    times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
+    ends: dict[tuple[str, int, int], float] = {}
+    clock, pos = [0.0] * p, [0] * p
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pos[r] < len(compute[r]):
+                a = compute[r][pos[r]]
+                src = source_of(a, r, p, v)
+                start = clock[r]
+                if src is not None:
+                    t = ends.get(("F" if a.kind == "F" else "B", stage_index(*src, p), a.mb))
+                    if t is None:
+                        break
+                    start = max(start, t)
+                clock[r] = start + costs[a.kind]
+                times[r].append((start, clock[r]))
+                if a.kind != "W":
+                    ends[("F" if a.kind == "F" else "B", stage_index(r, a.chunk, p), a.mb)] = clock[r]
+                pos[r] += 1
+                progress = True
+    if any(pos[r] < len(compute[r]) for r in range(p)):
+        raise ScheduleError("compute order has a dependency cycle: " + ", ".join(
+            f"rank {r} stuck at {compute[r][pos[r]]}" for r in range(p) if pos[r] < len(compute[r])))
+    return times
+
+
+_EPS = 1e-9
+
+
+def _gaps(times_r: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Gap g = the instant(s) before compute g: (end of compute g-1, start of compute g)."""
+    ends = [0.0] + [e for _, e in times_r]
+    starts = [s for s, _ in times_r] + [float("inf")]
+    return list(zip(ends, starts))
+
+
+def _meet(gs_list, gr_list, i: int, j: int) -> tuple[int, int, float]:
+    """Sender gap (> i) and receiver gap (<= j) for one message: (gs, gr, time).
+
+    Prefer gaps that overlap in time (both ranks sit in a p2p batch at the
+    same instant, so the rendezvous costs nobody anything), the latest such
+    pair; otherwise the pair where the waiting side waits least.
+    """
+    best, best_key = (i + 1, j, gs_list[i + 1][0]), None
+    consume = gr_list[j][1]
+    opens = [a for a, _ in gr_list[: j + 1]]
+    for gs in range(i + 1, len(gs_list)):
+        a_s, b_s = gs_list[gs]
+        g0 = bisect_right(opens, b_s + _EPS) - 1   # latest receiver gap open by b_s
+        for gr in (g0, g0 + 1):
+            if not 0 <= gr <= j:
+                continue
+            a_r, b_r = gr_list[gr]
+            stall = max(0.0, a_r - b_s) + max(0.0, a_s - b_r)
+            key = (stall, -max(a_s, a_r))
+            if best_key is None or key < best_key:
+                best, best_key = (gs, gr, max(a_s, a_r)), key
+        if a_s > consume + _EPS:
+            break
+    return best
+
+
+def add_p2p(compute: list[list[Action]], p: int, v: int, placement: str = "timed",
+            costs: dict | None = None) -> list[list[Action]]:
+    """Insert SEND/RECV actions into compute-only per-rank lists (rules in module doc).
+
+    `costs` ({"F", "B", "I", "W"} relative durations, default PLACEMENT_COSTS)
+    only steer where p2p goes; any placement this returns is deadlock-free.
+    """
+    if placement not in ("timed", "eager"):
+        raise ValueError(f"placement must be 'timed' or 'eager', got {placement!r}")
+    costs = {**PLACEMENT_COSTS, **(costs or {})}
+    gaps = [_gaps(t) for t in _ideal_times(compute, p, v, costs)]
+    consumer_pos: list[dict[tuple[str, int, int], int]] = [{} for _ in range(p)]
+    for r, acts in enumerate(compute):
+        for i, a in enumerate(acts):
+            if a.kind in ("F", "B", "I"):
+                consumer_pos[r][("F" if a.kind == "F" else "B", a.mb, a.chunk)] = i
+    channels: dict[tuple[int, int], list] = {}
+    for r, acts in enumerate(compute):
+        for i, a in enumerate(acts):
+            msg = message_of(a, r, p, v)
+            if msg is None:
+                continue
+            kind, q, qc = msg
+            j = consumer_pos[q].get((kind, a.mb, qc))
+            if j is None:
+                raise ScheduleError(f"rank {q} never consumes {kind}{a.mb} chunk {qc} sent by rank {r}")
+            gs, gr, t = (i + 1, j, 0.0) if placement == "eager" else _meet(gaps[r], gaps[q], i, j)
+            channels.setdefault((r, q), []).append(
+                [t, gs, gr, Action("SEND_" + kind, a.mb, a.chunk, q), Action("RECV_" + kind, a.mb, qc, r)])
+    sends_at: list[dict[int, list[Action]]] = [{} for _ in range(p)]
+    recvs_at: list[dict[int, list[Action]]] = [{} for _ in range(p)]
+    for (r, q), msgs in sorted(channels.items()):
+        msgs.sort(key=lambda x: (x[0], x[1], x[2]))
+        # k-th send pairs with k-th recv: delay sends (prefix max) and hoist
+        # recvs (suffix min) until both sides list the channel in one order.
+        for k in range(1, len(msgs)):
+            msgs[k][1] = max(msgs[k][1], msgs[k - 1][1])
+        for k in range(len(msgs) - 2, -1, -1):
+            msgs[k][2] = min(msgs[k][2], msgs[k + 1][2])
+        for _, gs, gr, send, recv in msgs:
+            sends_at[r].setdefault(gs, []).append(send)
+            recvs_at[q].setdefault(gr, []).append(recv)
+    out = []
+    for r, acts in enumerate(compute):
+        row: list[Action] = []
+        for g in range(len(acts) + 1):
+            row.extend(sends_at[r].get(g, []))
+            row.extend(recvs_at[r].get(g, []))
+            if g < len(acts):
+                row.append(acts[g])
+        out.append(row)
+    return run_blocking(out, p, v, repair=True)
