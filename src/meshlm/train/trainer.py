@@ -64,9 +64,12 @@ class Trainer:
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.par.loss_fn(self.model(inputs), targets)
 
-    def train_step(self) -> dict:
+    def train_step(self, measure: bool = True) -> dict:
+        """One optimizer step. `measure`: count live memory before the optimizer step (log steps only)."""
         t, par = self.cfg.training, self.par
         inputs, targets = self.sampler.next_batch(self.train_data, self.ctx.index("dp"), self.layout.dp)
+        if self.ctx.device.type == "cuda":  # async host-to-device copies from pinned memory
+            inputs, targets = inputs.pin_memory(), targets.pin_memory()
         inputs = inputs.to(self.ctx.device, non_blocking=True)
         targets = targets.to(self.ctx.device, non_blocking=True)
         lr = lr_at(self.step, self.cfg.optim, t.steps)
@@ -92,16 +95,19 @@ class Trainer:
         if not skipped:
             clip_(grads, norm, t.clip)
             par.optimizer.set_lr(lr)
-            mem = self.memory()
+            mem = self.memory() if measure else None
             par.optimizer.step()
         self.step += 1
         return {"loss_sum": loss_sum, "norm": norm, "lr": lr, "skipped": skipped, "mem": mem}
 
     def memory(self) -> dict:
         """Live bytes on this rank just before the optimizer step (DESIGN: metrics.jsonl `mem`)."""
-        opt = self.par.optimizer
-        return {"params": tensor_bytes(opt.params),
-                "grads": tensor_bytes(self.par.grads.grad_tensors()),
+        opt, grads = self.par.optimizer, self.par.grads
+        # ZeRO: the persistent shards / full buffers, not the model's (possibly freed) parameters
+        params = opt.param_tensors() if hasattr(opt, "param_tensors") else opt.params
+        held = grads.held_tensors() if hasattr(grads, "held_tensors") else grads.grad_tensors()
+        return {"params": tensor_bytes(params),
+                "grads": tensor_bytes(held),
                 "optim": opt.state_bytes(),
                 "peak": peak_bytes(self.ctx.device)}
 
@@ -165,10 +171,11 @@ class Trainer:
             while self.step < t.steps:
                 if self.watchdog is not None:
                     self.watchdog.beat(self.step)
-                out = self.train_step()
+                logging = (self.step + 1) % m.every == 0 or self.step + 1 == t.steps
+                out = self.train_step(measure=logging)
                 window_steps += 1
                 log.advance()
-                if self.step % m.every == 0 or self.step == t.steps:
+                if logging:
                     last = self._record(out, comms, window_start, window_steps, tokens_per_step)
                     log.write(last)
                     window_start, window_steps = time.perf_counter(), 0
