@@ -200,3 +200,31 @@ def test_two_torchrun_agents_as_two_nodes(tmp_path):
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     ref = run_local(C.load(str(run_dir / "config.toml")), str(tmp_path / "ref"))
     assert_same_losses(ref, got, 1e-5)
+
+
+def test_tensorboard_and_eval_are_written(tmp_path):
+    recs = run_local(make_config(metrics__tensorboard=True, training__eval_every=5), str(tmp_path))
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 200
+    evals = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "eval_loss" in line]
+    assert [e["step"] for e in evals] == [5, 10] and all(e["eval_loss"] > 0 for e in evals)
+    assert recs[-1]["loss"] < recs[0]["loss"]
+
+
+def test_compiled_blocks_give_the_same_losses(tmp_path):
+    ref = run_local(make_config(training__steps=2), str(tmp_path / "eager"))
+    got = run_local(make_config(training__steps=2, training__compile=True), str(tmp_path / "compiled"))
+    assert_same_losses(ref, got, 1e-5)
+
+
+def test_async_checkpoint_resumes_exactly(pools):
+    from harness import train_case
+    cfg = make_config(parallel__dp=2, checkpoint__every=4, checkpoint__keep=3, checkpoint__async=True)
+    run_dir = tempfile.mkdtemp(prefix="meshlm-async-")
+    pools(2).run(train_case, C.to_dict(cfg), run_dir)
+    ref = read_metrics(run_dir)
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_00000004", "step_00000008"]
+    truncate_run(run_dir, 4)
+    resumed_cfg = make_config(parallel__dp=2, checkpoint__resume="auto")
+    pools(2).run(train_case, C.to_dict(resumed_cfg), run_dir)
+    assert_same_losses(ref[4:], read_metrics(run_dir)[4:], 1e-5)
