@@ -1,0 +1,215 @@
+"""`meshlm estimate` and `meshlm plan`: argparse wiring, tables and JSON.
+
+Both read the same config file and `--section.key value` overrides as `meshlm train`, so a training
+config can be estimated as it is. Bad input prints one line on stderr and returns 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .. import config as C
+from .estimate import Options, estimate
+from .hardware import GIB, HardwareError, describe, get_gpu, names
+from .search import PlanError, parse_fix, plan
+from .spec import Shape, presets, shape_from_config, spec_from_config, to_config
+
+
+def _fail(msg: str, code: int = 2) -> int:
+    print(f"meshlm: {msg}", file=sys.stderr)
+    return code
+
+
+def _hardware_flags(p: argparse.ArgumentParser, gpu_required: bool) -> None:
+    p.add_argument("--gpu", required=gpu_required, help=f"GPU profile: {', '.join(names())}")
+    p.add_argument("--gpus", type=int, default=None if gpu_required else 1, required=gpu_required,
+                   help="number of GPUs (world size)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node sharing NVLink (default: the profile's, 8)")
+    g = p.add_argument_group("custom hardware (override or define a profile)")
+    g.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per GPU")
+    g.add_argument("--hbm-gb", type=float, help="GPU memory, GB")
+    g.add_argument("--hbm-tbps", type=float, help="GPU memory bandwidth, TB/s")
+    g.add_argument("--nvlink-gbps", type=float, help="intra-node bandwidth per GPU per direction, GB/s")
+    g.add_argument("--ib-gbps", type=float, help="inter-node bandwidth per GPU per direction, GB/s")
+    g.add_argument("--pcie-gbps", type=float, help="host link per GPU, GB/s (optimizer offload)")
+    m = p.add_argument_group("model assumptions (docs/planner.md)")
+    m.add_argument("--efficiency", type=float, default=Options.efficiency,
+                   help="achievable fraction of peak FLOP/s for the model's math (default %(default)s)")
+    m.add_argument("--comm-efficiency", type=float, default=Options.comm_efficiency,
+                   help="achieved fraction of link bandwidth (default %(default)s)")
+    m.add_argument("--no-flash", action="store_true",
+                   help="attention without a fused kernel: the S×S scores are saved for backward")
+    m.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def add_parsers(subparsers) -> None:
+    e = subparsers.add_parser("estimate", help="memory, time and MFU of one layout (takes --section.key overrides)")
+    e.add_argument("--config", help="TOML config file, as for `meshlm train`")
+    _hardware_flags(e, gpu_required=False)
+    e.set_defaults(func=run_estimate)
+    p = subparsers.add_parser("plan", help="search every layout of N GPUs and rank those that fit")
+    p.add_argument("--model", help=f"preset ({', '.join(presets())}); default: --config's model")
+    p.add_argument("--config", help="TOML config whose model section (and data.seq_len, global batch) to use")
+    _hardware_flags(p, gpu_required=True)
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: config data.seq_len, else the model's max)")
+    p.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (default 4Mi)")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--top", type=int, default=10, help="how many layouts to print (default %(default)s)")
+    p.add_argument("--explain", action="store_true", help="also say why the other layouts were discarded")
+    p.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
+                   help="pin a dimension, e.g. --fix tp=8 --fix zero=3 (repeatable)")
+    p.add_argument("--emit-config", metavar="FILE", help="write the best layout as a meshlm train config")
+    p.set_defaults(func=run_plan)
+
+
+def _options(args) -> Options:
+    if not 0 < args.efficiency <= 1 or not 0 < args.comm_efficiency <= 1:
+        raise PlanError("--efficiency / --comm-efficiency: must be in (0, 1]")
+    return Options(efficiency=args.efficiency, comm_efficiency=args.comm_efficiency, flash=not args.no_flash)
+
+
+def _gpu(args):
+    flags = {k: getattr(args, k, None) for k in ("peak_tflops", "hbm_gb", "hbm_tbps", "nvlink_gbps", "ib_gbps",
+                                                 "pcie_gbps", "gpus_per_node")}
+    return get_gpu(args.gpu, **flags)
+
+
+# ---------------------------------------------------------------------------------- estimate
+
+def run_estimate(args, extra_argv: list[str] | None = None) -> int:
+    try:
+        pairs, rest = C.parse_overrides(list(extra_argv or []))
+        if rest:
+            raise PlanError(f"unrecognised argument: {rest[0]}")
+        gpu = _gpu(args)
+        cfg = C.load(args.config, pairs)
+        shape = shape_from_config(cfg)
+        spec = spec_from_config(cfg, args.gpus)
+        out = estimate(shape, spec, gpu, _options(args))
+    except (C.ConfigError, PlanError, HardwareError) as e:
+        return _fail(str(e))
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print(format_estimate(out, gpu))
+    return 0
+
+
+def _gib(x: float | None) -> str:
+    return "-" if x is None else f"{x / GIB:.2f} GiB"
+
+
+def format_estimate(r: dict, gpu=None) -> str:
+    L, pg, d = r["layout"], r["per_gpu"], r["memory_detail"]
+    lines = [f"model {r['model']}: {r['params'] / 1e9:.3f}B parameters, {r['gpus']} GPUs"
+             + (f" ({describe(gpu)})" if gpu is not None and gpu.peak_flops else ""),
+             "layout: " + ", ".join(f"{k}={v}" for k, v in L.items()),
+             (f"memory per GPU, worst rank ({d['stage']} stage, {d['layers']} layers, "
+              f"{d['inflight_microbatches']:g} micro-batches in flight, flash={r['flash']}):")]
+    for k in ("params", "grads", "optim", "activations", "buffers", "total"):
+        lines.append(f"  {k:<12}{_gib(pg[k]):>14}")
+    if pg["cpu_optim"]:
+        lines.append(f"  {'cpu optim':<12}{_gib(pg['cpu_optim']):>14}  (offloaded to host memory)")
+    lines.append("  buffers: " + ", ".join(f"{k} {_gib(v)}" for k, v in d["buffers"].items()))
+    if r["fits"] is None:
+        lines.append("fits: unknown (give --gpu or --hbm-gb)")
+    else:
+        lines.append(f"fits: {'yes' if r['fits'] else 'NO'} ({_gib(pg['total'])} of {_gib(r['usable_bytes'])} usable)")
+    if "step_s" in r:
+        t = r["time"]
+        lines.append(f"step {r['step_s']:.3f} s, {r['tokens_per_s_per_gpu']:.1f} tokens/s per GPU, MFU {r['mfu']:.1%}")
+        lines.append(f"  forward {t['forward_s']:.3f} s, backward {t['backward_s']:.3f} s, recompute "
+                     f"{t['recompute_s']:.3f} s, exposed comm {t['exposed_comm_microbatch_s'] + t['exposed_comm_step_s']:.3f} s, "
+                     f"bubble {t['bubble_s']:.3f} s ({t['bubble_fraction']:.1%}, {t['bubble_source']}), "
+                     f"optimizer {t['optimizer_s'] + t['offload_s']:.3f} s")
+        if r["comm"]:
+            lines.append(f"  {'group':<13}{'kind':<15}{'link':<7}{'n':>6}{'GB/step':>10}{'time s':>9}{'exposed':>9}  overlaps")
+            for c in r["comm"]:
+                lines.append(f"  {c['group']:<13}{c['kind']:<15}{c['link']:<7}{c['group_size']:>6}"
+                             f"{c['bytes'] / 1e9:>10.2f}{c['seconds']:>9.3f}{c['exposed_s']:>9.3f}  {c['overlaps_with']}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- plan
+
+def run_plan(args, extra_argv: list[str] | None = None) -> int:
+    try:
+        if extra_argv:
+            raise PlanError(f"unrecognised argument: {extra_argv[0]}")
+        cfg = C.load(args.config) if args.config else C.Config()
+        if args.model:
+            cfg.model.preset = args.model
+        elif not args.config:
+            raise PlanError("--model: give a preset (or --config with a model section)")
+        shape = shape_from_config(cfg)
+        seq = args.seq_len or (cfg.data.seq_len if args.config else shape.args.max_seq_len)
+        tokens = args.global_batch_tokens or (cfg.training.global_batch * seq if args.config else 2 ** 22)
+        if args.top < 1:
+            raise PlanError(f"--top: must be >= 1, got {args.top}")
+        gpu = _gpu(args)
+        res = plan(shape, gpu, args.gpus, seq, tokens, args.precision, args.top, parse_fix(args.fix),
+                   _options(args))
+    except (C.ConfigError, PlanError, HardwareError) as e:
+        return _fail(str(e))
+    if args.json:
+        print(json.dumps(res.ranked, indent=1))
+    else:
+        print(format_plan(res, shape, gpu, args.gpus, seq, tokens))
+    if args.explain:
+        print(format_explain(res), file=sys.stderr if args.json else sys.stdout)
+    if not res.ranked:
+        return _fail("no layout fits; see --explain", 1)
+    if args.emit_config:
+        from .spec import Spec
+        best = Spec(**{k: v for k, v in _spec_fields(res.ranked[0]).items()})
+        try:
+            with open(args.emit_config, "w") as f:
+                f.write(C.to_toml(to_config(shape, best, cfg)))
+        except OSError as e:
+            return _fail(f"--emit-config: cannot write {args.emit_config}: {e.strerror}")
+        if not args.json:
+            print(f"wrote {args.emit_config}")
+    return 0
+
+
+def _spec_fields(r: dict) -> dict:
+    L = r["layout"]
+    keep = ("dp", "tp", "pp", "cp", "ep", "zero", "zero_group", "sp", "pp_schedule", "pp_virtual", "cp_impl",
+            "offload", "micro_batch", "ac", "precision", "seq_len")
+    out = {k: L[k] for k in keep}
+    out["accum"] = L["microbatches"]
+    return out
+
+
+def format_plan(res, shape: Shape, gpu, n: int, seq: int, tokens: int) -> str:
+    c = res.counts
+    head = (f"{shape.name}: {shape.num_params() / 1e9:.2f}B params on {n} × {gpu.name} "
+            f"({gpu.gpus_per_node}/node), seq {seq}, {tokens:,} tokens/step = {res.global_batch} sequences\n"
+            f"searched {c['candidates']:,} layouts in {res.elapsed_s:.2f} s: {c['fit']:,} fit, "
+            f"{c['oom']:,} out of memory, {c['invalid']:,} invalid; {c['dominated']:,} dominated by a faster "
+            f"AC/offload variant")
+    cols = f"{'#':>3} {'tok/s/GPU':>10} {'MFU':>6} {'step s':>8} {'GiB':>6}  {'tp':>3} {'sp':>2} {'pp':>3} " \
+           f"{'schedule':<13} {'cp':>3} {'dp':>5} {'zero':<8} {'mb×m':>8} {'ac':<9} offload"
+    rows = [head, cols]
+    for i, r in enumerate(res.ranked, 1):
+        L = r["layout"]
+        sched = "-" if L["pp"] == 1 else L["pp_schedule"] + (f" v{L['pp_virtual']}" if L["pp_virtual"] > 1 else "")
+        zero = f"{L['zero']}" + (f" g{L['zero_group']}" if L["zero"] and L["zero_group"] != L["dp"] else "")
+        rows.append(f"{i:>3} {r['tokens_per_s_per_gpu']:>10.1f} {r['mfu']:>6.1%} {r['step_s']:>8.2f} "
+                    f"{r['per_gpu']['total'] / GIB:>6.1f}  {L['tp']:>3} {('y' if L['sp'] else '-'):>2} {L['pp']:>3} "
+                    f"{sched:<13} {L['cp']:>3} {L['dp']:>5} {zero:<8} {str(L['micro_batch']) + '×' + str(L['microbatches']):>8} "
+                    f"{L['ac']:<9} {L['offload']}")
+    if not res.ranked:
+        rows.append("  (no layout fits)")
+    return "\n".join(rows)
+
+
+def format_explain(res) -> str:
+    lines = ["discarded:"]
+    for reason, n in res.reasons.most_common():
+        ex = res.examples.get(reason)
+        lines.append(f"  {n:>9,}  {reason}" + (f"\n             e.g. {ex}" if ex else ""))
+    if len(lines) == 1:
+        lines.append("  nothing")
+    return "\n".join(lines)

@@ -1,0 +1,135 @@
+"""Bytes per step per collective kind, the link that carries them, and their time.
+
+Mesh order (DESIGN.md): pp, dp_replicate, dp_shard, cp, tp with tp innermost, so a group of `size`
+ranks that are `stride` apart stays inside one node when size × stride <= GPUs per node (NVLink).
+A group that spans nodes is limited by the NICs: its members on one node (k of them) drive k NICs in
+parallel, so it gets min(NVLink, k × IB) per rank. Ring algorithms: an all-reduce puts 2(n-1)/n of
+the buffer on the wire per rank, all-gather / reduce-scatter / all-to-all (n-1)/n, a p2p send all of
+it. Achieved bandwidth is `comm_efficiency` of the link (NCCL bus bandwidth is ~80% of NVLink's);
+each call also pays a fixed latency.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hardware import GPU
+
+LATENCY_S = {"nvlink": 10e-6, "ib": 25e-6}
+WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+        "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "p2p": lambda n: 1.0}
+
+
+def link(gpu: GPU, size: int, stride: int) -> tuple[str, float]:
+    """(link name, bytes/s per rank) for a group of `size` ranks `stride` apart."""
+    gpn = gpu.gpus_per_node
+    if size * stride <= gpn:
+        return "nvlink", gpu.nvlink_bw
+    per_node = max(1, min(size, gpn // stride))
+    return "ib", min(gpu.nvlink_bw, per_node * gpu.ib_bw)
+
+
+@dataclass
+class Collective:
+    """One kind of traffic of one group, per step on one rank of the worst stage.
+
+    `window` names the compute it can hide behind: none, forward, backward, attention (the ring
+    steps of context parallelism), pipeline (sends overlap the next micro-batch; only the fill and
+    drain hops are exposed) or step (nothing: after the pipeline flush)."""
+    group: str
+    kind: str
+    link: str
+    size: int
+    calls: float
+    buffer_bytes: float   # bytes of one call's logical buffer
+    seconds: float = 0.0
+    exposed_s: float = 0.0
+    window: str = "none"
+    per: str = "microbatch"  # microbatch: repeats every micro-batch; step: once per step
+
+    @property
+    def wire_bytes(self) -> float:
+        return self.calls * self.buffer_bytes * WIRE[self.kind](self.size) if self.size > 1 else 0.0
+
+    def as_dict(self) -> dict:
+        return {"group": self.group, "kind": self.kind, "link": self.link, "group_size": self.size,
+                "calls": self.calls, "bytes": self.wire_bytes, "seconds": self.seconds,
+                "exposed_s": self.exposed_s, "overlaps_with": self.window, "per": self.per}
+
+
+def make(gpu: GPU | None, group: str, kind: str, size: int, stride: int, calls: float, nbytes: float,
+         window: str = "none", per: str = "microbatch", comm_efficiency: float = 0.8) -> Collective:
+    """A Collective with its time filled in (zero when no GPU is known or the group is one rank)."""
+    if gpu is None:
+        name, bw = ("nvlink" if size * stride <= 8 else "ib"), 0.0
+    else:
+        name, bw = link(gpu, size, stride)
+    c = Collective(group, kind, name, size, calls, nbytes, window=window, per=per)
+    if bw > 0 and size > 1 and calls > 0:
+        c.seconds = c.wire_bytes / (bw * comm_efficiency) + calls * LATENCY_S[name]
+    return c
+
+
+def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first: bool, last: bool,
+                gpu: GPU | None, comm_efficiency: float = 0.8) -> list[Collective]:
+    """Every collective one rank of a stage runs in one step (before overlap is applied).
+
+    sp_dense / sp_expert: that rank's dense and expert parameters before ZeRO sharding."""
+    from .memory import state_bytes_per_param
+    a = shape.args
+    e = 4 if s.precision == "fp32" else 2
+    pb = state_bytes_per_param(s.precision)[0]
+    rb = 4 if s.reduce_dtype == "fp32" else 2
+    t, cp, dp, p, m = s.tp, s.cp, s.dp, s.pp, s.accum
+    tokens = s.micro_batch * s.seq_len / cp
+    sq = s.sp and t > 1
+    act = e * a.dim * tokens
+    out: list[Collective] = []
+
+    def add(*args, **kw):
+        out.append(make(gpu, *args, comm_efficiency=comm_efficiency, **kw))
+
+    fwd_passes = 2 if s.ac == "full" else 1  # full AC runs each block's forward again in backward
+    if t > 1:
+        # two reductions per block per pass (attention out, FFN out) and their mirrors in backward;
+        # with SP each is an all-gather + reduce-scatter pair of the same total volume.
+        units = layers * 2 * (fwd_passes + 1) + (1 if first else 0) + (2 if (last and sq) else 0)
+        if sq:
+            add("tp", "all_gather", t, 1, units * m, act)
+            add("tp", "reduce_scatter", t, 1, units * m, act)
+        else:
+            add("tp", "all_reduce", t, 1, units * m, act)
+    if cp > 1:
+        kvd = -(-a.n_kv_heads // t) * a.head_dim
+        if s.cp_impl == "ring":  # k,v go round the ring; backward sends k,v and dk,dv
+            kv = 2 * e * kvd * tokens
+            add("cp", "p2p", cp, t, layers * (cp - 1) * (fwd_passes + 2) * m, kv, window="attention")
+        else:  # ulysses: q,k,v scattered over heads and the output back, in forward and backward
+            qkvo = e * tokens * (2 * a.dim / t + 2 * kvd)
+            add("cp", "all_to_all", cp, t, layers * (fwd_passes + 1) * m, qkvo)
+    if s.ep > 1:
+        routed = e * a.dim * tokens * shape.top_k * shape.capacity_factor
+        add("ep", "all_to_all", s.ep, t, layers * 2 * (fwd_passes + 1) * m, routed)
+    if p > 1:  # activations forward and their gradients backward, once per chunk boundary
+        hidden = e * (a.dim / t if sq else a.dim) * tokens
+        add("pp", "p2p", 2, t * cp * dp, 2 * s.pp_virtual * m, hidden, window="pipeline", per="step")
+    # data parallel: gradients over dp×cp (cp ranks hold the same weights), ZeRO within the shard group
+    n = s.zero_group if s.zero else 1
+    reps = dp // n
+    psi = sp_dense + sp_expert
+    if s.zero == 0:
+        if dp * cp > 1:
+            add("dp", "all_reduce", dp * cp, t, 1, rb * psi, window="backward", per="step")
+    else:
+        if s.zero >= 2:
+            add("dp_shard", "reduce_scatter", n, t * cp, m, rb * psi, window="backward")
+        else:
+            add("dp_shard", "reduce_scatter", n, t * cp, 1, rb * psi, window="backward", per="step")
+        if reps * cp > 1:
+            add("dp_replicate", "all_reduce", reps * cp, t * cp * n if reps > 1 else t, 1, rb * psi / n,
+                per="step", window="step")
+        if s.zero >= 3:
+            add("dp_shard", "all_gather", n, t * cp, m, pb * psi, window="forward")
+            add("dp_shard", "all_gather", n, t * cp, m, pb * psi, window="backward")
+        else:  # updated parameters back to every rank after the sharded optimizer step
+            add("dp_shard", "all_gather", n, t * cp, 1, pb * psi, per="step", window="step")
+    return out

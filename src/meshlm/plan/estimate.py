@@ -1,0 +1,239 @@
+"""Memory + communication + compute -> one estimate (the dict that `meshlm estimate --json` prints).
+
+Time model, per step on the slowest pipeline stage:
+  slot   = t_F + t_B + t_recompute + exposed per-micro-batch communication
+  step   = m · slot · (1 + bubble) + exposed per-step communication + optimizer (+ offload)
+Compute time is FLOPs / (peak × efficiency). Overlap: TP and EP traffic is exposed (it sits on
+the critical path of every block); PP sends overlap the next micro-batch except on the fill and drain
+path; ring-CP hides behind the attention kernels; ZeRO-3 gathers hide
+behind the forward/backward they prefetch for, ZeRO-2/3 reduce-scatters behind the backward, plain
+DP / ZeRO-1 gradient reduction behind the last micro-batch's backward; parameter all-gathers after
+a sharded optimizer step and HSDP replica all-reduces are exposed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from . import comm as C
+from .hardware import GIB, GPU
+from .memory import block_params_local, stage_memory, stage_params, state_bytes_per_param
+from .spec import Shape, Spec, check
+
+
+@dataclass(frozen=True)
+class Options:
+    efficiency: float = 0.6        # achievable fraction of peak for the model's FLOPs (docs/planner.md)
+    block_overhead_s: float = 4e-4  # kernel launches etc. per block per micro-batch, forward + backward
+    comm_efficiency: float = 0.8   # achieved fraction of link bandwidth
+    flash: bool = True             # fused attention (saves log-sum-exp, not the S×S scores)
+    attn_math_bytes: int | None = None  # element size of the unfused attention path (None: activations')
+    mem_fraction: float = 0.95     # allocator fragmentation headroom
+    reserve_gib: float = 2.0       # CUDA context, cuBLAS / NCCL workspaces
+    simulate: bool = True          # pipeline bubble from the schedule simulator when it is available
+
+    def usable(self, gpu: GPU | None) -> float | None:
+        return None if gpu is None else gpu.hbm_bytes * self.mem_fraction - self.reserve_gib * GIB
+
+
+# ---------------------------------------------------------------------------------- pipeline bubble
+
+def bubble_formula(schedule: str, p: int, m: int, v: int, f: float = 1.0, b: float = 2.0,
+                   w: float | None = None) -> float:
+    """Idle time of the pipeline as a fraction of its busy time m·(F+B) (Narayanan et al.; Qi et al.)."""
+    if p <= 1:
+        return 0.0
+    if schedule == "interleaved":
+        return (p - 1) / (v * m)
+    if schedule in ("zb-h1", "zbv"):  # with m < p, fewer deferred W's than ranks fill the warm-up gaps
+        w = b / 2 if w is None else w
+        return ((p - 1) * max(0.0, f + (b - w) - w) + max(0, p - m) * w) / (m * (f + b))
+    return (p - 1) / m
+
+
+def _simulator():
+    try:
+        from ._ext import load
+        return load("parallel/pipeline", "schedules").build_schedule, load("parallel/pipeline", "simulate").simulate
+    except (ImportError, FileNotFoundError, AttributeError):
+        return None
+
+
+SIM_MAX_UNITS = 2048  # p·m·v above which the simulator (~1 s at 8k units) gives way to the formula
+
+
+@lru_cache(maxsize=256)
+def _built(schedule: str, p: int, m: int, v: int):
+    return _simulator()[0](schedule, p, m, v)
+
+
+@lru_cache(maxsize=4096)
+def bubble_simulated(schedule: str, p: int, m: int, v: int, f: float, b: float, w: float) -> float | None:
+    """The same ratio from the schedule simulator (issue #5), or None when it cannot run this case.
+    With equal stage costs it reproduces the formulas; it matters for zb-h1, whose bubble depends on
+    the F : B : W ratio, and as a cross-check (tests/test_plan.py)."""
+    sim = _simulator()
+    if (sim is None or p <= 1 or schedule not in ("gpipe", "1f1b", "interleaved", "zb-h1")
+            or p * m * v > SIM_MAX_UNITS):
+        return None
+    try:
+        tl = sim[1](_built(schedule, p, m, v), p, m, v, cost_f=f, cost_b=b, cost_w=w)
+    except Exception:  # noqa: BLE001 - a simulator bug must not break the planner; fall back
+        return None
+    return tl.makespan / (m * (f + b)) - 1.0
+
+
+# ---------------------------------------------------------------------------------- compute
+
+def fwd_flops_per_token(shape: Shape, s: Spec, layers: int, head: bool) -> tuple[float, float]:
+    """(forward FLOPs per local token on one rank of the stage, of which attention scores·values)."""
+    return _fwd_flops(shape, s.tp, s.seq_len, layers, head)
+
+
+@lru_cache(maxsize=65536)
+def _fwd_flops(shape: Shape, t: int, seq_len: int, layers: int, head: bool) -> tuple[float, float]:
+    a = shape.args
+    dense, _ = block_params_local(shape, t, 1)
+    mlp = 3 * a.dim * a.ffn_dim / t
+    active = dense + (shape.top_k * mlp if shape.moe else 0.0)
+    attn = 4.0 * a.dim * seq_len / t
+    f = layers * (2.0 * active + attn)
+    if head:
+        f += 2.0 * (a.vocab_size / t + 1) * a.dim
+    return f, layers * attn
+
+
+def compute_times(shape: Shape, t: int, seq_len: int, layers: int, head: bool, tokens: float, ac: str,
+                  rate: float, overhead: float = 0.0) -> tuple[float, float, float, float]:
+    """(forward, backward, recompute, attention-kernel) seconds of one micro-batch on one stage rank.
+    Backward is twice the forward; full AC re-runs the blocks' forward, selective the attention core.
+    `overhead` (per block, forward + backward) is what small shapes pay in launches, not FLOPs."""
+    fwd, attn = _fwd_flops(shape, t, seq_len, layers, head)
+    t_f = tokens * fwd / rate + layers * overhead / 3
+    if ac == "full":
+        t_rc = tokens * (fwd - _fwd_flops(shape, t, seq_len, 0, head)[0]) / rate + layers * overhead / 3
+    elif ac == "selective":
+        t_rc = tokens * attn / rate
+    else:
+        t_rc = 0.0
+    return t_f, 2 * t_f, t_rc, tokens * attn / rate * (3 + (1 if ac != "none" else 0))
+
+
+def _stage_time(shape: Shape, s: Spec, stage: str, gpu: GPU, o: Options) -> dict:
+    sp = stage_params(shape, s, stage)
+    tokens = s.micro_batch * s.seq_len / s.cp
+    rate = gpu.peak(s.precision) * o.efficiency
+    t_f, t_b, t_rc, t_attn = compute_times(shape, s.tp, s.seq_len, sp.layers, sp.head, tokens, s.ac, rate,
+                                           o.block_overhead_s)
+    colls = C.collectives(shape, s, sp.dense, sp.expert, sp.layers, sp.embed, sp.head, gpu, o.comm_efficiency)
+    m = s.accum
+    windows = {"forward": m * t_f, "backward": m * (t_b + t_rc), "attention": m * t_attn}
+    last_bwd = t_b + t_rc
+    exposed_mb = exposed_step = 0.0
+    by_window: dict[tuple[str, str], list] = {}
+    for c in colls:
+        by_window.setdefault((c.window, c.per), []).append(c)
+    for (window, per), cs in by_window.items():
+        total = sum(c.seconds for c in cs)
+        if window in ("none", "step"):
+            hidden = 0.0
+        elif window == "pipeline":  # fill + drain: 2(p·v - 1) hops of one transfer stay exposed
+            one = total / max(1.0, sum(c.calls for c in cs))
+            hidden = max(0.0, total - max(2 * (s.pp * s.pp_virtual - 1) * one, total - m * (t_f + t_b + t_rc)))
+        elif per == "step":
+            hidden = last_bwd
+        else:
+            hidden = windows[window]
+        exposed = max(0.0, total - hidden)
+        for c in cs:
+            c.exposed_s = exposed * (c.seconds / total) if total > 0 else 0.0
+        if per == "step":
+            exposed_step += exposed
+        else:
+            exposed_mb += exposed
+    return {"t_f": t_f, "t_b": t_b, "t_rc": t_rc, "exposed_mb": exposed_mb, "exposed_step": exposed_step,
+            "collectives": colls, "params": sp}
+
+
+def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | None = None) -> dict:
+    stages = ("only",) if s.pp == 1 else ("first", "last")
+    times = [_stage_time(shape, s, st, gpu, o) for st in stages]
+
+    def slot(x: dict) -> float:
+        return x["t_f"] + x["t_b"] + x["t_rc"] + x["exposed_mb"] / s.accum
+
+    worst = max(times, key=slot)
+    m, p, v = s.accum, s.pp, s.pp_virtual
+    x = worst["exposed_mb"] / m
+    f, b = worst["t_f"] + x / 2, worst["t_b"] + worst["t_rc"] + x / 2
+    w = worst["t_b"] / 2
+    bubble, source = bubble_formula(s.pp_schedule, p, m, v, f, b, w), "formula"
+    if p > 1 and (o.simulate if simulate is None else simulate):
+        sim = bubble_simulated(s.pp_schedule, p, m, v, round(f, 12), round(b, 12), round(min(w, b), 12))
+        if sim is not None:
+            bubble, source = sim, "simulator"
+    busy = m * slot(worst)
+    step_exposed = max(t["exposed_step"] for t in times)
+    # optimizer step: read master, m, v, grad; write master, m, v and the compute copy (HBM bound)
+    pb, gb, ob = state_bytes_per_param(s.precision)
+    sp = worst["params"]
+    n = s.zero_group if s.zero else 1
+    shard = sp.dense / n + sp.expert / (max(1, n // s.ep) if s.zero else 1)
+    offload_s = opt_s = 0.0
+    if s.offload == "optimizer":
+        offload_s = shard * (gb + pb) / gpu.pcie_bw + shard / gpu.cpu_adam_params_per_s
+    else:
+        opt_s = shard * (2 * ob + gb + (pb if s.precision != "fp32" else 0)) / gpu.hbm_bw
+    step = busy * (1 + bubble) + step_exposed + opt_s + offload_s
+    tokens = s.global_batch * s.seq_len
+    model_flops = shape.flops_per_token(s.seq_len) * tokens
+    world = s.world
+    comm = [c.as_dict() for c in worst["collectives"]]
+    return {
+        "step_s": step,
+        "tokens_per_s_per_gpu": tokens / step / world,
+        "mfu": model_flops / (step * world * gpu.peak(s.precision)),
+        "time": {"forward_s": m * worst["t_f"], "backward_s": m * worst["t_b"], "recompute_s": m * worst["t_rc"],
+                 "exposed_comm_microbatch_s": worst["exposed_mb"], "bubble_s": busy * bubble,
+                 "bubble_fraction": bubble, "bubble_source": source, "exposed_comm_step_s": step_exposed,
+                 "optimizer_s": opt_s, "offload_s": offload_s},
+        "comm": comm,
+        "comm_bytes_per_step": sum(c["bytes"] for c in comm),
+        "flops_per_step": model_flops,
+    }
+
+
+def estimate(shape: Shape, s: Spec, gpu: GPU | None = None, o: Options | None = None, validate: bool = True,
+             simulate: bool | None = None) -> dict:
+    """The full estimate of one layout; `fits` is None when no memory size is known."""
+    o = o or Options()
+    if validate:
+        check(shape, s)
+    stages = ("only",) if s.pp == 1 else ("first", "last")
+    mems = [stage_memory(shape, s, st, o.flash, o.attn_math_bytes) for st in stages]
+    worst = max(mems, key=lambda x: x["total"])
+    usable = o.usable(gpu)
+    out = {
+        "model": shape.name,
+        "params": shape.num_params(),
+        "gpus": s.world,
+        "gpu": gpu.name if gpu else None,
+        "layout": s.layout_dict(),
+        "per_gpu": {k: worst[k] for k in ("params", "grads", "optim", "activations", "buffers", "total",
+                                          "cpu_optim")},
+        "memory_detail": worst["detail"],
+        "flash": o.flash,
+        "hbm_bytes": gpu.hbm_bytes if gpu else None,
+        "usable_bytes": usable,
+        "fits": None if usable is None else worst["total"] <= usable,
+    }
+    if gpu is not None and gpu.peak_flops > 0:
+        out.update(time_model(shape, s, gpu, o, simulate))
+    return out
+
+
+def quick(shape: Shape, s: Spec, gpu: GPU, o: Options) -> tuple[float, float]:
+    """(worst-rank bytes, predicted step seconds) with the bubble formula: what the search ranks by."""
+    stages = ("only",) if s.pp == 1 else ("first", "last")
+    total = max(stage_memory(shape, s, st, o.flash, o.attn_math_bytes)["total"] for st in stages)
+    return total, time_model(shape, s, gpu, o, simulate=False)["step_s"]

@@ -1,0 +1,99 @@
+"""GPU profiles: the handful of numbers the planner needs about a machine.
+
+Bandwidths are per GPU and per direction (what one rank can push into a collective), peak FLOP/s are
+dense (no structured sparsity). HBM sizes are what `nvidia-smi` reports as total memory, not the
+marketing number, because that is what the allocator can hand out.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+GB = 1e9
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    peak_flops: float          # dense bf16/fp16 tensor-core FLOP/s
+    hbm_bytes: float           # device memory
+    hbm_bw: float              # bytes/s
+    nvlink_bw: float           # intra-node, bytes/s per GPU per direction
+    ib_bw: float               # inter-node NIC bandwidth per GPU, bytes/s per direction
+    gpus_per_node: int = 8
+    pcie_bw: float = 50 * GB   # host link (optimizer offload), bytes/s per direction
+    fp32_ratio: float = 0.5    # fp32 matmuls run as TF32: this fraction of the bf16 peak
+    cpu_adam_params_per_s: float = 0.5e9  # CPU AdamW throughput per GPU's share of the host
+
+    def peak(self, precision: str) -> float:
+        return self.peak_flops * (self.fp32_ratio if precision == "fp32" else 1.0)
+
+
+PROFILES: dict[str, GPU] = {
+    "h100-sxm-80gb": GPU("H100-SXM-80GB", 989e12, 81559 * 2 ** 20, 3.35e12, 450 * GB, 50 * GB, 8, 50 * GB),
+    "h200": GPU("H200", 989e12, 143771 * 2 ** 20, 4.8e12, 450 * GB, 50 * GB, 8, 50 * GB),
+    "a100-80gb": GPU("A100-80GB", 312e12, 81920 * 2 ** 20, 2.039e12, 300 * GB, 25 * GB, 8, 25 * GB),
+    "a100-40gb": GPU("A100-40GB", 312e12, 40960 * 2 ** 20, 1.555e12, 300 * GB, 25 * GB, 8, 25 * GB),
+    "b200": GPU("B200", 2250e12, 183359 * 2 ** 20, 8.0e12, 900 * GB, 50 * GB, 8, 50 * GB),
+}
+ALIASES = {"h100": "h100-sxm-80gb", "h100-sxm": "h100-sxm-80gb", "a100": "a100-80gb",
+           "a100-80": "a100-80gb", "a100-40": "a100-40gb"}
+
+# Command-line flag -> (GPU field, multiplier from the flag's unit to SI bytes or FLOP/s).
+FLAG_FIELDS = {
+    "peak_tflops": ("peak_flops", 1e12),
+    "hbm_gb": ("hbm_bytes", GB),
+    "hbm_tbps": ("hbm_bw", 1e12),
+    "nvlink_gbps": ("nvlink_bw", GB),
+    "ib_gbps": ("ib_bw", GB),
+    "pcie_gbps": ("pcie_bw", GB),
+    "gpus_per_node": ("gpus_per_node", 1),
+}
+
+
+class HardwareError(ValueError):
+    """An unknown profile or an incomplete custom one; the message is one line."""
+
+
+def names() -> list[str]:
+    return sorted(PROFILES) + sorted(ALIASES) + ["custom"]
+
+
+def get_gpu(name: str | None, **overrides) -> GPU | None:
+    """Profile `name` with flag overrides (FLAG_FIELDS units). No name: None, or with --hbm-gb alone
+    a memory-only device (peak 0: no time model).
+
+    `custom` starts from nothing, so peak, HBM size and both links must be given.
+    """
+    given = {k: v for k, v in overrides.items() if v is not None and k in FLAG_FIELDS}
+    if name is None:
+        if "hbm_gb" not in given:
+            return None
+        name, given = "memory-only", {"hbm_gb": given["hbm_gb"]}  # fits/doesn't, no time model
+    key = ALIASES.get(name.lower(), name.lower())
+    if key == "custom":
+        missing = [f"--{k.replace('_', '-')}" for k in ("peak_tflops", "hbm_gb", "nvlink_gbps", "ib_gbps")
+                   if k not in given]
+        if missing:
+            raise HardwareError(f"--gpu custom: also give {', '.join(missing)}")
+        base = GPU("custom", 0.0, 0.0, 2e12, 0.0, 0.0)
+    elif key == "memory-only":
+        base = GPU("memory-only", 0.0, 0.0, 2e12, 0.0, 0.0)
+    elif key in PROFILES:
+        base = PROFILES[key]
+    else:
+        raise HardwareError(f"--gpu: unknown GPU '{name}' (known: {', '.join(names())})")
+    changes = {}
+    for flag, value in given.items():
+        field, unit = FLAG_FIELDS[flag]
+        if value <= 0:
+            raise HardwareError(f"--{flag.replace('_', '-')}: must be positive, got {value}")
+        changes[field] = int(value) if field == "gpus_per_node" else float(value) * unit
+    return dataclasses.replace(base, **changes)
+
+
+def describe(gpu: GPU) -> str:
+    return (f"{gpu.name}: {gpu.peak_flops / 1e12:.0f} TFLOP/s bf16, {gpu.hbm_bytes / GIB:.1f} GiB HBM "
+            f"@ {gpu.hbm_bw / 1e12:.2f} TB/s, NVLink {gpu.nvlink_bw / GB:.0f} GB/s, "
+            f"IB {gpu.ib_bw / GB:.0f} GB/s per GPU, {gpu.gpus_per_node} GPUs/node")

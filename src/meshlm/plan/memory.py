@@ -1,0 +1,304 @@
+"""Bytes per GPU for one layout, for the worst pipeline stage (not an average).
+
+Conventions (they are how the trainer reports `mem.*`, so prediction and measurement compare):
+Ψ_local is the rank's share of the parameters. fp32: params 4Ψ, grads 4Ψ, optim 8Ψ (Adam m, v; the
+fp32 master is the parameter). bf16/fp16: params 2Ψ (compute copy), grads 4Ψ (fp32, reduced in fp32),
+optim 12Ψ (fp32 master + m + v). ZeRO-1 shards optim, ZeRO-2 also grads, ZeRO-3 also params over the
+shard group. Activations follow the tensors that meshlm's Block really saves for backward (checked
+against saved-tensor hooks in tests/test_plan.py); `korthikanti_block_bytes` keeps the textbook GPT
+formula for comparison.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .spec import ACT_BYTES, Shape, Spec
+
+MIB = 2 ** 20
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------------------------- textbook formulas
+
+def zero_state_bytes(psi: float, n_shard: int, stage: int, param_bytes: float = 2, grad_bytes: float = 2,
+                     optim_bytes: float = 12) -> dict:
+    """Model states per GPU under ZeRO (Rajbhandari et al.): (2 + 2 + K)Ψ with stage-wise sharding.
+
+    The paper's defaults are fp16 params and grads and K = 12 (fp32 master, m, v); meshlm's own
+    convention is param_bytes = 2, grad_bytes = 4, optim_bytes = 12 (bf16) or 4, 4, 8 (fp32).
+    """
+    p = param_bytes * psi / (n_shard if stage >= 3 else 1)
+    g = grad_bytes * psi / (n_shard if stage >= 2 else 1)
+    o = optim_bytes * psi / (n_shard if stage >= 1 else 1)
+    return {"params": p, "grads": g, "optim": o, "total": p + g + o}
+
+
+def state_bytes_per_param(precision: str) -> tuple[int, int, int]:
+    """(params, grads, optim) bytes per parameter in meshlm's convention."""
+    return (4, 4, 8) if precision == "fp32" else (2, 4, 12)
+
+
+def korthikanti_block_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                            recompute: str = "none") -> float:
+    """Activation bytes of one GPT block (Korthikanti et al. 2022, Table 2): 2-byte activations,
+    4h MLP, dropout; s sequence, b micro-batch, h hidden, a heads, t tensor-parallel degree."""
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sp else 1)
+    score = 0.0 if recompute == "selective" else 5 * a * s / h
+    if sp:
+        return sbh * (34 + score) / t
+    return sbh * (10 + 24 / t + score / t)
+
+
+# ---------------------------------------------------------------------------------- meshlm's Block
+
+def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes: int, tp: int = 1,
+                           sp: bool = False, ac: str = "none", flash: bool = True,
+                           attn_math_bytes: int | None = None) -> float:
+    """Bytes one Block saves for backward on one rank, for `tokens` local tokens (micro_batch×seq/cp).
+
+    Per token, with e = act_bytes, t = tp, d' = d/t under sequence parallelism (else d):
+      each RMSNorm: its input upcast to fp32 (4d'), rsqrt (4), normalised x (e·d'), and the linear
+        layer's input, gathered to the full sequence (e·d);
+      attention, fused kernel (flash): q, k and v repeated to all local heads, output (4·e·d/t) and the
+        log-sum-exp (4·H/t); unfused math path: q, k, v (3·m·d/t, m = attn_math_bytes), the softmax
+        probabilities (m·H/t·S), and the output re-laid for wo (e·d/t);
+      SwiGLU FFN: gate, up, silu(gate), product (4·e·F/t).
+    selective recomputes the attention core and silu(gate)·up: q, k, v at kv-head size and the core
+    output remain (e·(2d + 2·kv)/t), FFN keeps 3·e·F/t. full keeps the block input only (e·d').
+    """
+    a, t, e = shape.args, tp, act_bytes
+    d = a.dim
+    dsp = d / t if (sp and t > 1) else d
+    if ac == "full":
+        return tokens * e * dsp
+    hq = a.n_heads // t
+    dq = hq * a.head_dim
+    kvd = _ceil(a.n_kv_heads, t) * a.head_dim
+    norm = 4 * dsp + 4 * dsp / d + e * dsp + e * d
+    if ac == "selective":
+        attn = e * (2 * dq + 2 * kvd)
+        n_ffn = 3
+    else:
+        n_ffn = 4
+        if flash:
+            attn = 4 * e * dq + 4 * hq
+        else:
+            m = attn_math_bytes or e
+            attn = 3 * m * dq + m * hq * seq_len + e * dq
+    f_local = a.ffn_dim / t
+    if shape.moe:
+        routed = shape.top_k * shape.capacity_factor
+        ffn = 4 * shape.num_experts + routed * (2 * e * d + n_ffn * e * f_local) \
+            + shape.shared_experts * n_ffn * e * f_local
+    else:
+        ffn = n_ffn * e * f_local
+    return tokens * (2 * norm + attn + ffn)
+
+
+# ---------------------------------------------------------------------------------- parameters
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters one rank holds on a stage: `dense` shards over the ZeRO group, `expert` over
+    zero_group/ep; `unit` is the largest piece ZeRO-3 gathers at once (a block or the embedding)."""
+    dense: float
+    expert: float
+    unit: float
+    layers: int
+    embed: bool
+    head: bool
+
+
+def block_params_local(shape: Shape, tp: int, ep: int = 1) -> tuple[float, float]:
+    """(dense, expert) parameters of one Block on one TP rank. Norms are replicated; kv heads are
+    replicated when tp exceeds them; experts are split over ep and, like the dense FFN, over tp."""
+    a = shape.args
+    attn = a.dim * a.head_dim * 2 * (a.n_heads // tp) + a.dim * a.head_dim * 2 * _ceil(a.n_kv_heads, tp)
+    mlp = 3 * a.dim * a.ffn_dim / tp
+    if shape.moe:
+        dense = attn + 2 * a.dim + shape.shared_experts * mlp + a.dim * shape.num_experts
+        return dense, _ceil(shape.num_experts, ep) * mlp
+    return attn + 2 * a.dim + mlp, 0.0
+
+
+def stage_params(shape: Shape, s: Spec, stage: str) -> StageParams:
+    """stage: 'first', 'last' or 'only' (pp = 1). The worst rank holds ceil(L/(pp·v)) layers per chunk.
+    Tied embeddings are stored once with pp = 1 and on both end stages otherwise."""
+    a = shape.args
+    layers = _ceil(a.n_layers, s.pp * s.pp_virtual) * s.pp_virtual
+    dense_blk, exp_blk = block_params_local(shape, s.tp, s.ep)
+    emb = _ceil(a.vocab_size, s.tp) * a.dim
+    embed = stage in ("first", "only")
+    head = stage in ("last", "only")
+    dense = layers * dense_blk
+    if embed:
+        dense += emb
+    if head:
+        dense += a.dim
+        if not (a.tie_embeddings and stage == "only"):
+            dense += emb
+    unit = max(dense_blk + exp_blk, emb if (embed or head) else 0)
+    return StageParams(dense, layers * exp_blk, unit, layers, embed, head)
+
+
+def inflight(schedule: str, p: int, m: int, v: int, rank: int) -> float:
+    """Micro-batches whose activations rank `rank` holds at its peak, in units of all its layers.
+
+    gpipe: m; 1f1b and zb-h1: min(p - rank, m); interleaved (Megatron): (warm-up chunks + 1)/v =
+    p + (p-1)/v on rank 0, the (1 + (p-1)/(p·v)) penalty of Korthikanti et al."""
+    if p == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved":
+        return min((p - rank - 1) * 2 + (v - 1) * p + 1, m * v) / v
+    return float(min(p - rank, m))
+
+
+@lru_cache(maxsize=65536)
+def _per_token(shape: Shape, seq_len: int, e: int, t: int, sp: bool, ac: str, flash: bool,
+               amb: int | None) -> float:
+    return block_activation_bytes(shape, 1.0, seq_len, e, t, sp, ac, flash, amb)
+
+
+def _stage_static(shape: Shape, s: Spec, stage: str) -> tuple:
+    n = s.zero_group if s.zero else 1
+    return _static(shape, stage, s.tp, s.pp, s.pp_virtual, s.ep, s.zero, n, s.dp * s.cp > 1, s.bucket_mb,
+                   s.precision)
+
+
+@lru_cache(maxsize=65536)
+def _static(shape: Shape, stage: str, tp: int, pp: int, v: int, ep: int, zero: int, n: int, multi: bool,
+            bucket_mb: float, precision: str) -> tuple:
+    """Everything about a stage that does not depend on micro-batch size, AC or schedule."""
+    sp = _stage_params_cached(shape, Spec(tp=tp, pp=pp, pp_virtual=v, ep=ep), stage)
+    pb, gb, ob = state_bytes_per_param(precision)
+    ne = max(1, n // ep)
+    params = pb * (sp.dense / (n if zero >= 3 else 1) + sp.expert / (ne if zero >= 3 else 1))
+    grads = gb * (sp.dense / (n if zero >= 2 else 1) + sp.expert / (ne if zero >= 2 else 1))
+    optim = ob * (sp.dense / (n if zero >= 1 else 1) + sp.expert / (ne if zero >= 1 else 1))
+    if zero >= 3 and n > 1:
+        fixed_buf = ("zero3_gather", sp.unit * (2 * pb + gb))
+    elif multi:
+        fixed_buf = ("grad_buckets", 2 * bucket_mb * MIB)
+    else:
+        fixed_buf = None
+    return sp, params, grads, optim, fixed_buf
+
+
+@lru_cache(maxsize=4096)
+def _stage_params_cached(shape: Shape, key: Spec, stage: str) -> StageParams:
+    return stage_params(shape, key, stage)
+
+
+def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
+                 attn_math_bytes: int | None = None, detail: bool = True) -> dict:
+    """Bytes on one rank of `stage` ('first', 'last' or 'only'): the per_gpu breakdown plus details."""
+    a = shape.args
+    e = ACT_BYTES[s.precision]
+    sp, params, grads, optim, fixed_buf = _stage_static(shape, s, stage)
+    cpu_optim = 0.0
+    if s.offload == "optimizer":
+        cpu_optim, optim = optim, 0.0
+
+    tokens = s.micro_batch * s.seq_len / s.cp
+    t, sq = s.tp, (s.sp and s.tp > 1)
+    dsp = a.dim / t if sq else a.dim
+    blk_tok = _per_token(shape, s.seq_len, e, t, sq, s.ac, flash, attn_math_bytes)
+    blk = blk_tok * tokens
+    rank = s.pp - 1 if stage == "last" else 0
+    units = inflight(s.pp_schedule, s.pp, s.accum, s.pp_virtual, rank)
+    acts = units * sp.layers * blk
+    if sp.embed:
+        acts += units * tokens * 8  # token ids kept by the embedding backward
+    vocab_local = _ceil(a.vocab_size, t)
+    if sp.head:  # final norm, head input, fp32 log-probs and target ids of the loss
+        head_units = s.accum if (s.pp > 1 and s.pp_schedule == "gpipe") else 1
+        acts += head_units * tokens * (4 * dsp + 4 * dsp / a.dim + e * dsp + e * a.dim + 4 * vocab_local + 8)
+
+    buffers: dict[str, float] = {}
+    # Backward of one block: full AC first recomputes all of its activations; otherwise gradient
+    # temporaries take about half a block's worth while its saved tensors are being released.
+    blk_none = blk if s.ac == "none" else tokens * _per_token(shape, s.seq_len, e, t, sq, "none", flash,
+                                                              attn_math_bytes)
+    buffers["backward_working"] = blk_none * (1.0 if s.ac == "full" else 0.5)
+    if sp.head:  # cross-entropy backward: fp32 grads of the log-probs and of the logits, both vocab-sized
+        buffers["loss"] = tokens * vocab_local * 8
+    if fixed_buf:
+        buffers[fixed_buf[0]] = fixed_buf[1]
+    if t > 1:
+        buffers["tp"] = 2 * e * a.dim * tokens
+    if s.pp > 1:
+        buffers["pp_p2p"] = 4 * e * dsp * tokens
+    if s.cp > 1:
+        kvd = _ceil(a.n_kv_heads, t) * a.head_dim
+        buffers["cp"] = 8 * e * kvd * tokens if s.cp_impl == "ring" else 2 * e * a.dim / t * tokens
+    if s.ep > 1:
+        buffers["ep_all_to_all"] = 2 * shape.top_k * shape.capacity_factor * e * a.dim * tokens
+    buf = sum(buffers.values())
+    total = params + grads + optim + acts + buf
+    out = {"params": params, "grads": grads, "optim": optim, "activations": acts, "buffers": buf,
+           "total": total, "cpu_optim": cpu_optim}
+    if detail:
+        out["detail"] = {"stage": stage, "layers": sp.layers, "params_local": sp.dense + sp.expert,
+                         "block_activation_bytes": blk, "inflight_microbatches": units, "buffers": buffers,
+                         "shard_group": s.zero_group if s.zero else 1}
+    return out
+
+
+def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, v: int, ep: int, zero: int,
+                 n: int, dp: int, mb: int, accum: int, schedule: str, seq_len: int, precision: str,
+                 cp_impl: str = "ring", bucket_mb: float = 25.0, flash: bool = True,
+                 amb: int | None = None) -> tuple[float, float, dict[str, float]]:
+    """The same totals as stage_memory, split for the search: (bytes that depend on neither AC nor
+    offload, optimizer-state bytes, {ac: activation + backward working-set bytes}). Kept lean because
+    the search calls it for every candidate; tests check it against stage_memory."""
+    a = shape.args
+    e = ACT_BYTES[precision]
+    spp, params, grads, optim, fixed_buf = _static(shape, stage, tp, pp, v, ep, zero, n if zero else 1,
+                                                  dp * cp > 1, bucket_mb, precision)
+    tokens = mb * seq_len / cp
+    sq = sp and tp > 1
+    dsp = a.dim / tp if sq else a.dim
+    rank = pp - 1 if stage == "last" else 0
+    units = inflight(schedule, pp, accum, v, rank)
+    base = params + grads + (fixed_buf[1] if fixed_buf else 0.0)
+    if spp.embed:
+        base += units * tokens * 8
+    vocab_local = _ceil(a.vocab_size, tp)
+    if spp.head:
+        head_units = accum if (pp > 1 and schedule == "gpipe") else 1
+        base += head_units * tokens * (4 * dsp + 4 * dsp / a.dim + e * dsp + e * a.dim + 4 * vocab_local + 8)
+        base += tokens * vocab_local * 8
+    if tp > 1:
+        base += 2 * e * a.dim * tokens
+    if pp > 1:
+        base += 4 * e * dsp * tokens
+    if cp > 1:
+        kvd = _ceil(a.n_kv_heads, tp) * a.head_dim
+        base += 8 * e * kvd * tokens if cp_impl == "ring" else 2 * e * a.dim / tp * tokens
+    if ep > 1:
+        base += 2 * shape.top_k * shape.capacity_factor * e * a.dim * tokens
+    none = _per_token(shape, seq_len, e, tp, sq, "none", flash, amb) * tokens
+    scale = units * spp.layers
+    acts = {"none": none * (scale + 0.5),
+            "selective": _per_token(shape, seq_len, e, tp, sq, "selective", flash, amb) * tokens * scale + 0.5 * none,
+            "full": _per_token(shape, seq_len, e, tp, sq, "full", flash, amb) * tokens * scale + none}
+    return base, optim, acts
+
+
+def memory(shape: Shape, s: Spec, flash: bool = True, attn_math_bytes: int | None = None) -> dict:
+    """The worst rank's breakdown (largest total over the first and the last stage)."""
+    stages = ("only",) if s.pp == 1 else ("first", "last")
+    best = None
+    for st in stages:
+        m = stage_memory(shape, s, st, flash, attn_math_bytes)
+        if best is None or m["total"] > best["total"]:
+            best = m
+    return best

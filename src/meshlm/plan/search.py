@@ -1,0 +1,244 @@
+"""Enumerate every layout of N GPUs, drop the invalid and the ones that do not fit, rank the rest.
+
+Cheap checks come first and cut whole subtrees: divisibility per degree, then memory (which only grows
+with the micro-batch size, so the micro-batch loop stops at the first size where nothing fits), then
+a compute-only lower bound on the step time that skips the full time model for layouts that cannot
+reach the current top. Within one layout, AC modes and optimizer offload only trade time for memory,
+so the fastest variant that fits is ranked and the others count as dominated.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from .comm import link
+from .estimate import Options, bubble_formula, compute_times, estimate, time_model
+from .hardware import GIB, GPU
+from .memory import stage_totals
+from .spec import AC_MODES, PlanError, Shape, Spec, check
+
+FIXABLE = {"dp": int, "tp": int, "pp": int, "cp": int, "ep": int, "zero": int, "zero_group": int,
+           "sp": lambda v: str(v).lower() in ("1", "true", "yes", "on"), "pp_schedule": str,
+           "pp_virtual": int, "micro_batch": int, "ac": str, "offload": str, "cp_impl": str}
+VIRTUAL = (2, 3, 4, 6, 8)
+MIN_CP_CHUNK = 256  # tokens per CP rank below which ring attention is all latency
+
+
+def parse_fix(items: list[str]) -> dict:
+    """['tp=8', 'zero=3'] -> {'tp': 8, 'zero': 3}; one-line PlanError on a bad item."""
+    out = {}
+    for it in items or []:
+        if "=" not in it:
+            raise PlanError(f"--fix: expected KEY=VALUE, got '{it}'")
+        k, v = (x.strip() for x in it.split("=", 1))
+        k = k.split(".")[-1]
+        if k not in FIXABLE:
+            raise PlanError(f"--fix: unknown key '{k}' (known: {', '.join(FIXABLE)})")
+        try:
+            out[k] = FIXABLE[k](v)
+        except ValueError:
+            raise PlanError(f"--fix: {k} expects a number, got '{v}'") from None
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+@dataclass
+class PlanResult:
+    ranked: list[dict]
+    counts: Counter
+    reasons: Counter
+    examples: dict = field(default_factory=dict)
+    elapsed_s: float = 0.0
+    global_batch: int = 0
+
+
+def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens: int, precision: str = "bf16",
+         top: int = 10, fixed: dict | None = None, o: Options | None = None) -> PlanResult:
+    """Rank every valid layout by predicted tokens/s per GPU; the best `top` come back as estimates."""
+    o = o or Options()
+    t0 = time.perf_counter()
+    fx = fixed or {}
+    a = shape.args
+    if n_gpus < 1:
+        raise PlanError(f"--gpus: must be >= 1, got {n_gpus}")
+    if seq_len < 1 or global_batch_tokens < seq_len or global_batch_tokens % seq_len:
+        raise PlanError(f"--global-batch-tokens: {global_batch_tokens} is not a positive multiple of "
+                        f"--seq-len {seq_len}")
+    G = global_batch_tokens // seq_len
+    usable = o.usable(gpu)
+    gpn = gpu.gpus_per_node
+    counts: Counter = Counter()
+    reasons: Counter = Counter()
+    examples: dict = {}
+    keep = max(3 * top, 20)
+    heap: list = []  # (-step_s, tie, spec): the `keep` fastest so far
+    tie = 0
+
+    def reject(reason: str, n: int = 1, example: str | None = None) -> None:
+        counts["invalid" if not reason.startswith("out of memory") else "oom"] += n
+        reasons[reason] += n
+        if example and reason not in examples:
+            examples[reason] = example
+
+    def want(key, value) -> bool:
+        return key not in fx or fx[key] == value
+
+    rate = gpu.peak(precision) * o.efficiency
+    acs = [x for x in AC_MODES if want("ac", x)]
+    for tp in _divisors(n_gpus):
+        if not want("tp", tp):
+            continue
+        if tp > gpn and "tp" not in fx:
+            reject(f"tp > {gpn} GPUs per node (TP stays on NVLink)")
+            continue
+        if a.n_heads % tp or a.ffn_dim % tp or (a.n_kv_heads % tp and tp % a.n_kv_heads):
+            reject("tp does not divide the heads / kv heads / ffn_dim")
+            continue
+        for cp in _divisors(n_gpus // tp):
+            if not want("cp", cp):
+                continue
+            if cp > 1 and (seq_len % (2 * cp) or seq_len // cp < MIN_CP_CHUNK):
+                reject(f"cp leaves fewer than {MIN_CP_CHUNK} tokens per rank or does not split seq_len in 2·cp")
+                continue
+            for pp in _divisors(n_gpus // (tp * cp)):
+                if not want("pp", pp):
+                    continue
+                if pp > a.n_layers:
+                    reject("pp > n_layers")
+                    continue
+                dp = n_gpus // (tp * cp * pp)
+                if not want("dp", dp):
+                    continue
+                if G % dp:
+                    reject("dp does not divide the global batch (sequences)")
+                    continue
+                tie = _layouts(shape, gpu, o, fx, want, reject, counts, heap, keep, tie, acs, rate, usable,
+                               G, seq_len, precision, tp, cp, pp, dp)
+    best = sorted(heap, key=lambda x: -x[0])
+    ranked = []
+    for _, _, spec in best:
+        check(shape, spec)  # the search's own checks must agree with the estimator's
+        ranked.append(estimate(shape, spec, gpu, o, validate=False))
+    ranked.sort(key=lambda r: (r["step_s"], r["per_gpu"]["total"]))
+    counts["ranked_in_detail"] = len(ranked)
+    return PlanResult(ranked[:top], counts, reasons, examples, time.perf_counter() - t0, G)
+
+
+def _schedules(pp: int, n_layers: int, fx: dict) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)] + [("interleaved", v) for v in VIRTUAL if pp * v <= n_layers]
+    return [(s, v) for s, v in out if ("pp_schedule" not in fx or fx["pp_schedule"] == s)
+            and ("pp_virtual" not in fx or fx["pp_virtual"] == v)]
+
+
+def _zero_options(dp: int, tp: int, cp: int, gpn: int) -> list[tuple[int, int]]:
+    if dp == 1:
+        return [(0, 1), (1, 1)]  # ZeRO-1 on one rank is what makes optimizer offload possible
+    out = [(0, dp), (1, dp), (2, dp), (3, dp)]
+    for k in (1, 2, 4, 8):  # HSDP: shard within 1, 2, 4 or 8 nodes, replicate across
+        g = gpn * k // (tp * cp) if (gpn * k) % (tp * cp) == 0 else 0
+        if 1 < g < dp and dp % g == 0:
+            out.append((3, g))
+    return out
+
+
+def _layouts(shape, gpu, o, fx, want, reject, counts, heap, keep, tie, acs, rate, usable, G, seq_len,
+             precision, tp, cp, pp, dp) -> int:
+    """All layouts with these degrees: schedules × ZeRO × micro-batch × (AC, offload)."""
+    a = shape.args
+    b_local = G // dp
+    stages = ("only",) if pp == 1 else ("first", "last")
+    sps = [s for s in ((False, True) if tp > 1 else (False,)) if want("sp", s)]
+    zeros = [(z, g) for z, g in _zero_options(dp, tp, cp, gpu.gpus_per_node)
+             if want("zero", z) and want("zero_group", g)]
+    eps = [1] if not shape.moe else [e for e in _divisors(shape.num_experts) if want("ep", e)]
+    mbs = [mb for mb in _divisors(b_local) if want("micro_batch", mb)]
+    offs = [x for x in ("none", "optimizer") if want("offload", x)]
+    cp_impl = fx.get("cp_impl", "ring")
+    for sched, v in _schedules(pp, a.n_layers, fx):
+        for sp in sps:
+            for zero, g in zeros:
+                for ep in eps:
+                    if ep > 1 and ((g if zero else 1) * cp) % ep:
+                        reject("ep does not divide dp_shard×cp")
+                        continue
+                    for i, mb in enumerate(mbs):
+                        m = b_local // mb
+                        if sched == "interleaved" and m % pp:
+                            reject("interleaved needs microbatches divisible by pp")
+                            continue
+                        parts = [stage_totals(shape, st, tp, sp, cp, pp, v, ep, zero, g, dp, mb, m, sched,
+                                              seq_len, precision, cp_impl, 25.0, o.flash, o.attn_math_bytes)
+                                 for st in stages]
+                        variants = []
+                        for off in offs:
+                            if off == "optimizer" and zero == 0:
+                                continue
+                            for ac in acs:
+                                total = max(b + (0.0 if off == "optimizer" else opt) + acts[ac]
+                                            for b, opt, acts in parts)
+                                variants.append((total <= usable, ac, off, total))
+                        fits = [x for x in variants if x[0]]
+                        if not fits:
+                            need = min(x[3] for x in variants)
+                            left = len(mbs) - i  # larger micro-batches need even more memory
+                            counts["candidates"] += left * len(variants)
+                            reject("out of memory even with the most memory-saving AC / offload", left * len(variants),
+                                   f"tp{tp} cp{cp} pp{pp} dp{dp} zero{zero} g{g} {sched} mb{mb}: needs "
+                                   f"{need / GIB:.1f} GiB > usable {usable / GIB:.1f} GiB")
+                            break
+                        counts["candidates"] += len(variants)
+                        counts["fit"] += len(fits)
+                        # fastest AC without offload; with offload only an AC cheaper than that one
+                        order = {x: j for j, x in enumerate(AC_MODES)}
+                        plain = [x for x in fits if x[2] == "none"]
+                        chosen = plain[:1]
+                        limit = order[plain[0][1]] if plain else len(AC_MODES)
+                        chosen += [x for x in fits if x[2] == "optimizer" and order[x[1]] < limit][:1]
+                        counts["dominated"] += len(fits) - len(chosen)
+                        for _, ac, off, _ in chosen:
+                            tie += 1
+                            lb = _lower_bound(shape, gpu, o, tp, cp, pp, v, sched, seq_len, mb, m, ac, rate, stages,
+                                              precision)
+                            if len(heap) >= keep and lb >= -heap[0][0]:
+                                counts["bounded"] += 1
+                                continue
+                            spec = Spec(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, zero_group=g, sp=sp,
+                                        pp_schedule=sched, pp_virtual=v, micro_batch=mb, accum=m, ac=ac,
+                                        offload=off, precision=precision, seq_len=seq_len, cp_impl=cp_impl)
+                            step = time_model(shape, spec, gpu, o, simulate=False)["step_s"]
+                            counts["timed"] += 1
+                            item = (-step, tie, spec)
+                            if len(heap) < keep:
+                                heapq.heappush(heap, item)
+                            elif step < -heap[0][0]:
+                                heapq.heapreplace(heap, item)
+    return tie
+
+
+def _lower_bound(shape, gpu, o, tp, cp, pp, v, sched, seq_len, mb, m, ac, rate, stages, precision) -> float:
+    """Compute time plus the bandwidth term of the (never hidden) TP reductions; no other communication,
+    optimizer or offload: never above the full time model's step time."""
+    from .memory import _stage_params_cached
+    tokens = mb * seq_len / cp
+    tp_s = 0.0
+    if tp > 1:
+        e = 4 if precision == "fp32" else 2
+        tp_s = 2 * (tp - 1) / tp * e * shape.args.dim * tokens / (link(gpu, tp, 1)[1] * o.comm_efficiency)
+    full, busy = [], []
+    for st in stages:  # the real worst stage is unknown here: bound with the least of the per-stage bounds
+        sp = _stage_params_cached(shape, Spec(tp=tp, pp=pp, pp_virtual=v), st)
+        t_f, t_b, t_rc, _ = compute_times(shape, tp, seq_len, sp.layers, sp.head, tokens, ac, rate,
+                                          o.block_overhead_s)
+        x = sp.layers * 2 * (3 if ac == "full" else 2) * tp_s
+        f, b = t_f + x / 2, t_b + t_rc + x / 2
+        busy.append(m * (f + b))
+        full.append(m * (f + b) * (1 + bubble_formula(sched, pp, m, v, f, b, t_b / 2)))
+    return max(min(full), max(busy))

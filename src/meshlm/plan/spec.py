@@ -1,0 +1,255 @@
+"""What the planner plans for: a model shape and a layout (`Spec`), read from a meshlm Config.
+
+The planner does its own divisibility checks instead of calling `layout.resolve`, because resolve()
+also refuses dimensions whose runtime has not landed yet, and the planner must reason about all of
+them. `model/args.py` is loaded through `_ext` because the `meshlm.model` package imports torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..config import Config, ConfigError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+AC_MODES = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+OFFLOAD = ("none", "optimizer")
+CP_IMPLS = ("ring", "ulysses")
+ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+class PlanError(ValueError):
+    """An impossible layout or bad planner input; the message is one line naming the key."""
+
+
+def _args_module():
+    from ._ext import load
+    return load("model", "args")
+
+
+def presets() -> dict:
+    return _args_module().PRESETS
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model: dense Llama args plus the MoE knobs (which ModelArgs does not carry yet)."""
+    args: object  # meshlm.model.args.ModelArgs
+    name: str = ""
+    num_experts: int = 0
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    shared_experts: int = 0
+
+    def __post_init__(self):  # hashed on every cache lookup of the search: compute it once
+        object.__setattr__(self, "_hash", hash((self.args, self.name, self.num_experts, self.top_k,
+                                                self.capacity_factor, self.shared_experts)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    def num_params(self) -> int:
+        """Ψ: ModelArgs.num_params(), with each dense FFN replaced by experts + router for MoE."""
+        a, n = self.args, self.args.num_params()
+        if self.moe:
+            n += a.n_layers * ((self.num_experts + self.shared_experts - 1) * 3 * a.dim * a.ffn_dim
+                               + a.dim * self.num_experts)
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs per trained token (ModelArgs.flops_per_token; MoE counts only active experts)."""
+        a, f = self.args, self.args.flops_per_token(seq_len)
+        if self.moe:
+            f += 6.0 * a.n_layers * ((self.top_k + self.shared_experts - 1) * 3 * a.dim * a.ffn_dim
+                                     + a.dim * self.num_experts)
+        return f
+
+
+def shape_from_config(cfg: Config) -> Shape:
+    """The model section as a Shape; the same rules as layout.model_args, MoE allowed."""
+    m = cfg.model
+    known = presets()
+    if m.preset not in known:
+        raise PlanError(f"model.preset: unknown preset '{m.preset}' (known: {', '.join(known)})")
+    fields = {f.name for f in dataclasses.fields(known[m.preset])}
+    changes = {k: getattr(m, k) for k in fields if hasattr(m, k) and getattr(m, k) is not None}
+    a = dataclasses.replace(known[m.preset], **changes)
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+        if getattr(a, key) < 1:
+            raise PlanError(f"model.{key}: must be positive, got {getattr(a, key)}")
+    if a.dim % a.n_heads:
+        raise PlanError(f"model.n_heads: {a.n_heads} does not divide model.dim {a.dim}")
+    if a.n_heads % a.n_kv_heads:
+        raise PlanError(f"model.n_kv_heads: {a.n_kv_heads} does not divide model.n_heads {a.n_heads}")
+    moe = m.moe
+    if moe.num_experts < 0 or (moe.num_experts and not 1 <= moe.top_k <= moe.num_experts):
+        raise PlanError(f"model.moe.top_k: {moe.top_k} must be between 1 and num_experts {moe.num_experts}")
+    return Shape(a, m.preset, moe.num_experts, moe.top_k, moe.capacity_factor, moe.shared_experts)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One concrete layout: every degree resolved (dp, zero_group and accumulation are numbers)."""
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    zero_group: int = 1        # ZeRO shard-group size (= dp unless HSDP)
+    sp: bool = False
+    pp_schedule: str = "1f1b"
+    pp_virtual: int = 1
+    micro_batch: int = 1
+    accum: int = 1             # micro-batches per step per dp rank = pipeline micro-batches
+    ac: str = "none"
+    offload: str = "none"
+    precision: str = "bf16"
+    seq_len: int = 2048
+    cp_impl: str = "ring"
+    bucket_mb: float = 25.0
+    reduce_dtype: str = "fp32"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.accum * self.dp
+
+    def layout_dict(self) -> dict:
+        """The parallel.* keys plus training.micro_batch / ac / precision, as `plan --json` shows them."""
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep,
+                "zero": self.zero, "zero_group": self.zero_group, "sp": self.sp,
+                "pp_schedule": self.pp_schedule, "pp_virtual": self.pp_virtual,
+                "microbatches": self.accum, "cp_impl": self.cp_impl, "offload": self.offload,
+                "micro_batch": self.micro_batch, "ac": self.ac, "precision": self.precision,
+                "global_batch": self.global_batch, "seq_len": self.seq_len}
+
+    def short(self) -> str:
+        s = f"tp{self.tp}{'+sp' if self.sp and self.tp > 1 else ''} pp{self.pp} cp{self.cp} dp{self.dp}"
+        if self.ep > 1:
+            s += f" ep{self.ep}"
+        if self.zero:
+            s += f" z{self.zero}" + (f"/g{self.zero_group}" if self.zero_group != self.dp else "")
+        if self.pp > 1:
+            s += f" {self.pp_schedule}" + (f"v{self.pp_virtual}" if self.pp_virtual > 1 else "")
+        return s + f" mb{self.micro_batch}x{self.accum} ac={self.ac}" + (" offload" if self.offload != "none" else "")
+
+
+def spec_from_config(cfg: Config, world: int) -> Spec:
+    """The layout a training config asks for on `world` GPUs (dp = -1 takes the ranks left over)."""
+    p, t = cfg.parallel, cfg.training
+    for key in ("tp", "pp", "cp", "ep", "pp_virtual"):
+        if getattr(p, key) < 1:
+            raise PlanError(f"parallel.{key}: must be >= 1, got {getattr(p, key)}")
+    if world < 1:
+        raise PlanError(f"--gpus: must be >= 1, got {world}")
+    inner = p.pp * p.cp * p.tp
+    if world % inner:
+        raise PlanError(f"parallel: pp×cp×tp = {inner} does not divide the GPU count {world}")
+    dp = world // inner if p.dp == -1 else p.dp
+    if dp < 1 or dp * inner != world:
+        raise PlanError(f"--gpus: {world} GPUs but pp×dp×cp×tp = {p.pp}×{p.dp}×{p.cp}×{p.tp} needs {max(dp, 0) * inner}")
+    if t.micro_batch < 1 or t.global_batch < 1:
+        raise PlanError("training.micro_batch: batch sizes must be >= 1")
+    if t.global_batch % (t.micro_batch * dp):
+        raise PlanError(f"training.global_batch: {t.global_batch} is not divisible by micro_batch×dp = "
+                        f"{t.micro_batch}×{dp}")
+    accum = t.global_batch // (t.micro_batch * dp)
+    if p.microbatches and p.microbatches != accum:
+        raise PlanError(f"parallel.microbatches: {p.microbatches} must equal the accumulation count "
+                        f"global_batch/(micro_batch×dp) = {accum}")
+    if p.zero_group and p.zero == 0:
+        raise PlanError("parallel.zero_group: HSDP groups need a ZeRO stage (zero >= 1)")
+    return Spec(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, zero_group=p.zero_group or dp,
+                sp=bool(p.sp), pp_schedule=p.pp_schedule, pp_virtual=p.pp_virtual,
+                micro_batch=t.micro_batch, accum=accum, ac=t.ac, offload=p.offload, precision=t.precision,
+                seq_len=cfg.data.seq_len, cp_impl=p.cp_impl, bucket_mb=p.bucket_mb, reduce_dtype=p.reduce_dtype)
+
+
+def _choice(value, allowed, key):
+    if value not in allowed:
+        raise PlanError(f"{key}: '{value}' is not one of {', '.join(map(str, allowed))}")
+
+
+def check(shape: Shape, s: Spec) -> None:
+    """Raise PlanError (one line, naming the key) if the layout cannot run this model."""
+    a = shape.args
+    _choice(s.precision, PRECISIONS, "training.precision")
+    _choice(s.ac, AC_MODES, "training.ac")
+    _choice(s.pp_schedule, SCHEDULES, "parallel.pp_schedule")
+    _choice(s.offload, OFFLOAD, "parallel.offload")
+    _choice(s.cp_impl, CP_IMPLS, "parallel.cp_impl")
+    _choice(s.zero, (0, 1, 2, 3), "parallel.zero")
+    if s.seq_len < 1:
+        raise PlanError(f"data.seq_len: must be >= 1, got {s.seq_len}")
+    if s.offload != "none" and s.zero < 1:
+        raise PlanError("parallel.offload: optimizer offload needs a ZeRO stage that shards the optimizer (zero >= 1)")
+    if s.zero_group < 1 or s.dp % s.zero_group:
+        raise PlanError(f"parallel.zero_group: {s.zero_group} does not divide dp {s.dp}")
+    if a.n_heads % s.tp:
+        raise PlanError(f"parallel.tp: {s.tp} does not divide model.n_heads {a.n_heads}")
+    if a.n_kv_heads % s.tp and s.tp % a.n_kv_heads:
+        raise PlanError(f"parallel.tp: {s.tp} and model.n_kv_heads {a.n_kv_heads} do not divide one another")
+    if a.ffn_dim % s.tp:
+        raise PlanError(f"parallel.tp: {s.tp} does not divide model.ffn_dim {a.ffn_dim}")
+    if a.n_layers < s.pp * s.pp_virtual:
+        raise PlanError(f"parallel.pp: {a.n_layers} layers cannot fill pp×pp_virtual = {s.pp * s.pp_virtual} stages")
+    if s.pp_virtual > 1 and s.pp_schedule != "interleaved":
+        raise PlanError(f"parallel.pp_virtual: {s.pp_virtual} chunks per rank need pp_schedule = interleaved")
+    if s.pp > 1 and s.pp_schedule == "interleaved":
+        if s.pp_virtual < 2:
+            raise PlanError("parallel.pp_virtual: interleaved needs >= 2 chunks per rank")
+        if s.accum % s.pp:
+            raise PlanError(f"parallel.microbatches: interleaved needs a multiple of pp = {s.pp}, got {s.accum}")
+    if s.cp > 1:
+        if s.cp_impl == "ring" and s.seq_len % (2 * s.cp):
+            raise PlanError(f"parallel.cp: ring attention splits the sequence in 2×cp = {2 * s.cp} chunks; "
+                            f"data.seq_len {s.seq_len} is not divisible")
+        if s.cp_impl == "ulysses" and ((a.n_heads // s.tp) % s.cp or s.seq_len % s.cp):
+            raise PlanError(f"parallel.cp: ulysses needs cp = {s.cp} to divide the heads per TP rank "
+                            f"({a.n_heads // s.tp}) and data.seq_len {s.seq_len}")
+    if s.ep > 1:
+        if not shape.moe:
+            raise PlanError("parallel.ep: expert parallelism needs a mixture-of-experts model (model.moe.num_experts > 0)")
+        if shape.num_experts % s.ep:
+            raise PlanError(f"parallel.ep: {s.ep} does not divide model.moe.num_experts {shape.num_experts}")
+        shard = (s.zero_group if s.zero else 1) * s.cp
+        if shard % s.ep:
+            raise PlanError(f"parallel.ep: {s.ep} does not divide dp_shard×cp = {shard}")
+
+
+def to_config(shape: Shape, s: Spec, base: Config | None = None) -> Config:
+    """A meshlm Config that trains this layout (what `plan --emit-config` writes)."""
+    cfg = dataclasses.replace(base) if base is not None else Config()
+    cfg.model = dataclasses.replace(cfg.model, preset=shape.name or cfg.model.preset)
+    cfg.data = dataclasses.replace(cfg.data, seq_len=s.seq_len)
+    cfg.training = dataclasses.replace(cfg.training, global_batch=s.global_batch, micro_batch=s.micro_batch,
+                                       ac=s.ac, precision=s.precision)
+    cfg.parallel = dataclasses.replace(
+        cfg.parallel, dp=s.dp, tp=s.tp, pp=s.pp, cp=s.cp, ep=s.ep, zero=s.zero,
+        zero_group=(s.zero_group if s.zero and s.zero_group != s.dp else 0), sp=s.sp,
+        pp_schedule=s.pp_schedule, pp_virtual=s.pp_virtual, microbatches=s.accum, cp_impl=s.cp_impl,
+        offload=s.offload)
+    return cfg
+
+
+__all__ = [
+    "ACT_BYTES",
+    "ConfigError",
+    "PlanError",
+    "Shape",
+    "Spec",
+    "check",
+    "presets",
+    "shape_from_config",
+    "spec_from_config",
+    "to_config",
+]

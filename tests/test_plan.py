@@ -1,0 +1,377 @@
+"""Tests for meshlm.plan: textbook formulas, estimate/plan CLIs, search speed, emitted configs, and the
+activation model against what autograd really saves for one Block (saved-tensor hooks)."""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from meshlm import config as C
+from meshlm.plan import cli_cmds
+from meshlm.plan.estimate import Options, bubble_formula, bubble_simulated, estimate
+from meshlm.plan.hardware import GIB, get_gpu
+from meshlm.plan.memory import (
+    block_activation_bytes,
+    inflight,
+    korthikanti_block_bytes,
+    stage_memory,
+    stage_params,
+    stage_totals,
+    zero_state_bytes,
+)
+from meshlm.plan.spec import PlanError, Shape, Spec, check, presets
+
+GB = 1e9
+
+
+def _run(argv):
+    """Parse like `meshlm` does and call the subcommand; returns (code, stdout, stderr) via capsys."""
+    p = argparse.ArgumentParser(prog="meshlm")
+    cli_cmds.add_parsers(p.add_subparsers(dest="command", required=True))
+    args, extra = p.parse_known_args(argv)
+    return args.func(args, extra)
+
+
+def _shape(name):
+    return Shape(presets()[name], name)
+
+
+# ---------------------------------------------------------------- textbook formulas
+
+def test_zero_stages_seed_numbers():
+    # ZeRO paper / seed 001: 7.5B params, 64 GPUs, fp16 params and grads + K = 12 (2 + 2 + 12 bytes)
+    got = [zero_state_bytes(7.5e9, 64, z)["total"] / GB for z in range(4)]
+    assert [round(x, 1) for x in got] == [120.0, 31.4, 16.6, 1.9]
+    # meshlm's convention (bf16): 2 + 4 + 12 bytes per parameter, same sharding rules
+    assert zero_state_bytes(1.0, 8, 0, 2, 4, 12)["total"] == 18
+    assert zero_state_bytes(8.0, 8, 3, 2, 4, 12)["total"] == 18
+
+
+def test_korthikanti_formulas():
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    none = korthikanti_block_bytes(s, b, h, a)
+    assert none == s * b * h * (34 + 5 * a * s / h)
+    assert korthikanti_block_bytes(s, b, h, a, t, sp=True) == pytest.approx(none / t)
+    assert korthikanti_block_bytes(s, b, h, a, t) == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert korthikanti_block_bytes(s, b, h, a, t, True, "selective") == pytest.approx(34 * s * b * h / t)
+    assert korthikanti_block_bytes(s, b, h, a, recompute="full") == 2 * s * b * h
+
+
+@pytest.mark.parametrize("precision,per", [("fp32", (4, 4, 8)), ("bf16", (2, 4, 12))])
+def test_model_states_follow_the_trainer_convention(precision, per):
+    sh = _shape("small")
+    psi = sh.num_params()
+    m = stage_memory(sh, Spec(dp=4, precision=precision, zero_group=4, seq_len=64), "only")
+    assert (m["params"], m["grads"], m["optim"]) == (per[0] * psi, per[1] * psi, per[2] * psi)
+    for zero, div in ((1, (1, 1, 4)), (2, (1, 4, 4)), (3, (4, 4, 4))):
+        m = stage_memory(sh, Spec(dp=4, zero=zero, zero_group=4, precision=precision, seq_len=64), "only")
+        assert (m["params"], m["grads"], m["optim"]) == pytest.approx(
+            tuple(per[i] * psi / div[i] for i in range(3)))
+    m = stage_memory(sh, Spec(dp=4, zero=1, zero_group=4, offload="optimizer", precision=precision, seq_len=64),
+                     "only")
+    assert m["optim"] == 0 and m["cpu_optim"] == pytest.approx(per[2] * psi / 4)
+
+
+def test_parameter_split_over_stages_and_tp():
+    sh = _shape("llama3-8b")  # untied, 32 layers, 8 kv heads
+    psi = sh.num_params()
+    assert stage_params(sh, Spec(), "only").dense == psi
+    first, last = (stage_params(sh, Spec(pp=4), st) for st in ("first", "last"))
+    a = sh.args
+    assert first.layers == 8 and first.embed and last.head
+    assert first.dense == pytest.approx(psi / 4 + a.vocab_size * a.dim * 0.75 - a.dim / 4 - a.vocab_size * a.dim / 4, rel=0.01)
+    t8 = stage_params(sh, Spec(tp=8), "only").dense
+    norms = (2 * a.n_layers + 1) * a.dim
+    assert t8 == pytest.approx((psi - norms) / 8 + norms)
+    tied = _shape("llama3-1b")  # tied embeddings: one copy with pp=1, one on each end stage with pp>1
+    e = tied.args.vocab_size * tied.args.dim
+    assert stage_params(tied, Spec(), "only").dense == tied.num_params()
+    assert stage_params(tied, Spec(pp=2), "last").dense > e
+
+
+def test_pipeline_formulas_match_the_simulator():
+    pytest.importorskip("meshlm.parallel.pipeline.simulate")
+    from meshlm.plan._ext import load
+    build = load("parallel/pipeline", "schedules").build_schedule
+    simulate = load("parallel/pipeline", "simulate").simulate
+    for name, p, m, v in [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 8, 32, 1), ("interleaved", 4, 8, 2),
+                          ("interleaved", 4, 8, 3), ("zb-h1", 4, 8, 1), ("zb-h1", 6, 3, 1), ("1f1b", 6, 3, 1)]:
+        for f, b, w in ((1.0, 2.0, 1.0), (1.2, 2.5, 1.1)):
+            sim = bubble_simulated(name, p, m, v, f, b, w)
+            assert sim == pytest.approx(bubble_formula(name, p, m, v, f, b, w), abs=1e-9), (name, p, m, v)
+        tl = simulate(build(name, p, m, v), p, m, v)
+        assert max(tl.peak_inflight) == pytest.approx(inflight(name, p, m, v, 0) * v), name
+
+
+# ---------------------------------------------------------------- estimate
+
+def test_estimate_json_keys_and_fit(capsys):
+    code = _run(["estimate", "--model.preset", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--json",
+                 "--data.seq_len", "4096", "--training.global_batch", "64", "--training.micro_batch", "1",
+                 "--training.precision", "bf16", "--parallel.zero", "3", "--training.ac", "selective"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert out["params"] == presets()["llama3-8b"].num_params()
+    assert set(out["per_gpu"]) >= {"params", "grads", "optim", "activations", "buffers", "total"}
+    pg = out["per_gpu"]
+    assert pg["total"] == pytest.approx(sum(pg[k] for k in ("params", "grads", "optim", "activations", "buffers")))
+    assert out["fits"] is True and 0 < out["mfu"] < 1 and out["step_s"] > 0
+    assert out["tokens_per_s_per_gpu"] == pytest.approx(64 * 4096 / out["step_s"] / 8)
+    assert {c["link"] for c in out["comm"]} <= {"nvlink", "ib"}
+    # the same model without sharding does not fit on one node
+    code = _run(["estimate", "--model.preset", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--json",
+                 "--training.global_batch", "8", "--training.micro_batch", "1", "--data.seq_len", "8192"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["fits"] is False and out["per_gpu"]["total"] > 80 * GIB
+
+
+def test_estimate_memory_only_and_text(capsys, tmp_path):
+    cfg = tmp_path / "train.toml"
+    cfg.write_text('[model]\npreset = "small"\n[training]\nglobal_batch = 8\nmicro_batch = 4\n')
+    assert _run(["estimate", "--config", str(cfg), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is None and "step_s" not in out and out["gpus"] == 1
+    assert _run(["estimate", "--config", str(cfg), "--json", "--hbm-gb", "0.01"]) == 0
+    assert json.loads(capsys.readouterr().out)["fits"] is False
+    assert _run(["estimate", "--config", str(cfg), "--gpus", "2", "--gpu", "a100-40gb"]) == 0
+    text = capsys.readouterr().out
+    assert "fits: yes" in text and "tokens/s per GPU" in text and "dp=2" in text
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model.preset", "llama3-8b", "--gpus", "6", "--parallel.tp", "3", "--training.micro_batch", "1"],
+     "parallel.tp: 3 does not divide model.n_heads"),
+    (["--model.preset", "nope"], "model.preset"),
+    (["--gpus", "4", "--gpu", "tpu"], "--gpu"),
+    (["--gpu", "custom"], "--peak-tflops"),
+    (["--bogus", "1"], "unrecognised"),
+    (["--training.global_batch", "6", "--gpus", "4", "--training.micro_batch", "1"], "training.global_batch"),
+])
+def test_estimate_bad_input_is_one_line(capsys, argv, needle):
+    assert _run(["estimate"] + argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err
+
+
+def test_checks_without_resolve():
+    sh = _shape("llama3-70b")
+    check(sh, Spec(dp=8, tp=8, pp=4, zero=3, zero_group=8, accum=8, seq_len=8192))  # resolve() would refuse
+    with pytest.raises(PlanError, match="pp_virtual"):
+        check(sh, Spec(pp=4, pp_schedule="1f1b", pp_virtual=2))
+    with pytest.raises(PlanError, match="microbatches"):
+        check(sh, Spec(pp=4, pp_schedule="interleaved", pp_virtual=2, accum=6))
+    with pytest.raises(PlanError, match="parallel.ep"):
+        check(sh, Spec(ep=2))
+
+
+def test_moe_estimate_runs():
+    cfg = C.load(None, [("model.preset", "small"), ("model.moe.num_experts", "8"), ("model.moe.top_k", "2"),
+                        ("parallel.ep", "2"), ("parallel.zero", "1"), ("training.global_batch", "16"),
+                        ("training.micro_batch", "4")])
+    from meshlm.plan.spec import shape_from_config, spec_from_config
+    sh = shape_from_config(cfg)
+    out = estimate(sh, spec_from_config(cfg, 4), get_gpu("h100"))
+    assert out["params"] > presets()["small"].num_params() and out["fits"]
+    assert any(c["group"] == "ep" for c in out["comm"])
+
+
+# ---------------------------------------------------------------- plan
+
+def test_plan_405b_on_16k_gpus_is_fast(capsys):
+    t0 = time.perf_counter()
+    code = _run(["plan", "--model", "llama3-405b", "--gpu", "h100", "--gpus", "16384", "--seq-len", "8192",
+                 "--global-batch-tokens", str(16 * 2 ** 20), "--top", "5", "--json"])
+    elapsed = time.perf_counter() - t0
+    out = json.loads(capsys.readouterr().out)
+    print(f"plan llama3-405b on 16384 H100: {elapsed:.2f} s, best {out[0]['tokens_per_s_per_gpu']:.1f} tok/s/GPU, "
+          f"MFU {out[0]['mfu']:.3f}")
+    assert code == 0 and elapsed < 30 and len(out) == 5
+    for r in out:
+        L = r["layout"]
+        assert L["tp"] * L["pp"] * L["cp"] * L["dp"] == 16384
+        assert r["fits"] and r["per_gpu"]["total"] <= r["usable_bytes"]
+        assert L["global_batch"] * L["seq_len"] == 16 * 2 ** 20
+        assert {"ac", "offload", "micro_batch", "zero", "pp_schedule"} <= set(L)
+    speeds = [r["tokens_per_s_per_gpu"] for r in out]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def test_search_shortcuts_agree_with_estimate():
+    """The search's lean memory totals equal stage_memory's; its time bound never exceeds the model."""
+    from meshlm.plan.estimate import time_model
+    from meshlm.plan.search import _lower_bound
+    sh, gpu, o = _shape("llama3-70b"), get_gpu("h100"), Options()
+    for s in [Spec(dp=2, tp=8, pp=4, sp=True, accum=16, micro_batch=2, ac="selective", seq_len=4096),
+              Spec(dp=4, tp=4, pp=4, cp=2, zero=3, zero_group=4, pp_schedule="interleaved", pp_virtual=2,
+                   accum=8, ac="none", seq_len=8192),
+              Spec(dp=8, tp=8, zero=1, zero_group=8, pp=1, accum=4, ac="full", offload="optimizer", seq_len=8192),
+              Spec(dp=2, pp=8, pp_schedule="gpipe", accum=8, ac="full", precision="fp32", seq_len=2048)]:
+        for st in (("only",) if s.pp == 1 else ("first", "last")):
+            base, opt, acts = stage_totals(sh, st, s.tp, s.sp, s.cp, s.pp, s.pp_virtual, s.ep, s.zero, s.zero_group,
+                                           s.dp, s.micro_batch, s.accum, s.pp_schedule, s.seq_len, s.precision)
+            fast = base + (0 if s.offload == "optimizer" else opt) + acts[s.ac]
+            assert fast == pytest.approx(stage_memory(sh, s, st)["total"]), (s, st)
+        stages = ("only",) if s.pp == 1 else ("first", "last")
+        rate = gpu.peak(s.precision) * o.efficiency
+        lb = _lower_bound(sh, gpu, o, s.tp, s.cp, s.pp, s.pp_virtual, s.pp_schedule, s.seq_len, s.micro_batch,
+                          s.accum, s.ac, rate, stages, s.precision)
+        assert lb <= time_model(sh, s, gpu, o, simulate=False)["step_s"] * (1 + 1e-9)
+
+
+def test_plan_emit_config_trains_and_resolves(tmp_path, capsys):
+    from meshlm.layout import resolve
+    out = tmp_path / "best.toml"
+    code = _run(["plan", "--model", "small", "--gpu", "h100", "--gpus", "2", "--seq-len", "256",
+                 "--global-batch-tokens", str(16 * 256), "--fix", "tp=1", "--fix", "pp=1", "--fix", "cp=1",
+                 "--fix", "zero=0", "--emit-config", str(out), "--explain"])
+    text = capsys.readouterr().out
+    assert code == 0 and "wrote" in text and "discarded" in text
+    cfg = C.load(str(out))
+    layout = resolve(cfg, 2)  # every degree here has a runtime today
+    assert layout.world_size == 2 and cfg.model.preset == "small" and cfg.data.seq_len == 256
+    assert cfg.training.global_batch == 16 and cfg.training.precision == "bf16"
+    # a big plan's config loads too (its tp/pp/zero runtimes land with their issues)
+    big = tmp_path / "big.toml"
+    assert _run(["plan", "--model", "llama3-70b", "--gpu", "h100", "--gpus", "64", "--seq-len", "4096",
+                 "--global-batch-tokens", str(2 ** 21), "--emit-config", str(big), "--json", "--top", "1"]) == 0
+    best = json.loads(capsys.readouterr().out)[0]["layout"]
+    cfg = C.load(str(big))
+    p = cfg.parallel
+    assert (p.tp, p.pp, p.cp, p.dp, p.zero, p.pp_schedule) == (best["tp"], best["pp"], best["cp"], best["dp"],
+                                                               best["zero"], best["pp_schedule"])
+    assert cfg.training.micro_batch * p.microbatches * p.dp == cfg.training.global_batch
+    from meshlm.plan.spec import shape_from_config, spec_from_config
+    check(shape_from_config(cfg), spec_from_config(cfg, 64))
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model", "small", "--gpu", "h100", "--gpus", "0"], "--gpus"),
+    (["--model", "small", "--gpu", "h100", "--gpus", "8", "--seq-len", "256", "--global-batch-tokens", "1000"],
+     "--global-batch-tokens"),
+    (["--model", "small", "--gpu", "h100", "--gpus", "8", "--fix", "tq=2"], "--fix"),
+    (["--gpu", "h100", "--gpus", "8"], "--model"),
+])
+def test_plan_bad_input(capsys, argv, needle):
+    assert _run(["plan"] + argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err
+
+
+def test_plan_reports_when_nothing_fits(capsys):
+    assert _run(["plan", "--model", "llama3-405b", "--gpu", "a100-40gb", "--gpus", "8", "--seq-len", "4096",
+                 "--global-batch-tokens", str(2 ** 20), "--explain"]) == 1
+    captured = capsys.readouterr()
+    assert "out of memory" in captured.out and "no layout fits" in captured.err
+
+
+def test_plan_package_stays_torch_free():
+    code = ("import sys; from meshlm.plan import cli_cmds, search, estimate; from meshlm.plan.spec import presets, Shape;"
+            "from meshlm.plan.hardware import get_gpu;"
+            "search.plan(Shape(presets()['llama3-8b'], 'llama3-8b'), get_gpu('h100'), 64, 8192, 2**22, top=3);"
+            "assert 'torch' not in sys.modules, 'plan imported torch'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ---------------------------------------------------------------- activations vs autograd
+
+
+def _measure_block(torch, ac, dtype, b, s, d, h, kv, ffn, math):
+    """Bytes block 0 saves for backward, from saved-tensor hooks: distinct storages, without the
+    parameters and the RoPE tables (model-wide, not per block)."""
+    from meshlm.model.args import ModelArgs
+    from meshlm.model.llama import Llama
+    from meshlm.parallel.activation_checkpoint import apply_ac
+    args = ModelArgs(dim=d, n_layers=1, n_heads=h, n_kv_heads=kv, ffn_dim=ffn, vocab_size=64, max_seq_len=s)
+    torch.manual_seed(0)
+    model = Llama(args).to(dtype)
+    apply_ac(model, ac)
+    cos, sin = model.rope(s, torch.device("cpu"))
+    cos, sin = cos[:s], sin[:s]
+    skip = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + [cos, sin]}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(b, s, d, dtype=dtype, requires_grad=True)
+    ctx = torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]) if math else _null()
+    with ctx:  # the backward recomputes under the same SDPA backend
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = model.layers["0"](x, cos, sin)
+        y.float().sum().backward()
+    scores_saved = any(n == b * h * s * s * (4 if dtype == torch.float32 or math else 2) for n in seen.values())
+    return sum(seen.values()), scores_saved
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+SHAPES = [(2, 64, 64, 4, 2, 160), (1, 128, 96, 6, 6, 256)]  # (micro_batch, seq, dim, heads, kv heads, ffn)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("ac", ["none", "selective", "full"])
+@pytest.mark.parametrize("math", [False, True], ids=["default-sdpa", "math-sdpa"])
+def test_activation_model_matches_saved_tensors(precision, ac, math):
+    torch = pytest.importorskip("torch")
+    from meshlm.model.args import ModelArgs
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    worst = 0.0
+    for b, s, d, h, kv, ffn in SHAPES:
+        measured, scores = _measure_block(torch, ac, dtype, b, s, d, h, kv, ffn, math)
+        # CPU SDPA: the default picks the fused (flash) kernel; the math path saves the S×S probabilities
+        # and on CPU upcasts bf16 to fp32 (attn_math_bytes=4).
+        flash = not scores
+        if ac == "none":
+            assert flash == (not math)
+        sh = Shape(ModelArgs(dim=d, n_layers=1, n_heads=h, n_kv_heads=kv, ffn_dim=ffn, vocab_size=64,
+                             max_seq_len=s))
+        predicted = block_activation_bytes(sh, b * s, s, 4 if precision == "fp32" else 2, ac=ac, flash=flash,
+                                           attn_math_bytes=4)
+        err = abs(predicted - measured) / measured
+        worst = max(worst, err)
+        assert err < 0.10, (precision, ac, math, (b, s, d), predicted, measured)
+    print(f"activations {precision} ac={ac} {'math' if math else 'default'}: worst error {worst:.2%}")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_whole_model_activations_match_saved_tensors(precision):
+    """Blocks + embedding ids + final norm, head input, fp32 log-probs and targets of the loss (pp = 1)."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    from meshlm.model.args import ModelArgs
+    from meshlm.model.llama import Llama
+    from meshlm.parallel.activation_checkpoint import apply_ac
+    b, s = 2, 64
+    args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=300, max_seq_len=s)
+    for ac in ("none", "selective", "full"):
+        model = Llama(args).to(torch.float32 if precision == "fp32" else torch.bfloat16)
+        apply_ac(model, ac)
+        model.rope(s, torch.device("cpu"))
+        skip = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.rope_cache)}
+        seen = {}
+
+        def pack(t, skip=skip, seen=seen):
+            if t.untyped_storage().data_ptr() not in skip:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        x, y = torch.randint(0, 300, (b, s)), torch.randint(0, 300, (b, s))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())  # as the trainer computes it
+        predicted = stage_memory(Shape(args), Spec(micro_batch=b, seq_len=s, precision=precision, ac=ac),
+                                 "only")["activations"]
+        measured = sum(seen.values())
+        assert abs(predicted - measured) / measured < 0.01, (ac, predicted, measured)
