@@ -29,3 +29,23 @@ def test_predicted_state_bytes_match_measured(pools, name, world, overrides):
     pred = predicted(cfg, world)
     for key in ("params", "grads", "optim"):
         assert measured[key] == pytest.approx(pred[key], rel=0.02), (key, measured[key], pred[key])
+
+
+@pytest.mark.parametrize("sp,ac", [(False, "none"), (True, "none"), (False, "full"), (True, "full")])
+def test_planner_tp_traffic_matches_runtime_count(sp, ac):
+    """The planner's TP activation collectives per step equal the runtime's count (verified byte for
+    byte against Comm's books in test_tp) for the block/embedding/head traffic."""
+    from meshlm.layout import model_args
+    from meshlm.parallel.tensor_parallel import expected_bytes
+    from meshlm.plan.comm import collectives
+
+    cfg = make_config(parallel__tp=2, parallel__sp=sp, training__ac=ac, data__seq_len=32)
+    shape, spec = shape_from_config(cfg), spec_from_config(cfg, 2)
+    planned = {c.kind: c.calls for c in collectives(shape, spec, 0, 0, shape.args.n_layers, True, True, None)
+               if c.group == "tp"}
+    runtime = expected_bytes(model_args(cfg), spec.micro_batch, spec.seq_len, spec.accum, 2, sp, ac)
+    if sp:
+        for kind in ("all_gather", "reduce_scatter"):
+            assert planned[kind] == runtime[kind][0], (kind, planned, runtime)
+    else:  # the runtime's all-reduce count also has the loss's two and the grad norm's one
+        assert planned["all_reduce"] == runtime["all_reduce"][0] - 2 * spec.accum - 1, (planned, runtime)

@@ -61,6 +61,7 @@ class ParallelConfig:
     pp: int = 1
     pp_schedule: str = "1f1b"
     pp_virtual: int = 1
+    pp_layers: list[int] = field(default_factory=list)  # blocks per stage; empty: balanced by cost
     microbatches: int = 0  # 0: the gradient-accumulation count
     cp: int = 1
     cp_impl: str = "ring"
@@ -137,6 +138,8 @@ def _coerce(value: Any, current: Any, typ: Any, where: str) -> Any:
     t = str(typ)
     if value is None and "None" in t:
         return None
+    if t.startswith("list"):
+        return _coerce_int_list(value, where)
     if isinstance(value, str) and "str" not in t.split("|")[0]:
         low = value.strip().lower()
         if "bool" in t:
@@ -163,6 +166,24 @@ def _coerce(value: Any, current: Any, typ: Any, where: str) -> Any:
     if "float" in t and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     return value
+
+
+def _coerce_int_list(value: Any, where: str) -> list[int]:
+    """A TOML array or a command-line '4,4,3,3' (or '[4, 4]', or '' for empty)."""
+    if isinstance(value, str):
+        text = value.strip().strip("[]").strip()
+        value = [x.strip() for x in text.split(",")] if text else []
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{where}: expected a list of integers, got {value!r}")
+    out = []
+    for x in value:
+        try:
+            if isinstance(x, bool) or (isinstance(x, float) and not x.is_integer()):
+                raise ValueError
+            out.append(int(x))
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected a list of integers, got {value!r}") from None
+    return out
 
 
 def _set(section: Any, path: list[str], value: Any, where: str) -> None:

@@ -16,11 +16,8 @@ REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 
 # Dimensions whose runtime has not landed yet: refused with the issue that brings them.
 NOT_YET: dict[str, str] = {
-    "tp": "tensor parallelism (issue #4)",
-    "pp": "pipeline parallelism (issue #5)",
     "cp": "context parallelism",
     "ep": "expert parallelism",
-    "zero": "ZeRO sharding (issue #3)",
 }
 
 
@@ -112,6 +109,13 @@ def resolve(cfg: Config, world_size: int) -> Layout:
     dp_shard = group if p.zero else 1
     if args.n_heads % p.tp:
         raise ConfigError(f"parallel.tp: {p.tp} does not divide model.n_heads {args.n_heads}")
+    if args.n_kv_heads % p.tp and p.tp % args.n_kv_heads:
+        raise ConfigError(f"parallel.tp: {p.tp} and model.n_kv_heads {args.n_kv_heads} do not divide one another")
+    if args.ffn_dim % p.tp:
+        raise ConfigError(f"parallel.tp: {p.tp} does not divide model.ffn_dim {args.ffn_dim}")
+    # sp splits the sequence over the tp group; at tp = 1 it is a no-op (docs/tensor_parallel.md)
+    if p.sp and p.tp > 1 and cfg.data.seq_len % p.tp:
+        raise ConfigError(f"parallel.sp: data.seq_len {cfg.data.seq_len} is not divisible by tp {p.tp}")
     if args.n_layers < p.pp * p.pp_virtual:
         raise ConfigError(f"parallel.pp: {args.n_layers} layers cannot fill pp×pp_virtual = {p.pp * p.pp_virtual} stages")
     if (dp_shard * p.cp) % p.ep:
@@ -128,6 +132,8 @@ def resolve(cfg: Config, world_size: int) -> Layout:
                           f"global_batch/(micro_batch×dp) = {accum}")
     if cfg.data.seq_len < 1:
         raise ConfigError(f"data.seq_len: must be >= 1, got {cfg.data.seq_len}")
+    if p.pp > 1 or p.pp_virtual > 1 or p.pp_layers:
+        _check_pipeline(cfg, args, microbatches)
     if t.steps < 0:
         raise ConfigError(f"training.steps: must be >= 0, got {t.steps}")
     for key, label in NOT_YET.items():
@@ -137,6 +143,18 @@ def resolve(cfg: Config, world_size: int) -> Layout:
     del tr
     return Layout(pp=p.pp, dp_replicate=dp // dp_shard, dp_shard=dp_shard, cp=p.cp, tp=p.tp,
                   micro_batch=t.micro_batch, accum=accum, microbatches=microbatches)
+
+
+def _check_pipeline(cfg: Config, args: ModelArgs, microbatches: int) -> None:
+    """Schedule, chunks and the stage split (parallel/pipeline/stage.py), as one-line ConfigErrors."""
+    from .parallel.pipeline.build import plan_stages
+    if cfg.parallel.pp > 1 and args.tie_embeddings and cfg.parallel.zero:
+        raise ConfigError("model.tie_embeddings: tied embeddings with pp > 1 need zero = 0 (the two stage "
+                          "copies are summed before the gradient reduction, which ZeRO shards)")
+    try:
+        plan_stages(args, cfg, microbatches)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_data(cfg: Config) -> None:

@@ -16,6 +16,11 @@ import torch
 import torch.distributed as dist
 
 
+# The non-deprecated names where torch has them (same semantics).
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
 class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names the rank, the collective and the group."""
 
@@ -33,6 +38,10 @@ class Handle:
 
     def __init__(self, comm: "Comm", kind: str, work, after=None):
         self.comm, self.kind, self.work, self.after = comm, kind, work, after
+
+    def done(self) -> bool:
+        """Whether the collective has finished (then `wait()` returns at once); never blocks."""
+        return self.work is None or self.work.is_completed()
 
     def wait(self) -> None:
         if self.work is not None:
@@ -54,6 +63,7 @@ class Comm:
         self.rank = self.ranks.index(rank)
         self.stats: dict[str, Stat] = defaultdict(Stat)
         self.watchdog = None  # set by the trainer: names lagging ranks when a collective times out
+        self._native_rs: bool | None = None  # gloo: does this torch build have reduce_scatter?
 
     # -- accounting ---------------------------------------------------------------------------
     def _book(self, kind: str, nbytes: int, wire_factor: float) -> None:
@@ -100,7 +110,7 @@ class Comm:
             out.copy_(shard.reshape(out.shape))
             return Handle(self, "all_gather", None) if async_op else None
         return self._run("all_gather", out.numel() * out.element_size(), self.ring,
-                         lambda **kw: dist.all_gather_into_tensor(out, shard, **kw), async_op)
+                         lambda **kw: _all_gather(out, shard, **kw), async_op)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         """out <- this rank's 1/size slice of the sum of every rank's `full` (flat, divisible)."""
@@ -108,9 +118,9 @@ class Comm:
             out.copy_(full.reshape(out.shape))
             return Handle(self, "reduce_scatter", None) if async_op else None
         nbytes = full.numel() * full.element_size()
-        if self.group is not None and dist.get_backend(self.group) == "gloo":
-            # gloo has no reduce-scatter: all-reduce a copy and keep our slice. The accounting still
-            # books a reduce-scatter, the collective an NCCL job would run.
+        if not self._has_reduce_scatter():
+            # Older gloo has no reduce-scatter: all-reduce a copy and keep our slice. The accounting
+            # still books a reduce-scatter, the collective an NCCL job would run.
             tmp = full.detach().clone()
             n = out.numel()
 
@@ -119,7 +129,19 @@ class Comm:
             return self._run("reduce_scatter", nbytes, self.ring,
                              lambda **kw: dist.all_reduce(tmp, op=op, **kw), async_op, after=keep)
         return self._run("reduce_scatter", nbytes, self.ring,
-                         lambda **kw: dist.reduce_scatter_tensor(out, full, op=op, **kw), async_op)
+                         lambda **kw: _reduce_scatter(out, full, op=op, **kw), async_op)
+
+    def _has_reduce_scatter(self) -> bool:
+        """Recent gloo builds reduce-scatter natively; older ones raise at once on every rank, so a
+        tiny probe (not booked) on the first call decides, the same way on all members."""
+        if self._native_rs is None:
+            self._native_rs = True
+            if dist.get_backend(self.group) == "gloo":
+                try:
+                    _reduce_scatter(torch.zeros(1), torch.zeros(self.size), group=self.group)
+                except RuntimeError:
+                    self._native_rs = False
+        return self._native_rs
 
     def broadcast(self, t: torch.Tensor, src_index: int = 0) -> None:
         if self.size == 1:

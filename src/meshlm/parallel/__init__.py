@@ -20,6 +20,9 @@ from ..layout import Layout
 from ..model.init import canonical_name, materialize
 from .activation_checkpoint import apply_ac
 from .data_parallel import DTYPES, DataParallel, GradBuckets
+from .pipeline.build import attach as attach_pipeline, split_model
+from .tensor_parallel import apply_tensor_parallel
+from .zero import shard_model
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -47,6 +50,11 @@ class Parallelized:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
     to_full: Callable[[str, torch.Tensor], torch.Tensor] = _identity
     to_local: Callable[[str, torch.Tensor], torch.Tensor] = _identity
+    # Pipeline (pp > 1): run all micro-batches of a step / one eval micro-batch on this rank; the
+    # loss is the last stage's (zero elsewhere). `pipeline` is the runtime (measured timelines).
+    forward_backward: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+    eval_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    pipeline: object | None = None
 
 
 def named_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -57,19 +65,31 @@ def named_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Layout,
                 make_optimizer: Callable) -> Parallelized:
     """`model` was built on the meta device; materialise and wrap it for this rank."""
+    pipe = split_model(model, ctx, cfg, layout) if layout.pp > 1 else None  # keep this rank's stages
     apply_ac(model, cfg.training.ac)
     dtype = COMPUTE_DTYPES[cfg.training.precision]
-    materialize(model, cfg.training.seed, ctx.device, dtype=dtype)
+    tp = apply_tensor_parallel(model, ctx.comm("tp"), cfg.parallel.sp) if layout.tp > 1 else None
+    materialize(model, cfg.training.seed, ctx.device, dtype=dtype,
+                full_shapes=tp.full_shapes if tp else None, slicers=tp.slicers if tp else None)
     if cfg.training.compile:
         for key, block in list(model.layers.items()):
             model.layers[key] = torch.compile(block)
     named = named_params(model)
-    opt = make_optimizer(named, cfg.optim, ctx.device)
+    zero = shard_model(model, named, ctx, cfg) if cfg.parallel.zero else None  # ZeRO-1/2/3, HSDP
+    opt = zero[0] if zero else make_optimizer(named, cfg.optim, ctx.device)
     reduce_dtype = DTYPES[cfg.parallel.reduce_dtype]
     bucket_bytes = int(cfg.parallel.bucket_mb * 2 ** 20)
     dp = ctx.comm("dp")
-    if dp.size > 1:
+    if zero:
+        grads = zero[1]
+    elif dp.size > 1:
         grads: GradBuckets = DataParallel(opt.params, opt.masters, dp, bucket_bytes, reduce_dtype)
     else:
         grads = GradBuckets(opt.params, opt.masters, bucket_bytes, reduce_dtype)
-    return Parallelized(model=model, optimizer=opt, grads=grads)
+    par = Parallelized(model=model, optimizer=opt, grads=grads)
+    if tp is not None:
+        grads.set_norm_groups(tp.norm_groups(named))
+        par.loss_fn, par.to_full, par.to_local = tp.make_loss_fn(), tp.to_full, tp.to_local
+    if pipe is not None:
+        attach_pipeline(par, pipe, ctx, cfg, layout)
+    return par

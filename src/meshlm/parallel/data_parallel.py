@@ -36,6 +36,7 @@ class Bucket:
 
 class GradBuckets:
     """Flat gradient storage shared by the model parameters (or their hooks) and the fp32 masters."""
+    norm_groups: list[tuple[list[int], list[Comm]]] | None = None  # set_norm_groups
 
     def __init__(self, params: list[nn.Parameter], masters: list[torch.Tensor], bucket_bytes: int,
                  dtype: torch.dtype = torch.float32):
@@ -94,10 +95,17 @@ class GradBuckets:
         """Every gradient element this rank holds, once (for unscaling, clipping, inf checks)."""
         return [b.buf for b in self.buckets]
 
+    def set_norm_groups(self, groups: list[tuple[list[nn.Parameter], list[Comm]]]) -> None:
+        """Tensor parallelism: which parameters are sharded over which comms. A parameter in no group
+        is a replica that another rank counts (the same groups, in the same order, on every rank)."""
+        self.norm_groups = [([id(p) for p in params], comms) for params, comms in groups]
+
     def norm_terms(self) -> list[tuple[list[torch.Tensor], list[Comm]]]:
         """Groups of gradients and the comms they are sharded over: the global squared norm is, per
         group, the sum of squares all-reduced over those comms (replicated copies counted once)."""
-        return [(self.grad_tensors(), [])]
+        if self.norm_groups is None:
+            return [(self.grad_tensors(), [])]
+        return [([self.bucket_of[i].views[i] for i in ids], comms) for ids, comms in self.norm_groups]
 
 
 class DataParallel(GradBuckets):

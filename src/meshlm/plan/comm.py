@@ -90,14 +90,18 @@ def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first:
 
     fwd_passes = 2 if s.ac == "full" else 1  # full AC runs each block's forward again in backward
     if t > 1:
-        # two reductions per block per pass (attention out, FFN out) and their mirrors in backward;
-        # with SP each is an all-gather + reduce-scatter pair of the same total volume.
-        units = layers * 2 * (fwd_passes + 1) + (1 if first else 0) + (2 if (last and sq) else 0)
+        # Entering a TP region (each block half, the head) reduces in backward, leaving one (each block
+        # half, the embedding) in forward: 4 per layer + first + last stage extras. Full AC recomputes
+        # the forward, entering both halves again but leaving only the attention half (torch's checkpoint
+        # stops once w2's input is rebuilt). SP turns each into an all-gather / reduce-scatter of the
+        # same volume. Verified byte for byte against the runtime (parallel.tensor_parallel.expected_bytes).
+        base = 4 * layers + (1 if first else 0) + (1 if last else 0)
+        full = s.ac == "full"
         if sq:
-            add("tp", "all_gather", t, 1, units * m, act)
-            add("tp", "reduce_scatter", t, 1, units * m, act)
+            add("tp", "all_gather", t, 1, (base + (2 * layers if full else 0)) * m, act)
+            add("tp", "reduce_scatter", t, 1, (base + (layers if full else 0)) * m, act)
         else:
-            add("tp", "all_reduce", t, 1, units * m, act)
+            add("tp", "all_reduce", t, 1, (base + (layers if full else 0)) * m, act)
     if cp > 1:
         kvd = -(-a.n_kv_heads // t) * a.head_dim
         if s.cp_impl == "ring":  # k,v go round the ring; backward sends k,v and dk,dv

@@ -1,4 +1,5 @@
-"""`meshlm report RUN_DIR`: loss, throughput and memory curves of a run in one PNG."""
+"""`meshlm report RUN_DIR`: loss, throughput and memory curves of a run in one PNG, and with pp > 1
+the measured pipeline timeline of one step in pipeline.png."""
 from __future__ import annotations
 
 import json
@@ -45,4 +46,21 @@ def write_report(run_dir: str, out: str | None = None) -> str:
     fig.tight_layout()
     fig.savefig(out, dpi=90)
     plt.close(fig)
+    write_pipeline_png(run_dir)
+    return out
+
+
+def write_pipeline_png(run_dir: str) -> str | None:
+    """The measured pipeline timeline (pipeline_trace.json, written when pp > 1) as pipeline.png
+    next to the report; None when the run has no trace."""
+    trace = os.path.join(run_dir, "pipeline_trace.json")
+    if not os.path.isfile(trace):
+        return None
+    from ..parallel.pipeline.draw import render_png
+    from ..parallel.pipeline.trace import load_timeline
+
+    timeline, blocked = load_timeline(trace)
+    timeline.name += "; ms blocked in p2p per rank: " + ", ".join(f"{b:.0f}" for b in blocked)
+    out = os.path.join(run_dir, "pipeline.png")
+    render_png(timeline, out)
     return out

@@ -77,11 +77,14 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.ctx.device)
         mb, accum = self.layout.micro_batch, self.layout.accum
         scale = self.scaler.scale / accum
-        for i in range(accum):
-            par.grads.set_sync(i == accum - 1)
-            loss = self._loss(inputs[i * mb:(i + 1) * mb], targets[i * mb:(i + 1) * mb])
-            (loss * scale).backward()
-            loss_sum += loss.detach()
+        if par.forward_backward is not None:  # pipeline: the schedule runs every micro-batch
+            loss_sum = par.forward_backward(inputs, targets, scale)
+        else:
+            for i in range(accum):
+                par.grads.set_sync(i == accum - 1)
+                loss = self._loss(inputs[i * mb:(i + 1) * mb], targets[i * mb:(i + 1) * mb])
+                (loss * scale).backward()
+                loss_sum += loss.detach()
         par.grads.finish()
         grads = par.grads.grad_tensors()
         if self.scaler.scale != 1.0:
@@ -114,6 +117,7 @@ class Trainer:
     def global_loss(self, loss_sum: torch.Tensor) -> float:
         """Mean loss over the whole global batch: every micro-batch has the same token count."""
         total = self.dp_comm.all_reduce_scalars([float(loss_sum)])[0]
+        total = self.ctx.comm("pp").all_reduce_scalars([total])[0]  # pp > 1: only the last stage's is not 0
         return total / (self.layout.accum * self.layout.dp)
 
     @torch.no_grad()
@@ -126,9 +130,10 @@ class Trainer:
             n = inputs.shape[0] // dp
             x, y = inputs[r * n:(r + 1) * n], targets[r * n:(r + 1) * n]
             if n:
-                total += float(self._loss(x.to(self.ctx.device), y.to(self.ctx.device))) * n
+                total += float((self.par.eval_loss or self._loss)(x.to(self.ctx.device), y.to(self.ctx.device))) * n
             count += inputs.shape[0] - inputs.shape[0] % dp
         total = self.dp_comm.all_reduce_scalars([total])[0]
+        total = self.ctx.comm("pp").all_reduce_scalars([total])[0]
         return total / max(count, 1)
 
     # -- state --------------------------------------------------------------------------------
@@ -205,6 +210,9 @@ class Trainer:
                "peak_label": self.peak_label,
                "comm": {k: {"calls": s.calls / window_steps, "bytes": s.bytes / window_steps,
                             "seconds": s.seconds / window_steps} for k, s in stats.items()}}
+        if self.par.pipeline is not None:  # measured bubble; rank 0 writes the step's Chrome trace
+            path = os.path.join(self.run_dir, "pipeline_trace.json") if self.ctx.is_logger else None
+            rec["bubble"] = self.par.pipeline.record(path, self.step)
         if out["skipped"]:
             rec["skipped"] = True
             rec["loss_scale"] = self.scaler.scale

@@ -1,7 +1,9 @@
 """Pipeline parallelism: schedules as data, their checker, simulator and drawer.
 
-Pure Python (no torch.distributed): a runtime executes the per-rank
-`Action` lists from `build_schedule` following the p2p rules in p2p.py.
+What this package exports is pure Python (no torch.distributed), and so is stage.py (the stage
+split). The torch side is imported only where needed: build.py cuts the model and attaches
+runtime.py, which executes the per-rank `Action` lists from `build_schedule` following the p2p
+rules in p2p.py (backward.py: the zero-bubble I/W split; trace.py: measured timelines).
 """
 from .actions import Action, ScheduleError, stage_index, stage_owner
 from .check import check_schedule

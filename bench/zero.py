@@ -1,0 +1,233 @@
+"""Benchmark (not a test): meshlm zero=0 vs torch DDP, meshlm zero=3 vs torch FSDP2 (fully_shard per block
+plus the root), dp ranks on gloo, same model (meshlm's Llama, same init), same batches, same AdamW and
+LR schedule, clipping at 1.0, fp32.
+
+Each variant runs in fresh worker processes (so memory high-water marks are its own): warm-up steps,
+then timed steps with a barrier before each; the step time is the slowest rank's, the ratio is of medians.
+The process CPU time per step (all threads) is reported beside it: on a loaded machine it is the steadier
+measure of the work each framework does.
+Peak memory is the rise of the process's peak resident set (VmHWM, reset after warm-up through
+/proc/self/clear_refs) over its resident set before the model was built, max over ranks: CPU tensors
+have no allocator statistics. glibc is told to mmap large blocks so freed tensors leave the RSS.
+Variants alternate over several rounds so machine noise hits both sides alike.
+
+    python bench/zero.py [--preset small] [--dim D --n-layers L --n-heads H --ffn-dim F] [--seq-len 256]
+                         [--batch 8] [--steps 8] [--rounds 2] [--json]
+speed ratio = torch median step time / meshlm's (goal >= 1.0); memory ratio = meshlm / torch (<= 1.0).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+PAIRS = [("meshlm-zero0", "torch-ddp"), ("meshlm-zero3", "torch-fsdp2")]
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_hwm() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def make_cfg(a, zero: int):
+    from meshlm import config as C
+    cfg = C.Config()
+    for k, v in {"model.preset": a.preset, "data.seq_len": a.seq_len, "training.global_batch": a.batch,
+                 "training.micro_batch": a.batch // a.world, "training.steps": a.warmup + a.steps,
+                 "training.eval_every": 0, "metrics.progress": False, "checkpoint.resume": "never",
+                 "training.device": "cpu", "parallel.dp": a.world, "parallel.zero": zero}.items():
+        C.apply(cfg, k, v)
+    for key in ("dim", "n_layers", "n_heads", "ffn_dim"):
+        if getattr(a, key) is not None:
+            C.apply(cfg, f"model.{key}", getattr(a, key))
+    if a.n_heads is not None:
+        C.apply(cfg, "model.n_kv_heads", a.n_heads)
+    return cfg
+
+
+def meshlm_runner(cfg, world: int):
+    from meshlm.distributed.mesh import init_context, pick_device
+    from meshlm.layout import resolve
+    from meshlm.train.trainer import Trainer
+
+    layout = resolve(cfg, world)
+    ctx = init_context(layout.shape(), pick_device("cpu"))
+    tr = Trainer(cfg, tempfile.mkdtemp(prefix="meshlm-bench-"), ctx, layout)
+    return lambda: float(tr.train_step()["loss_sum"])
+
+
+def torch_runner(cfg, world: int, rank: int, kind: str):
+    """What a torch user writes: DDP(model) or fully_shard per block + root, AdamW, clip_grad_norm_."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshlm.data import GlobalBatchSampler, TokenShards, default_data_dir
+    from meshlm.layout import model_args
+    from meshlm.model import Llama, materialize
+    from meshlm.parallel import cross_entropy
+    from meshlm.train.optim import lr_at
+
+    torch.manual_seed(cfg.training.seed)
+    with torch.device("meta"):
+        model = Llama(model_args(cfg))
+    materialize(model, cfg.training.seed, "cpu")
+    if kind == "torch-ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    o = cfg.optim
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
+    data = TokenShards(default_data_dir(), "train")
+    sampler = GlobalBatchSampler.for_shards(data, cfg.data.seq_len, cfg.training.global_batch, cfg.training.seed)
+    state = {"step": 0}
+
+    def step() -> float:
+        x, y = sampler.next_batch(data, rank, world)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(state["step"], o, cfg.training.steps)
+        loss = cross_entropy(model(x), y)
+        loss.backward()
+        loss = loss.detach()
+        torch.nn.utils.clip_grad_norm_(params, cfg.training.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state["step"] += 1
+        return float(loss)
+    return step
+
+
+def worker(rank: int, world: int, port: int, variant: str, a, out) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import torch.distributed.fsdp
+    import torch.nn.parallel
+
+    import meshlm.train.trainer  # noqa: F401 - every variant imports the same modules before `base`
+    base = _rss()
+    cfg = make_cfg(a, 3 if variant == "meshlm-zero3" else 0)
+    step = (meshlm_runner(cfg, world) if variant.startswith("meshlm")
+            else torch_runner(cfg, world, rank, variant))
+    losses = [step() for _ in range(a.warmup)]
+    dist.barrier()
+    _reset_hwm()
+    times, cpu = [], []
+    for _ in range(a.steps):
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        losses.append(step())
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    peak = _hwm()
+    dist.barrier()
+    out.put((rank, {"times": times, "cpu": cpu, "peak": peak - base, "losses": losses}))
+    dist.destroy_process_group()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_variant(variant: str, a) -> dict:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=worker, args=(r, a.world, port, variant, a, out)) for r in range(a.world)]
+    for p in procs:
+        p.start()
+    res = dict(out.get(timeout=900) for _ in procs)
+    for p in procs:
+        p.join()
+    step_times = [max(res[r]["times"][i] for r in res) for i in range(a.steps)]
+    cpu = [max(res[r]["cpu"][i] for r in res) for i in range(a.steps)]
+    return {"times": step_times, "cpu": cpu, "peak": max(res[r]["peak"] for r in res), "losses": res[0]["losses"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="small")
+    for key in ("dim", "n_layers", "n_heads", "ffn_dim"):
+        ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help=f"override model.{key}")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8, help="global batch (sequences); one micro-batch per rank")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # inherited by the workers
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", "131072")
+    runs: dict[str, list[dict]] = {v: [] for pair in PAIRS for v in pair}
+    for _ in range(a.rounds):
+        for pair in PAIRS:
+            for v in pair:
+                runs[v].append(run_variant(v, a))
+    report = {"config": vars(a), "pairs": []}
+    for mine, theirs in PAIRS:
+        t_m = statistics.median(t for r in runs[mine] for t in r["times"])
+        t_t = statistics.median(t for r in runs[theirs] for t in r["times"])
+        c_m = statistics.median(t for r in runs[mine] for t in r["cpu"])
+        c_t = statistics.median(t for r in runs[theirs] for t in r["cpu"])
+        m_m = statistics.median(r["peak"] for r in runs[mine])
+        m_t = statistics.median(r["peak"] for r in runs[theirs])
+        la, lb = runs[mine][0]["losses"], runs[theirs][0]["losses"]
+        worst = max(abs(x - y) / abs(y) for x, y in zip(la, lb))
+        report["pairs"].append({"meshlm": mine, "torch": theirs, "meshlm_step_s": t_m, "torch_step_s": t_t,
+                                "speed_ratio": t_t / t_m, "meshlm_cpu_s": c_m, "torch_cpu_s": c_t,
+                                "cpu_ratio": c_t / c_m, "meshlm_peak_mib": m_m / 2 ** 20,
+                                "torch_peak_mib": m_t / 2 ** 20, "memory_ratio": m_m / m_t,
+                                "loss_rel_diff": worst})
+    if a.json:
+        print(json.dumps(report, indent=1))
+        return
+    from meshlm.layout import model_args
+    psi = model_args(make_cfg(a, 0)).num_params()
+    custom = ", ".join(f"{k} {getattr(a, k)}" for k in ("dim", "n_layers", "n_heads", "ffn_dim")
+                       if getattr(a, k) is not None)
+    name = f"{a.preset} with {custom}" if custom else a.preset
+    print(f"{name} ({psi / 1e6:.1f}M params), seq {a.seq_len}, global batch {a.batch}, dp={a.world} gloo, "
+          f"{a.rounds}×{a.steps} steps")
+    for p in report["pairs"]:
+        print(f"{p['meshlm']:>13} vs {p['torch']:<11}: step {p['meshlm_step_s'] * 1e3:7.1f} ms vs "
+              f"{p['torch_step_s'] * 1e3:7.1f} ms -> speed ratio {p['speed_ratio']:.3f} (CPU time "
+              f"{p['cpu_ratio']:.3f}); peak "
+              f"{p['meshlm_peak_mib']:6.1f} MiB vs {p['torch_peak_mib']:6.1f} MiB -> memory ratio "
+              f"{p['memory_ratio']:.3f}; losses agree to {p['loss_rel_diff']:.1e}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Collectives with autograd, the building blocks of tensor and sequence parallelism.
+
+Megatron's conjugate pairs: entering a tensor-parallel region is the identity forward and an
+all-reduce of the gradient backward (`copy_to`); leaving it is an all-reduce forward and the identity
+backward (`reduce_from`). Under sequence parallelism the pair becomes all-gather / reduce-scatter along
+the sequence (`gather_seq`, `reduce_scatter_seq`), the same bytes with activations 1/t the size in
+between. Everything goes through a `Comm`, so the bytes are counted where they are sent.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Function
+
+from .comm import Comm
+
+
+def all_gather_dim(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`, in rank order (no autograd)."""
+    shard = x.movedim(dim, 0).contiguous()
+    out = shard.new_empty((comm.size * shard.shape[0],) + tuple(shard.shape[1:]))
+    comm.all_gather(out, shard)
+    return out.movedim(0, dim).contiguous()  # a strided view would be copied by every consumer
+
+
+def reduce_scatter_dim(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+    """Sum `x` over the ranks and keep this rank's 1/size slice along `dim` (no autograd)."""
+    full = x.movedim(dim, 0).contiguous()
+    if full.shape[0] % comm.size:
+        raise ValueError(f"reduce-scatter over '{comm.name}': size {full.shape[0]} along dim {dim} "
+                         f"is not divisible by {comm.size}")
+    out = full.new_empty((full.shape[0] // comm.size,) + tuple(full.shape[1:]))
+    comm.reduce_scatter(out, full)
+    return out.movedim(0, dim).contiguous()
+
+
+def _all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    # A fresh buffer: gradients handed to backward may be shared with other graph branches.
+    out = x.contiguous(memory_format=torch.contiguous_format).clone()
+    comm.all_reduce(out)
+    return out
+
+
+class _CopyTo(Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.comm), None
+
+
+class _ReduceFrom(Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        return _all_reduce(x, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _GatherSeq(Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return all_gather_dim(x, comm, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return reduce_scatter_dim(g, ctx.comm, ctx.dim), None, None
+
+
+class _ReduceScatterSeq(Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return reduce_scatter_dim(x, comm, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather_dim(g, ctx.comm, ctx.dim), None, None
+
+
+class _SumGradOverReplicas(Function):
+    """Identity forward; backward sums the gradient over the ranks that hold the same replica.
+
+    Rank r holds replica `slot = r // rep` of `n = size // rep`: each rank writes its gradient into
+    its slot of a zero buffer, one all-reduce over the whole group sums each slot's replicas, and each
+    rank keeps its slot. No sub-groups needed."""
+
+    @staticmethod
+    def forward(ctx, w, comm, rep):
+        ctx.comm, ctx.rep = comm, rep
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        comm, rep = ctx.comm, ctx.rep
+        slot, n = comm.rank // rep, comm.size // rep
+        buf = g.new_zeros((n,) + tuple(g.shape))
+        buf[slot].copy_(g)
+        comm.all_reduce(buf)
+        return buf[slot].clone(), None, None
+
+
+def copy_to(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Enter a tensor-parallel region: identity forward, all-reduce of the gradient backward."""
+    return x if comm.size == 1 else _CopyTo.apply(x, comm)
+
+
+def reduce_from(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Leave a tensor-parallel region: sum the partial results forward, identity backward."""
+    return x if comm.size == 1 else _ReduceFrom.apply(x, comm)
+
+
+def gather_seq(x: torch.Tensor, comm: Comm, dim: int = 1) -> torch.Tensor:
+    """Sequence-parallel entry: all-gather along `dim` forward, reduce-scatter backward."""
+    return x if comm.size == 1 else _GatherSeq.apply(x, comm, dim)
+
+
+def reduce_scatter_seq(x: torch.Tensor, comm: Comm, dim: int = 1) -> torch.Tensor:
+    """Sequence-parallel exit: reduce-scatter along `dim` forward, all-gather backward."""
+    return x if comm.size == 1 else _ReduceScatterSeq.apply(x, comm, dim)
+
+
+def sum_grad(w: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """A replicated weight used on different data per rank (a norm gain under sequence parallelism):
+    its gradient is the sum over the group."""
+    return w if comm.size == 1 else _CopyTo.apply(w, comm)
+
+
+def sum_grad_over_replicas(w: torch.Tensor, comm: Comm, rep: int) -> torch.Tensor:
+    """A weight replicated on groups of `rep` consecutive ranks (kv heads when tp > n_kv_heads)."""
+    return w if comm.size == 1 or rep == 1 else _SumGradOverReplicas.apply(w, comm, rep)
+
+
+def all_reduce_max(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Element-wise max over the group, no gradient (the softmax shift of a vocab-parallel loss)."""
+    out = x.detach().clone()
+    if comm.size > 1:
+        comm.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out

@@ -1,0 +1,269 @@
+"""The pipeline executor: runs one rank's action list from `build_schedule` on real tensors.
+
+It follows the p2p rules of p2p.py literally: items are taken in list order; a run of adjacent
+SEND/RECV actions is one `Comm.batch_p2p` call, waited before the next compute (so any schedule the
+checker accepts cannot deadlock here). A RECV may come long before its consumer, so received tensors
+wait in `inbox` keyed by (kind, mb, chunk); produced tensors wait in `outbox` until their SEND.
+Activation shapes are known in advance (micro-batch × local sequence × dim, the compute dtype).
+
+Backward kinds: B is one `autograd.backward`; the zero-bubble I and W are in backward.py (I sends
+the input gradient on at once; W later runs only the weight-gradient products).
+
+Gradient sync: every compute runs with `grads.set_sync(False)` except the last weight-producing
+backward (B or W) of each chunk, so DP buckets and ZeRO-1 reductions fire once per step, right after
+each chunk's gradients are final, overlapping the rest of the schedule. With tied embeddings the two
+copies (first and last stage) are summed over the pp group after the schedule, before `finish()`.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ...distributed.comm import Comm
+from .actions import Action
+from .backward import input_backward
+from .p2p import p2p_batches
+
+
+class Stage:
+    """One local chunk: a view over the rank's pruned Llama (the same modules, looked up at call
+    time, so activation checkpointing and compile wrappers apply). Runs what `Llama.forward` runs
+    for these blocks; positions always cover the full sequence (sequence parallelism splits it)."""
+
+    def __init__(self, model: nn.Module, keys: list[str], index: int, first: bool, last: bool):
+        self.model, self.keys, self.index, self.first, self.last = model, keys, index, first, last
+
+    def __call__(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:
+        m = self.model
+        h = m.tok_embeddings(x) if self.first else x
+        cos, sin = m.rope(seq_len, h.device)
+        cos, sin = cos[:seq_len], sin[:seq_len]
+        for k in self.keys:
+            h = m.layers[k](h, cos, sin)
+        if self.last:
+            h = m.output(m.norm(h))
+        return h
+
+    def parameters(self) -> list[nn.Parameter]:
+        mods = ([self.model.tok_embeddings] if self.first else []) + [self.model.layers[k] for k in self.keys]
+        mods += [self.model.norm, self.model.output] if self.last else []
+        seen, out = set(), []
+        for mod in mods:
+            for p in mod.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+
+class PipelineRuntime:
+    """Drives `stages` (this rank's chunks, by chunk index) through `actions[rank]` each step."""
+
+    def __init__(self, stages: list[Stage], actions: list[list[Action]], rank: int, comm: Comm, grads,
+                 loss_fn: Callable, dtype: torch.dtype, device: torch.device,
+                 act_shape: Callable[[int, int], tuple[int, ...]], m: int, tied: nn.Parameter | None = None,
+                 schedule: str = "", split_w: bool = True):
+        self.stages, self.actions, self.rank, self.comm = stages, actions, rank, comm
+        self.p, self.v, self.m = len(actions), len(stages), m
+        self.grads, self.loss_fn, self.dtype, self.device = grads, loss_fn, dtype, device
+        self.act_shape, self.tied, self.schedule, self.split_w = act_shape, tied, schedule, split_w
+        self.items = p2p_batches(actions[rank])
+        self.sync_items = self._sync_points()
+        self.inbox: dict = {}
+        self.outbox: dict = {}
+        self.saved: dict = {}
+        self.deferred: dict = {}
+        self._clock: _Clock | None = None  # spans of the last step, resolved only when read
+
+    def _sync_points(self) -> set[int]:
+        """Item index of the last weight-gradient backward of each chunk (none for a chunk holding a
+        tied-embedding copy: its reduction waits for the exchange after the schedule)."""
+        last: dict[int, int] = {}
+        for i, it in enumerate(self.items):
+            if not isinstance(it, tuple) and it.kind in ("B", "W"):
+                last[it.chunk] = i
+        skip = set()
+        if self.tied is not None:
+            skip = {c for c, st in enumerate(self.stages) if st.first or st.last}
+        return {i for c, i in last.items() if c not in skip}
+
+    # -- one training step ----------------------------------------------------------------------
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+        """All micro-batches of one step on this rank; returns the sum of the micro-batch losses
+        (zero on every stage but the last). Gradients of `scale`·loss accumulate in the params."""
+        if inputs.shape[0] % self.m:
+            raise ValueError(f"pipeline: {inputs.shape[0]} sequences do not split into {self.m} micro-batches")
+        n, seq = inputs.shape[0] // self.m, inputs.shape[1]
+        xs, ys = inputs.split(n), targets.split(n)
+        shape = self.act_shape(n, seq)
+        loss_sum = torch.zeros((), device=self.device)
+        clock = _Clock(self.device)
+        self.grads.set_sync(False)
+        try:
+            for i, it in enumerate(self.items):
+                clock.start()
+                if isinstance(it, tuple):
+                    self._p2p(it, shape)
+                else:
+                    sync = i in self.sync_items
+                    if sync:
+                        self.grads.set_sync(True)
+                    loss = self._compute(it, xs, ys, seq, scale)
+                    if sync:
+                        self.grads.set_sync(False)
+                    if loss is not None:
+                        loss_sum += loss
+                clock.stop()
+        finally:
+            self.grads.set_sync(True)
+        left = [k for box in (self.inbox, self.outbox, self.saved, self.deferred) for k in box]
+        if left:
+            raise RuntimeError(f"pipeline rank {self.rank}: schedule left tensors unconsumed: {left[:4]}")
+        if self.tied is not None:
+            self._sum_tied()
+        self._clock = clock
+        return loss_sum
+
+    def _compute(self, a: Action, xs, ys, seq: int, scale: float):
+        st, key = self.stages[a.chunk], (a.mb, a.chunk)
+        if a.kind == "F":
+            if st.first:
+                x = xs[a.mb]
+            else:
+                x = self.inbox.pop(("F",) + key).requires_grad_(True)
+            out = st(x, seq)
+            loss = None
+            if st.last:
+                loss = self.loss_fn(out, ys[a.mb])
+                out = loss * scale
+                loss = loss.detach()
+            else:
+                self.outbox[("F",) + key] = out.detach()
+            self.saved[key] = (x, out)
+            return loss
+        if a.kind in ("B", "I"):
+            x, out = self.saved.pop(key)
+            g = None if st.last else self.inbox.pop(("B",) + key)
+            if a.kind == "B":
+                torch.autograd.backward(out, g)
+                if not st.first:
+                    self.outbox[("B",) + key] = x.grad
+            else:
+                gx, self.deferred[key] = input_backward(out, g, None if st.first else x, st.parameters(),
+                                                        self.split_w)
+                if gx is not None:
+                    self.outbox[("B",) + key] = gx
+            return None
+        self.deferred.pop(key).weight()  # W
+        return None
+
+    def _p2p(self, batch: tuple[Action, ...], shape: tuple[int, ...]) -> None:
+        ops = []
+        for a in batch:
+            key = (a.kind[-1], a.mb, a.chunk)
+            if a.is_send:
+                ops.append(("send", self.outbox.pop(key).to(self.dtype).contiguous(), a.peer))
+            else:
+                buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+                self.inbox[key] = buf
+                ops.append(("recv", buf, a.peer))
+        self.comm.wait_p2p(self.comm.batch_p2p(ops))
+
+    def _sum_tied(self) -> None:
+        """First and last stage each hold the tied embedding: both end with the sum of their grads."""
+        view = _grad_view(self.grads, self.tied)
+        peer = self.p - 1 if self.rank == 0 else 0
+        other = torch.empty_like(view)
+        self.comm.wait_p2p(self.comm.batch_p2p([("send", view, peer), ("recv", other, peer)]))
+        view.add_(other)
+
+    # -- evaluation -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward of one micro-batch through every stage in order (blocking p2p: stage s waits for
+        s-1, a chain that cannot deadlock). The mean loss on the last stage, zero elsewhere."""
+        seq = x.shape[1]
+        shape = self.act_shape(x.shape[0], seq)
+        loss = torch.zeros((), device=self.device)
+        for st in self.stages:
+            if st.first:
+                h = x
+            else:
+                h = torch.empty(shape, dtype=self.dtype, device=self.device)
+                self.comm.wait_p2p(self.comm.batch_p2p([("recv", h, (self.rank - 1) % self.p)]))
+            out = st(h, seq)
+            if st.last:
+                loss = self.loss_fn(out, y).detach()
+            else:
+                self.comm.wait_p2p(self.comm.batch_p2p([("send", out.to(self.dtype).contiguous(),
+                                                         (self.rank + 1) % self.p)]))
+        return loss
+
+    # -- measured timeline ----------------------------------------------------------------------
+    @property
+    def last_times(self) -> list[tuple[float, float]]:
+        """Wall-clock (start, end) of every item of the last training step (on CUDA this waits for
+        the step's kernels, so it is read at logged steps only)."""
+        return self._clock.spans() if self._clock is not None else []
+
+    def record(self, path: str | None, step: int) -> float:
+        """Gather the last step's timeline over the pp group (a collective: every rank calls it);
+        write the Chrome trace to `path` when given. Returns the measured bubble fraction."""
+        from . import trace
+
+        counts = [len(p2p_batches(acts)) for acts in self.actions]
+        spans = trace.gather_spans(self.comm, self.last_times, counts)
+        bubble = trace.measured_bubble(self.actions, spans)
+        if path is not None:
+            meta = {"schedule": self.schedule, "p": self.p, "m": self.m, "v": self.v, "step": step,
+                    "bubble": bubble}
+            trace.write_chrome_trace(path, self.actions, spans, meta)
+        return bubble
+
+
+class _Clock:
+    """Wall-clock spans of the items of one step. On CUDA the spans come from events on the compute
+    stream (host time says nothing about when kernels ran), anchored to the wall clock once per step
+    by draining that stream (only it: collectives in flight on other streams keep overlapping)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+        if self.cuda:
+            torch.cuda.current_stream(device).synchronize()
+            self.origin = torch.cuda.Event(enable_timing=True)
+            self.origin.record()
+        self.wall0, self.t0 = time.time(), time.perf_counter()
+
+    def _now(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self.marks.append([self._now(), None])
+
+    def stop(self) -> None:
+        self.marks[-1][1] = self._now()
+
+    def spans(self) -> list[tuple[float, float]]:
+        if self.cuda:
+            if self.marks:
+                self.marks[-1][1].synchronize()
+            rel = [(self.origin.elapsed_time(a) / 1e3, self.origin.elapsed_time(b) / 1e3) for a, b in self.marks]
+        else:
+            rel = [(a - self.t0, b - self.t0) for a, b in self.marks]
+        return [(self.wall0 + a, self.wall0 + b) for a, b in rel]
+
+
+def _grad_view(grads, p: nn.Parameter) -> torch.Tensor:
+    """The accumulated full gradient of `p` in the synchroniser's storage (before `finish`)."""
+    bucket_of = getattr(grads, "bucket_of", None)
+    if bucket_of is None or id(p) not in bucket_of:
+        raise RuntimeError("pipeline: tied embeddings need the plain data-parallel gradient buckets")
+    return bucket_of[id(p)].views[id(p)]

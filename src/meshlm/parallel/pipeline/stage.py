@@ -1,0 +1,108 @@
+"""Which transformer blocks each pipeline stage holds (pure Python, shared with the planner).
+
+S = pp × pp_virtual stages in model order; stage s lives on (rank s % pp, chunk s // pp) (actions.py).
+Stage 0 also runs the embedding, stage S-1 the final norm, the head and the loss. Blocks are split
+into contiguous runs so that the slowest stage is as fast as possible: every block costs 1, the
+embedding and the head cost what their FLOPs are worth in blocks (a lookup is free; the head's matmul
+costs vocab·dim against a block's parameter count), so the last stage gets fewer blocks when the
+vocabulary is large. `parallel.pp_layers` overrides the split with an explicit count per stage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .schedules import SCHEDULES, TAKES_VIRTUAL
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Relative forward cost of the pieces, in units of one transformer block."""
+    block: float = 1.0
+    embed: float = 0.0
+    head: float = 0.0
+
+
+def estimate_costs(dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, vocab_size: int) -> StageCosts:
+    """Matmul FLOPs scale with parameter count: the head is worth vocab·dim / (block params)."""
+    hd = dim // n_heads
+    block = dim * hd * (2 * n_heads + 2 * n_kv_heads) + 3 * dim * ffn_dim
+    return StageCosts(1.0, 0.0, vocab_size * dim / block)
+
+
+def partition(n_layers: int, stages: int, costs: StageCosts | None = None,
+              override: list[int] | tuple[int, ...] | None = None) -> list[list[int]]:
+    """Global block indices of every stage (contiguous, in order, at least one block each).
+
+    Raises ValueError (message starts with the config key) when the layers cannot be split.
+    """
+    if stages < 1:
+        raise ValueError(f"parallel.pp: need at least one stage, got {stages}")
+    if override:
+        counts = list(override)
+        if len(counts) != stages:
+            raise ValueError(f"parallel.pp_layers: {len(counts)} entries for {stages} stages "
+                             f"(pp×pp_virtual); give one block count per stage")
+        if any((not isinstance(c, int)) or c < 1 for c in counts):
+            raise ValueError(f"parallel.pp_layers: every stage needs at least one block, got {counts}")
+        if sum(counts) != n_layers:
+            raise ValueError(f"parallel.pp_layers: {counts} sums to {sum(counts)}, the model has {n_layers} layers")
+    else:
+        if n_layers < stages:
+            raise ValueError(f"parallel.pp: {n_layers} layers cannot fill pp×pp_virtual = {stages} stages "
+                             f"(each stage needs at least one block)")
+        counts = _balanced(n_layers, stages, costs or StageCosts())
+    out, start = [], 0
+    for c in counts:
+        out.append(list(range(start, start + c)))
+        start += c
+    return out
+
+
+def _balanced(n: int, s: int, c: StageCosts) -> list[int]:
+    """Minimise the slowest stage, then the spread (sum of squared stage costs); ties keep blocks
+    early. Dynamic programme over (stages used, blocks used): n, s are at most a few hundred."""
+    def cost(stage: int, k: int) -> float:
+        return k * c.block + (c.embed if stage == 0 else 0.0) + (c.head if stage == s - 1 else 0.0)
+
+    inf = (float("inf"), float("inf"))
+    best = [[inf] * (n + 1) for _ in range(s + 1)]
+    choice = [[0] * (n + 1) for _ in range(s + 1)]
+    best[0][0] = (0.0, 0.0)
+    for st in range(1, s + 1):
+        for used in range(st, n - (s - st) + 1):
+            for k in range(1, used - (st - 1) + 1):
+                prev = best[st - 1][used - k]
+                if prev == inf:
+                    continue
+                x = cost(st - 1, k)
+                cand = (round(max(prev[0], x), 9), round(prev[1] + x * x, 9))
+                if cand < best[st][used]:
+                    best[st][used], choice[st][used] = cand, k
+    counts, used = [], n
+    for st in range(s, 0, -1):
+        counts.append(choice[st][used])
+        used -= choice[st][used]
+    return counts[::-1]
+
+
+def check_pipeline(n_layers: int, pp: int, virtual: int, schedule: str, microbatches: int,
+                   pp_layers: list[int], costs: StageCosts | None = None) -> list[list[int]]:
+    """Everything about the pipeline settings that can be refused before workers start."""
+    if pp < 2:
+        if virtual > 1:
+            raise ValueError(f"parallel.pp_virtual: {virtual} chunks per rank need pp > 1")
+        if pp_layers and len(pp_layers) > 1:
+            raise ValueError("parallel.pp_layers: a per-stage split needs pp > 1")
+        return [list(range(n_layers))]
+    if schedule not in SCHEDULES:
+        raise ValueError(f"parallel.pp_schedule: '{schedule}' has no runtime yet; choose from {', '.join(SCHEDULES)}")
+    if schedule in TAKES_VIRTUAL:
+        if virtual < 2:
+            raise ValueError(f"parallel.pp_virtual: schedule '{schedule}' needs >= 2 chunks per rank, got {virtual}")
+        if microbatches % pp:
+            raise ValueError(f"parallel.microbatches: '{schedule}' needs micro-batches divisible by pp; "
+                             f"{microbatches} is not a multiple of {pp}")
+    elif virtual != 1:
+        raise ValueError(f"parallel.pp_virtual: schedule '{schedule}' runs one chunk per rank, got {virtual} "
+                         f"(use 'interleaved')")
+    return partition(n_layers, pp * virtual, costs, pp_layers)

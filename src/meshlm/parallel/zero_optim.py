@@ -1,0 +1,142 @@
+"""AdamW on this rank's shard of every ZeRO unit, on the device or in CPU memory (parallel.offload).
+
+Each unit's fp32 master shard and Adam moments are flat tensors of the shard size; the optimizer sees
+one view per parameter piece (`Unit.segments`), so weight decay stays per tensor (none on 1-D gains, as
+in train/optim.MasterOptimizer) and results match the unsharded optimizer element for element.
+With fp32 compute and no offload the master *is* the parameter shard (no copy). With offload the
+masters, moments and a gradient staging buffer live in (pinned) host memory, the step runs on the CPU
+(fused AdamW where torch has it, else foreach) and the updated shards are copied back asynchronously.
+Checkpoint tensors are full per-parameter tensors gathered over the shard group (DESIGN invariant 3).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import OptimConfig
+from .zero import Unit, Zero
+
+
+def _cpu_fused_adamw() -> bool:
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+        return "cpu" in _get_fused_kernels_supported_devices()
+    except ImportError:
+        return False
+
+
+class ZeroOptimizer:
+    """The optimizer `parallelize` returns for zero >= 1 (same interface as MasterOptimizer)."""
+
+    def __init__(self, zero: Zero, cfg: OptimConfig, offload: bool):
+        self.zero, self.offload = zero, offload
+        self.params = [p for u in zero.units for p in u.params]
+        self.names = [n for u in zero.units for n in u.names]
+        dev = zero.units[0].device
+        pin = offload and torch.cuda.is_available()
+        host = torch.device("cpu") if offload else dev
+        # per unit: (unit, master, grad the optimizer reads, exp_avg, exp_avg_sq)
+        self.slots: list[tuple[Unit, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        decay, no_decay, segs = [], [], []
+        self.bind: list[tuple[Unit, int, int, torch.Tensor]] = []  # segments whose grad is per step
+        for u in zero.units:
+            if not offload and u.shard.dtype == torch.float32:
+                master = u.shard
+            else:
+                master = torch.empty(u.shard_size, dtype=torch.float32, device=host, pin_memory=pin)
+                master.copy_(u.shard)
+            # the optimizer's gradient: a host staging buffer (offload), the persistent shard (zero 1),
+            # or the shard of the step, bound in step() (zero 2-3 free it between steps)
+            grad = torch.zeros(u.shard_size, device=host, pin_memory=pin) if offload else u.grad_shard
+            m = torch.zeros(u.shard_size, device=host, pin_memory=pin)
+            v = torch.zeros(u.shard_size, device=host, pin_memory=pin)
+            self.slots.append((u, master, grad, m, v))
+            for i, s0, s1, _ in u.segments:
+                seg = master[s0:s1]
+                if grad is not None:
+                    seg.grad = grad[s0:s1]
+                else:
+                    self.bind.append((u, s0, s1, seg))
+                (decay if len(u.shapes[i]) >= 2 else no_decay).append(seg)
+                segs.append((seg, m[s0:s1], v[s0:s1]))
+        self.masters = [s[1] for s in self.slots]
+        fused = host.type == "cuda" or (offload and _cpu_fused_adamw())
+        groups = [{"params": g, "weight_decay": wd} for g, wd in ((decay, cfg.weight_decay), (no_decay, 0.0)) if g]
+        if not groups:  # a rank whose shards hold only padding still needs an optimizer
+            groups = [{"params": [torch.zeros(0, device=host)], "weight_decay": 0.0}]
+        self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                     **({"fused": True} if fused else {"foreach": True}))
+        step_dev = host if fused else torch.device("cpu")
+        for seg, m, v in segs:  # moments exist from the start: memory is what it will be, loads fit
+            self.opt.state[seg] = {"step": torch.zeros((), dtype=torch.float32, device=step_dev),
+                                   "exp_avg": m, "exp_avg_sq": v}
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.offload:
+            for u, _, grad, _, _ in self.slots:
+                grad.copy_(u.grad_shard, non_blocking=True)
+            if self.slots[0][0].device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+        for u, s0, s1, seg in self.bind:
+            seg.grad = u.grad_shard[s0:s1]
+        self.opt.step()
+        for *_, seg in self.bind:
+            seg.grad = None
+        self.zero.release_grads()
+        self._publish()
+
+    def _publish(self) -> None:
+        """Masters -> compute shards (host-to-device, async from pinned memory), then zero 1-2 gather."""
+        for u, master, _, _, _ in self.slots:
+            if master is not u.shard:
+                u.shard.copy_(master, non_blocking=True)
+        self.zero.publish()
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        """The parameter memory this rank keeps (Trainer.memory): full flat buffers for zero 1-2, the
+        shards for zero 3 (gathered blocks are transient and show in the peak only)."""
+        return [u.full if self.zero.stage < 3 else u.shard for u, *_ in self.slots]
+
+    def state_bytes(self) -> int:
+        """Adam moments, separate fp32 masters and the offload gradient staging buffers."""
+        seen, total = set(), 0
+        for u, master, grad, m, v in self.slots:
+            for t in (m, v, master if master is not u.shard else None, grad if self.offload else None):
+                if t is not None and (t.data_ptr(), t.device) not in seen:
+                    seen.add((t.data_ptr(), t.device))
+                    total += t.untyped_storage().nbytes()
+        return total
+
+    def step_count(self) -> int:
+        for st in self.opt.state.values():
+            return int(st["step"])
+        return 0
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded over dp_shard) master weights and Adam moments by parameter name."""
+        self.zero.wait_params()
+        out = {}
+        for u, master, _, m, v in self.slots:
+            for kind, t in (("master", master), ("exp_avg", m), ("exp_avg_sq", v)):
+                full = self.zero.gather_flat(u, t)
+                for i, name in enumerate(u.names):
+                    out[f"{kind}/{name}"] = u.view(full, i).clone()
+        return out
+
+    @torch.no_grad()
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor], step: int) -> None:
+        """Keep this rank's piece of each full tensor, then refresh the compute parameters."""
+        self.zero.wait_params()
+        for u, master, _, m, v in self.slots:
+            for i, s0, s1, p0 in u.segments:
+                name = u.names[i]
+                for kind, t in (("master", master), ("exp_avg", m), ("exp_avg_sq", v)):
+                    src = tensors[f"{kind}/{name}"].reshape(-1)[p0:p0 + s1 - s0]
+                    t[s0:s1].copy_(src)
+        for st in self.opt.state.values():
+            st["step"].fill_(float(step))
+        self._publish()
