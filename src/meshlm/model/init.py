@@ -60,7 +60,8 @@ def materialize(model: nn.Module, seed: int, device: torch.device | str, dtype: 
             shape = tuple(full_shapes.get(fqn, p.shape))
             value = init_tensor(canonical_name(fqn), shape, seed, n_layers)
             if fqn in slicers:
-                value = slicers[fqn](value)
+                # clone: a slice is a view, and keeping it would keep the whole tensor's storage alive
+                value = slicers[fqn](value).clone()
             new = nn.Parameter(value.to(device=device, dtype=dtype).contiguous(), requires_grad=p.requires_grad)
             setattr(mod, pname, new)
             seen[id(p)] = new

@@ -205,7 +205,9 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
     sp, params, grads, optim, fixed_buf = _stage_static(shape, s, stage)
     cpu_optim = 0.0
     if s.offload == "optimizer":
-        cpu_optim, optim = optim, 0.0
+        # Host memory holds a separate fp32 master (the device keeps the compute copy), Adam's m and v,
+        # and an fp32 staging buffer for the gradient shard: 16 bytes per sharded parameter.
+        cpu_optim, optim = optim * 16 / state_bytes_per_param(s.precision)[2], 0.0
 
     tokens = s.micro_batch * s.seq_len / s.cp
     t, sq = s.tp, (s.sp and s.tp > 1)
