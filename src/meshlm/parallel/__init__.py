@@ -90,6 +90,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
     if tp is not None:
         grads.set_norm_groups(tp.norm_groups(named))
         par.loss_fn, par.to_full, par.to_local = tp.make_loss_fn(), tp.to_full, tp.to_local
+    elif cfg.training.compile:  # the vocab-parallel loss has collectives inside; the plain one fuses well
+        par.loss_fn = torch.compile(cross_entropy)
     if pipe is not None:
         attach_pipeline(par, pipe, ctx, cfg, layout)
     return par
