@@ -100,6 +100,10 @@ class GradBuckets:
         is a replica that another rank counts (the same groups, in the same order, on every rank)."""
         self.norm_groups = [([id(p) for p in params], comms) for params, comms in groups]
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Gradient storage alive before the optimizer step, for `mem.grads` (ZeRO overrides)."""
+        return self.grad_tensors()
+
     def norm_terms(self) -> list[tuple[list[torch.Tensor], list[Comm]]]:
         """Groups of gradients and the comms they are sharded over: the global squared norm is, per
         group, the sum of squares all-reduced over those comms (replicated copies counted once)."""

@@ -35,6 +35,10 @@ class MasterOptimizer:
                                                      device=m.device if "fused" in kw else "cpu"),
                                  "exp_avg": torch.zeros_like(m), "exp_avg_sq": torch.zeros_like(m)}
 
+    def param_tensors(self) -> list[torch.Tensor]:
+        """The parameter storage this rank keeps (ZeRO's optimizer returns its persistent shards)."""
+        return self.params
+
     def set_lr(self, lr: float) -> None:
         for g in self.opt.param_groups:
             g["lr"] = lr

@@ -106,11 +106,8 @@ class Trainer:
     def memory(self) -> dict:
         """Live bytes on this rank just before the optimizer step (DESIGN: metrics.jsonl `mem`)."""
         opt, grads = self.par.optimizer, self.par.grads
-        # ZeRO: the persistent shards / full buffers, not the model's (possibly freed) parameters
-        params = opt.param_tensors() if hasattr(opt, "param_tensors") else opt.params
-        held = grads.held_tensors() if hasattr(grads, "held_tensors") else grads.grad_tensors()
-        return {"params": tensor_bytes(params),
-                "grads": tensor_bytes(held),
+        return {"params": tensor_bytes(opt.param_tensors()),
+                "grads": tensor_bytes(grads.held_tensors()),
                 "optim": opt.state_bytes(),
                 "peak": peak_bytes(self.ctx.device)}
 
