@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from harness import assert_same_losses, make_config, read_metrics, run_layout, run_local
+from harness import assert_same_losses, make_config, read_metrics, run_local
 from meshlm import config as C
 
 

@@ -73,6 +73,30 @@ def _choice(value: str, allowed: tuple[str, ...], key: str) -> None:
         raise ConfigError(f"{key}: '{value}' is not one of {', '.join(allowed)}")
 
 
+def batch_split(p, t, world: int, flag: str = "--nproc") -> tuple[int, int]:
+    """(dp, accumulation count) of `world` ranks, or a ConfigError naming the key. Shared with the
+    planner, whose `flag` is --gpus."""
+    inner = p.pp * p.cp * p.tp
+    if world % inner:
+        raise ConfigError(f"parallel: pp×cp×tp = {inner} does not divide the world size {world}")
+    dp = world // inner if p.dp == -1 else p.dp
+    if dp < 1:
+        raise ConfigError(f"parallel.dp: must be >= 1 or -1, got {p.dp}")
+    if dp * inner != world:
+        raise ConfigError(f"{flag}: {world} ranks but the layout pp×dp×cp×tp = "
+                          f"{p.pp}×{dp}×{p.cp}×{p.tp} needs {dp * inner}")
+    if t.micro_batch < 1 or t.global_batch < 1:
+        raise ConfigError("training.micro_batch: batch sizes must be >= 1")
+    if t.global_batch % (t.micro_batch * dp):
+        raise ConfigError(f"training.global_batch: {t.global_batch} is not divisible by "
+                          f"micro_batch×dp = {t.micro_batch}×{dp}")
+    accum = t.global_batch // (t.micro_batch * dp)
+    if p.microbatches and p.microbatches != accum:
+        raise ConfigError(f"parallel.microbatches: {p.microbatches} must equal the accumulation count "
+                          f"global_batch/(micro_batch×dp) = {accum}")
+    return dp, accum
+
+
 def resolve(cfg: Config, world_size: int) -> Layout:
     """The layout for `world_size` ranks, or a ConfigError naming the offending key."""
     p, t, tr = cfg.parallel, cfg.training, cfg.model
@@ -92,15 +116,8 @@ def resolve(cfg: Config, world_size: int) -> Layout:
         raise ConfigError("parallel.offload: optimizer offload needs a ZeRO stage that shards the optimizer (zero >= 1)")
     if world_size < 1:
         raise ConfigError(f"--nproc: must be >= 1, got {world_size}")
-    inner = p.pp * p.cp * p.tp
-    if world_size % inner:
-        raise ConfigError(f"parallel: pp×cp×tp = {inner} does not divide the world size {world_size}")
-    dp = world_size // inner if p.dp == -1 else p.dp
-    if dp < 1:
-        raise ConfigError(f"parallel.dp: must be >= 1 or -1, got {p.dp}")
-    if dp * inner != world_size:
-        raise ConfigError(f"--nproc: {world_size} ranks but the layout pp×dp×cp×tp = "
-                          f"{p.pp}×{dp}×{p.cp}×{p.tp} needs {dp * inner}")
+    dp, accum = batch_split(p, t, world_size)
+    microbatches = accum
     group = p.zero_group or dp
     if dp % group:
         raise ConfigError(f"parallel.zero_group: {group} does not divide dp {dp}")
@@ -120,16 +137,6 @@ def resolve(cfg: Config, world_size: int) -> Layout:
         raise ConfigError(f"parallel.pp: {args.n_layers} layers cannot fill pp×pp_virtual = {p.pp * p.pp_virtual} stages")
     if (dp_shard * p.cp) % p.ep:
         raise ConfigError(f"parallel.ep: {p.ep} does not divide dp_shard×cp = {dp_shard * p.cp}")
-    if t.micro_batch < 1 or t.global_batch < 1:
-        raise ConfigError("training.micro_batch: batch sizes must be >= 1")
-    if t.global_batch % (t.micro_batch * dp):
-        raise ConfigError(f"training.global_batch: {t.global_batch} is not divisible by "
-                          f"micro_batch×dp = {t.micro_batch}×{dp}")
-    accum = t.global_batch // (t.micro_batch * dp)
-    microbatches = p.microbatches or accum
-    if microbatches != accum:
-        raise ConfigError(f"parallel.microbatches: {microbatches} must equal the accumulation count "
-                          f"global_batch/(micro_batch×dp) = {accum}")
     if cfg.data.seq_len < 1:
         raise ConfigError(f"data.seq_len: must be >= 1, got {cfg.data.seq_len}")
     if p.pp > 1 or p.pp_virtual > 1 or p.pp_layers:

@@ -1,7 +1,19 @@
-"""Plain PyTorch Llama. Nothing here knows it may be distributed (DESIGN invariant 5)."""
-from .args import PRESETS, ModelArgs
-from .llama import Attention, Block, FeedForward, Llama, RMSNorm
-from .init import init_tensor, materialize
+"""Plain PyTorch Llama. Nothing here knows it may be distributed (DESIGN invariant 5).
 
-__all__ = ["PRESETS", "ModelArgs", "Llama", "Block", "Attention", "FeedForward", "RMSNorm",
-           "init_tensor", "materialize"]
+The modules that need torch load on first use (PEP 562), so torch-free code (the planner, layout
+checks) can import the shapes in `model.args` without paying for torch.
+"""
+from importlib import import_module
+
+from .args import PRESETS, ModelArgs
+
+_LAZY = {"Llama": ".llama", "Block": ".llama", "Attention": ".llama", "FeedForward": ".llama",
+         "RMSNorm": ".llama", "init_tensor": ".init", "materialize": ".init"}
+
+__all__ = ["PRESETS", "ModelArgs", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,8 +1,8 @@
 """Load pure-Python modules of other meshlm packages without running those packages' __init__.
 
-`meshlm.model` and `meshlm.parallel` import torch in their __init__ (and torch imports
-torch.distributed), which plan/ must not do. Their leaf modules `model/args.py` and
-`parallel/pipeline/*.py` are plain Python, so they are loaded here under a private package name
+`meshlm.parallel` imports torch in its __init__ (and torch imports torch.distributed), which plan/
+must not do. Its leaf modules `parallel/pipeline/*.py` (the schedules and the simulator) are plain
+Python, so they are loaded here under a private package name
 whose search path is their directory: relative imports between them keep working, and the real
 packages stay untouched.
 """

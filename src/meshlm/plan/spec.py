@@ -2,7 +2,7 @@
 
 The planner does its own divisibility checks instead of calling `layout.resolve`, because resolve()
 also refuses dimensions whose runtime has not landed yet, and the planner must reason about all of
-them. `model/args.py` is loaded through `_ext` because the `meshlm.model` package imports torch.
+them; the batch arithmetic they share is `layout.batch_split`. Nothing here imports torch.
 """
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..config import Config, ConfigError
+from ..layout import batch_split
+from ..model import args as model_args_module
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 AC_MODES = ("none", "selective", "full")
@@ -23,13 +25,8 @@ class PlanError(ValueError):
     """An impossible layout or bad planner input; the message is one line naming the key."""
 
 
-def _args_module():
-    from ._ext import load
-    return load("model", "args")
-
-
 def presets() -> dict:
-    return _args_module().PRESETS
+    return model_args_module.PRESETS
 
 
 @dataclass(frozen=True)
@@ -151,21 +148,7 @@ def spec_from_config(cfg: Config, world: int) -> Spec:
             raise PlanError(f"parallel.{key}: must be >= 1, got {getattr(p, key)}")
     if world < 1:
         raise PlanError(f"--gpus: must be >= 1, got {world}")
-    inner = p.pp * p.cp * p.tp
-    if world % inner:
-        raise PlanError(f"parallel: pp×cp×tp = {inner} does not divide the GPU count {world}")
-    dp = world // inner if p.dp == -1 else p.dp
-    if dp < 1 or dp * inner != world:
-        raise PlanError(f"--gpus: {world} GPUs but pp×dp×cp×tp = {p.pp}×{p.dp}×{p.cp}×{p.tp} needs {max(dp, 0) * inner}")
-    if t.micro_batch < 1 or t.global_batch < 1:
-        raise PlanError("training.micro_batch: batch sizes must be >= 1")
-    if t.global_batch % (t.micro_batch * dp):
-        raise PlanError(f"training.global_batch: {t.global_batch} is not divisible by micro_batch×dp = "
-                        f"{t.micro_batch}×{dp}")
-    accum = t.global_batch // (t.micro_batch * dp)
-    if p.microbatches and p.microbatches != accum:
-        raise PlanError(f"parallel.microbatches: {p.microbatches} must equal the accumulation count "
-                        f"global_batch/(micro_batch×dp) = {accum}")
+    dp, accum = batch_split(p, t, world, flag="--gpus")
     if p.zero_group and p.zero == 0:
         raise PlanError("parallel.zero_group: HSDP groups need a ZeRO stage (zero >= 1)")
     return Spec(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, zero_group=p.zero_group or dp,
