@@ -97,6 +97,18 @@ def batch_split(p, t, world: int, flag: str = "--nproc") -> tuple[int, int]:
     return dp, accum
 
 
+def check_shape(args: ModelArgs, tp: int, pp: int, pp_virtual: int) -> None:
+    """The model shape against the tp and pp degrees (shared with the planner)."""
+    if args.n_heads % tp:
+        raise ConfigError(f"parallel.tp: {tp} does not divide model.n_heads {args.n_heads}")
+    if args.n_kv_heads % tp and tp % args.n_kv_heads:
+        raise ConfigError(f"parallel.tp: {tp} and model.n_kv_heads {args.n_kv_heads} do not divide one another")
+    if args.ffn_dim % tp:
+        raise ConfigError(f"parallel.tp: {tp} does not divide model.ffn_dim {args.ffn_dim}")
+    if args.n_layers < pp * pp_virtual:
+        raise ConfigError(f"parallel.pp: {args.n_layers} layers cannot fill pp×pp_virtual = {pp * pp_virtual} stages")
+
+
 def resolve(cfg: Config, world_size: int) -> Layout:
     """The layout for `world_size` ranks, or a ConfigError naming the offending key."""
     p, t, tr = cfg.parallel, cfg.training, cfg.model
@@ -124,17 +136,10 @@ def resolve(cfg: Config, world_size: int) -> Layout:
     if p.zero_group and p.zero == 0:
         raise ConfigError("parallel.zero_group: HSDP groups need a ZeRO stage (zero >= 1)")
     dp_shard = group if p.zero else 1
-    if args.n_heads % p.tp:
-        raise ConfigError(f"parallel.tp: {p.tp} does not divide model.n_heads {args.n_heads}")
-    if args.n_kv_heads % p.tp and p.tp % args.n_kv_heads:
-        raise ConfigError(f"parallel.tp: {p.tp} and model.n_kv_heads {args.n_kv_heads} do not divide one another")
-    if args.ffn_dim % p.tp:
-        raise ConfigError(f"parallel.tp: {p.tp} does not divide model.ffn_dim {args.ffn_dim}")
+    check_shape(args, p.tp, p.pp, p.pp_virtual)
     # sp splits the sequence over the tp group; at tp = 1 it is a no-op (docs/tensor_parallel.md)
     if p.sp and p.tp > 1 and cfg.data.seq_len % p.tp:
         raise ConfigError(f"parallel.sp: data.seq_len {cfg.data.seq_len} is not divisible by tp {p.tp}")
-    if args.n_layers < p.pp * p.pp_virtual:
-        raise ConfigError(f"parallel.pp: {args.n_layers} layers cannot fill pp×pp_virtual = {p.pp * p.pp_virtual} stages")
     if (dp_shard * p.cp) % p.ep:
         raise ConfigError(f"parallel.ep: {p.ep} does not divide dp_shard×cp = {dp_shard * p.cp}")
     if cfg.data.seq_len < 1:

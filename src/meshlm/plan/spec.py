@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..config import Config, ConfigError
-from ..layout import batch_split
+from ..layout import batch_split, check_shape
 from ..model import args as model_args_module
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -177,14 +177,7 @@ def check(shape: Shape, s: Spec) -> None:
         raise PlanError("parallel.offload: optimizer offload needs a ZeRO stage that shards the optimizer (zero >= 1)")
     if s.zero_group < 1 or s.dp % s.zero_group:
         raise PlanError(f"parallel.zero_group: {s.zero_group} does not divide dp {s.dp}")
-    if a.n_heads % s.tp:
-        raise PlanError(f"parallel.tp: {s.tp} does not divide model.n_heads {a.n_heads}")
-    if a.n_kv_heads % s.tp and s.tp % a.n_kv_heads:
-        raise PlanError(f"parallel.tp: {s.tp} and model.n_kv_heads {a.n_kv_heads} do not divide one another")
-    if a.ffn_dim % s.tp:
-        raise PlanError(f"parallel.tp: {s.tp} does not divide model.ffn_dim {a.ffn_dim}")
-    if a.n_layers < s.pp * s.pp_virtual:
-        raise PlanError(f"parallel.pp: {a.n_layers} layers cannot fill pp×pp_virtual = {s.pp * s.pp_virtual} stages")
+    check_shape(a, s.tp, s.pp, s.pp_virtual)
     if s.pp_virtual > 1 and s.pp_schedule != "interleaved":
         raise PlanError(f"parallel.pp_virtual: {s.pp_virtual} chunks per rank need pp_schedule = interleaved")
     if s.pp > 1 and s.pp_schedule == "interleaved":
