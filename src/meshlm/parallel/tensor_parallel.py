@@ -23,6 +23,7 @@ from torch import nn
 from ..distributed.comm import Comm
 from ..distributed.functional import (all_gather_dim, copy_to, gather_seq, reduce_from, reduce_scatter_seq,
                                       sum_grad, sum_grad_over_replicas)
+from ..layout import check_shape
 from ..model.init import Slicer, canonical_name
 from ..model.llama import Attention, FeedForward, Llama, RMSNorm
 from .vocab_parallel import VocabParallelEmbedding, VocabParallelLoss, vocab_range
@@ -113,21 +114,11 @@ class TensorParallel:
         return [(sharded, [self.comm]), (replicated, [])]
 
 
-def check(args, tp: int) -> None:
-    """The head and width conditions TP needs (layout.resolve reports them before workers start)."""
-    if args.n_heads % tp:
-        raise ValueError(f"parallel.tp: {tp} does not divide model.n_heads {args.n_heads}")
-    if args.n_kv_heads % tp and tp % args.n_kv_heads:
-        raise ValueError(f"parallel.tp: {tp} and model.n_kv_heads {args.n_kv_heads} do not divide one another")
-    if args.ffn_dim % tp:
-        raise ValueError(f"parallel.tp: {tp} does not divide model.ffn_dim {args.ffn_dim}")
-
-
 def apply_tensor_parallel(model: Llama, comm: Comm, sp: bool) -> TensorParallel:
     """Slice plan + hooks + module swaps on a meta-device model (activation checkpointing may already
     wrap its blocks). Returns what materialize and parallelize need."""
     args, t = model.args, comm.size
-    check(args, t)
+    check_shape(args, t, 1, 1)  # layout.resolve reports these before workers start
     plan = TensorParallel(comm=comm, sp=sp, vocab_size=args.vocab_size)
     enter = (lambda x: gather_seq(x, comm)) if sp else (lambda x: copy_to(x, comm))
     leave = (lambda x: reduce_scatter_seq(x, comm)) if sp else (lambda x: reduce_from(x, comm))
