@@ -99,3 +99,22 @@ def test_prepare_and_report(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 10_000
     code, err = run(capsys, "report", str(tmp_path / "missing"))
     assert code == 2 and "no metrics.jsonl" in err
+
+
+def test_readme_config_block_is_a_valid_config(tmp_path):
+    """The README's example config lists every section and loads as it is (keeps the docs honest)."""
+    import pathlib
+
+    from meshlm import config as C
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    block = readme.split("```toml")[1].split("```")[0]
+    path = tmp_path / "readme.toml"
+    path.write_text(block)
+    cfg = C.load(str(path))
+    assert set(C.to_dict(cfg)) == {"model", "data", "parallel", "training", "optim", "checkpoint", "metrics"}
+    for section, values in C.to_dict(cfg).items():
+        header = f"[{section}]"
+        assert header in block, header
+        for key, value in values.items():
+            if not isinstance(value, dict) and section != "model":
+                assert f"\n{key} = " in block, f"{section}.{key} missing from the README"
