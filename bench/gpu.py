@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 
@@ -58,43 +59,74 @@ def measure(preset: str, mb: int, a, **extra) -> dict:
            "final_loss": recs[-1]["loss"], **{k.split(".")[-1]: v for k, v in extra.items()}}
     if a.profile and trainer.ctx.device.type == "cuda":
         out["top_kernels"] = profile_step(trainer)
-    del trainer
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return out
 
 
-def profile_step(trainer: Trainer, top: int = 15) -> list[dict]:
+def profile_step(trainer: Trainer, top: int = 15) -> dict:
+    """Device time per kernel over one step. Annotation ranges (the optimizer's, compiled regions) show
+    up as device events too; they would count their kernels twice, so they are left out."""
     from torch.profiler import ProfilerActivity, profile
     trainer.train_step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         trainer.train_step(measure=False)
         torch.cuda.synchronize()
-    rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:top]
-    total = sum(e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") or 1
-    return [{"name": e.key[:90], "cuda_ms": e.device_time_total / 1e3, "share": e.device_time_total / total}
-            for e in rows]
+    per_kernel: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False):
+            per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3
+    total = sum(per_kernel.values()) or 1.0
+    rows = sorted(per_kernel.items(), key=lambda kv: kv[1], reverse=True)[:top]
+    return {"kernel_ms": total,
+            "top": [{"name": k[:90], "cuda_ms": ms, "share": ms / total} for k, ms in rows]}
 
 
-def largest_fitting(preset: str, a, **extra) -> dict | None:
-    mb = a.max_micro_batch
-    while mb >= 1:
-        try:
-            return measure(preset, mb, a, **extra)
-        except torch.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            mb //= 2
+def attempt(preset: str, mb: int, a, extra: dict) -> dict | None:
+    """One measurement in a fresh process; None if it ran out of device memory. A process per try
+    because a failed try can leave memory held (compile caches, the exception's frames) that would make
+    every later, smaller try fail too."""
+    spec = json.dumps({"preset": preset, "mb": mb, "extra": extra, "args": vars(a)})
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec],
+                          capture_output=True, text=True)
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    if proc.returncode != 0 or not last.startswith("{"):
+        raise RuntimeError(f"{preset} mb {mb} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    out = json.loads(last)
+    return None if out.get("oom") else out
+
+
+def child(spec: str) -> int:
+    d = json.loads(spec)
+    a = argparse.Namespace(**d["args"])
+    try:
+        out = measure(d["preset"], d["mb"], a, **d["extra"])
+    except torch.OutOfMemoryError:
+        out = {"oom": True}
+    print(json.dumps(out))
+    return 0
+
+
+def largest_fitting(preset: str, a, sizes: list[int], **extra) -> dict | None:
+    """The first micro-batch size in `sizes` (largest first) that trains without running out of memory."""
+    for mb in sizes:
+        r = attempt(preset, mb, a, extra)
+        if r is not None:
+            return r
     return None
 
 
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        return child(sys.argv[2])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="llama3-1b,small,llama3-3b")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--ac", default="selective")
-    ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--max-micro-batch", type=int, default=16)
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="torch.compile per block and the loss (default: on for CUDA)")
+    ap.add_argument("--micro-batches", default="16,8,4,2,1", help="sizes to try, largest first")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra config override for every run, e.g. model.n_layers=18")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--device", default="auto")
@@ -103,13 +135,22 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run for CI")
     ap.add_argument("--offload-compare", default="", metavar="PRESET",
                     help="also run PRESET with and without CPU optimizer offload (zero=1)")
+    ap.add_argument("--offload-micro-batch", type=int, default=1, help="micro-batch of both offload runs")
+    ap.add_argument("--out", default="", help="also write the JSON result to this file")
     a = ap.parse_args()
     if a.smoke:
-        a.presets, a.seq_len, a.max_micro_batch, a.warmup, a.steps = "debug", 32, 2, 1, 3
+        a.presets, a.seq_len, a.micro_batches, a.warmup, a.steps = "debug", 32, "2", 1, 3
         a.device, a.precision = "cpu", "fp32"
+    if a.compile is None:
+        a.compile = pick_device(a.device).type == "cuda"
+    pairs, bad = C.parse_overrides([f"--{kv}" for kv in a.set])
+    if bad:
+        ap.error(f"--set wants KEY=VALUE, got {bad[0]}")
+    overrides = dict(pairs)
+    sizes = [int(x) for x in a.micro_batches.split(",")]
     results = []
-    for preset in a.presets.split(","):
-        r = largest_fitting(preset, a)
+    for preset in [p for p in a.presets.split(",") if p]:
+        r = largest_fitting(preset, a, sizes, **overrides)
         results.append(r or {"preset": preset, "fits": False})
         if not a.json:
             if r is None:
@@ -118,20 +159,26 @@ def main() -> int:
                 print(f"{preset}: mb {r['micro_batch']} x seq {r['seq_len']}: {r['tokens_per_s']:.0f} tok/s, "
                       f"{r['tflops']:.1f} TFLOP/s, MFU {100 * r['mfu']:.1f}% ({r['peak_label']}), "
                       f"peak {r['peak_mem_gib']:.2f} GiB, loss {r['final_loss']:.3f}")
-                for k in r.get("top_kernels", []):
+                if "top_kernels" in r:
+                    print(f"    one profiled step: {r['top_kernels']['kernel_ms']:.1f} ms of kernels")
+                for k in r.get("top_kernels", {}).get("top", []):
                     print(f"    {k['share'] * 100:5.1f}%  {k['cuda_ms']:8.2f} ms  {k['name']}")
     if a.offload_compare:
         for extra in ({}, {"parallel.zero": 1, "parallel.offload": "optimizer"}):
-            r = largest_fitting(a.offload_compare, a, **extra)
+            r = largest_fitting(a.offload_compare, a, [a.offload_micro_batch], **overrides, **extra)
             results.append(r or {"preset": a.offload_compare, "fits": False, **extra})
             if not a.json:
                 label = "offload" if extra else "no offload"
                 print(f"{a.offload_compare} {label}: " + ("does not fit" if r is None else
                       f"mb {r['micro_batch']}, step {r['step_s'] * 1e3:.0f} ms, peak {r['peak_mem_gib']:.2f} GiB"))
+    report = {"torch": torch.__version__,
+              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "compile": a.compile, "ac": a.ac, "results": results}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(report, f, indent=1)
     if a.json:
-        print(json.dumps({"torch": torch.__version__,
-                          "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                          "results": results}))
+        print(json.dumps(report))
     return 0
 
 

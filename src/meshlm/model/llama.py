@@ -44,11 +44,8 @@ class AttentionCore(nn.Module):
     """The softmax(QK^T)V part alone, a module so selective checkpointing can wrap just it."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head across its q heads
-            rep = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Grouped-query attention: SDPA shares each kv head across its q heads without copying them.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class Attention(nn.Module):

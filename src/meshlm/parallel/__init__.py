@@ -73,7 +73,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
                 full_shapes=tp.full_shapes if tp else None, slicers=tp.slicers if tp else None)
     if cfg.training.compile:
         for key, block in list(model.layers.items()):
-            model.layers[key] = torch.compile(block)
+            model.layers[key] = torch.compile(block, dynamic=False)
     named = named_params(model)
     zero = shard_model(model, named, ctx, cfg) if cfg.parallel.zero else None  # ZeRO-1/2/3, HSDP
     opt = zero[0] if zero else make_optimizer(named, cfg.optim, ctx.device)
@@ -91,7 +91,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
         grads.set_norm_groups(tp.norm_groups(named))
         par.loss_fn, par.to_full, par.to_local = tp.make_loss_fn(), tp.to_full, tp.to_local
     elif cfg.training.compile:  # the vocab-parallel loss has collectives inside; the plain one fuses well
-        par.loss_fn = torch.compile(cross_entropy)
+        par.loss_fn = torch.compile(cross_entropy, dynamic=False)
     if pipe is not None:
         attach_pipeline(par, pipe, ctx, cfg, layout)
     return par
