@@ -41,6 +41,7 @@ class ModelConfig:
     max_seq_len: int | None = None
     rope_theta: float | None = None
     tie_embeddings: bool | None = None
+    vocab_multiple: int = 128  # embedding/head rows padded to a multiple of this × tp; 1: no padding
     moe: MoEConfig = field(default_factory=MoEConfig)
 
 

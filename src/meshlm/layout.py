@@ -54,7 +54,8 @@ def model_args(cfg: Config) -> ModelArgs:
     changes = {f.name: getattr(m, f.name) for f in dataclasses.fields(ModelArgs)
                if hasattr(m, f.name) and getattr(m, f.name) is not None}
     args = dataclasses.replace(base, **changes)
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
+                "vocab_multiple"):
         if getattr(args, key) < 1:
             raise ConfigError(f"model.{key}: must be positive, got {getattr(args, key)}")
     if args.dim % args.n_heads:

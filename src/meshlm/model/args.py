@@ -16,13 +16,14 @@ class ModelArgs:
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
+    vocab_multiple: int = 128  # rows of the embedding and head are padded to this × tp (padded_vocab)
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
     def num_params(self) -> int:
-        """Exact parameter count of `Llama(self)` without building it."""
+        """Exact parameter count of `Llama(self)` without building it (the real vocabulary, no padding)."""
         hd = self.head_dim
         attn = self.dim * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
         mlp = 3 * self.dim * self.ffn_dim
@@ -37,6 +38,14 @@ class ModelArgs:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def padded_vocab(vocab_size: int, multiple: int, tp: int = 1) -> int:
+    """Rows the embedding and head really hold: the vocabulary rounded up to multiple·tp, so every tp
+    rank's slice is a multiple of `multiple` (GEMM-friendly shapes; Megatron's
+    make-vocab-size-divisible-by). Padded rows are zeros, never looked up and cut off before the loss."""
+    step = multiple * tp
+    return -(-vocab_size // step) * step
 
 
 PRESETS: dict[str, ModelArgs] = {

@@ -24,6 +24,7 @@ from ..distributed.comm import Comm
 from ..distributed.functional import (all_gather_dim, copy_to, gather_seq, reduce_from, reduce_scatter_seq,
                                       sum_grad, sum_grad_over_replicas)
 from ..layout import check_shape
+from ..model.args import padded_vocab
 from ..model.init import Slicer, canonical_name
 from ..model.llama import Attention, FeedForward, Llama, RMSNorm
 from .vocab_parallel import VocabParallelEmbedding, VocabParallelLoss, vocab_range
@@ -76,10 +77,12 @@ class ReplicatedKVLinear(nn.Linear):
 
 @dataclass
 class TensorParallel:
-    """What `parallelize` needs from TP: materialize inputs, the loss, checkpoint mapping, norm groups."""
+    """What `parallelize` needs from TP: materialize inputs, the loss, checkpoint mapping, norm groups.
+    At tp = 1 (`pad_vocab`) it only pads the vocabulary rows: the same specs, nothing to gather."""
     comm: Comm
     sp: bool
     vocab_size: int
+    vocab_multiple: int = 1
     specs: dict[str, ShardSpec] = field(default_factory=dict)  # by single-process name
     full_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # by module path
     slicers: dict[str, Slicer] = field(default_factory=dict)  # by module path
@@ -91,7 +94,7 @@ class TensorParallel:
         self.slicers[fqn] = lambda full: spec.local(full, rank, tp)
 
     def make_loss_fn(self) -> VocabParallelLoss:
-        return VocabParallelLoss(self.comm, self.vocab_size)
+        return VocabParallelLoss(self.comm, self.vocab_size, self.vocab_multiple)
 
     def to_full(self, name: str, t: torch.Tensor) -> torch.Tensor:
         spec = self.specs.get(name)
@@ -119,7 +122,7 @@ def apply_tensor_parallel(model: Llama, comm: Comm, sp: bool) -> TensorParallel:
     wrap its blocks). Returns what materialize and parallelize need."""
     args, t = model.args, comm.size
     check_shape(args, t, 1, 1)  # layout.resolve reports these before workers start
-    plan = TensorParallel(comm=comm, sp=sp, vocab_size=args.vocab_size)
+    plan = TensorParallel(comm=comm, sp=sp, vocab_size=args.vocab_size, vocab_multiple=args.vocab_multiple)
     enter = (lambda x: gather_seq(x, comm)) if sp else (lambda x: copy_to(x, comm))
     leave = (lambda x: reduce_scatter_seq(x, comm)) if sp else (lambda x: reduce_from(x, comm))
     hd = args.head_dim
@@ -166,21 +169,40 @@ def apply_tensor_parallel(model: Llama, comm: Comm, sp: bool) -> TensorParallel:
     return plan
 
 
-def _vocab_parallel(model: Llama, plan: TensorParallel, enter_hook) -> None:
-    comm, v = plan.comm, model.args.vocab_size
-    start, rows, _ = vocab_range(v, comm.size, comm.rank)
-    spec = ShardSpec(0, v, rows * comm.size)
-    emb = model.tok_embeddings
+def pad_vocab(model: Llama, comm: Comm) -> TensorParallel | None:
+    """tp = 1: pad the embedding and head rows to `padded_vocab` with zeros (the vocab-parallel split with
+    one chunk), or None when the vocabulary already is a multiple. The loss must cut the padded logits."""
+    args = model.args
+    if padded_vocab(args.vocab_size, args.vocab_multiple, comm.size) == args.vocab_size:
+        return None
+    plan = TensorParallel(comm=comm, sp=False, vocab_size=args.vocab_size, vocab_multiple=args.vocab_multiple)
+    _vocab_rows(model, plan)
+    return plan
+
+
+def _vocab_rows(model: Llama, plan: TensorParallel) -> None:
+    """Row specs of the embedding and the head (tied: one parameter, sliced once), whichever this
+    pipeline stage holds."""
+    v = model.args.vocab_size
+    spec = ShardSpec(0, v, padded_vocab(v, plan.vocab_multiple, plan.comm.size))
+    emb, out = model.tok_embeddings, model.output
     if emb is not None:
         plan.shard("tok_embeddings.weight", emb.weight, spec)
-        model.tok_embeddings = VocabParallelEmbedding(emb.weight, comm, start, plan.sp)
-    out = model.output
     if out is not None:
-        if emb is not None and out.weight is emb.weight:  # tied: one parameter, sliced once
+        if emb is not None and out.weight is emb.weight:
             plan.specs["output.weight"] = spec
         else:
             plan.shard("output.weight", out.weight, spec)
-        out.register_forward_pre_hook(enter_hook)
+
+
+def _vocab_parallel(model: Llama, plan: TensorParallel, enter_hook) -> None:
+    comm = plan.comm
+    _vocab_rows(model, plan)
+    if model.tok_embeddings is not None:
+        start = vocab_range(model.args.vocab_size, comm.size, comm.rank, plan.vocab_multiple)[0]
+        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, comm, start, plan.sp)
+    if model.output is not None:
+        model.output.register_forward_pre_hook(enter_hook)
 
 
 def _positions_hook(tp: int):

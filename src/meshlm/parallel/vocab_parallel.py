@@ -1,10 +1,11 @@
 """Vocabulary-parallel embedding and cross-entropy (Megatron-LM's vocab-parallel layers).
 
-The embedding table and the output head are split by rows (vocabulary ids) over the TP group. A
-vocabulary that does not divide evenly is padded at the end; padded rows are never looked up, and
-their logits are cut off before the loss, so they get no gradient and never change the loss. The
-loss never gathers full logits: each rank reduces its slice to a per-token max, sum of exponentials
-and target logit, and only those [tokens]-sized vectors cross the group.
+The embedding table and the output head are split by rows (vocabulary ids) over the TP group. The
+vocabulary is padded at the end to `padded_vocab` rows (a multiple of model.vocab_multiple × tp, so
+every rank's slice has GEMM-friendly rows); padded rows are never looked up, and their logits are cut
+off before the loss, so they get no gradient and never change the loss. The loss never gathers full
+logits: each rank reduces its slice to a per-token max, sum of exponentials and target logit, and only
+those [tokens]-sized vectors cross the group.
 """
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ from torch.autograd import Function
 
 from ..distributed.comm import Comm
 from ..distributed.functional import all_reduce_max, reduce_from, reduce_scatter_seq
+from ..model.args import padded_vocab
 
 
-def vocab_range(vocab_size: int, tp: int, rank: int) -> tuple[int, int, int]:
+def vocab_range(vocab_size: int, tp: int, rank: int, multiple: int = 1) -> tuple[int, int, int]:
     """(first id, rows held, rows that are real ids) of this rank's slice of the padded vocabulary."""
-    rows = -(-vocab_size // tp)
+    rows = padded_vocab(vocab_size, multiple, tp) // tp
     start = rank * rows
     return start, rows, max(0, min(rows, vocab_size - start))
 
@@ -87,9 +89,9 @@ class VocabParallelLoss:
     """`loss_fn(local_logits [B, S, V/t], targets [B, S])`: the mean token loss, equal to
     F.cross_entropy over the full logits up to summation order."""
 
-    def __init__(self, comm: Comm, vocab_size: int):
+    def __init__(self, comm: Comm, vocab_size: int, multiple: int = 1):
         self.comm = comm
-        self.start, self.rows, self.valid = vocab_range(vocab_size, comm.size, comm.rank)
+        self.start, self.rows, self.valid = vocab_range(vocab_size, comm.size, comm.rank, multiple)
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if logits.shape[-1] != self.rows:

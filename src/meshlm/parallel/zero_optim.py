@@ -5,7 +5,10 @@ one view per parameter piece (`Unit.segments`), so weight decay stays per tensor
 in train/optim.MasterOptimizer) and results match the unsharded optimizer element for element.
 With fp32 compute and no offload the master *is* the parameter shard (no copy). With offload the
 masters, moments and a gradient staging buffer live in (pinned) host memory, the step runs on the CPU
-(fused AdamW where torch has it, else foreach) and the updated shards are copied back asynchronously.
+and the updated shards are copied back asynchronously. Fused AdamW wherever torch has it for the
+device the step runs on, else foreach: the same choice as MasterOptimizer (parallel/adamw
+`fused_adamw_supported`), so ZeRO and one process do the same arithmetic, and an fp16 overflow skips
+the step on the device (`found_inf`) without a host read.
 Checkpoint tensors are full per-parameter tensors gathered over the shard group (DESIGN invariant 3).
 """
 from __future__ import annotations
@@ -13,15 +16,8 @@ from __future__ import annotations
 import torch
 
 from ..config import OptimConfig
+from .adamw import adamw_step, fused_adamw_supported
 from .zero import Unit, Zero
-
-
-def _cpu_fused_adamw() -> bool:
-    try:
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-        return "cpu" in _get_fused_kernels_supported_devices()
-    except ImportError:
-        return False
 
 
 class ZeroOptimizer:
@@ -59,7 +55,9 @@ class ZeroOptimizer:
                 (decay if len(u.shapes[i]) >= 2 else no_decay).append(seg)
                 segs.append((seg, m[s0:s1], v[s0:s1]))
         self.masters = [s[1] for s in self.slots]
-        fused = host.type == "cuda" or (offload and _cpu_fused_adamw())
+        self.fused = fused = fused_adamw_supported(host)
+        # offload: the step's found_inf flag, staged to the host with the gradients
+        self.found_inf_host = torch.zeros((), device="cpu", pin_memory=pin) if offload else None
         groups = [{"params": g, "weight_decay": wd} for g, wd in ((decay, cfg.weight_decay), (no_decay, 0.0)) if g]
         if not groups:  # a rank whose shards hold only padding still needs an optimizer
             groups = [{"params": [torch.zeros(0, device=host)], "weight_decay": 0.0}]
@@ -75,19 +73,26 @@ class ZeroOptimizer:
             g["lr"] = lr
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        """`found_inf` (fp16 loss scaling): a device flag, 1.0 to skip this step. Fused, the kernel
+        skips on the device and the unchanged shards are published as after any step; otherwise it
+        is read on the host (parallel/adamw `adamw_step`)."""
         if self.offload:
             for u, _, grad, _, _ in self.slots:
                 grad.copy_(u.grad_shard, non_blocking=True)
+            if found_inf is not None:  # a pinned host copy, complete after the synchronize below
+                self.found_inf_host.copy_(found_inf, non_blocking=True)
+                found_inf = self.found_inf_host
             if self.slots[0][0].device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
         for u, s0, s1, seg in self.bind:
             seg.grad = u.grad_shard[s0:s1]
-        self.opt.step()
+        stepped = adamw_step(self.opt, self.fused, found_inf)
         for *_, seg in self.bind:
             seg.grad = None
         self.zero.release_grads()
-        self._publish()
+        if stepped:
+            self._publish()
 
     def _publish(self) -> None:
         """Masters -> compute shards (host-to-device, async from pinned memory), then zero 1-2 gather."""

@@ -60,13 +60,17 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
                    help="pin a dimension, e.g. --fix tp=8 --fix zero=3 (repeatable)")
     p.add_argument("--emit-config", metavar="FILE", help="write the best layout as a meshlm train config")
+    p.add_argument("--compile", action="store_true",
+                   help="plan for training.compile = true (compiled blocks save fewer activations; "
+                        "also set by the config)")
     p.set_defaults(func=run_plan)
 
 
-def _options(args) -> Options:
+def _options(args, cfg) -> Options:
     if not 0 < args.efficiency <= 1 or not 0 < args.comm_efficiency <= 1:
         raise PlanError("--efficiency / --comm-efficiency: must be in (0, 1]")
-    return Options(efficiency=args.efficiency, comm_efficiency=args.comm_efficiency, flash=not args.no_flash)
+    return Options(efficiency=args.efficiency, comm_efficiency=args.comm_efficiency, flash=not args.no_flash,
+                   compiled=bool(cfg.training.compile))
 
 
 def _gpu(args):
@@ -86,7 +90,7 @@ def run_estimate(args, extra_argv: list[str] | None = None) -> int:
         cfg = C.load(args.config, pairs)
         shape = shape_from_config(cfg)
         spec = spec_from_config(cfg, args.gpus)
-        out = estimate(shape, spec, gpu, _options(args))
+        out = estimate(shape, spec, gpu, _options(args, cfg))
     except (C.ConfigError, PlanError, HardwareError) as e:
         return _fail(str(e))
     if args.json:
@@ -106,7 +110,8 @@ def format_estimate(r: dict, gpu=None) -> str:
              + (f" ({describe(gpu)})" if gpu is not None and gpu.peak_flops else ""),
              "layout: " + ", ".join(f"{k}={v}" for k, v in L.items()),
              (f"memory per GPU, worst rank ({d['stage']} stage, {d['layers']} layers, "
-              f"{d['inflight_microbatches']:g} micro-batches in flight, flash={r['flash']}):")]
+              f"{d['inflight_microbatches']:g} micro-batches in flight, flash={r['flash']}, "
+              f"compiled={r['compiled']}):")]
     for k in ("params", "grads", "optim", "activations", "buffers", "total"):
         lines.append(f"  {k:<12}{_gib(pg[k]):>14}")
     if pg["cpu_optim"]:
@@ -138,6 +143,8 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
         if extra_argv:
             raise PlanError(f"unrecognised argument: {extra_argv[0]}")
         cfg = C.load(args.config) if args.config else C.Config()
+        if args.compile:
+            cfg.training.compile = True
         if args.model:
             cfg.model.preset = args.model
         elif not args.config:
@@ -149,7 +156,7 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
             raise PlanError(f"--top: must be >= 1, got {args.top}")
         gpu = _gpu(args)
         res = plan(shape, gpu, args.gpus, seq, tokens, args.precision, args.top, parse_fix(args.fix),
-                   _options(args))
+                   _options(args, cfg))
     except (C.ConfigError, PlanError, HardwareError) as e:
         return _fail(str(e))
     if args.json:

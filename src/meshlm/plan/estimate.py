@@ -17,7 +17,7 @@ from functools import lru_cache
 
 from . import comm as C
 from .hardware import GIB, GPU
-from .memory import block_params_local, stage_memory, stage_params, state_bytes_per_param
+from .memory import block_params_local, stage_memory, stage_params, state_bytes_per_param, vocab_rows
 from .spec import Shape, Spec, check
 
 
@@ -28,6 +28,7 @@ class Options:
     comm_efficiency: float = 0.8   # achieved fraction of link bandwidth
     flash: bool = True             # fused attention (saves log-sum-exp, not the S×S scores)
     attn_math_bytes: int | None = None  # element size of the unfused attention path (None: activations')
+    compiled: bool = False         # training.compile: blocks and loss save less (plan/memory.py)
     mem_fraction: float = 0.95     # allocator fragmentation headroom
     reserve_gib: float = 2.0       # CUDA context, cuBLAS / NCCL workspaces
     simulate: bool = True          # pipeline bubble from the schedule simulator when it is available
@@ -52,11 +53,9 @@ def bubble_formula(schedule: str, p: int, m: int, v: int, f: float = 1.0, b: flo
 
 
 def _simulator():
-    try:
-        from ._ext import load
-        return load("parallel/pipeline", "schedules").build_schedule, load("parallel/pipeline", "simulate").simulate
-    except (ImportError, FileNotFoundError, AttributeError):
-        return None
+    """The pipeline package's schedules and simulator: plain Python, importable without torch."""
+    from ..parallel.pipeline import build_schedule, simulate
+    return build_schedule, simulate
 
 
 SIM_MAX_UNITS = 2048  # p·m·v above which the simulator (~1 s at 8k units) gives way to the formula
@@ -73,7 +72,7 @@ def bubble_simulated(schedule: str, p: int, m: int, v: int, f: float, b: float, 
     With equal stage costs it reproduces the formulas; it matters for zb-h1, whose bubble depends on
     the F : B : W ratio, and as a cross-check (tests/test_plan.py)."""
     sim = _simulator()
-    if (sim is None or p <= 1 or schedule not in ("gpipe", "1f1b", "interleaved", "zb-h1")
+    if (p <= 1 or schedule not in ("gpipe", "1f1b", "interleaved", "zb-h1")
             or p * m * v > SIM_MAX_UNITS):
         return None
     try:
@@ -99,7 +98,7 @@ def _fwd_flops(shape: Shape, t: int, seq_len: int, layers: int, head: bool) -> t
     attn = 4.0 * a.dim * seq_len / t
     f = layers * (2.0 * active + attn)
     if head:
-        f += 2.0 * (a.vocab_size / t + 1) * a.dim
+        f += 2.0 * (vocab_rows(a, t) + 1) * a.dim  # the head multiplies its padded rows too
     return f, layers * attn
 
 
@@ -210,7 +209,7 @@ def estimate(shape: Shape, s: Spec, gpu: GPU | None = None, o: Options | None = 
     if validate:
         check(shape, s)
     stages = ("only",) if s.pp == 1 else ("first", "last")
-    mems = [stage_memory(shape, s, st, o.flash, o.attn_math_bytes) for st in stages]
+    mems = [stage_memory(shape, s, st, o.flash, o.attn_math_bytes, compiled=o.compiled) for st in stages]
     worst = max(mems, key=lambda x: x["total"])
     usable = o.usable(gpu)
     out = {
@@ -223,6 +222,7 @@ def estimate(shape: Shape, s: Spec, gpu: GPU | None = None, o: Options | None = 
                                           "cpu_optim")},
         "memory_detail": worst["detail"],
         "flash": o.flash,
+        "compiled": o.compiled,
         "hbm_bytes": gpu.hbm_bytes if gpu else None,
         "usable_bytes": usable,
         "fits": None if usable is None else worst["total"] <= usable,
@@ -235,5 +235,5 @@ def estimate(shape: Shape, s: Spec, gpu: GPU | None = None, o: Options | None = 
 def quick(shape: Shape, s: Spec, gpu: GPU, o: Options) -> tuple[float, float]:
     """(worst-rank bytes, predicted step seconds) with the bubble formula: what the search ranks by."""
     stages = ("only",) if s.pp == 1 else ("first", "last")
-    total = max(stage_memory(shape, s, st, o.flash, o.attn_math_bytes)["total"] for st in stages)
+    total = max(stage_memory(shape, s, st, o.flash, o.attn_math_bytes, compiled=o.compiled)["total"] for st in stages)
     return total, time_model(shape, s, gpu, o, simulate=False)["step_s"]

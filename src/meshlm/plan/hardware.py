@@ -24,7 +24,9 @@ class GPU:
     gpus_per_node: int = 8
     pcie_bw: float = 50 * GB   # host link (optimizer offload), bytes/s per direction
     fp32_ratio: float = 0.5    # fp32 matmuls run as TF32: this fraction of the bf16 peak
-    cpu_adam_params_per_s: float = 0.5e9  # CPU AdamW throughput per GPU's share of the host
+    # CPU AdamW throughput per GPU's share of the host: torch's fused CPU AdamW did 4.1-4.8e9 params/s
+    # on the 16 cores beside one H100 (bench/gpu.py --offload-compare, docs/benchmarks.md).
+    cpu_adam_params_per_s: float = 4e9
 
     def peak(self, precision: str) -> float:
         return self.peak_flops * (self.fp32_ratio if precision == "fp32" else 1.0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..model.args import padded_vocab
 from .spec import ACT_BYTES, Shape, Spec
 
 MIB = 2 ** 20
@@ -20,6 +21,16 @@ MIB = 2 ** 20
 
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def vocab_rows(args, tp: int) -> int:
+    """Embedding / head rows on one TP rank: the vocabulary padded as the runtime pads it, split by tp."""
+    return padded_vocab(args.vocab_size, args.vocab_multiple, tp) // tp
+
+
+def vocab_real(args, tp: int) -> int:
+    """Real (unpadded) ids in the largest rank's slice: the logits the loss keeps and saves."""
+    return min(vocab_rows(args, tp), args.vocab_size)
 
 
 # ---------------------------------------------------------------------------------- textbook formulas
@@ -59,18 +70,24 @@ def korthikanti_block_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
 
 def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes: int, tp: int = 1,
                            sp: bool = False, ac: str = "none", flash: bool = True,
-                           attn_math_bytes: int | None = None) -> float:
+                           attn_math_bytes: int | None = None, compiled: bool = False) -> float:
     """Bytes one Block saves for backward on one rank, for `tokens` local tokens (micro_batch×seq/cp).
 
     Per token, with e = act_bytes, t = tp, d' = d/t under sequence parallelism (else d):
       each RMSNorm: its input upcast to fp32 (4d'), rsqrt (4), normalised x (e·d'), and the linear
         layer's input, gathered to the full sequence (e·d);
-      attention, fused kernel (flash): q, k and v repeated to all local heads, output (4·e·d/t) and the
-        log-sum-exp (4·H/t); unfused math path: q, k, v (3·m·d/t, m = attn_math_bytes), the softmax
+      attention, fused kernel (flash): q and the output at all local heads, k and v at the kv heads
+        (SDPA's enable_gqa shares them without repeating: e·(2d + 2·kv)/t), and the log-sum-exp (4·H/t); unfused math path: q, k, v (3·m·d/t, m = attn_math_bytes), the softmax
         probabilities (m·H/t·S), and the output re-laid for wo (e·d/t);
       SwiGLU FFN: gate, up, silu(gate), product (4·e·F/t).
     selective recomputes the attention core and silu(gate)·up: q, k, v at kv-head size and the core
     output remain (e·(2d + 2·kv)/t), FFN keeps 3·e·F/t. full keeps the block input only (e·d').
+
+    `compiled` (training.compile, fused attention, dense FFN): inductor's partitioner recomputes the
+    element-wise ops in backward instead of saving their fp32 intermediates. What remains is the block
+    input (e·d'), the inputs of wq/wk/wv and w1/w3 (2·e·d), q and the wo input (2·e·d/t), k and v
+    (2·e·kv/t), gate and up (2·e·F/t) and the two norms' rsqrt (8 per local token); without AC also the
+    attention output with its log-sum-exp (e·d/t + 4·H/t) and silu(gate)·up (e·F/t).
     """
     a, t, e = shape.args, tp, act_bytes
     d = a.dim
@@ -80,6 +97,12 @@ def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes:
     hq = a.n_heads // t
     dq = hq * a.head_dim
     kvd = _ceil(a.n_kv_heads, t) * a.head_dim
+    if compiled and flash and not shape.moe:
+        f = a.ffn_dim / t
+        saved = e * (dsp + 2 * d + 2 * dq + 2 * kvd + 2 * f) + 8 * dsp / d
+        if ac == "none":
+            saved += e * (dq + f) + 4 * hq
+        return tokens * saved
     norm = 4 * dsp + 4 * dsp / d + e * dsp + e * d
     if ac == "selective":
         attn = e * (2 * dq + 2 * kvd)
@@ -87,7 +110,7 @@ def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes:
     else:
         n_ffn = 4
         if flash:
-            attn = 4 * e * dq + 4 * hq
+            attn = e * (2 * dq + 2 * kvd) + 4 * hq
         else:
             m = attn_math_bytes or e
             attn = 3 * m * dq + m * hq * seq_len + e * dq
@@ -133,7 +156,7 @@ def stage_params(shape: Shape, s: Spec, stage: str) -> StageParams:
     a = shape.args
     layers = _ceil(a.n_layers, s.pp * s.pp_virtual) * s.pp_virtual
     dense_blk, exp_blk = block_params_local(shape, s.tp, s.ep)
-    emb = _ceil(a.vocab_size, s.tp) * a.dim
+    emb = vocab_rows(a, s.tp) * a.dim
     embed = stage in ("first", "only")
     head = stage in ("last", "only")
     dense = layers * dense_blk
@@ -163,8 +186,21 @@ def inflight(schedule: str, p: int, m: int, v: int, rank: int) -> float:
 
 @lru_cache(maxsize=65536)
 def _per_token(shape: Shape, seq_len: int, e: int, t: int, sp: bool, ac: str, flash: bool,
-               amb: int | None) -> float:
-    return block_activation_bytes(shape, 1.0, seq_len, e, t, sp, ac, flash, amb)
+               amb: int | None, compiled: bool = False) -> float:
+    return block_activation_bytes(shape, 1.0, seq_len, e, t, sp, ac, flash, amb, compiled)
+
+
+def head_bytes(a, t: int, dsp: float, e: int, compiled: bool) -> tuple[float, float]:
+    """(saved, loss backward buffer) bytes per local token of the final norm, the head and the loss.
+    Eager: the norm's fp32 input and rsqrt, its output, the head input, the fp32 log-probs (real ids
+    only) and the target ids; backward holds fp32 grads of the log-probs and of the (padded) logits.
+    A compiled loss (tp = 1; the vocab-parallel one has collectives and stays eager) saves the logits
+    in the compute dtype plus two fp32 statistics per token, and its backward writes only the logits'
+    gradient in the compute dtype."""
+    norm_head = 4 * dsp + 4 * dsp / a.dim + e * dsp + e * a.dim + 8
+    if compiled and t == 1:
+        return norm_head + e * vocab_rows(a, t) + 8, e * vocab_rows(a, t)
+    return norm_head + 4 * vocab_real(a, t), (vocab_real(a, t) + vocab_rows(a, t)) * 4
 
 
 def _stage_static(shape: Shape, s: Spec, stage: str) -> tuple:
@@ -198,7 +234,7 @@ def _stage_params_cached(shape: Shape, key: Spec, stage: str) -> StageParams:
 
 
 def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
-                 attn_math_bytes: int | None = None, detail: bool = True) -> dict:
+                 attn_math_bytes: int | None = None, detail: bool = True, compiled: bool = False) -> dict:
     """Bytes on one rank of `stage` ('first', 'last' or 'only'): the per_gpu breakdown plus details."""
     a = shape.args
     e = ACT_BYTES[s.precision]
@@ -212,26 +248,26 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
     tokens = s.micro_batch * s.seq_len / s.cp
     t, sq = s.tp, (s.sp and s.tp > 1)
     dsp = a.dim / t if sq else a.dim
-    blk_tok = _per_token(shape, s.seq_len, e, t, sq, s.ac, flash, attn_math_bytes)
+    blk_tok = _per_token(shape, s.seq_len, e, t, sq, s.ac, flash, attn_math_bytes, compiled)
     blk = blk_tok * tokens
     rank = s.pp - 1 if stage == "last" else 0
     units = inflight(s.pp_schedule, s.pp, s.accum, s.pp_virtual, rank)
     acts = units * sp.layers * blk
     if sp.embed:
         acts += units * tokens * 8  # token ids kept by the embedding backward
-    vocab_local = _ceil(a.vocab_size, t)
-    if sp.head:  # final norm, head input, fp32 log-probs and target ids of the loss
+    head_saved, loss_buf = head_bytes(a, t, dsp, e, compiled)
+    if sp.head:
         head_units = s.accum if (s.pp > 1 and s.pp_schedule == "gpipe") else 1
-        acts += head_units * tokens * (4 * dsp + 4 * dsp / a.dim + e * dsp + e * a.dim + 4 * vocab_local + 8)
+        acts += head_units * tokens * head_saved
 
     buffers: dict[str, float] = {}
     # Backward of one block: full AC first recomputes all of its activations; otherwise gradient
     # temporaries take about half a block's worth while its saved tensors are being released.
     blk_none = blk if s.ac == "none" else tokens * _per_token(shape, s.seq_len, e, t, sq, "none", flash,
-                                                              attn_math_bytes)
+                                                              attn_math_bytes, compiled)
     buffers["backward_working"] = blk_none * (1.0 if s.ac == "full" else 0.5)
-    if sp.head:  # cross-entropy backward: fp32 grads of the log-probs and of the logits, both vocab-sized
-        buffers["loss"] = tokens * vocab_local * 8
+    if sp.head:
+        buffers["loss"] = tokens * loss_buf
     if fixed_buf:
         buffers[fixed_buf[0]] = fixed_buf[1]
     if t > 1:
@@ -257,7 +293,7 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
 def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, v: int, ep: int, zero: int,
                  n: int, dp: int, mb: int, accum: int, schedule: str, seq_len: int, precision: str,
                  cp_impl: str = "ring", bucket_mb: float = 25.0, flash: bool = True,
-                 amb: int | None = None) -> tuple[float, float, dict[str, float]]:
+                 amb: int | None = None, compiled: bool = False) -> tuple[float, float, dict[str, float]]:
     """The same totals as stage_memory, split for the search: (bytes that depend on neither AC nor
     offload, optimizer-state bytes, {ac: activation + backward working-set bytes}). Kept lean because
     the search calls it for every candidate; tests check it against stage_memory."""
@@ -273,11 +309,10 @@ def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, 
     base = params + grads + (fixed_buf[1] if fixed_buf else 0.0)
     if spp.embed:
         base += units * tokens * 8
-    vocab_local = _ceil(a.vocab_size, tp)
     if spp.head:
         head_units = accum if (pp > 1 and schedule == "gpipe") else 1
-        base += head_units * tokens * (4 * dsp + 4 * dsp / a.dim + e * dsp + e * a.dim + 4 * vocab_local + 8)
-        base += tokens * vocab_local * 8
+        head_saved, loss_buf = head_bytes(a, tp, dsp, e, compiled)
+        base += head_units * tokens * head_saved + tokens * loss_buf
     if tp > 1:
         base += 2 * e * a.dim * tokens
     if pp > 1:
@@ -287,20 +322,20 @@ def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, 
         base += 8 * e * kvd * tokens if cp_impl == "ring" else 2 * e * a.dim / tp * tokens
     if ep > 1:
         base += 2 * shape.top_k * shape.capacity_factor * e * a.dim * tokens
-    none = _per_token(shape, seq_len, e, tp, sq, "none", flash, amb) * tokens
+    none = _per_token(shape, seq_len, e, tp, sq, "none", flash, amb, compiled) * tokens
     scale = units * spp.layers
-    acts = {"none": none * (scale + 0.5),
-            "selective": _per_token(shape, seq_len, e, tp, sq, "selective", flash, amb) * tokens * scale + 0.5 * none,
-            "full": _per_token(shape, seq_len, e, tp, sq, "full", flash, amb) * tokens * scale + none}
+    acts = {ac: _per_token(shape, seq_len, e, tp, sq, ac, flash, amb, compiled) * tokens * scale
+            + none * (1.0 if ac == "full" else 0.5) for ac in ("none", "selective", "full")}
     return base, optim, acts
 
 
-def memory(shape: Shape, s: Spec, flash: bool = True, attn_math_bytes: int | None = None) -> dict:
+def memory(shape: Shape, s: Spec, flash: bool = True, attn_math_bytes: int | None = None,
+           compiled: bool = False) -> dict:
     """The worst rank's breakdown (largest total over the first and the last stage)."""
     stages = ("only",) if s.pp == 1 else ("first", "last")
     best = None
     for st in stages:
-        m = stage_memory(shape, s, st, flash, attn_math_bytes)
+        m = stage_memory(shape, s, st, flash, attn_math_bytes, compiled=compiled)
         if best is None or m["total"] > best["total"]:
             best = m
     return best

@@ -175,7 +175,8 @@ def _layouts(shape, gpu, o, fx, want, reject, counts, heap, keep, tie, acs, rate
                             reject("interleaved needs microbatches divisible by pp")
                             continue
                         parts = [stage_totals(shape, st, tp, sp, cp, pp, v, ep, zero, g, dp, mb, m, sched,
-                                              seq_len, precision, cp_impl, 25.0, o.flash, o.attn_math_bytes)
+                                              seq_len, precision, cp_impl, 25.0, o.flash, o.attn_math_bytes,
+                                              o.compiled)
                                  for st in stages]
                         variants = []
                         for off in offs:

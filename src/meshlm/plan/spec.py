@@ -76,7 +76,8 @@ def shape_from_config(cfg: Config) -> Shape:
     fields = {f.name for f in dataclasses.fields(known[m.preset])}
     changes = {k: getattr(m, k) for k in fields if hasattr(m, k) and getattr(m, k) is not None}
     a = dataclasses.replace(known[m.preset], **changes)
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
+                "vocab_multiple"):
         if getattr(a, key) < 1:
             raise PlanError(f"model.{key}: must be positive, got {getattr(a, key)}")
     if a.dim % a.n_heads:

@@ -8,13 +8,15 @@ from torch import nn
 
 from ..config import OptimConfig
 from ..distributed.comm import Comm
+from ..parallel.adamw import adamw_step, fused_adamw_supported
 
 
 class MasterOptimizer:
     """AdamW on fp32 masters. With fp32 compute the master *is* the parameter (no copy); with bf16/fp16
     compute each parameter gets an fp32 master and the update is copied back after the step.
 
-    Weight decay skips 1-D tensors (norm gains), as Megatron and most Llama recipes do.
+    Weight decay skips 1-D tensors (norm gains), as Megatron and most Llama recipes do. Fused AdamW
+    wherever torch has it for the device (see `fused_adamw_supported`), else foreach.
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], cfg: OptimConfig, device: torch.device):
@@ -24,7 +26,8 @@ class MasterOptimizer:
         self.copies = [(m, p) for m, p in zip(self.masters, self.params) if m is not p]
         decay = [m for m in self.masters if m.dim() >= 2]
         no_decay = [m for m in self.masters if m.dim() < 2]
-        kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        self.fused = fused_adamw_supported(device)
+        kw = {"fused": True} if self.fused else {"foreach": True}
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                       {"params": no_decay, "weight_decay": 0.0}],
                                      lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kw)
@@ -44,9 +47,11 @@ class MasterOptimizer:
             g["lr"] = lr
 
     @torch.no_grad()
-    def step(self) -> None:
-        self.opt.step()
-        if self.copies:
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        """`found_inf` (fp16 loss scaling): a device flag, 1.0 to skip this step (see `adamw_step`)."""
+        if not adamw_step(self.opt, self.fused, found_inf):
+            return
+        if self.copies:  # a skipped fused step copies the unchanged masters: same values
             torch._foreach_copy_([p for _, p in self.copies], [m for m, _ in self.copies])
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -97,17 +102,19 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def grad_norm(terms: list[tuple[list[torch.Tensor], list[Comm]]]) -> torch.Tensor:
+def grad_norm(terms: list[tuple[list[torch.Tensor], list[Comm]]],
+              device: torch.device | str | None = None) -> torch.Tensor:
     """Global L2 norm from `GradBuckets.norm_terms()`: each group's sum of squares is all-reduced over
-    the comms that shard it, so every element of the model is counted exactly once."""
+    the comms that shard it, so every element of the model is counted exactly once. `device`: where
+    a group with no gradients on this rank (and the result, if there are no groups) lives."""
     total = None
     for grads, comms in terms:
         sq = torch._foreach_norm(grads, 2.0) if grads else []
-        part = torch.stack([n.float() for n in sq]).pow(2).sum() if sq else torch.zeros(())
+        part = torch.stack([n.float() for n in sq]).pow(2).sum() if sq else torch.zeros((), device=device)
         for c in comms:
             c.all_reduce(part)
         total = part if total is None else total + part.to(total.device)
-    return (total if total is not None else torch.zeros(())).sqrt()
+    return (total if total is not None else torch.zeros((), device=device)).sqrt()
 
 
 @torch.no_grad()
@@ -119,28 +126,44 @@ def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> Non
 
 
 class LossScaler:
-    """Dynamic loss scaling for fp16: skip the step on inf/nan and halve, double after a clean run."""
+    """Dynamic loss scaling for fp16: skip the step on inf/nan and halve (never below 1), double after
+    `growth_interval` clean steps in a row.
 
-    def __init__(self, enabled: bool, init_scale: float = 2.0 ** 16, growth_interval: int = 1000):
+    The scale (fp32, 0-dim) and the clean-step counter (int32) live on the training device and
+    `update` runs there (`torch._amp_update_scale_`, as torch.amp.GradScaler), so a step never waits
+    for the host to learn whether it overflowed. Disabled (bf16/fp32): the scale is 1.0 and the
+    trainer neither multiplies by it nor unscales. `state_dict` reads the device values (checkpoints).
+    """
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0 ** 16, growth_interval: int = 1000,
+                 device: torch.device | str = "cpu"):
         self.enabled = enabled
-        self.scale = init_scale if enabled else 1.0
         self.growth_interval = growth_interval
-        self.good_steps = 0
+        self._scale = torch.full((), init_scale if enabled else 1.0, dtype=torch.float32, device=device)
+        self._good_steps = torch.zeros((), dtype=torch.int32, device=device)
 
-    def update(self, found_inf: bool) -> None:
+    @property
+    def scale(self) -> torch.Tensor:
+        """The current scale: a 0-dim fp32 tensor on the device (1.0 when disabled)."""
+        return self._scale
+
+    @scale.setter
+    def scale(self, value: float | torch.Tensor) -> None:
+        self._scale.fill_(value)
+
+    def inv_scale(self) -> torch.Tensor:
+        return self._scale.reciprocal()
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        """`found_inf`: fp32 0-dim on the scale's device, 1.0 if this step's gradients overflowed."""
         if not self.enabled:
             return
-        if found_inf:
-            self.scale = max(self.scale / 2.0, 1.0)
-            self.good_steps = 0
-        else:
-            self.good_steps += 1
-            if self.good_steps >= self.growth_interval:
-                self.scale *= 2.0
-                self.good_steps = 0
+        torch._amp_update_scale_(self._scale, self._good_steps, found_inf, 2.0, 0.5, self.growth_interval)
+        self._scale.clamp_(min=1.0)
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "good_steps": self.good_steps}
+        return {"scale": float(self._scale), "good_steps": int(self._good_steps)}
 
     def load_state_dict(self, d: dict) -> None:
-        self.scale, self.good_steps = float(d["scale"]), int(d["good_steps"])
+        self._scale.fill_(float(d["scale"]))
+        self._good_steps.fill_(int(d["good_steps"]))

@@ -49,7 +49,7 @@ class Trainer:
             model = Llama(self.args)
         self.par: Parallelized = parallelize(model, ctx, cfg, layout, MasterOptimizer)
         self.model = self.par.model
-        self.scaler = LossScaler(t.precision == "fp16")
+        self.scaler = LossScaler(t.precision == "fp16", device=ctx.device)
         self.step = 0
         self.dp_comm = ctx.comm("dp")
         self.checkpointer = ckpt.Checkpointer(os.path.join(run_dir, "checkpoints"), ctx.comm("world"),
@@ -65,8 +65,12 @@ class Trainer:
         return self.par.loss_fn(self.model(inputs), targets)
 
     def train_step(self, measure: bool = True) -> dict:
-        """One optimizer step. `measure`: count live memory before the optimizer step (log steps only)."""
-        t, par = self.cfg.training, self.par
+        """One optimizer step. `measure`: count live memory before the optimizer step (log steps only).
+
+        No host reads of device values (the speed issue): with fp16 the loss scale, the overflow flag
+        and the skip all stay on the device (the fused optimizer skips itself, see optim.adamw_step).
+        The returned tensors (`loss_sum`, `norm`, `skipped`) are read by `_record` on log steps only."""
+        t, par, scaler = self.cfg.training, self.par, self.scaler
         inputs, targets = self.sampler.next_batch(self.train_data, self.ctx.index("dp"), self.layout.dp)
         if self.ctx.device.type == "cuda":  # async host-to-device copies from pinned memory
             inputs, targets = inputs.pin_memory(), targets.pin_memory()
@@ -76,8 +80,10 @@ class Trainer:
         par.grads.begin_step()
         loss_sum = torch.zeros((), device=self.ctx.device)
         mb, accum = self.layout.micro_batch, self.layout.accum
-        scale = self.scaler.scale / accum
+        # fp16: a 0-dim device tensor (scale / accum); otherwise the plain 1 / accum
+        scale = scaler.scale / accum if scaler.enabled else 1.0 / accum
         if par.forward_backward is not None:  # pipeline: the schedule runs every micro-batch
+            par.pipeline.timed = measure  # its timeline (bubble metric) is read on logged steps only
             loss_sum = par.forward_backward(inputs, targets, scale)
         else:
             for i in range(accum):
@@ -87,21 +93,20 @@ class Trainer:
                 loss_sum += loss.detach()
         par.grads.finish()
         grads = par.grads.grad_tensors()
-        if self.scaler.scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-        norm = grad_norm(par.grads.norm_terms())
-        skipped = False
-        if self.scaler.enabled:
-            skipped = not bool(torch.isfinite(norm))
-            self.scaler.update(skipped)
-        mem = None
-        if not skipped:
-            clip_(grads, norm, t.clip)
-            par.optimizer.set_lr(lr)
-            mem = self.memory() if measure else None
-            par.optimizer.step()
+        if scaler.enabled:
+            torch._foreach_mul_(grads, scaler.inv_scale())
+        norm = grad_norm(par.grads.norm_terms(), self.ctx.device)
+        found_inf = None
+        if scaler.enabled:
+            found_inf = torch.isfinite(norm).logical_not().float()  # 1.0: skip this step (every rank agrees)
+            scaler.update(found_inf)
+        clip_(grads, norm, t.clip)  # harmless on a skipped step: the optimizer ignores the grads
+        par.optimizer.set_lr(lr)
+        mem = self.memory() if measure else None
+        par.optimizer.step(found_inf)
         self.step += 1
-        return {"loss_sum": loss_sum, "norm": norm, "lr": lr, "skipped": skipped, "mem": mem}
+        return {"loss_sum": loss_sum, "norm": norm, "lr": lr,
+                "skipped": found_inf if found_inf is not None else False, "mem": mem}
 
     def memory(self) -> dict:
         """Live bytes on this rank just before the optimizer step (DESIGN: metrics.jsonl `mem`)."""
@@ -210,8 +215,8 @@ class Trainer:
         if self.par.pipeline is not None:  # measured bubble; rank 0 writes the step's Chrome trace
             path = os.path.join(self.run_dir, "pipeline_trace.json") if self.ctx.is_logger else None
             rec["bubble"] = self.par.pipeline.record(path, self.step)
-        if out["skipped"]:
+        if bool(out["skipped"]):  # a device flag with fp16: read here, where the step has synced anyway
             rec["skipped"] = True
-            rec["loss_scale"] = self.scaler.scale
+            rec["loss_scale"] = float(self.scaler.scale)
         return rec
 

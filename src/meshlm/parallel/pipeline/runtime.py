@@ -77,6 +77,9 @@ class PipelineRuntime:
         self.saved: dict = {}
         self.deferred: dict = {}
         self._clock: _Clock | None = None  # spans of the last step, resolved only when read
+        # Time the next step? On CUDA the clock drains the compute stream once per timed step, so the
+        # trainer turns it on for logged steps only (they are the ones whose bubble it reports).
+        self.timed = True
 
     def _sync_points(self) -> set[int]:
         """Item index of the last weight-gradient backward of each chunk (none for a chunk holding a
@@ -91,7 +94,8 @@ class PipelineRuntime:
         return {i for c, i in last.items() if c not in skip}
 
     # -- one training step ----------------------------------------------------------------------
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
+                         scale: float | torch.Tensor) -> torch.Tensor:
         """All micro-batches of one step on this rank; returns the sum of the micro-batch losses
         (zero on every stage but the last). Gradients of `scale`·loss accumulate in the params."""
         if inputs.shape[0] % self.m:
@@ -100,11 +104,12 @@ class PipelineRuntime:
         xs, ys = inputs.split(n), targets.split(n)
         shape = self.act_shape(n, seq)
         loss_sum = torch.zeros((), device=self.device)
-        clock = _Clock(self.device)
+        clock = _Clock(self.device) if self.timed else None
         self.grads.set_sync(False)
         try:
             for i, it in enumerate(self.items):
-                clock.start()
+                if clock is not None:
+                    clock.start()
                 if isinstance(it, tuple):
                     self._p2p(it, shape)
                 else:
@@ -116,7 +121,8 @@ class PipelineRuntime:
                         self.grads.set_sync(False)
                     if loss is not None:
                         loss_sum += loss
-                clock.stop()
+                if clock is not None:
+                    clock.stop()
         finally:
             self.grads.set_sync(True)
         left = [k for box in (self.inbox, self.outbox, self.saved, self.deferred) for k in box]
@@ -127,7 +133,7 @@ class PipelineRuntime:
         self._clock = clock
         return loss_sum
 
-    def _compute(self, a: Action, xs, ys, seq: int, scale: float):
+    def _compute(self, a: Action, xs, ys, seq: int, scale: float | torch.Tensor):
         st, key = self.stages[a.chunk], (a.mb, a.chunk)
         if a.kind == "F":
             if st.first:

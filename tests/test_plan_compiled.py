@@ -1,0 +1,83 @@
+"""The planner's memory model for `training.compile = true`: per-block saved tensors against saved-tensor
+hooks on compiled blocks (CPU inductor), and whole-GPU peaks against the H100 runs in docs/benchmarks.md."""
+from __future__ import annotations
+
+import pytest
+
+from meshlm.model.args import ModelArgs
+from meshlm.plan.estimate import Options, estimate
+from meshlm.plan.hardware import get_gpu
+from meshlm.plan.memory import block_activation_bytes
+from meshlm.plan.spec import Shape, Spec, presets
+
+GIB = 2 ** 30
+SHAPES = [(2, 64, 64, 4, 2, 160), (1, 128, 96, 6, 6, 256)]  # (micro_batch, seq, dim, heads, kv heads, ffn)
+
+
+def _compiled_block_bytes(torch, ac, dtype, b, s, d, h, kv, ffn) -> int:
+    """Bytes a compiled block 0 saves for backward: distinct storages, without parameters, RoPE tables
+    and the CPU generator state that checkpointing keeps (uint8, a fixed 5 KB per region)."""
+    from meshlm.model.llama import Llama
+    from meshlm.parallel.activation_checkpoint import apply_ac
+    args = ModelArgs(dim=d, n_layers=1, n_heads=h, n_kv_heads=kv, ffn_dim=ffn, vocab_size=64, max_seq_len=s)
+    torch.manual_seed(0)
+    model = Llama(args).to(dtype)
+    apply_ac(model, ac)
+    block = torch.compile(model.layers["0"], dynamic=False)
+    cos, sin = model.rope(s, torch.device("cpu"))
+    cos, sin = cos[:s], sin[:s]
+    skip = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + [cos, sin]}
+    x = torch.randn(b, s, d, dtype=dtype, requires_grad=True)
+    block(x, cos, sin)  # compile outside the measurement
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip and t.dtype != torch.uint8:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = block(x, cos, sin)
+    y.float().sum().backward()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("ac", ["none", "selective", "full"])
+def test_compiled_block_activations_match_saved_tensors(ac):
+    torch = pytest.importorskip("torch")
+    for b, s, d, h, kv, ffn in SHAPES:
+        measured = _compiled_block_bytes(torch, ac, torch.bfloat16, b, s, d, h, kv, ffn)
+        sh = Shape(ModelArgs(dim=d, n_layers=1, n_heads=h, n_kv_heads=kv, ffn_dim=ffn, vocab_size=64,
+                             max_seq_len=s))
+        predicted = block_activation_bytes(sh, b * s, s, 2, ac=ac, compiled=True)
+        eager = block_activation_bytes(sh, b * s, s, 2, ac=ac)
+        assert abs(predicted - measured) / measured < 0.02, (ac, (b, s, d, h, kv), predicted, measured)
+        if ac != "full":  # compile's saving is real, so the two models must differ
+            assert predicted < 0.9 * eager
+
+
+# Peak GPU memory of bench/gpu.py runs on one H100 80GB, torch 2.11 (docs/benchmarks.md, 2026-11-22):
+# (preset, n_layers, micro_batch, ac, compile, offload, measured GiB)
+H100_RUNS = [
+    ("llama3-1b", None, 16, "selective", True, False, 63.94),
+    ("llama3-1b", None, 8, "none", True, False, 47.39),
+    ("llama3-1b", None, 8, "selective", False, False, 67.02),
+    ("llama3-3b", None, 4, "selective", True, False, 72.47),
+    ("small", None, 64, "none", True, False, 8.07),
+    ("llama3-1b", None, 16, "selective", True, True, 50.13),
+    ("llama3-8b", 18, 1, "full", True, True, 29.83),
+]
+
+
+@pytest.mark.parametrize("run", H100_RUNS, ids=lambda r: f"{r[0]}-mb{r[2]}-{r[3]}-c{int(r[4])}-o{int(r[5])}")
+def test_planner_peak_matches_h100_runs(run):
+    import dataclasses
+    preset, layers, mb, ac, compiled, offload, measured = run
+    args = presets()[preset]
+    shape = Shape(dataclasses.replace(args, n_layers=layers) if layers else args, name=preset)
+    spec = Spec(micro_batch=mb, seq_len=2048, ac=ac, precision="bf16", zero=1 if offload else 0,
+                offload="optimizer" if offload else "none")
+    out = estimate(shape, spec, get_gpu("h100"), Options(compiled=compiled))
+    predicted = out["per_gpu"]["total"] / GIB
+    assert abs(predicted - measured) / measured < 0.03, (run, predicted)
