@@ -80,6 +80,36 @@ def profile_step(trainer: Trainer, top: int = 15) -> dict:
             "top": [{"name": k[:90], "cuda_ms": ms, "share": ms / total} for k, ms in rows]}
 
 
+SYNC_CHECKS = {"fp16": {"training.precision": "fp16"}, "bf16": {"training.precision": "bf16"},
+               "fp16-zero2": {"training.precision": "fp16", "parallel.zero": 2}}
+
+
+def sync_check(a) -> dict[str, str]:
+    """Train steps under torch's CUDA sync checker: anything inside `train_step` that waits for the GPU
+    (item(), a copy to pageable memory, a data-dependent shape) raises. Includes an fp16 overflow step,
+    which the fused optimizer must skip on the device. {layout: "ok" or the error}."""
+    out = {}
+    for name, extra in SYNC_CHECKS.items():
+        trainer, _ = build("debug", 128, 4, 10, a, **extra)
+        trainer.train_step(measure=False)  # lazy CUDA / cuBLAS / compile initialisation
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(2):
+                trainer.train_step(measure=False)
+            if trainer.scaler.enabled:
+                trainer.scaler.scale = 2.0 ** 40
+                skipped = trainer.train_step(measure=False)["skipped"]
+            out[name] = "ok"
+        except RuntimeError as e:
+            out[name] = str(e).splitlines()[0]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if trainer.scaler.enabled and out[name] == "ok" and not bool(skipped):
+            out[name] = "the overflow step was not skipped"
+    return out
+
+
 def attempt(preset: str, mb: int, a, extra: dict) -> dict | None:
     """One measurement in a fresh process; None if it ran out of device memory. A process per try
     because a failed try can leave memory held (compile caches, the exception's frames) that would make
@@ -137,10 +167,14 @@ def main() -> int:
                     help="also run PRESET with and without CPU optimizer offload (zero=1)")
     ap.add_argument("--offload-micro-batch", type=int, default=1, help="micro-batch of both offload runs")
     ap.add_argument("--out", default="", help="also write the JSON result to this file")
+    ap.add_argument("--sync-check", action="store_true",
+                    help="also run train steps under torch's CUDA sync checker (CUDA only)")
     a = ap.parse_args()
     if a.smoke:
         a.presets, a.seq_len, a.micro_batches, a.warmup, a.steps = "debug", 32, "2", 1, 3
         a.device, a.precision = "cpu", "fp32"
+    if a.sync_check and pick_device(a.device).type != "cuda":
+        ap.error("--sync-check needs a CUDA device")
     if a.compile is None:
         a.compile = pick_device(a.device).type == "cuda"
     pairs, bad = C.parse_overrides([f"--{kv}" for kv in a.set])
@@ -171,6 +205,14 @@ def main() -> int:
                 label = "offload" if extra else "no offload"
                 print(f"{a.offload_compare} {label}: " + ("does not fit" if r is None else
                       f"mb {r['micro_batch']}, step {r['step_s'] * 1e3:.0f} ms, peak {r['peak_mem_gib']:.2f} GiB"))
+    failed = False
+    if a.sync_check:
+        checks = sync_check(a)
+        failed = any(v != "ok" for v in checks.values())
+        results.append({"sync_check": checks})
+        if not a.json:
+            for k, v in checks.items():
+                print(f"sync check {k}: {v}")
     report = {"torch": torch.__version__,
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "compile": a.compile, "ac": a.ac, "results": results}
@@ -179,7 +221,7 @@ def main() -> int:
             json.dump(report, f, indent=1)
     if a.json:
         print(json.dumps(report))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

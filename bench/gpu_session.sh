@@ -48,6 +48,7 @@ offload)
 checks)
   # The user's path on CUDA (CLI, default data, bf16 and fp16), the cost of offload where both fit,
   # and what compile buys.
+  timeout 200 $PY bench/gpu.py --presets "" --sync-check
   timeout 120 $PY -m meshlm.cli train --run-dir /tmp/meshlm-cli --model.preset small --training.steps 40 \
       --training.precision bf16 --training.compile true --metrics.progress false
   timeout 120 $PY -m meshlm.cli train --run-dir /tmp/meshlm-fp16 --model.preset small --training.steps 40 \
