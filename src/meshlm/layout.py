@@ -46,7 +46,9 @@ class Layout:
                 "cp": self.cp, "tp": self.tp}
 
 
-def model_args(cfg: Config) -> ModelArgs:
+def model_args(cfg: Config, moe: bool = False) -> ModelArgs:
+    """The preset with the model section's overrides, checked. `moe`: accept mixture-of-experts keys
+    (the planner sizes MoE models; training refuses them until expert parallelism lands)."""
     m = cfg.model
     if m.preset not in PRESETS:
         raise ConfigError(f"model.preset: unknown preset '{m.preset}' (known: {', '.join(PRESETS)})")
@@ -64,7 +66,7 @@ def model_args(cfg: Config) -> ModelArgs:
         raise ConfigError(f"model.n_heads: head_dim {args.head_dim} must be even for RoPE")
     if args.n_heads % args.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads: {args.n_kv_heads} does not divide model.n_heads {args.n_heads}")
-    if m.moe.num_experts:
+    if m.moe.num_experts and not moe:
         raise ConfigError("model.moe.num_experts: mixture-of-experts is not implemented yet")
     return args
 

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..config import Config, ConfigError
-from ..layout import batch_split, check_shape
+from ..layout import batch_split, check_shape, model_args
 from ..model import args as model_args_module
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -68,22 +68,8 @@ class Shape:
 
 
 def shape_from_config(cfg: Config) -> Shape:
-    """The model section as a Shape; the same rules as layout.model_args, MoE allowed."""
-    m = cfg.model
-    known = presets()
-    if m.preset not in known:
-        raise PlanError(f"model.preset: unknown preset '{m.preset}' (known: {', '.join(known)})")
-    fields = {f.name for f in dataclasses.fields(known[m.preset])}
-    changes = {k: getattr(m, k) for k in fields if hasattr(m, k) and getattr(m, k) is not None}
-    a = dataclasses.replace(known[m.preset], **changes)
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
-                "vocab_multiple"):
-        if getattr(a, key) < 1:
-            raise PlanError(f"model.{key}: must be positive, got {getattr(a, key)}")
-    if a.dim % a.n_heads:
-        raise PlanError(f"model.n_heads: {a.n_heads} does not divide model.dim {a.dim}")
-    if a.n_heads % a.n_kv_heads:
-        raise PlanError(f"model.n_kv_heads: {a.n_kv_heads} does not divide model.n_heads {a.n_heads}")
+    """The model section as a Shape: layout.model_args' checks, MoE allowed (the planner sizes it)."""
+    a, m = model_args(cfg, moe=True), cfg.model
     moe = m.moe
     if moe.num_experts < 0 or (moe.num_experts and not 1 <= moe.top_k <= moe.num_experts):
         raise PlanError(f"model.moe.top_k: {moe.top_k} must be between 1 and num_experts {moe.num_experts}")
