@@ -83,8 +83,18 @@ def test_parameter_split_over_stages_and_tp():
     assert stage_params(sh, Spec(), "only").dense == psi
     first, last = (stage_params(sh, Spec(pp=4), st) for st in ("first", "last"))
     a = sh.args
-    assert first.layers == 8 and first.embed and last.head
-    assert first.dense == pytest.approx(psi / 4 + a.vocab_size * a.dim * 0.75 - a.dim / 4 - a.vocab_size * a.dim / 4, rel=0.01)
+    # the runtime's split (parallel/pipeline/stage.py): the 128k-row head is worth ~2.4 blocks, so the
+    # last stage gets fewer blocks than the first
+    from meshlm.parallel.pipeline.stage import estimate_costs, partition
+    runtime = partition(a.n_layers, 4, estimate_costs(a.dim, a.n_heads, a.n_kv_heads, a.ffn_dim, a.vocab_size))
+    assert (first.layers, last.layers) == (len(runtime[0]), len(runtime[-1])) == (9, 6)
+    assert first.embed and last.head and not first.head and not last.embed
+    block = (psi - 2 * a.vocab_size * a.dim - a.dim) / a.n_layers
+    assert first.dense == pytest.approx(9 * block + a.vocab_size * a.dim)
+    assert last.dense == pytest.approx(6 * block + a.vocab_size * a.dim + a.dim)
+    # interleaved: rank 0 holds stages 0 and 4 of 8
+    v2 = partition(a.n_layers, 8, estimate_costs(a.dim, a.n_heads, a.n_kv_heads, a.ffn_dim, a.vocab_size))
+    assert stage_params(sh, Spec(pp=4, pp_virtual=2), "first").layers == len(v2[0]) + len(v2[4])
     t8 = stage_params(sh, Spec(tp=8), "only").dense
     norms = (2 * a.n_layers + 1) * a.dim
     # 128256 ids pad to 129024 rows at tp=8 (16128 per rank)
@@ -150,12 +160,25 @@ def test_estimate_memory_only_and_text(capsys, tmp_path):
     (["--gpus", "4", "--gpu", "tpu"], "--gpu"),
     (["--gpu", "custom"], "--peak-tflops"),
     (["--bogus", "1"], "unrecognised"),
+    (["--gpu", "h100", "--cpu-adam-gparams", "0"], "--cpu-adam-gparams: must be positive"),
     (["--training.global_batch", "6", "--gpus", "4", "--training.micro_batch", "1"], "training.global_batch"),
 ])
 def test_estimate_bad_input_is_one_line(capsys, argv, needle):
     assert _run(["estimate"] + argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err
+
+
+def test_cpu_adam_rate_sets_the_offload_time(capsys):
+    """--cpu-adam-gparams: the host AdamW share of an offloaded step scales as 1/rate."""
+    argv = ["estimate", "--json", "--gpu", "h100", "--model.preset", "llama3-1b", "--training.micro_batch", "1",
+            "--training.global_batch", "1", "--parallel.zero", "1", "--parallel.offload", "optimizer"]
+    times = {}
+    for rate in ("1", "4"):
+        assert _run(argv + ["--cpu-adam-gparams", rate]) == 0
+        times[rate] = json.loads(capsys.readouterr().out)["time"]["offload_s"]
+    psi = _shape("llama3-1b").num_params()
+    assert times["1"] - times["4"] == pytest.approx(psi / 1e9 - psi / 4e9, rel=1e-6)
 
 
 def test_checks_without_resolve():

@@ -33,6 +33,8 @@ def _hardware_flags(p: argparse.ArgumentParser, gpu_required: bool) -> None:
     g.add_argument("--nvlink-gbps", type=float, help="intra-node bandwidth per GPU per direction, GB/s")
     g.add_argument("--ib-gbps", type=float, help="inter-node bandwidth per GPU per direction, GB/s")
     g.add_argument("--pcie-gbps", type=float, help="host link per GPU, GB/s (optimizer offload)")
+    g.add_argument("--cpu-adam-gparams", type=float,
+                   help="host AdamW throughput per GPU, G params/s (optimizer offload; default 2)")
     m = p.add_argument_group("model assumptions (docs/planner.md)")
     m.add_argument("--efficiency", type=float, default=Options.efficiency,
                    help="achievable fraction of peak FLOP/s for the model's math (default %(default)s)")
@@ -75,7 +77,7 @@ def _options(args, cfg) -> Options:
 
 def _gpu(args):
     flags = {k: getattr(args, k, None) for k in ("peak_tflops", "hbm_gb", "hbm_tbps", "nvlink_gbps", "ib_gbps",
-                                                 "pcie_gbps", "gpus_per_node")}
+                                                 "pcie_gbps", "gpus_per_node", "cpu_adam_gparams")}
     return get_gpu(args.gpu, **flags)
 
 

@@ -24,9 +24,10 @@ class GPU:
     gpus_per_node: int = 8
     pcie_bw: float = 50 * GB   # host link (optimizer offload), bytes/s per direction
     fp32_ratio: float = 0.5    # fp32 matmuls run as TF32: this fraction of the bf16 peak
-    # CPU AdamW throughput per GPU's share of the host: torch's fused CPU AdamW did 4.1-4.8e9 params/s
-    # on the 16 cores beside one H100 (bench/gpu.py --offload-compare, docs/benchmarks.md).
-    cpu_adam_params_per_s: float = 4e9
+    # CPU AdamW throughput per GPU's share of the host (--cpu-adam-gparams). It is memory-bound (~28 B of
+    # host traffic per parameter): torch's fused CPU AdamW did 4.1-4.8e9 params/s on a 16-core host that
+    # served one H100 (docs/benchmarks.md); on an 8-GPU node the host's ~400 GB/s is shared 8 ways.
+    cpu_adam_params_per_s: float = 2e9
 
     def peak(self, precision: str) -> float:
         return self.peak_flops * (self.fp32_ratio if precision == "fp32" else 1.0)
@@ -51,6 +52,7 @@ FLAG_FIELDS = {
     "ib_gbps": ("ib_bw", GB),
     "pcie_gbps": ("pcie_bw", GB),
     "gpus_per_node": ("gpus_per_node", 1),
+    "cpu_adam_gparams": ("cpu_adam_params_per_s", 1e9),
 }
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..model.args import padded_vocab
+from ..parallel.pipeline.stage import estimate_costs, partition
 from .spec import ACT_BYTES, Shape, Spec
 
 MIB = 2 ** 20
@@ -150,11 +151,27 @@ def block_params_local(shape: Shape, tp: int, ep: int = 1) -> tuple[float, float
     return attn + 2 * a.dim + mlp, 0.0
 
 
+def stage_layers(a, pp: int, v: int, stage: str) -> int:
+    """Blocks on the first or the last pipeline rank over its v chunks, split exactly as the runtime
+    splits them (parallel/pipeline/stage.py: the head costs vocab·dim, so the last stage gets fewer
+    blocks). Layer counts that cannot be split fall back to ceil(L/(pp·v)) per chunk; check() reports them."""
+    if pp == 1:
+        return a.n_layers
+    try:
+        blocks = partition(a.n_layers, pp * v,
+                           estimate_costs(a.dim, a.n_heads, a.n_kv_heads, a.ffn_dim, a.vocab_size))
+    except ValueError:
+        return _ceil(a.n_layers, pp * v) * v
+    rank = pp - 1 if stage == "last" else 0
+    return sum(len(blocks[c * pp + rank]) for c in range(v))
+
+
 def stage_params(shape: Shape, s: Spec, stage: str) -> StageParams:
-    """stage: 'first', 'last' or 'only' (pp = 1). The worst rank holds ceil(L/(pp·v)) layers per chunk.
-    Tied embeddings are stored once with pp = 1 and on both end stages otherwise."""
+    """stage: 'first', 'last' or 'only' (pp = 1). The first and the last rank hold the blocks the runtime
+    gives them (`stage_layers`). Tied embeddings are stored once with pp = 1 and on both end stages
+    otherwise."""
     a = shape.args
-    layers = _ceil(a.n_layers, s.pp * s.pp_virtual) * s.pp_virtual
+    layers = stage_layers(a, s.pp, s.pp_virtual, stage)
     dense_blk, exp_blk = block_params_local(shape, s.tp, s.ep)
     emb = vocab_rows(a, s.tp) * a.dim
     embed = stage in ("first", "only")

@@ -10,6 +10,7 @@ vocabulary is large. `parallel.pp_layers` overrides the split with an explicit c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .schedules import SCHEDULES, TAKES_VIRTUAL
 
@@ -58,7 +59,8 @@ def partition(n_layers: int, stages: int, costs: StageCosts | None = None,
     return out
 
 
-def _balanced(n: int, s: int, c: StageCosts) -> list[int]:
+@lru_cache(maxsize=1024)  # the planner asks for the same splits over and over
+def _balanced(n: int, s: int, c: StageCosts) -> tuple[int, ...]:
     """Minimise the slowest stage, then the spread (sum of squared stage costs); ties keep blocks
     early. Dynamic programme over (stages used, blocks used): n, s are at most a few hundred."""
     def cost(stage: int, k: int) -> float:
@@ -82,7 +84,7 @@ def _balanced(n: int, s: int, c: StageCosts) -> list[int]:
     for st in range(s, 0, -1):
         counts.append(choice[st][used])
         used -= choice[st][used]
-    return counts[::-1]
+    return tuple(counts[::-1])
 
 
 def check_pipeline(n_layers: int, pp: int, virtual: int, schedule: str, microbatches: int,
