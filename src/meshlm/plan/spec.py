@@ -165,7 +165,10 @@ def check(shape: Shape, s: Spec) -> None:
     if s.zero_group < 1 or s.dp % s.zero_group:
         raise PlanError(f"parallel.zero_group: {s.zero_group} does not divide dp {s.dp}")
     check_shape(a, s.tp, s.pp, s.pp_virtual)
-    if s.pp_virtual > 1 and s.pp_schedule != "interleaved":
+    if s.pp_schedule == "zbv":
+        if s.pp_virtual != 2:
+            raise PlanError(f"parallel.pp_virtual: zbv runs exactly 2 chunks per rank (a V), got {s.pp_virtual}")
+    elif s.pp_virtual > 1 and s.pp_schedule != "interleaved":
         raise PlanError(f"parallel.pp_virtual: {s.pp_virtual} chunks per rank need pp_schedule = interleaved")
     if s.pp > 1 and s.pp_schedule == "interleaved":
         if s.pp_virtual < 2:

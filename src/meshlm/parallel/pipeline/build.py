@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .actions import stage_index
 from .check import check_schedule
-from .schedules import build_schedule
+from .schedules import V_SHAPED, build_schedule
 from .stage import check_pipeline, estimate_costs
 
 
@@ -28,9 +29,13 @@ class PipelinePlan:
     p: int
     v: int
     tied: bool
+    vshape: bool = False
 
     def stage(self, chunk: int) -> int:
-        return chunk * self.p + self.rank
+        return stage_index(self.rank, chunk, self.p, self.vshape)
+
+    def holds(self, stage: int) -> bool:
+        return any(self.stage(c) == stage for c in range(self.v))
 
 
 def plan_stages(args, cfg, m: int) -> list[list[int]]:
@@ -43,12 +48,13 @@ def split_model(model: nn.Module, ctx, cfg, layout) -> PipelinePlan:
     """Prune the meta-device `model` to this rank's stages (in place)."""
     args = model.args
     plan = PipelinePlan(plan_stages(args, cfg, layout.microbatches), ctx.index("pp"), layout.pp,
-                        cfg.parallel.pp_virtual, bool(args.tie_embeddings))
+                        cfg.parallel.pp_virtual, bool(args.tie_embeddings),
+                        cfg.parallel.pp_schedule in V_SHAPED)
     keep = {str(i) for c in range(plan.v) for i in plan.blocks[plan.stage(c)]}
     for key in list(model.layers.keys()):
         if key not in keep:
             del model.layers[key]
-    first, last = plan.rank == 0, plan.rank == plan.p - 1
+    first, last = plan.holds(0), plan.holds(plan.p * plan.v - 1)
     if not (first or (last and plan.tied)):
         model.tok_embeddings = None
     if not last:
@@ -66,10 +72,11 @@ def attach(par, plan: PipelinePlan, ctx, cfg, layout) -> None:
                     plan.stage(c) == 0, plan.stage(c) == S - 1) for c in range(v)]
     m = layout.microbatches
     actions = build_schedule(cfg.parallel.pp_schedule, p, m, v)
-    check_schedule(actions, p, m, v)
+    check_schedule(actions, p, m, v, plan.vshape)
     tied = None
-    if plan.tied and plan.rank in (0, p - 1):
-        tied = (model.tok_embeddings if plan.rank == 0 else model.output).weight
+    first, last = plan.holds(0), plan.holds(S - 1)
+    if plan.tied and first != last:  # one rank holding both (ZB-V's rank 0) has one shared weight
+        tied = (model.tok_embeddings if first else model.output).weight
     args = model.args
     split = layout.tp if cfg.parallel.sp and layout.tp > 1 else 1
 
@@ -79,9 +86,10 @@ def attach(par, plan: PipelinePlan, ctx, cfg, layout) -> None:
     dtype = next(model.parameters()).dtype
     rt = PipelineRuntime(stages, actions, plan.rank, ctx.comm("pp"), par.grads, par.loss_fn, dtype,
                          ctx.device, act_shape, m, tied, cfg.parallel.pp_schedule,
-                         split_w=cfg.training.ac != "full")  # backward.py: full AC recomputes per call
+                         split_w=cfg.training.ac != "full",  # backward.py: full AC recomputes per call
+                         vshape=plan.vshape)
     par.forward_backward, par.eval_loss, par.pipeline = rt.forward_backward, rt.eval_loss, rt
-    _norm_over_pp(par.grads, model, ctx.comm("pp"), tied if plan.rank == p - 1 else None)
+    _norm_over_pp(par.grads, model, ctx.comm("pp"), tied if last else None)
 
 
 def _norm_over_pp(grads, model: nn.Module, pp, duplicate: torch.Tensor | None) -> None:
