@@ -156,6 +156,22 @@ def inflight_profile(actions) -> list[int]:
     return peaks
 
 
+def inflight_by_chunk(actions) -> list[list[int]]:
+    """Per rank, per chunk, the peak count of held activations (what the planner weighs per stage)."""
+    out = []
+    for acts in actions:
+        v = 1 + max((a.chunk for a in acts), default=0)
+        cur, peak = [0] * v, [0] * v
+        for a in acts:
+            if a.kind == "F":
+                cur[a.chunk] += 1
+                peak[a.chunk] = max(peak[a.chunk], cur[a.chunk])
+            elif a.kind in ("B", "W"):
+                cur[a.chunk] -= 1
+        out.append(peak)
+    return out
+
+
 def check_schedule(actions, p: int, m: int, v: int = 1, vshape: bool = False) -> dict:
     """Validate `actions` for (p, m, v) (`vshape`: the V placement of actions.py); return stats or
     raise ScheduleError.

@@ -246,7 +246,7 @@ class PipelineRuntime:
         bubble = trace.measured_bubble(self.actions, spans)
         if path is not None:
             meta = {"schedule": self.schedule, "p": self.p, "m": self.m, "v": self.v, "step": step,
-                    "bubble": bubble}
+                    "bubble": bubble, "vshape": self.vshape}
             trace.write_chrome_trace(path, self.actions, spans, meta)
         return bubble
 

@@ -94,7 +94,8 @@ def _zbv_compute(p: int, m: int, costs: dict) -> list[list[Action]]:
     path); a forward F whose input has arrived, if the rank then holds at most 2p chunk activations
     (p micro-batches of all its layers: 1F1B's peak on its first rank); a deferred weight-grad W
     (they fill what would be bubbles). Ties go to the lower micro-batch, then to chunk 1 (deeper in
-    the V, nearer its loss). Each chunk runs its F's and its I's in micro-batch order.
+    the V, nearer its loss). Each chunk runs its F's and its I's in micro-batch order. The loss
+    stage's W goes first of all (before any F), so rank 0 holds one micro-batch of logits.
     """
     S, cap = 2 * p, 2 * p
     dur = {k: costs[k] for k in ("F", "I", "W")}
@@ -149,6 +150,11 @@ def _zbv_compute(p: int, m: int, costs: dict) -> list[list[Action]]:
                     if at is not None:
                         mb = (nxt_f if kind == "F" else nxt_i)[r][c]
                         cands.append((at > t + 1e-9, rank_k, mb, -c, at, kind, c))
+            loss_w = [x for x in pending[r] if stage_index(r, x[1], p, True) == S - 1]
+            if loss_w:   # the loss stage's W before any F: its saved logits are the largest activations
+                pending[r].remove(loss_w[0])
+                run(r, "W", *loss_w[0], t)
+                break
             now = [x for x in cands if not x[0]]
             if now:
                 _, _, mb, _, _, kind, c = min(now)
