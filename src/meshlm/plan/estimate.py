@@ -64,8 +64,13 @@ SIM_MAX_UNITS = 2048  # p·m·v above which the simulator (~1 s at 8k units) giv
 
 
 @lru_cache(maxsize=256)
-def _built(schedule: str, p: int, m: int, v: int):
-    return _simulator()[0](schedule, p, m, v)
+def _built(schedule: str, p: int, m: int, v: int, fbw: tuple | None = None):
+    """The schedule's actions; `fbw` (F, B, W per micro-batch) for schedules whose compute order
+    depends on the costs (ZB-V's list scheduling)."""
+    if fbw is None:
+        return _simulator()[0](schedule, p, m, v)
+    from ..parallel.pipeline.simulate import action_costs
+    return _simulator()[0](schedule, p, m, v, costs=action_costs(v, *fbw))
 
 
 def _sim_placement(schedule: str) -> bool:
@@ -83,8 +88,9 @@ def bubble_simulated(schedule: str, p: int, m: int, v: int, f: float, b: float, 
             or p * m * v > SIM_MAX_UNITS):
         return None
     try:
-        tl = sim[1](_built(schedule, p, m, v), p, m, v, cost_f=f, cost_b=b, cost_w=w,
-                    vshape=_sim_placement(schedule))
+        vs = _sim_placement(schedule)
+        tl = sim[1](_built(schedule, p, m, v, (f, b, w) if vs else None), p, m, v, cost_f=f, cost_b=b,
+                    cost_w=w, vshape=vs)
     except Exception:  # noqa: BLE001 - a simulator bug must not break the planner; fall back
         return None
     return tl.makespan / (m * (f + b)) - 1.0

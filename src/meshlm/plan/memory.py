@@ -219,7 +219,7 @@ def held_layers(schedule: str, p: int, m: int, v: int, rank: int, chunks: tuple)
     schedules.py) while the chunk of stage 0 holds up to 2p (an upper bound: the two peaks need
     not coincide)."""
     if schedule == "zbv" and p > 1 and rank == 0:
-        return min(2 * p, 2 * m) * chunks[0] + chunks[1]
+        return min(2 * p, m) * chunks[0] + chunks[1]
     return inflight(schedule, p, m, v, rank) * sum(chunks)
 
 
