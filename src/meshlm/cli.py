@@ -28,9 +28,11 @@ def cmd_train(args, extra: list[str]) -> int:
             raise C.ConfigError("--nproc: leave it out under torchrun or Slurm (the launcher starts the workers)")
         resolve(cfg, world)
         check_data(cfg)
+        run_dir = args.run_dir or os.path.join("runs", f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+        from .train.checkpoint import preflight
+        preflight(cfg, run_dir)
     except (C.ConfigError, RuntimeError) as e:
         return _fail(str(e))
-    run_dir = args.run_dir or os.path.join("runs", f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     if not worker or int(os.environ.get("RANK", "0")) == 0:
         os.makedirs(run_dir, exist_ok=True)
         resolved = os.path.join(run_dir, "config.toml")

@@ -126,17 +126,20 @@ class Llama(nn.Module):
             self.rope_cache = (cos.to(device), sin.to(device))
         return self.rope_cache
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, *,
+                blocks: list[str] | None = None, embed: bool | None = None, head: bool | None = None) -> torch.Tensor:
+        """`blocks`, `embed`, `head`: run only these blocks (keys of `layers`) and the embedding / head
+        or not (default: whatever the model holds). A pipeline stage runs its chunk this way."""
+        embed = self.tok_embeddings is not None if embed is None else embed
+        head = self.output is not None if head is None else head
+        h = self.tok_embeddings(x) if embed else x
         cos, sin = self.rope(h.shape[1], h.device)
         if positions is None:
             cos, sin = cos[: h.shape[1]], sin[: h.shape[1]]
         else:
             cos, sin = cos[positions], sin[positions]
-        for block in self.layers.values():
-            h = block(h, cos, sin)
-        if self.norm is not None:
-            h = self.norm(h)
-        if self.output is not None:
-            h = self.output(h)
+        for key in self.layers if blocks is None else blocks:
+            h = self.layers[key](h, cos, sin)
+        if head:
+            h = self.output(self.norm(h))
         return h

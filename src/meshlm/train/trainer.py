@@ -95,7 +95,7 @@ class Trainer:
         grads = par.grads.grad_tensors()
         if scaler.enabled:
             torch._foreach_mul_(grads, scaler.inv_scale())
-        norm = grad_norm(par.grads.norm_terms(), self.ctx.device)
+        norm = grad_norm(par.norm_grads(), par.world, self.ctx.device)
         found_inf = None
         if scaler.enabled:
             found_inf = torch.isfinite(norm).logical_not().float()  # 1.0: skip this step (every rank agrees)
@@ -139,27 +139,40 @@ class Trainer:
         return total / max(count, 1)
 
     # -- state --------------------------------------------------------------------------------
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Full single-process tensors by name (`kind/param_name`), whatever the layout."""
-        out = {k: self.par.to_full(k.split("/", 1)[1], t) for k, t in self.par.optimizer.state_tensors().items()}
-        out["rng/cpu"] = torch.get_rng_state()
-        return out
+    def checkpoint_state(self) -> tuple[dict[str, ckpt.Pieces], dict[str, tuple[int, ...]]]:
+        """This rank's pieces of every checkpoint tensor (views of its own optimizer state, placed by
+        the placement records), and the full shape of every key, in model order."""
+        state, shapes = {}, {}
+        places = self.par.placements
+        for name, kind, t in self.par.optimizer.state_storage():
+            pl = places[name]
+            key = f"{kind}/{name}"
+            state[key] = ckpt.Pieces(pl.full_shape, torch.float32,
+                                     [(b.offsets, v) for b, v in pl.pieces(t)], pl.owner)
+            shapes[key] = pl.full_shape
+        rng = torch.get_rng_state()
+        state["rng/cpu"] = ckpt.Pieces(tuple(rng.shape), rng.dtype, [((0,), rng)], self.ctx.rank == 0)
+        return state, shapes
 
-    def save(self) -> None:
+    def save(self) -> dict:
+        """Write a checkpoint of this step; returns what the metrics line reports (`ckpt`)."""
         meta = {"step": self.step, "sampler": self.sampler.state_dict(), "scaler": self.scaler.state_dict(),
                 "optimizer_step": self.par.optimizer.step_count(), "layout": self.layout.shape(),
                 "config": to_dict(self.cfg)}
-        self.checkpointer.save(self.step, self.state_tensors(), meta)
+        state, _ = self.checkpoint_state()
+        out = self.checkpointer.save(self.step, state, meta)
+        if self.cfg.checkpoint.async_:
+            out["async"] = True
+        return out
 
     def maybe_resume(self) -> None:
         path = ckpt.find_resume(os.path.join(self.run_dir, "checkpoints"), self.cfg.checkpoint.resume)
         if path is None:
             return
-        tensors = self.state_tensors()
-        meta = ckpt.load(path, tensors)
-        local = {k: self.par.to_local(k.split("/", 1)[1], t) for k, t in tensors.items() if k != "rng/cpu"}
-        self.par.optimizer.load_state_tensors(local, meta["optimizer_step"])
-        torch.set_rng_state(tensors["rng/cpu"])
+        state, shapes = self.checkpoint_state()
+        meta = ckpt.load(path, state, shapes)
+        self.par.optimizer.loaded(meta["optimizer_step"])
+        torch.set_rng_state(state["rng/cpu"].parts[0][1])
         self.sampler.load_state_dict(meta["sampler"])
         self.scaler.load_state_dict(meta["scaler"])
         self.step = int(meta["step"])
@@ -182,21 +195,39 @@ class Trainer:
                 out = self.train_step(measure=logging)
                 window_steps += 1
                 log.advance()
+                rec = self._record(out, comms, window_start, window_steps, tokens_per_step) if logging else None
+                if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
+                    ck = self.save()
+                    for done in self._saves_done():  # a synchronous save has just finished
+                        if done["step"] == self.step:
+                            ck.update(write_s=done["write_s"], bytes=done["bytes"])
+                        else:
+                            log.write({"step": done["step"], "ckpt": done})
+                    if rec is None:
+                        log.write({"step": self.step, "ckpt": ck})
+                    else:
+                        rec["ckpt"] = ck
+                if rec is not None:
+                    last = rec
+                    log.write(rec)
                 if logging:
-                    last = self._record(out, comms, window_start, window_steps, tokens_per_step)
-                    log.write(last)
                     window_start, window_steps = time.perf_counter(), 0
                 if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
                     ev = self.evaluate()
                     last = dict(last, eval_loss=ev)
                     log.write({"step": self.step, "eval_loss": ev})
                     log.message(f"step {self.step}: eval loss {ev:.4f}")
-                if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
-                    self.save()
-            self.checkpointer.wait()
+            self.checkpointer.close()
+            for done in self._saves_done():  # the last background write, committed
+                log.write({"step": done["step"], "ckpt": done})
         finally:
             log.close()
         return last
+
+    def _saves_done(self) -> list[dict]:
+        """Checkpoints committed since the last call (rank 0 measures their bytes)."""
+        done, self.checkpointer.done = self.checkpointer.done, []
+        return done
 
     def _record(self, out: dict, comms, window_start: float, window_steps: int, tokens_per_step: int) -> dict:
         if self.ctx.device.type == "cuda":

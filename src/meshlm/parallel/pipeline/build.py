@@ -6,17 +6,17 @@ stage 0 and norm + head on the rank holding the last stage. Every other piece of
 (activation checkpointing, TP, materialisation, compile, ZeRO, the optimizer) then applies to that
 one pruned model unchanged. `attach` builds a `Stage` view per chunk and the runtime.
 
-Tied embeddings: the last stage keeps the embedding module too, only as the holder of the shared
-weight (its forward never runs there), so the copy has the single-process name and initial value.
+Tied embeddings: the last stage keeps the embedding's weight too (the plan's `prune`); the two copies
+are summed over the pipeline ends like any other gradient reduction (their `Reduction.after`). Under
+ZB-V rank 0 holds both ends, so the weight is one parameter there and nothing is summed.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
-from .actions import stage_index
+from .actions import stage_index, stage_owner
 from .check import check_schedule
 from .schedules import V_SHAPED, build_schedule
 from .stage import check_pipeline, estimate_costs
@@ -28,7 +28,7 @@ class PipelinePlan:
     rank: int
     p: int
     v: int
-    tied: bool
+    tied: bool  # a tied weight held by two ranks (the two ends), summed over them; not under ZB-V
     vshape: bool = False
 
     def stage(self, chunk: int) -> int:
@@ -44,39 +44,32 @@ def plan_stages(args, cfg, m: int) -> list[list[int]]:
     return check_pipeline(args.n_layers, p.pp, p.pp_virtual, p.pp_schedule, m, list(p.pp_layers), costs)
 
 
-def split_model(model: nn.Module, ctx, cfg, layout) -> PipelinePlan:
-    """Prune the meta-device `model` to this rank's stages (in place)."""
+def split_model(model: nn.Module, ctx, cfg, layout, plan) -> PipelinePlan:
+    """Prune the meta-device `model` to this rank's stages (in place; what to keep is the model
+    plan's call, parallel/llama_plan.py)."""
     args = model.args
-    plan = PipelinePlan(plan_stages(args, cfg, layout.microbatches), ctx.index("pp"), layout.pp,
-                        cfg.parallel.pp_virtual, bool(args.tie_embeddings),
-                        cfg.parallel.pp_schedule in V_SHAPED)
-    keep = {str(i) for c in range(plan.v) for i in plan.blocks[plan.stage(c)]}
-    for key in list(model.layers.keys()):
-        if key not in keep:
-            del model.layers[key]
-    first, last = plan.holds(0), plan.holds(plan.p * plan.v - 1)
-    if not (first or (last and plan.tied)):
-        model.tok_embeddings = None
-    if not last:
-        model.norm, model.output = None, None
-    return plan
+    vshape = cfg.parallel.pp_schedule in V_SHAPED
+    S = layout.pp * cfg.parallel.pp_virtual
+    # the tied weight is split over two ranks unless one rank holds both ends (ZB-V's rank 0)
+    split_tied = stage_owner(0, layout.pp, vshape)[0] != stage_owner(S - 1, layout.pp, vshape)[0]
+    pipe = PipelinePlan(plan_stages(args, cfg, layout.microbatches), ctx.index("pp"), layout.pp,
+                        cfg.parallel.pp_virtual, bool(args.tie_embeddings) and split_tied, vshape)
+    keep = {str(i) for c in range(pipe.v) for i in pipe.blocks[pipe.stage(c)]}
+    plan.prune(model, keep, pipe.holds(0), pipe.holds(S - 1))
+    return pipe
 
 
-def attach(par, plan: PipelinePlan, ctx, cfg, layout) -> None:
+def attach(par, pipe: PipelinePlan, ctx, cfg, layout, plan) -> None:
     """Give `par` the pipeline step: forward_backward, eval_loss and the runtime (for traces)."""
     from .runtime import PipelineRuntime, Stage
 
-    model, p, v = par.model, plan.p, plan.v
+    model, p, v = par.model, pipe.p, pipe.v
     S = p * v
-    stages = [Stage(model, [str(i) for i in plan.blocks[plan.stage(c)]], plan.stage(c),
-                    plan.stage(c) == 0, plan.stage(c) == S - 1) for c in range(v)]
+    stages = [Stage(model, plan, [str(i) for i in pipe.blocks[pipe.stage(c)]], pipe.stage(c),
+                    pipe.stage(c) == 0, pipe.stage(c) == S - 1) for c in range(v)]
     m = layout.microbatches
     actions = build_schedule(cfg.parallel.pp_schedule, p, m, v)
-    check_schedule(actions, p, m, v, plan.vshape)
-    tied = None
-    first, last = plan.holds(0), plan.holds(S - 1)
-    if plan.tied and first != last:  # one rank holding both (ZB-V's rank 0) has one shared weight
-        tied = (model.tok_embeddings if first else model.output).weight
+    check_schedule(actions, p, m, v, pipe.vshape)
     args = model.args
     split = layout.tp if cfg.parallel.sp and layout.tp > 1 else 1
 
@@ -84,20 +77,8 @@ def attach(par, plan: PipelinePlan, ctx, cfg, layout) -> None:
         return (n, seq // split, args.dim)
 
     dtype = next(model.parameters()).dtype
-    rt = PipelineRuntime(stages, actions, plan.rank, ctx.comm("pp"), par.grads, par.loss_fn, dtype,
-                         ctx.device, act_shape, m, tied, cfg.parallel.pp_schedule,
+    rt = PipelineRuntime(stages, actions, pipe.rank, ctx.comm("pp"), par.grads, par.loss_fn, dtype,
+                         ctx.device, act_shape, m, cfg.parallel.pp_schedule,
                          split_w=cfg.training.ac != "full",  # backward.py: full AC recomputes per call
-                         vshape=plan.vshape)
+                         vshape=pipe.vshape)
     par.forward_backward, par.eval_loss, par.pipeline = rt.forward_backward, rt.eval_loss, rt
-    _norm_over_pp(par.grads, model, ctx.comm("pp"), tied if last else None)
-
-
-def _norm_over_pp(grads, model: nn.Module, pp, duplicate: torch.Tensor | None) -> None:
-    """The gradient norm sums over the pp group too; the last stage's tied copy is not counted."""
-    by_id = {id(q): q for q in model.parameters()}
-    dup = id(duplicate) if duplicate is not None else None
-    if grads.norm_groups is None:
-        groups = [([q for i, q in by_id.items() if i != dup], [pp])]
-    else:
-        groups = [([by_id[i] for i in ids if i != dup], list(comms) + [pp]) for ids, comms in grads.norm_groups]
-    grads.set_norm_groups(groups)

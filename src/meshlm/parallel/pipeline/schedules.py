@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
+from ...choices import PP_SCHEDULES, PP_TAKES_VIRTUAL, PP_V_SHAPED
 from .actions import Action, stage_index, stage_owner
 from .p2p import PLACEMENT_COSTS, add_p2p, p2p_batches
 
@@ -219,8 +220,10 @@ SCHEDULES: dict[str, Callable[..., list[list[Action]]]] = {
     "zb-h1": zb_h1,
     "zbv": zbv,
 }
-TAKES_VIRTUAL = frozenset({"interleaved", "zbv"})
-V_SHAPED = frozenset({"zbv"})   # schedules whose chunks sit in a V (actions.py: vshape)
+TAKES_VIRTUAL = frozenset(PP_TAKES_VIRTUAL)
+V_SHAPED = frozenset(PP_V_SHAPED)  # schedules whose chunks sit in a V (actions.py: vshape)
+# The config's list of schedule names (meshlm.choices) is this registry, nothing more, nothing less.
+assert tuple(SCHEDULES) == PP_SCHEDULES, (tuple(SCHEDULES), PP_SCHEDULES)
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1, *, costs: dict | None = None) -> list[list[Action]]:
