@@ -69,7 +69,7 @@ def test_layout_accepts_pipelines():
 @pytest.mark.parametrize("split", [True, False])
 def test_split_backward_matches_plain_backward(split):
     """I then W gives bit-identical gradients to one backward; the split W never reruns the input chain
-    (the SwiGLU product sits on it: its backward runs in I only)."""
+    (the attention core sits on it: its backward runs in I only)."""
     import dataclasses
 
     import torch
@@ -88,7 +88,7 @@ def test_split_backward_matches_plain_backward(split):
     x0 = torch.randn(2, 16, 64)
     fired = []
     for block in model.layers.values():
-        block.feed_forward.act.register_full_backward_hook(lambda *a: fired.append(1))
+        block.attention.core.register_full_backward_hook(lambda *a: fired.append(1))
 
     def loss():
         x = x0.clone().requires_grad_(True)

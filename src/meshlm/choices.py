@@ -7,7 +7,7 @@ refusal as any unknown value. Pure Python: the planner imports it without torch.
 from __future__ import annotations
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-AC_MODES = ("none", "selective", "full")
+AC_MODES = ("none", "op", "selective", "full")  # in order of recompute cost (the planner's search)
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 PP_TAKES_VIRTUAL = ("interleaved", "zbv")
 PP_V_SHAPED = ("zbv",)  # two chunks per rank placed in a V (pipeline/actions.py: vshape)

@@ -5,6 +5,10 @@ all-reduce of the gradient backward (`copy_to`); leaving it is an all-reduce for
 backward (`reduce_from`). Under sequence parallelism the pair becomes all-gather / reduce-scatter along
 the sequence (`gather_seq`, `reduce_scatter_seq`), the same bytes with activations 1/t the size in
 between. Everything goes through a `Comm`, so the bytes are counted where they are sent.
+
+`gather_linears` fuses the SP entry with the column-parallel linears that read it (Megatron's
+sequence-parallel linear): the gathered input is never saved, only this rank's shard; backward
+gathers it again (asynchronously, while the input-gradient matmuls run) for the weight gradients.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
+from ..model.ops import edge, wanted, weight_grad
 from .comm import Comm
 
 
@@ -84,6 +89,40 @@ class _ReduceScatterSeq(Function):
         return all_gather_dim(g, ctx.comm, ctx.dim), None, None
 
 
+def _gather_start(x: torch.Tensor, comm: Comm, dim: int):
+    """Start an all-gather of `x` along `dim`; returns (handle, finish) where finish() is the result."""
+    shard = x.movedim(dim, 0).contiguous()
+    out = shard.new_empty((comm.size * shard.shape[0],) + tuple(shard.shape[1:]))
+    handle = comm.all_gather(out, shard, async_op=True)
+    return handle, lambda: out.movedim(0, dim).contiguous()
+
+
+class _GatherLinears(Function):
+    @staticmethod
+    def forward(ctx, x, *args):  # (x, *weights, comm, dim): tensors first, so input i is edge i
+        *weights, comm, dim = args
+        ctx.comm, ctx.dim = comm, dim
+        ctx.save_for_backward(x, *weights)
+        full = all_gather_dim(x, comm, dim)
+        return tuple(torch.nn.functional.linear(full, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        want_w = [wanted(ctx, 1 + i) and g is not None for i, g in enumerate(grads)]
+        handle, finish = _gather_start(x, ctx.comm, ctx.dim) if any(want_w) else (None, None)
+        gx = None
+        if wanted(ctx, 0):  # the input gradient while the re-gather is in flight
+            gfull = sum(g @ w for g, w in zip(grads, weights) if g is not None)
+            gx = reduce_scatter_dim(gfull, ctx.comm, ctx.dim)
+        gws = [None] * len(weights)
+        if handle is not None:
+            handle.wait()
+            full = finish()
+            gws = [weight_grad(g, full) if w else None for g, w in zip(grads, want_w)]
+        return (gx, *gws, None, None)
+
+
 class _SumGradOverReplicas(Function):
     """Identity forward; backward sums the gradient over the ranks that hold the same replica.
 
@@ -124,6 +163,12 @@ def gather_seq(x: torch.Tensor, comm: Comm, dim: int = 1) -> torch.Tensor:
 def reduce_scatter_seq(x: torch.Tensor, comm: Comm, dim: int = 1) -> torch.Tensor:
     """Sequence-parallel exit: reduce-scatter along `dim` forward, all-gather backward."""
     return x if comm.size == 1 else _ReduceScatterSeq.apply(x, comm, dim)
+
+
+def gather_linears(x: torch.Tensor, comm: Comm, weights: list[torch.Tensor], dim: int = 1) -> tuple[torch.Tensor, ...]:
+    """Sequence-parallel entry fused with the column-parallel linears reading it: F.linear(gather(x), w)
+    for each w, saving the shard `x` only (re-gathered in backward)."""
+    return _GatherLinears.apply(x, *map(edge, weights), comm, dim)
 
 
 def sum_grad(w: torch.Tensor, comm: Comm) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .args import ModelArgs
+from .ops import rms_norm, swiglu_down
 
 
 class RMSNorm(nn.Module):
@@ -20,9 +21,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
+        return rms_norm(x, self.gain(), self.eps)
+
+    def gain(self) -> torch.Tensor:
+        """The weight as the forward uses it (sequence parallelism wraps it to sum its gradient)."""
+        return self.weight
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,20 +62,12 @@ class Attention(nn.Module):
         self.core = AttentionCore()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s = x.shape[0], x.shape[1]
-        q = self.wq(x).view(b, s, -1, self.head_dim)
-        k = self.wk(x).view(b, s, -1, self.head_dim)
-        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        b, s = q.shape[0], q.shape[1]  # not x's: under SP the region's entry gathers x inside wq/wk/wv
+        q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class SwiGLU(nn.Module):
-    """silu(gate) * up, a module so selective checkpointing can recompute it instead of saving it."""
-
-    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return F.silu(gate) * up
 
 
 class FeedForward(nn.Module):
@@ -81,10 +76,10 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, ffn_dim, bias=False)  # gate
         self.w3 = nn.Linear(dim, ffn_dim, bias=False)  # up
         self.w2 = nn.Linear(ffn_dim, dim, bias=False)  # down
-        self.act = SwiGLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.act(self.w1(x), self.w3(x)))
+        # w2(silu(gate)·up) in one node: the product is rebuilt in backward, never saved (model/ops.py)
+        return swiglu_down(self.w1(x), self.w3(x), self.w2.weight)
 
 
 class Block(nn.Module):

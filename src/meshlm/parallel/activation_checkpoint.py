@@ -1,31 +1,61 @@
 """Activation checkpointing applied from outside the model, to the modules the model plan names.
 
 full: each transformer block keeps only its input; everything inside is recomputed in backward.
-selective: only the attention core (softmax(QK^T)V) and the SwiGLU product are recomputed — the
-cheap-to-recompute, expensive-to-store parts (Korthikanti et al.).
+op: each block runs under per-op selective checkpointing (torch's `create_selective_checkpoint_contexts`,
+as torchtitan's op-level SAC): the outputs of matmuls and of the attention kernel are kept, the
+cheap element-wise work between them (norms, RoPE, residual adds, the SwiGLU product) is recomputed.
+selective: only the attention core (softmax(QK^T)V) is recomputed (Korthikanti et al.; the SwiGLU
+product is never saved since model/ops.py).
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..choices import AC_MODES, choose
+
+_aten = torch.ops.aten
+# The ops whose outputs `op` mode keeps: matmuls and attention kernels (whichever SDPA picks).
+SAVED_OPS = frozenset(getattr(_aten, n).default for n in (
+    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(_aten, n))
+
+
 
 
 class Checkpointed(nn.Module):
     """Runs the wrapped module under non-reentrant checkpointing. The attribute name `_wrapped` is
     stripped from parameter names (model.init.canonical_name), so names stay those of one process."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, per_op: bool = False):
         super().__init__()
         self._wrapped = module
+        self._kw = {"context_fn": self._contexts} if per_op else {}
+        self.kept_bytes = 0  # op mode: bytes the last forward kept in the op cache (not saved-tensor hooks)
+        self._kept: set[int] = set()
 
     def forward(self, *args):
-        return checkpoint(self._wrapped, *args, use_reentrant=False)
+        self.kept_bytes, self._kept = 0, set()
+        return checkpoint(self._wrapped, *args, use_reentrant=False, **self._kw)
+
+    def _contexts(self):
+        return create_selective_checkpoint_contexts(self._policy)
+
+    def _policy(self, ctx, op, *args, **kwargs):
+        if op not in SAVED_OPS:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if not ctx.is_recompute:
+            for t in (ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,)):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self._kept:
+                    self._kept.add(t.untyped_storage().data_ptr())
+                    self.kept_bytes += t.untyped_storage().nbytes()
+        return CheckpointPolicy.MUST_SAVE
 
 
 def apply_ac(model: nn.Module, mode: str, plan) -> None:
     """Wrap the modules the model plan names for `mode` (parallel/llama_plan.py `ac_targets`)."""
     choose(mode, AC_MODES, "training.ac")
     for parent, attr in plan.ac_targets(model, mode):
-        setattr(parent, attr, Checkpointed(getattr(parent, attr)))
+        setattr(parent, attr, Checkpointed(getattr(parent, attr), per_op=mode == "op"))

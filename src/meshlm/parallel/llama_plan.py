@@ -147,13 +147,13 @@ class LlamaPlan:
 
     # -- activation checkpointing ---------------------------------------------------------------
     def ac_targets(self, model: nn.Module, mode: str) -> list[tuple[nn.Module, str]]:
-        """(parent, attribute) of each module to run under checkpointing. full: every block (keeps its
-        input only); selective: the attention core and the SwiGLU product (cheap to recompute,
-        expensive to store: Korthikanti et al.)."""
-        if mode == "full":
+        """(parent, attribute) of each module to run under checkpointing. full and op: every block
+        (full keeps its input only, op also its matmul outputs: activation_checkpoint.py); selective:
+        the attention core (Korthikanti et al.; the SwiGLU product is never saved, model/ops.py)."""
+        if mode in ("full", "op"):
             return [(model.layers, k) for k in model.layers.keys()]
         if mode == "selective":
-            return [t for b in model.layers.values() for t in ((b.attention, "core"), (b.feed_forward, "act"))]
+            return [(b.attention, "core") for b in model.layers.values()]
         return []
 
 

@@ -10,7 +10,10 @@ consecutive ranks; their gradients are summed over those replicas in backward.
 
 Sequence parallelism keeps the residual stream and the norms split along the sequence between the
 halves: entering becomes an all-gather and leaving a reduce-scatter (same bytes as the all-reduce
-they replace), and norm gains, which then see only part of the tokens, sum their gradients.
+they replace), and norm gains, which then see only part of the tokens, sum their gradients. The
+entry's all-gather is fused into the region's column-parallel linears (Megatron's sequence-parallel
+linear): backward saves the shard and gathers it again for the weight gradients, one all-gather more
+per region entry in backward in exchange for d·(t-1)/t fewer saved elements per token.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.comm import Comm
-from ..distributed.functional import (copy_to, gather_seq, reduce_from, reduce_scatter_seq,
+from ..distributed.functional import (copy_to, gather_linears, reduce_from, reduce_scatter_seq,
                                       sum_grad, sum_grad_over_replicas)
 from ..layout import check_shape
 from ..model.args import padded_vocab
@@ -34,10 +37,8 @@ class SeqParallelRMSNorm(RMSNorm):
     """RMSNorm on a sequence shard: its gain's gradient is summed over the TP group."""
     tp_comm: Comm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # RMSNorm.forward with the gain wrapped
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * sum_grad(self.weight, self.tp_comm)
+    def gain(self) -> torch.Tensor:
+        return sum_grad(self.weight, self.tp_comm)
 
 
 class ReplicatedKVLinear(nn.Linear):
@@ -47,6 +48,41 @@ class ReplicatedKVLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, sum_grad_over_replicas(self.weight, self.tp_comm, self.tp_rep))
+
+
+class _ColumnGroup:
+    """The column-parallel linears of one region under SP. The first of them called runs all of
+    them at once on the gathered input (`gather_linears`: only the sequence shard is saved, and
+    backward gathers it again); the others hand back their share."""
+
+    def __init__(self, linears: list[nn.Module], comm: Comm):
+        self.linears, self.comm = linears, comm
+        self.x: torch.Tensor | None = None
+        self.outs: list = []
+        for slot, mod in enumerate(linears):
+            rep = getattr(mod, "tp_rep", 1)
+            mod.__class__ = GatheredLinear
+            mod.tp_comm, mod.tp_rep, mod.group, mod.slot = comm, rep, self, slot
+
+    def output(self, x: torch.Tensor, slot: int) -> torch.Tensor:
+        if self.x is not x or self.outs[slot] is None:
+            weights = [sum_grad_over_replicas(m.weight, self.comm, m.tp_rep) for m in self.linears]
+            self.x, self.outs = x, list(gather_linears(x, self.comm, weights))
+        out, self.outs[slot] = self.outs[slot], None
+        if all(o is None for o in self.outs):
+            self.x = None  # hold nothing past the region's forward
+        return out
+
+
+class GatheredLinear(nn.Linear):
+    """A column-parallel linear under SP that takes the sequence shard (see `_ColumnGroup`)."""
+    tp_comm: Comm
+    tp_rep: int
+    group: _ColumnGroup
+    slot: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.output(x, self.slot)
 
 
 @dataclass
@@ -79,12 +115,11 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table) -
     args, t = model.args, comm.size
     check_shape(args, t, 1, 1)  # layout.resolve reports these before workers start
     tp = TensorParallel(comm=comm, sp=sp, vocab_size=args.vocab_size, vocab_multiple=args.vocab_multiple)
-    enter = (lambda x: gather_seq(x, comm)) if sp else (lambda x: copy_to(x, comm))
     leave = (lambda x: reduce_scatter_seq(x, comm)) if sp else (lambda x: reduce_from(x, comm))
     kv_rep = max(1, t // args.n_kv_heads)
 
-    def enter_hook(module, inputs):
-        return (enter(inputs[0]),) + tuple(inputs[1:])
+    def enter_hook(module, inputs):  # without SP; with SP the entry is in the linears (_ColumnGroup)
+        return (copy_to(inputs[0], comm),) + tuple(inputs[1:])
 
     def leave_hook(module, inputs, output):
         return leave(output)
@@ -98,7 +133,10 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table) -
             if rep > 1:
                 lin.module.__class__ = ReplicatedKVLinear
                 lin.module.tp_comm, lin.module.tp_rep = comm, rep
-        region.module.register_forward_pre_hook(enter_hook)
+        if sp:  # the entry's all-gather is fused into the column-parallel linears
+            _ColumnGroup([lin.module for lin in region.linears if lin.style == "rows"], comm)
+        else:
+            region.module.register_forward_pre_hook(enter_hook)
         region.module.register_forward_hook(leave_hook)
     if sp:
         for mod in plan.norms(model):
@@ -143,7 +181,10 @@ def _vocab_parallel(model: nn.Module, tp: TensorParallel, plan, table, enter_hoo
         start = vocab_range(model.args.vocab_size, comm.size, comm.rank, tp.vocab_multiple)[0]
         plan.set_embedding(model, VocabParallelEmbedding(emb.weight, comm, start, tp.sp))
     if head is not None:
-        head.register_forward_pre_hook(enter_hook)
+        if tp.sp:
+            _ColumnGroup([head], comm)
+        else:
+            head.register_forward_pre_hook(enter_hook)
     return names
 
 
@@ -192,8 +233,9 @@ def expected_bytes(args, micro_batch: int, seq_len: int, accum: int, tp: int, sp
         c[0] += n * accum
         c[1] += n * nbytes * accum
 
-    if sp:  # forward entries and backward leaves all-gather, forward leaves and backward entries reduce-scatter
-        add("all_gather", regions + again_in + regions, act)
+    if sp:  # forward entries, backward leaves and backward entries (re-gathering the saved shard)
+        # all-gather; forward leaves and backward entries reduce-scatter
+        add("all_gather", regions + again_in + regions + regions, act)
         add("reduce_scatter", regions + again_out + regions, act)
         add("all_reduce", 2 * layers + 1, 2 * param_bytes * args.dim)  # norm gains' gradients
     else:  # entries all-reduce only backward, leaves only forward
@@ -208,7 +250,8 @@ def expected_bytes(args, micro_batch: int, seq_len: int, accum: int, tp: int, sp
 def saved_activation_bytes(block: nn.Module, run) -> dict[str, int]:
     """Bytes `block` saves for backward while `run()` does a forward through it, split into
     `norm` (the RMSNorms, i.e. the residual stream they read), `attention`, `feed_forward` and
-    `other`. Distinct storages are counted once, parameters not at all."""
+    `other`. Distinct storages are counted once, parameters not at all. Op-level checkpointing keeps
+    its matmul outputs in its own cache, not through saved-tensor hooks: those count as `other`."""
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
     where: list[str] = []
     seen: set[int] = set()
@@ -235,4 +278,5 @@ def saved_activation_bytes(block: nn.Module, run) -> dict[str, int]:
     finally:
         for h in handles:
             h.remove()
+    out["other"] += sum(getattr(m, "kept_bytes", 0) for m in block.modules())
     return out

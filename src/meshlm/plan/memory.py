@@ -16,6 +16,7 @@ from functools import lru_cache
 from ..model.args import padded_vocab
 from ..parallel.pipeline.actions import stage_index
 from ..parallel.pipeline.stage import estimate_costs, partition
+from ..choices import AC_MODES
 from .spec import ACT_BYTES, Shape, Spec
 
 MIB = 2 ** 20
@@ -70,27 +71,39 @@ def korthikanti_block_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
 
 # ---------------------------------------------------------------------------------- meshlm's Block
 
+def minimal_block_bytes(d: int, ffn: int, heads: int, kv_heads: int, head_dim: int, tp: int = 1,
+                        sp: bool = False, e: int = 2) -> float:
+    """Bytes one eager Block saves per token of the sequence on one rank (docs/planner.md, "Saved set").
+
+    With t = tp, d' = d/t under SP (else d), H = heads/t, q = H·head_dim, k = ceil(kv/t)·head_dim:
+      norm inputs (block input x and the residual h): 2·e·d'; their rstd: 2·4·d'/d (fp32, per local token);
+      norm outputs (inputs of wq/wk/wv and w1/w3; under SP the shard, gathered again in backward): 2·e·d';
+      attention: q, k, v after RoPE (e·(q + 2k)), its output (also wo's input: e·q), log-sum-exp 4·H;
+      SwiGLU: gate and up (2·e·ffn/t); the product and silu(gate) are rebuilt in backward.
+    RoPE's cos/sin tables (4·head_dim per token) are shared by all blocks and counted once per forward."""
+    t = tp
+    dsp = d / t if (sp and t > 1) else d
+    h = heads // t
+    q, k = h * head_dim, _ceil(kv_heads, t) * head_dim
+    return 4 * e * dsp + 8 * dsp / d + e * (2 * q + 2 * k) + 4 * h + 2 * e * ffn / t
+
+
 def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes: int, tp: int = 1,
                            sp: bool = False, ac: str = "none", flash: bool = True,
                            attn_math_bytes: int | None = None, compiled: bool = False) -> float:
     """Bytes one Block saves for backward on one rank, for `tokens` local tokens (micro_batch×seq/cp).
 
-    Per token, with e = act_bytes, t = tp, d' = d/t under sequence parallelism (else d):
-      each RMSNorm: its input upcast to fp32 (4d'), rsqrt (4), normalised x (e·d'), and the linear
-        layer's input, gathered to the full sequence (e·d);
-      attention, fused kernel (flash): q and the output at all local heads, k and v at the kv heads
-        (SDPA's enable_gqa shares them without repeating: e·(2d + 2·kv)/t), and the log-sum-exp (4·H/t); unfused math path: q, k, v (3·m·d/t, m = attn_math_bytes), the softmax
-        probabilities (m·H/t·S), and the output re-laid for wo (e·d/t);
-      SwiGLU FFN: gate, up, silu(gate), product (4·e·F/t).
-    selective recomputes the attention core and silu(gate)·up: q, k, v at kv-head size and the core
-    output remain (e·(2d + 2·kv)/t), FFN keeps 3·e·F/t. full keeps the block input only (e·d').
+    none: `minimal_block_bytes` (the saved set of model/ops.py and the SP linears). The unfused math
+    attention path (no flash kernel) keeps the softmax probabilities (m·H·S, m = attn_math_bytes)
+    instead of the log-sum-exp. selective recomputes the attention core: its output stays saved (it is
+    wo's input), only the log-sum-exp goes. op (per-op selective checkpointing of each block) keeps
+    the block input and the outputs of the matmuls (q, k, v before RoPE, the attention output and its
+    log-sum-exp, gate, up, and the wo / w2 outputs before their TP reduction, e·d each) and recomputes
+    the norms, RoPE and the residual adds. full keeps the block input only (e·d').
 
-    `compiled` (training.compile, fused attention, dense FFN): inductor's partitioner recomputes the
-    element-wise ops in backward instead of saving their fp32 intermediates. What remains is the block
-    input (e·d'), the inputs of wq/wk/wv and w1/w3 (2·e·d), q and the wo input (2·e·d/t), k and v
-    (2·e·kv/t), gate and up (2·e·F/t) and the two norms' rsqrt (8 per local token); without AC also the
-    attention output with its log-sum-exp (e·d/t + 4·H/t) and silu(gate)·up (e·F/t).
-    """
+    `compiled` (training.compile, fused attention, dense FFN): inductor's partitioner chooses its own
+    set from the joint graph (below; measured in tests/test_plan_compiled.py): it keeps the gathered
+    linear inputs and the SwiGLU product, so compiled blocks now save more than eager ones."""
     a, t, e = shape.args, tp, act_bytes
     d = a.dim
     dsp = d / t if (sp and t > 1) else d
@@ -99,31 +112,31 @@ def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes:
     hq = a.n_heads // t
     dq = hq * a.head_dim
     kvd = _ceil(a.n_kv_heads, t) * a.head_dim
-    if compiled and flash and not shape.moe:
-        f = a.ffn_dim / t
-        saved = e * (dsp + 2 * d + 2 * dq + 2 * kvd + 2 * f) + 8 * dsp / d
+    f_local = a.ffn_dim / t
+    if compiled and flash and not shape.moe and ac in ("none", "selective"):
+        # inductor's partitioner: block input, the inputs of wq/wk/wv and w1/w3 (gathered under SP),
+        # q and the wo input, k and v, gate and up, the two rstd; without AC also the attention
+        # output with its log-sum-exp and the SwiGLU product (measured: tests/test_plan_compiled.py)
+        saved = e * (dsp + 2 * d + 2 * dq + 2 * kvd + 2 * f_local) + 8 * dsp / d
         if ac == "none":
-            saved += e * (dq + f) + 4 * hq
+            saved += e * (dq + f_local) + 4 * hq
         return tokens * saved
-    norm = 4 * dsp + 4 * dsp / d + e * dsp + e * d
+    if ac == "op":
+        return tokens * (e * dsp + e * (2 * dq + 2 * kvd) + 4 * hq + 2 * e * f_local + 2 * e * d)
+    norm = 4 * e * dsp + 8 * dsp / d  # norm inputs and outputs (the linears' inputs), rstd
     if ac == "selective":
         attn = e * (2 * dq + 2 * kvd)
-        n_ffn = 3
+    elif flash or compiled:
+        attn = e * (2 * dq + 2 * kvd) + 4 * hq
     else:
-        n_ffn = 4
-        if flash:
-            attn = e * (2 * dq + 2 * kvd) + 4 * hq
-        else:
-            m = attn_math_bytes or e
-            attn = 3 * m * dq + m * hq * seq_len + e * dq
-    f_local = a.ffn_dim / t
+        m = attn_math_bytes or e
+        attn = 3 * m * dq + m * hq * seq_len + e * dq
     if shape.moe:
         routed = shape.top_k * shape.capacity_factor
-        ffn = 4 * shape.num_experts + routed * (2 * e * d + n_ffn * e * f_local) \
-            + shape.shared_experts * n_ffn * e * f_local
+        ffn = 4 * shape.num_experts + routed * (2 * e * d + 2 * e * f_local) + shape.shared_experts * 2 * e * f_local
     else:
-        ffn = n_ffn * e * f_local
-    return tokens * (2 * norm + attn + ffn)
+        ffn = 2 * e * f_local
+    return tokens * (norm + attn + ffn)
 
 
 # ---------------------------------------------------------------------------------- parameters
@@ -248,12 +261,13 @@ def _per_token(shape: Shape, seq_len: int, e: int, t: int, sp: bool, ac: str, fl
 
 def head_bytes(a, t: int, dsp: float, e: int, compiled: bool) -> tuple[float, float]:
     """(saved, loss backward buffer) bytes per local token of the final norm, the head and the loss.
-    Eager: the norm's fp32 input and rsqrt, its output, the head input, the fp32 log-probs (real ids
+    Eager: the norm's input and rstd, the head input (under SP the shard, gathered again in backward),
+    the fp32 log-probs (real ids
     only) and the target ids; backward holds fp32 grads of the log-probs and of the (padded) logits.
     A compiled loss (tp = 1; the vocab-parallel one has collectives and stays eager) saves the logits
     in the compute dtype plus two fp32 statistics per token, and its backward writes only the logits'
     gradient in the compute dtype."""
-    norm_head = 4 * dsp + 4 * dsp / a.dim + e * dsp + e * a.dim + 8
+    norm_head = 2 * e * dsp + 4 * dsp / a.dim + 8
     if compiled and t == 1:
         return norm_head + e * vocab_rows(a, t) + 8, e * vocab_rows(a, t)
     return norm_head + 4 * vocab_real(a, t), (vocab_real(a, t) + vocab_rows(a, t)) * 4
@@ -381,7 +395,7 @@ def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, 
     none = _per_token(shape, seq_len, e, tp, sq, "none", flash, amb, compiled) * tokens
     scale = held_layers(schedule, pp, accum, v, spp.rank, spp.chunks)
     acts = {ac: _per_token(shape, seq_len, e, tp, sq, ac, flash, amb, compiled) * tokens * scale
-            + none * (1.0 if ac == "full" else 0.5) for ac in ("none", "selective", "full")}
+            + none * (1.0 if ac == "full" else 0.5) for ac in AC_MODES}
     return base, optim, acts
 
 
