@@ -28,6 +28,7 @@ CASES = [
     ("dp4-bf16-accum", 4, {"parallel__dp": 4, "training__micro_batch": 1, "training__precision": "bf16"}),
     ("dp2-small-buckets", 2, {"parallel__dp": 2, "parallel__bucket_mb": 0.05}),
     ("dp2-ac-full", 2, {"parallel__dp": 2, "training__ac": "full"}),
+    ("dp2-ac-op", 2, {"parallel__dp": 2, "training__ac": "op"}),
     # ZeRO (issue #3): stages 1-3 over the shard group, HSDP, accumulation, offload, bf16.
     ("zero1-dp2", 2, {"parallel__dp": 2, "parallel__zero": 1}),
     ("zero2-dp2", 2, {"parallel__dp": 2, "parallel__zero": 2}),
@@ -51,6 +52,7 @@ CASES = [
     ("dp2-tp2", 4, {"parallel__dp": 2, "parallel__tp": 2}),
     ("dp2-tp2-zero3", 4, {"parallel__dp": 2, "parallel__tp": 2, "parallel__zero": 3}),
     ("tp2-ac-full", 2, {"parallel__tp": 2, "training__ac": "full"}),
+    ("tp2-sp-ac-op", 2, {"parallel__tp": 2, "parallel__sp": True, "training__ac": "op"}),
     # Pipeline parallelism (issue #5): every schedule at pp = 2 and 4 (4 micro-batches), then with the
     # other dimensions. Interleaved at pp = 4, v = 2 needs 8 stages: an 8-layer model.
     *[(f"pp{p}-{s}", p, {"parallel__pp": p, "parallel__pp_schedule": s}) for p in (2, 4) for s in ("gpipe", "1f1b", "zb-h1")],

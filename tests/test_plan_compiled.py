@@ -54,8 +54,8 @@ def test_compiled_block_activations_match_saved_tensors(ac):
         predicted = block_activation_bytes(sh, b * s, s, 2, ac=ac, compiled=True)
         eager = block_activation_bytes(sh, b * s, s, 2, ac=ac)
         assert abs(predicted - measured) / measured < 0.02, (ac, (b, s, d, h, kv), predicted, measured)
-        if ac != "full":  # compile's saving is real, so the two models must differ
-            assert predicted < 0.9 * eager
+        if ac != "full":  # issue 17: eager now saves the minimal set; inductor's partitioner keeps more
+            assert eager < 0.9 * predicted
 
 
 # Peak GPU memory of bench/gpu.py runs on one H100 80GB, torch 2.11 (docs/benchmarks.md, 2026-11-22):

@@ -225,7 +225,7 @@ def expected_bytes(args, micro_batch: int, seq_len: int, accum: int, tp: int, sp
     # Full AC recomputes each block in backward, entering both halves again but leaving only the
     # attention half: torch's checkpoint stops once the last saved tensor (w2's input) is rebuilt.
     regions = 2 * layers + 1
-    again_in, again_out = (2 * layers, layers) if ac == "full" else (0, 0)
+    again_in, again_out = (2 * layers, layers) if ac in ("full", "op") else (0, 0)  # op reruns the block too
     calls: dict[str, list[int]] = {}
 
     def add(kind: str, n: int, nbytes: int) -> None:

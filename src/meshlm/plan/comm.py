@@ -96,9 +96,10 @@ def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first:
         # stops once w2's input is rebuilt). SP turns each into an all-gather / reduce-scatter of the
         # same volume. Verified byte for byte against the runtime (parallel.tensor_parallel.expected_bytes).
         base = 4 * layers + (1 if first else 0) + (1 if last else 0)
-        full = s.ac == "full"
+        full = s.ac in ("full", "op")  # both rerun each block's forward (op keeps its matmuls)
         if sq:
-            add("tp", "all_gather", t, 1, (base + (2 * layers if full else 0)) * m, act)
+            # backward entries also re-gather the shard the column-parallel linears saved
+            add("tp", "all_gather", t, 1, (base + 2 * layers + (1 if last else 0) + (2 * layers if full else 0)) * m, act)
             add("tp", "reduce_scatter", t, 1, (base + (layers if full else 0)) * m, act)
         else:
             add("tp", "all_reduce", t, 1, (base + (layers if full else 0)) * m, act)

@@ -120,6 +120,8 @@ def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes:
         saved = e * (dsp + 2 * d + 2 * dq + 2 * kvd + 2 * f_local) + 8 * dsp / d
         if ac == "none":
             saved += e * (dq + f_local) + 4 * hq
+        else:  # selective recomputes the attention core only; the product stays (inductor's choice)
+            saved += e * f_local
         return tokens * saved
     if ac == "op":
         return tokens * (e * dsp + e * (2 * dq + 2 * kvd) + 4 * hq + 2 * e * f_local + 2 * e * d)

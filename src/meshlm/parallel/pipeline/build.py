@@ -79,6 +79,6 @@ def attach(par, pipe: PipelinePlan, ctx, cfg, layout, plan) -> None:
     dtype = next(model.parameters()).dtype
     rt = PipelineRuntime(stages, actions, pipe.rank, ctx.comm("pp"), par.grads, par.loss_fn, dtype,
                          ctx.device, act_shape, m, cfg.parallel.pp_schedule,
-                         split_w=cfg.training.ac != "full",  # backward.py: full AC recomputes per call
+                         split_w=cfg.training.ac not in ("full", "op"),  # backward.py: block AC recomputes per call
                          vshape=pipe.vshape)
     par.forward_backward, par.eval_loss, par.pipeline = rt.forward_backward, rt.eval_loss, rt
