@@ -200,9 +200,14 @@ class _RingAttention(Function):
                 _merge(out[:, :, rows], lse[:, :, rows], o, l)
             comm.wait_p2p(works)
             kv = nxt
+        # The output in the compute dtype, laid out [B, S, H, D] so the model's transpose + reshape for
+        # wo is a view: q, k, v, this and the log-sum-exp are all that is saved (as flash attention).
+        b, h, s, d = out.shape
+        res = torch.empty((b, s, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+        res.copy_(out)
         ctx.comm, ctx.kernel, ctx.scale = comm, kernel, scale
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, res, lse)
+        return res
 
     @staticmethod
     def backward(ctx, dout):
@@ -264,7 +269,8 @@ def _heads_to_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     inp = x.reshape(b, h, c, s // c, d).permute(2, 0, 1, 3, 4).contiguous()
     out = torch.empty_like(inp)
     comm.all_to_all(out, inp)
-    return out.transpose(0, 1).reshape(b, c * h, s // c, d)
+    # laid out [B, S/c, H, D]: the model's transpose + reshape for wo is then a view, not a copy
+    return out.permute(1, 3, 0, 2, 4).reshape(b, s // c, c * h, d).transpose(1, 2)
 
 
 class _SeqToHeads(Function):
@@ -366,3 +372,20 @@ def expected_bytes(args, micro_batch: int, seq_len: int, accum: int, cp: int, im
     hkv = max(hkv, cp)
     per = act_bytes * tokens * args.head_dim * (2 * hq + 2 * hkv)
     return {"all_to_all": (n * 4 * (fwd + 1), n * (fwd + 1) * per)}
+
+
+def saved_bytes(model: nn.Module, run) -> int:
+    """Bytes of distinct storages autograd saves for backward while `run()` does a forward (parameters
+    and their views not counted): the activation memory at the end of the forward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params and st.nbytes():
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(seen.values())
