@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import assert_same_losses, make_config, run_layout, run_local
+from test_tp import comm_task
 from meshlm import config as C
 from meshlm.config import ConfigError
 from meshlm.layout import model_args, resolve
@@ -59,19 +60,6 @@ def attention_task(impl: str, heads: int, kv_heads: int, seq: int, seed: int):
     errs = [float((out - split.take(ref, 2)).abs().max())]
     errs += [float((m.grad - split.take(f.grad, 2)).abs().max()) for m, f in zip(mine, full)]
     return errs, (counter.calls, counter.pairs)
-
-
-def comm_task(cfg_dict: dict, steps: int):
-    """Train `steps` steps and return what the cp group moved: {kind: (calls, bytes)}."""
-    from meshlm.distributed.comm import reset_stats
-    from meshlm.train.trainer import Trainer
-    cfg = C.from_dict(cfg_dict)
-    layout, ctx = _context(cfg)
-    trainer = Trainer(cfg, tempfile.mkdtemp(prefix="meshlm-cpcomm-"), ctx, layout)
-    reset_stats(ctx.all_comms())
-    for _ in range(steps):
-        trainer.train_step()
-    return {k: (s.calls, s.bytes) for k, s in ctx.comm("cp").stats.items() if k != "recv_wait"}
 
 
 # -- the cores ----------------------------------------------------------------------------------
@@ -157,7 +145,7 @@ def test_cp_bytes_match_theory(pools, world, overrides):
     e = 4 if cfg.training.precision == "fp32" else 2
     want = expected_bytes(model_args(cfg), layout.micro_batch, cfg.data.seq_len, layout.accum, layout.cp,
                           cfg.parallel.cp_impl, layout.tp, cfg.training.ac, act_bytes=e)
-    got = pools(world).run(comm_task, C.to_dict(cfg), 2)[0]
+    got = pools(world).run(comm_task, C.to_dict(cfg), 2, "cp")[0]
     assert got == {k: (2 * c, 2 * b) for k, (c, b) in want.items()}
 
 

@@ -273,26 +273,17 @@ def _heads_to_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     return out.permute(1, 3, 0, 2, 4).reshape(b, s // c, c * h, d).transpose(1, 2)
 
 
-class _SeqToHeads(Function):
+class _AllToAll(Function):
+    """One of the two all-to-alls, with the other as its backward (each is the other's transpose)."""
+
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _seq_to_heads(x, comm)
+    def forward(ctx, x, comm, to_heads: bool):
+        ctx.comm, ctx.to_heads = comm, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, comm)
 
     @staticmethod
     def backward(ctx, g):
-        return _heads_to_seq(g.contiguous(), ctx.comm), None
-
-
-class _HeadsToSeq(Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _heads_to_seq(x, comm)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _seq_to_heads(g.contiguous(), ctx.comm), None
+        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(g.contiguous(), ctx.comm), None, None
 
 
 class UlyssesAttentionCore(nn.Module):
@@ -308,8 +299,8 @@ class UlyssesAttentionCore(nn.Module):
         c = self.comm.size
         if k.shape[1] < c:
             k, v = k.repeat_interleave(c // k.shape[1], 1), v.repeat_interleave(c // v.shape[1], 1)
-        q, k, v = (_SeqToHeads.apply(t.contiguous(), self.comm) for t in (q, k, v))
-        return _HeadsToSeq.apply(self.inner(q, k, v).contiguous(), self.comm)
+        q, k, v = (_AllToAll.apply(t.contiguous(), self.comm, True) for t in (q, k, v))
+        return _AllToAll.apply(self.inner(q, k, v).contiguous(), self.comm, False)
 
 
 # ---------------------------------------------------------------------------------- apply
