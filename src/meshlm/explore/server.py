@@ -36,19 +36,16 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
     def _send(self, code: int, body: bytes, ctype: str) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        self.send_header("X-Content-Type-Options", "nosniff")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _json(self, code: int, obj) -> None:
-        self._send(code, json.dumps(obj).encode(), "application/json")
-
-    def _error(self, code: int, message: str, key: str | None = None) -> None:
-        self._json(code, {"error": message, "key": key})
+        try:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.end_headers()
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):  # the page moved on (e.g. a newer search)
+            pass
 
     def _host_ok(self) -> bool:
         if not self.check_host:
@@ -61,32 +58,41 @@ class Handler(BaseHTTPRequestHandler):
         return host in LOOPBACK
 
     def _dispatch(self, method: str) -> None:
+        code, body, ctype = self._route(method)
+        self._send(code, body, ctype)
+
+    def _route(self, method: str) -> tuple[int, bytes, str]:
+        """(status, body, content type) of one request; every failure is a one-line JSON error."""
+        def ok(obj):
+            return 200, json.dumps(obj).encode(), "application/json"
+
+        def error(code, message, key=None):
+            return code, json.dumps({"error": message, "key": key}).encode(), "application/json"
+
         if not self._host_ok():
-            return self._error(403, "request: Host is not a loopback name")
+            return error(403, "request: Host is not a loopback name")
         url = urlparse(self.path)
         try:
             if method == "GET" and url.path in STATIC:
                 name, ctype = STATIC[url.path]
-                return self._send(200, _static(name), ctype)
+                return 200, _static(name), ctype
             if method == "GET" and url.path == "/api/options":
-                return self._json(200, api.options())
+                return ok(api.options())
             if method == "GET" and url.path == "/api/runs":
-                return self._json(200, runs.list_runs(self.runs_root))
+                return ok(runs.list_runs(self.runs_root))
             if method == "GET" and url.path == "/api/run":
-                q = parse_qs(url.query)
-                return self._json(200, runs.read_run(self.runs_root, (q.get("name") or [None])[0]))
+                return ok(runs.read_run(self.runs_root, (parse_qs(url.query).get("name") or [None])[0]))
             if method == "POST" and url.path in ("/api/estimate", "/api/plan"):
                 body = self._body()
-                fn = api.run_estimate if url.path == "/api/estimate" else api.run_plan
-                return self._json(200, fn(body))
-            return self._error(404, f"request: no such page or endpoint: {method} {url.path}")
+                return ok((api.run_estimate if url.path == "/api/estimate" else api.run_plan)(body))
+            return error(404, f"request: no such page or endpoint: {method} {url.path}")
         except api.BadRequest as e:
-            return self._error(400, str(e), e.key)
+            return error(400, str(e), e.key)
         except runs.NotFound as e:
-            return self._error(404, str(e), "run")
+            return error(404, str(e), "run")
         except Exception as e:  # noqa: BLE001 - one line to the page, the traceback to the terminal
             traceback.print_exc(file=sys.stderr)
-            return self._error(500, f"internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            return error(500, f"internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
     def _body(self):
         try:

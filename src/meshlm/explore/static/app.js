@@ -211,7 +211,7 @@ async function refreshRun() {
     { name: "eval", cls: "eval", points: r.evals.map((x) => [x.step, x.eval_loss]), dots: true }], {});
   $("#chart-loss").dataset.run = r.name;
   lineChart($("#chart-tps"), [{ name: "tokens/s", cls: "tps", points: pts("tokens_per_s") }], {});
-  lineChart($("#chart-mfu"), [{ name: "MFU %", cls: "mfu", points: S.map((x) => [x.step, 100 * x.mfu]) }], { ymin: 0, yfmt: (v) => v.toFixed(1) + "%" });
+  lineChart($("#chart-mfu"), [{ name: "MFU %", cls: "mfu", points: S.map((x) => [x.step, 100 * x.mfu]) }], { ymin: 0 });
   const last = S[S.length - 1] || {};
   $("#peak-label").textContent = last.peak_flops ? `peak ${fmtNum(last.peak_flops / 1e12, 3)} TFLOP/s: ${last.peak_label}` : "";
   const p = r.prediction, m = last.mem || {};
@@ -245,6 +245,7 @@ async function start() {
   const gpus = Object.keys(OPTIONS.gpus);
   fillSelect("gpu", gpus.concat(["custom"]), gpus.map((g) => OPTIONS.gpus[g].name).concat(["custom (give peak, HBM, links)"]));
   for (const [k, vals] of Object.entries(OPTIONS.choices)) fillSelect(k, vals);
+  for (const [k, x] of Object.entries(LAYOUT_DEFAULTS)) setValue(k, x);
   setValue("model.preset", "llama3-8b");
   setPreset("llama3-8b");
   setValue("gpu", "h100-sxm-80gb");

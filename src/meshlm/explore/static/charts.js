@@ -36,7 +36,7 @@ function fmtNum(x, digits) {
 
 // parts: [{name, value}], opts: {limit, limitLabel, fmt, bad}. Draws one horizontal stacked bar.
 function stackedBar(svg, parts, opts) {
-  const W = clear(svg), H = 60, x0 = 4, y0 = 8, h = 22;
+  const W = clear(svg), H = 72, x0 = 4, y0 = 8, h = 22;
   const total = parts.reduce((s, p) => s + p.value, 0);
   const max = Math.max(total, opts.limit || 0) * 1.02 || 1;
   const scale = (W - 2 * x0) / max;
@@ -67,8 +67,9 @@ function ticks(lo, hi, n) {
   if (hi <= lo) hi = lo + 1;
   const step0 = (hi - lo) / n, mag = Math.pow(10, Math.floor(Math.log10(step0)));
   const step = [1, 2, 5, 10].map((m) => m * mag).find((s) => s >= step0);
-  const out = [];
+  const out = [], digits = Math.max(0, -Math.floor(Math.log10(step)));
   for (let t = Math.ceil(lo / step) * step; t <= hi + 1e-9 * step; t += step) out.push(t);
+  out.fmt = (v) => (Math.abs(v) >= 1e6 ? v.toExponential(1) : v.toFixed(digits));  // as precise as the step
   return out;
 }
 
@@ -82,8 +83,8 @@ function lineChart(svg, series, opts) {
   let ylo = opts && opts.ymin !== undefined ? opts.ymin : Math.min(...ys), yhi = Math.max(...ys);
   if (yhi === ylo) { yhi += Math.abs(yhi) * 0.1 || 1; ylo -= Math.abs(ylo) * 0.1; }
   const X = (x) => L + (x - xlo) / (xhi - xlo) * (W - L - R), Y = (y) => T + (1 - (y - ylo) / (yhi - ylo)) * (H - T - B);
-  const yfmt = (opts && opts.yfmt) || ((v) => fmtNum(v));
-  for (const t of ticks(ylo, yhi, 5)) {
+  const yt = ticks(ylo, yhi, 5), yfmt = (opts && opts.yfmt) || yt.fmt;
+  for (const t of yt) {
     el("line", { x1: L, x2: W - R, y1: Y(t), y2: Y(t), stroke: "#eef0f2" }, svg);
     el("text", { x: L - 4, y: Y(t) + 4, "text-anchor": "end" }, svg, yfmt(t));
   }
@@ -99,7 +100,7 @@ function lineChart(svg, series, opts) {
       "stroke-width": 1.5, class: "line " + s.cls }, svg);
     if (s.dots) for (const p of s.points) {
       el("title", {}, el("circle", { cx: X(p[0]), cy: Y(p[1]), r: 2.5, fill: color, class: s.cls }, svg),
-        `step ${p[0]}: ${yfmt(p[1])}`);
+        `step ${p[0]}: ${fmtNum(p[1])}`);
     }
     el("rect", { x: lx, y: 4, width: 8, height: 8, fill: color }, svg);
     el("text", { x: lx + 11, y: 12 }, svg, s.name);
