@@ -142,3 +142,21 @@ def test_runs_dashboard_draws_every_logged_step(page, explore, shots):
     assert page.locator("#chart-loss circle.eval").count() == sum("eval_loss" in x for x in lines)
     assert "measured" in page.inner_text("#peak-label")
     page.screenshot(path=os.path.join(shots, "explore_runs.png"), full_page=True)
+
+
+def test_runs_dashboard_follows_a_growing_run(page, explore):
+    """While a run trains the dashboard re-reads it: a step appended to metrics.jsonl (with a half
+    written line after it, as a reader can catch the writer) appears without a reload."""
+    _, root, name = explore
+    page.click("#tab-runs")
+    page.click(f"#run-list li[data-name='{name}']")
+    page.wait_for_selector(f'#chart-loss[data-run="{name}"]')
+    path = root / name / "metrics.jsonl"
+    steps = [json.loads(x) for x in path.read_text().splitlines() if '"loss"' in x]
+    last, n = steps[-1], len(steps)
+    page.wait_for_function(f"document.querySelectorAll('#chart-loss circle.train').length === {n}")
+    with open(path, "a") as f:
+        f.write(json.dumps(dict(last, step=last["step"] + 1)) + "\n" + '{"step": 99, "lo')
+    page.wait_for_function(f"document.querySelectorAll('#chart-loss circle.train').length === {n + 1}", timeout=30000)
+    page.wait_for_function(f"document.querySelector(\"#run-list li[data-name='{name}']\").textContent"
+                           f".includes('{n + 1} steps')", timeout=30000)  # the list follows on its next poll
