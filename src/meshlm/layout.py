@@ -166,6 +166,8 @@ def resolve(cfg: Config, world_size: int) -> Layout:
         _check_pipeline(cfg, args, microbatches)
     if t.steps < 0:
         raise ConfigError(f"training.steps: must be >= 0, got {t.steps}")
+    if t.peak_tflops < 0:
+        raise ConfigError(f"training.peak_tflops: must be >= 0 (0 = datasheet or measured), got {t.peak_tflops}")
     for key, label in NOT_YET.items():
         value = getattr(p, key)
         if value > (0 if key == "zero" else 1):

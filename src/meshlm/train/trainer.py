@@ -57,7 +57,7 @@ class Trainer:
         self.watchdog = Watchdog.for_job(ctx.rank, ctx.world_size)
         for c in ctx.all_comms():
             c.watchdog = self.watchdog
-        self.peak_flops, self.peak_label = device_peak(ctx.device)
+        self.peak_flops, self.peak_label = device_peak(ctx.device, t)
         self.flops_per_step = self.args.flops_per_token(self.seq_len) * t.global_batch * self.seq_len
 
     # -- one step -----------------------------------------------------------------------------
