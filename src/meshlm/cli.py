@@ -1,4 +1,4 @@
-"""`meshlm` command line: train | prepare | plan | estimate | schedule | report."""
+"""`meshlm` command line: train | prepare | plan | estimate | schedule | report | convert | generate."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +14,7 @@ def _fail(msg: str, code: int = 2) -> int:
 
 def cmd_train(args, extra: list[str]) -> int:
     from . import config as C
-    from .layout import check_data, resolve
+    from .layout import check_data, pin_model_shape, resolve
     from .train.launch import spawn, under_launcher
 
     try:
@@ -22,6 +22,7 @@ def cmd_train(args, extra: list[str]) -> int:
         if rest:
             raise C.ConfigError(f"unrecognised argument: {rest[0]}")
         cfg = C.load(args.config, pairs)
+        pin_model_shape(cfg)  # model.init_from: the HF model's shape goes into config.toml
         worker = args.worker or under_launcher()
         world = int(os.environ["WORLD_SIZE"]) if worker else (args.nproc or 1)
         if worker and args.nproc:
@@ -96,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("run_dir")
     r.add_argument("--out", help="PNG path (default RUN_DIR/report.png)")
     r.set_defaults(func=cmd_report)
-    for mod, fn in (("meshlm.plan.cli_cmds", "add_parsers"), ("meshlm.parallel.pipeline.schedule_cmd", "add_parser")):
+    for mod, fn in (("meshlm.plan.cli_cmds", "add_parsers"), ("meshlm.parallel.pipeline.schedule_cmd", "add_parser"),
+                    ("meshlm.cli_hf", "add_parsers")):
         try:
             module = __import__(mod, fromlist=[fn])
         except ImportError:

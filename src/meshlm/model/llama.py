@@ -58,13 +58,16 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.core = AttentionCore()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         b, s = x.shape[0], x.shape[1]
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        if cache is None:
+            out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        else:  # generation: a kv_cache.LayerKV
+            out = cache.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -95,8 +98,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -120,21 +123,26 @@ class Llama(nn.Module):
 
     def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         # Kept out of the state dict and the parameter list: it is derived, never trained or saved.
-        if self.rope_cache is None or self.rope_cache[0].device != device:
+        if self.rope_cache is None or self.rope_cache[0].device != device or self.rope_cache[0].shape[0] < seq_len:
             n = max(self.args.max_seq_len, seq_len)
             cos, sin = rope_tables(self.args.head_dim, n, self.args.rope_theta)
             self.rope_cache = (cos.to(device), sin.to(device))
         return self.rope_cache
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """`cache`: a kv_cache.KVCache (generation only); the tokens continue at its position."""
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        cos, sin = self.rope(h.shape[1], h.device)
+        cos, sin = self.rope(h.shape[1] if cache is None else cache.max_len, h.device)
+        if cache is not None and positions is None:
+            positions = cache.positions(h.shape[1], h.device)
         if positions is None:
             cos, sin = cos[: h.shape[1]], sin[: h.shape[1]]
         else:
             cos, sin = cos[positions], sin[positions]
-        for block in self.layers.values():
-            h = block(h, cos, sin)
+        for key, block in self.layers.items():
+            h = block(h, cos, sin) if cache is None else block(h, cos, sin, cache.layers[key])
+        if cache is not None:
+            cache.advance(x.shape[1])
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

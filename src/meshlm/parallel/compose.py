@@ -18,7 +18,7 @@ from torch import nn
 from ..config import Config
 from ..distributed.mesh import ParallelContext
 from ..layout import Layout
-from ..model.init import canonical_name, materialize
+from ..model.init import canonical_name, init_source, materialize
 from .activation_checkpoint import apply_ac
 from .data_parallel import DTYPES, DataParallel, GradBuckets
 from .pipeline.build import attach as attach_pipeline, split_model
@@ -78,7 +78,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
     tp = (apply_tensor_parallel(model, ctx.comm("tp"), cfg.parallel.sp) if layout.tp > 1
           else pad_vocab(model, ctx.comm("tp")))
     materialize(model, cfg.training.seed, ctx.device, dtype=dtype,
-                full_shapes=tp.full_shapes if tp else None, slicers=tp.slicers if tp else None)
+                full_shapes=tp.full_shapes if tp else None, slicers=tp.slicers if tp else None,
+                source=init_source(cfg.model.init_from, model.args))  # model.init_from = "hf:DIR"
     if cfg.training.compile:
         for key, block in list(model.layers.items()):
             model.layers[key] = torch.compile(block, dynamic=False)
