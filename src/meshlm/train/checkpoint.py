@@ -51,6 +51,7 @@ class Checkpointer:
     def __init__(self, root: str, world: Comm, keep: int, use_async: bool):
         self.root, self.world, self.keep, self.use_async = root, world, keep, use_async
         self.pending = None  # (future, tmp, final, meta) of an async save in flight
+        self.on_written = None  # fault-injection hook (train/fault.py TestHooks): step -> None
         self.dcp_group = None
         if use_async and world.size > 1:
             # Async saves need a CPU-capable group of their own to stay off the training stream.
@@ -69,6 +70,8 @@ class Checkpointer:
             self.pending = (fut, tmp, final, meta)
         else:
             dcp.save(tensors, checkpoint_id=tmp)
+            if self.on_written is not None:
+                self.on_written(step)
             self._commit(tmp, final, meta)
 
     def wait(self) -> None:

@@ -15,6 +15,7 @@ from ..layout import Layout, model_args, resolve
 from ..model import Llama
 from ..parallel import Parallelized, parallelize
 from . import checkpoint as ckpt
+from . import fault
 from .metrics import MetricsLog, device_peak, peak_bytes, tensor_bytes
 from .optim import LossScaler, MasterOptimizer, clip_, grad_norm, lr_at
 
@@ -51,12 +52,17 @@ class Trainer:
         self.model = self.par.model
         self.scaler = LossScaler(t.precision == "fp16", device=ctx.device)
         self.step = 0
+        self.saved_step: int | None = None  # newest checkpoint written or resumed from (for messages)
         self.dp_comm = ctx.comm("dp")
         self.checkpointer = ckpt.Checkpointer(os.path.join(run_dir, "checkpoints"), ctx.comm("world"),
                                               cfg.checkpoint.keep, cfg.checkpoint.async_)
         self.watchdog = Watchdog.for_job(ctx.rank, ctx.world_size)
         for c in ctx.all_comms():
             c.watchdog = self.watchdog
+        # fault tolerance (train/fault.py): non-finite guard, test-only failure injection
+        self.guard = fault.FiniteGuard(t.precision, ctx.device, ctx.comm("world"), run_dir)
+        self.hooks = fault.TestHooks(ctx.rank)
+        self.checkpointer.on_written = self.hooks.in_save
         self.peak_flops, self.peak_label = device_peak(ctx.device)
         self.flops_per_step = self.args.flops_per_token(self.seq_len) * t.global_batch * self.seq_len
 
@@ -91,11 +97,13 @@ class Trainer:
                 loss = self._loss(inputs[i * mb:(i + 1) * mb], targets[i * mb:(i + 1) * mb])
                 (loss * scale).backward()
                 loss_sum += loss.detach()
+        loss_sum = self.hooks.loss(self.step + 1, loss_sum)
         par.grads.finish()
         grads = par.grads.grad_tensors()
         if scaler.enabled:
             torch._foreach_mul_(grads, scaler.inv_scale())
         norm = grad_norm(par.grads.norm_terms(), self.ctx.device)
+        self.guard.observe(self.step + 1, loss_sum, norm)  # device ops only; read on log steps
         found_inf = None
         if scaler.enabled:
             found_inf = torch.isfinite(norm).logical_not().float()  # 1.0: skip this step (every rank agrees)
@@ -150,9 +158,11 @@ class Trainer:
                 "optimizer_step": self.par.optimizer.step_count(), "layout": self.layout.shape(),
                 "config": to_dict(self.cfg)}
         self.checkpointer.save(self.step, self.state_tensors(), meta)
+        self.saved_step = self.step
 
     def maybe_resume(self) -> None:
-        path = ckpt.find_resume(os.path.join(self.run_dir, "checkpoints"), self.cfg.checkpoint.resume)
+        root = os.path.join(self.run_dir, "checkpoints")
+        path = ckpt.find_resume(root, fault.resume_setting(self.cfg.checkpoint.resume, root))
         if path is None:
             return
         tensors = self.state_tensors()
@@ -163,21 +173,27 @@ class Trainer:
         self.sampler.load_state_dict(meta["sampler"])
         self.scaler.load_state_dict(meta["scaler"])
         self.step = int(meta["step"])
+        self.saved_step = self.step
 
     # -- loop ---------------------------------------------------------------------------------
     def fit(self) -> dict:
         t, m = self.cfg.training, self.cfg.metrics
+        self.guard.replay()
         self.maybe_resume()
+        fault.on_start(self.run_dir, self.step, self.ctx.is_logger)
         log = MetricsLog(self.run_dir, self.ctx.is_logger, t.steps, self.step, m.progress, m.tensorboard)
         comms = self.ctx.all_comms()
         reset_stats(comms)
         last: dict = {}
         tokens_per_step = t.global_batch * self.seq_len
         window_start, window_steps = time.perf_counter(), 0
+        cadence = fault.Cadence(self.cfg.checkpoint.every, self.cfg.checkpoint.mtbf_hours, self.step,
+                                self.ctx.comm("world"), log)
         try:
             while self.step < t.steps:
                 if self.watchdog is not None:
                     self.watchdog.beat(self.step)
+                self.hooks.before_step()
                 logging = (self.step + 1) % m.every == 0 or self.step + 1 == t.steps
                 out = self.train_step(measure=logging)
                 window_steps += 1
@@ -185,14 +201,18 @@ class Trainer:
                 if logging:
                     last = self._record(out, comms, window_start, window_steps, tokens_per_step)
                     log.write(last)
+                    self.guard.check(self.saved_step)
                     window_start, window_steps = time.perf_counter(), 0
                 if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
                     ev = self.evaluate()
                     last = dict(last, eval_loss=ev)
                     log.write({"step": self.step, "eval_loss": ev})
                     log.message(f"step {self.step}: eval loss {ev:.4f}")
-                if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
+                if cadence.due(self.step, self.step == t.steps):
+                    self.guard.check(self.saved_step)  # never save a non-finite state
+                    t0 = time.perf_counter()
                     self.save()
+                    cadence.saved(self.step, time.perf_counter() - t0, t0)
             self.checkpointer.wait()
         finally:
             log.close()
