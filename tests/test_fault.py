@@ -145,3 +145,68 @@ def test_bad_fault_tolerance_input(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"meshlm: {key}") and "\n" not in err, err
     assert not run.exists()
+
+
+def frozen_case() -> str:
+    """Both ranks beat the same step and run two all-reduces; rank 1 then freezes before the third."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from meshlm.distributed.comm import CollectiveError, Comm, Watchdog
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = Comm("dp", dist.new_group(list(range(world)), timeout=timedelta(seconds=3)), list(range(world)), rank)
+    comm.watchdog = Watchdog.for_job(rank, world)
+    comm.watchdog.beat(3)
+    try:
+        for _ in range(2):
+            comm.all_reduce(torch.ones(4))
+        if rank == 1:
+            time.sleep(5)
+            return ""
+        comm.all_reduce(torch.ones(4))
+        return "no error"
+    except CollectiveError as e:
+        return str(e)
+    finally:
+        comm.watchdog.close()
+
+
+def test_flight_recorder_names_the_rank_that_never_entered(pools):
+    msg = pools(2).run(frozen_case)[0]
+    assert msg.startswith("rank 0: all_reduce on group 'dp'"), msg
+    assert "rank 1 never entered all_reduce #3 on group 'dp' (its last was all_reduce #2 on 'dp' at step 3" in msg, msg
+
+
+def test_frozen_worker_is_named_by_the_launcher(tmp_path):
+    run = tmp_path / "run"
+    owner = str(os.getpid())
+    args = [sys.executable, "-m", "meshlm.cli", "train", "--nproc", "2", "--run-dir", str(run),
+            "--parallel.timeout_s", "6", "--training.steps", "200"]
+    for k, v in TINY.items():
+        args += [f"--{k}", str(v)] if k != "training.steps" else []
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC), OMP_NUM_THREADS="1", MESHLM_TEST_OWNER=owner,
+               MESHLM_TEST_STEP_SLEEP="0.1")
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not (run / "metrics.jsonl").exists() or len(lines(run)) < 3:
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    pid = workers(int(owner))[1]
+    os.kill(pid, signal.SIGSTOP)  # a hung GPU or a stuck file read
+    t0 = time.time()
+    try:
+        while not (run / "logs" / "error_rank0.txt").exists():
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.1)
+        waited = time.time() - t0
+    finally:
+        os.kill(pid, signal.SIGCONT)  # lets the agent's SIGTERM end it
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 1
+    assert 4 < waited < 40, waited  # about parallel.timeout_s
+    ours = [x for x in err.splitlines() if x.startswith("meshlm: ")]
+    rank0 = [x for x in ours if x.startswith("meshlm: rank 0: ")]
+    assert rank0 and "rank 1 never entered" in rank0[-1] and "on group '" in rank0[-1], ours
+    assert ours[-1].startswith("meshlm: training failed (exit 1); worker logs in"), ours

@@ -216,6 +216,8 @@ class Trainer:
             self.checkpointer.wait()
         finally:
             log.close()
+            if self.watchdog is not None:
+                self.watchdog.close()
         return last
 
     def _record(self, out: dict, comms, window_start: float, window_steps: int, tokens_per_step: int) -> dict:
