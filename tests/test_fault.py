@@ -176,7 +176,7 @@ def frozen_case() -> str:
 def test_flight_recorder_names_the_rank_that_never_entered(pools):
     msg = pools(2).run(frozen_case)[0]
     assert msg.startswith("rank 0: all_reduce on group 'dp'"), msg
-    assert "rank 1 never entered all_reduce #3 on group 'dp' (its last was all_reduce #2 on 'dp' at step 3" in msg, msg
+    assert "rank 1 never entered all_reduce #3 on group 'dp' (last reported: all_reduce #2 on 'dp' at step 3" in msg, msg
 
 
 def test_frozen_worker_is_named_by_the_launcher(tmp_path):

@@ -53,7 +53,9 @@ def cmd_train(args, extra: list[str]) -> int:
     try:
         last = run(cfg, run_dir)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
-        line = f"rank {os.environ.get('RANK', '0')}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        prefix = f"rank {os.environ.get('RANK', '0')}: "
+        line = first if first.startswith(prefix) else prefix + first  # CollectiveErrors name the rank
         if worker:
             record_error(run_dir, int(os.environ.get("RANK", "0")), f"meshlm: {line}")
         return _fail(line, 1)

@@ -204,12 +204,12 @@ class Watchdog:
     all_reduce #57 on group 'dp'" when both ranks had beaten the same step.
     """
 
-    def __init__(self, store, rank: int, world: int, period: float = 0.5, keep: int = 16):
+    def __init__(self, store, rank: int, world: int, period: float = 0.2, keep: int = 16):
         self.store, self.rank, self.world, self.period = store, rank, world, period
         self.step = -1
         self.seq: dict[str, int] = defaultdict(int)
         self.recent: deque = deque(maxlen=keep)  # (group, seq, kind, step, time)
-        self._dirty, self._stop = True, threading.Event()
+        self._dirty, self._stop, self._lock = True, threading.Event(), threading.Lock()
         self._publish()
         self._thread = threading.Thread(target=self._loop, name="meshlm-flight-recorder", daemon=True)
         self._thread.start()
@@ -224,18 +224,21 @@ class Watchdog:
     def beat(self, step: int) -> None:
         self.step = step
         self.store.set(f"meshlm/beat/{self.rank}", str(step))
+        self._publish()  # also once a step on the main thread: the record is at most a step old
 
     def enter(self, group: str, kind: str) -> None:
         """A collective is being issued on `group` (cheap: no store access here)."""
-        self.seq[group] += 1
-        self.recent.append((group, self.seq[group], kind, self.step, time.time()))
-        self._dirty = True
+        with self._lock:
+            self.seq[group] += 1
+            self.recent.append((group, self.seq[group], kind, self.step, time.time()))
+            self._dirty = True
 
     def _publish(self) -> None:
-        self._dirty = False
-        last = self.recent[-1] if self.recent else None
-        self.store.set(f"meshlm/fr/{self.rank}", json.dumps(
-            {"seq": dict(self.seq), "step": self.step, "time": time.time(), "last": last}))
+        with self._lock:
+            self._dirty = False
+            record = {"seq": dict(self.seq), "step": self.step, "time": time.time(),
+                      "last": self.recent[-1] if self.recent else None}
+        self.store.set(f"meshlm/fr/{self.rank}", json.dumps(record))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.period):
@@ -266,8 +269,8 @@ class Watchdog:
                     theirs = rec["seq"].get(group, 0)
                     if theirs < mine:
                         last = rec["last"]
-                        where = (f"its last was {last[2]} #{last[1]} on '{last[0]}' at step {last[3]}"
-                                 if last else "it entered none")
+                        where = (f"last reported: {last[2]} #{last[1]} on '{last[0]}' at step {last[3]}"
+                                 if last else "it reported none")
                         missing.append(f"rank {r} never entered {kind} #{mine} on group '{group}' ({where}; "
                                        f"reported {time.time() - rec['time']:.0f} s ago)")
                 beat = self._read(f"meshlm/beat/{r}")
