@@ -123,7 +123,8 @@ def torch_runner(cfg, world: int, rank: int, kind: str):
     return step
 
 
-def worker(rank: int, world: int, port: int, variant: str, a, out) -> None:
+def join_gloo(rank: int, world: int, port: int) -> None:
+    """In a spawned worker: one thread, join the gloo job on loopback."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import torch
@@ -131,8 +132,25 @@ def worker(rank: int, world: int, port: int, variant: str, a, out) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    import torch.distributed.fsdp
-    import torch.nn.parallel
+
+
+def spawn_gloo(target, world: int, *args, timeout: float = 1800) -> dict:
+    """Run `target(rank, world, port, *args, queue)` in `world` fresh processes; each puts (rank, result)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    res = dict(out.get(timeout=timeout) for _ in procs)
+    for p in procs:
+        p.join()
+    return res
+
+
+def worker(rank: int, world: int, port: int, variant: str, a, out) -> None:
+    join_gloo(rank, world, port)
+    import torch.distributed as dist
 
     import meshlm.train.trainer  # noqa: F401 - every variant imports the same modules before `base`
     base = _rss()
@@ -162,15 +180,7 @@ def _port() -> int:
 
 
 def run_variant(variant: str, a) -> dict:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=worker, args=(r, a.world, port, variant, a, out)) for r in range(a.world)]
-    for p in procs:
-        p.start()
-    res = dict(out.get(timeout=900) for _ in procs)
-    for p in procs:
-        p.join()
+    res = spawn_gloo(worker, a.world, variant, a, timeout=900)
     step_times = [max(res[r]["times"][i] for r in res) for i in range(a.steps)]
     cpu = [max(res[r]["cpu"][i] for r in res) for i in range(a.steps)]
     return {"times": step_times, "cpu": cpu, "peak": max(res[r]["peak"] for r in res), "losses": res[0]["losses"]}

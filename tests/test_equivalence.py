@@ -58,6 +58,11 @@ CASES = [
     ("pp4-interleaved-v2", 4, {"parallel__pp": 4, "parallel__pp_schedule": "interleaved", "parallel__pp_virtual": 2,
                                "model__n_layers": 8}),
     ("pp2-tied", 2, {"parallel__pp": 2, "model__tie_embeddings": True}),
+    # Tied embeddings across pipeline ends with ZeRO (issue #11: the copies' reduction sums over pp_ends).
+    ("dp2-pp2-tied-zero1", 4, {"parallel__dp": 2, "parallel__pp": 2, "parallel__zero": 1, "model__tie_embeddings": True}),
+    ("dp2-pp2-tied-zero3", 4, {"parallel__dp": 2, "parallel__pp": 2, "parallel__zero": 3, "model__tie_embeddings": True}),
+    ("pp4-tied-interleaved-zero2", 4, {"parallel__pp": 4, "parallel__pp_schedule": "interleaved", "parallel__pp_virtual": 2,
+                                       "model__n_layers": 8, "parallel__zero": 2, "model__tie_embeddings": True}),
     ("pp2-bf16", 2, {"parallel__pp": 2, "training__precision": "bf16"}),
     ("pp2-zb-h1-ac-full", 2, {"parallel__pp": 2, "parallel__pp_schedule": "zb-h1", "training__ac": "full"}),
     ("dp2-pp2-zero1", 4, {"parallel__dp": 2, "parallel__pp": 2, "parallel__zero": 1}),

@@ -91,6 +91,24 @@ def test_kill_during_checkpoint_write_uses_the_previous_one(tmp_path):
     assert_same_as(ref, str(run))
 
 
+def test_saving_steps_line_survives_a_crash_after_the_save(tmp_path):
+    """A saving step's metrics line is written after its save (it carries `ckpt`); a crash in between
+    loses it, and the resume from that checkpoint puts it back from meta.json, once."""
+    run = str(tmp_path / "run")
+    base = dict(checkpoint__every=4, checkpoint__keep=5, metrics__every=1)
+    run_local(make_config(training__steps=4, **base), run)
+    meta = json.load(open(os.path.join(run, "checkpoints", "step_00000004", "meta.json")))
+    kept = lines(run)
+    step4 = [r for r in kept if r["step"] == 4 and "loss" in r][0]
+    assert meta["metrics"]["loss"] == step4["loss"] and "ckpt" in step4
+    with open(os.path.join(run, "metrics.jsonl"), "w") as f:  # the crash: step 4's line never written
+        f.writelines(json.dumps(r) + "\n" for r in kept if r["step"] < 4)
+    run_local(make_config(training__steps=6, checkpoint__resume="auto", **base), run)
+    got = [r for r in lines(run) if "loss" in r]
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+    assert got[3]["loss"] == step4["loss"]
+
+
 def test_nan_loss_stops_bf16_with_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MESHLM_TEST_NAN_STEP", "7")
     run = tmp_path / "run"

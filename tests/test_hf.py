@@ -101,15 +101,21 @@ def test_tokenizer_travels_with_the_weights(hf_models, tmp_path):
     assert (tmp_path / "back" / "tokenizer.json").read_text() == (tmp_path / "ck" / "tokenizer.json").read_text()
 
 
-def first_batch_loss(hf, cfg) -> float:
-    """transformers' mean loss on step 1's global batch (what a run from these weights logs first)."""
+def batch_loss(logits_of, cfg, step: int = 1) -> float:
+    """The mean loss of `logits_of` on step `step`'s global batch (what a run logs for that step)."""
     from meshlm.data import GlobalBatchSampler, TokenShards, default_data_dir
     data = TokenShards(default_data_dir(), "train")
     s = GlobalBatchSampler.for_shards(data, cfg.data.seq_len, cfg.training.global_batch, cfg.training.seed)
-    x, y = s.next_batch(data, 0, 1)
+    for _ in range(step):
+        x, y = s.next_batch(data, 0, 1)
     with torch.no_grad():
-        logits = hf(x).logits
+        logits = logits_of(x)
     return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
+
+
+def first_batch_loss(hf, cfg) -> float:
+    """transformers' mean loss on step 1's global batch (what a run from these weights logs first)."""
+    return batch_loss(lambda x: hf(x).logits, cfg)
 
 
 def test_init_from_hf_same_first_loss_in_every_layout(hf_models, pools):
@@ -122,6 +128,51 @@ def test_init_from_hf_same_first_loss_in_every_layout(hf_models, pools):
         got = run_layout(pools, make_config(model__init_from=f"hf:{hf_dir}", training__steps=2, **layout), 2)
         for a, b in zip(ref, got):
             assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (layout, a["step"], a["loss"], b["loss"])
+
+
+def test_sharded_checkpoint_loads_whole_and_exports(tmp_path, pools):
+    """A checkpoint written in pieces (ZeRO-3 flat ranges over 2 ranks) is read whole into one process
+    by generate/export: the loaded weights give the loss the run logged for the next step."""
+    from harness import train_case
+    from meshlm import config as C
+    from meshlm.convert import load_model
+    cfg = make_config(training__steps=2, checkpoint__every=1, checkpoint__keep=5, metrics__every=1,
+                      parallel__dp=2, parallel__zero=3, training__micro_batch=1)
+    run = str(tmp_path / "run")
+    pools(2).run(train_case, C.to_dict(cfg), run)
+    logged = {r["step"]: r["loss"] for r in read_metrics(run)}
+    ck = os.path.join(run, "checkpoints", "step_00000001")
+    model = load_model(ck)[0]
+    loss = batch_loss(model, cfg, step=2)
+    assert abs(loss - logged[2]) <= 1e-5 * logged[2], (loss, logged)
+    assert main(["convert", "--to-hf", ck, "--out", str(tmp_path / "hf"), "--dtype", "fp32"]) == 0
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    x = tokens()
+    with torch.no_grad():
+        assert rel(hf(x).logits, model(x)) <= 1e-5
+
+
+class _Payload:
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+def test_checkpoint_index_is_never_unpickled_unsafely(hf_models, tmp_path, capsys):
+    """DCP's `.metadata` is a pickle: export and generate read it through the safe loader, so a
+    crafted one is refused with one line and its payload never runs."""
+    import pickle
+    ck = tmp_path / "ck"
+    assert main(["convert", "--from-hf", hf_models["untied"][0], "--out", str(ck)]) == 0
+    marker = tmp_path / "pwned"
+    (ck / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    err = _one_line_error(capsys, ["convert", "--to-hf", str(ck), "--out", str(tmp_path / "out")])
+    assert ".metadata" in err
+    err = _one_line_error(capsys, ["generate", str(ck), "--prompt", "x", "--max-new-tokens", "2"])
+    assert ".metadata" in err
+    assert not marker.exists() and not (tmp_path / "out").exists()
 
 
 def test_greedy_generate_matches_transformers(hf_models, tmp_path):
@@ -213,5 +264,12 @@ def test_bad_input_is_one_line_and_writes_nothing(hf_models, tmp_path, capsys):
         assert err.startswith("meshlm: model.init_from:")
     assert "dim" in _one_line_error(capsys, ["train", "--model.init_from", f"hf:{hf_dir}", "--model.dim", "32",
                                              "--run-dir", str(run)])
+    assert not run.exists()
+    # a weights-only checkpoint has no optimizer state to resume: pointed to model.init_from
+    ck = tmp_path / "ck"
+    assert main(["convert", "--from-hf", hf_dir, "--out", str(ck)]) == 0
+    capsys.readouterr()
+    err = _one_line_error(capsys, ["train", "--checkpoint.resume", str(ck), "--run-dir", str(run)])
+    assert "weights only" in err and "init_from" in err
     assert not run.exists()
     assert "--to-hf" in _one_line_error(capsys, ["convert", "--out", str(out)])

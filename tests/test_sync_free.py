@@ -94,7 +94,7 @@ def test_disabled_scaler_does_nothing(monkeypatch):
 
 def _snapshot(tr) -> dict:
     opt = tr.par.optimizer
-    snap = {k: t.detach().clone() for k, t in opt.state_tensors().items()}
+    snap = {f"{kind}/{name}": t.detach().clone() for name, kind, t in opt.state_storage()}
     snap.update({f"param/{i}": p.detach().clone() for i, p in enumerate(opt.param_tensors())})
     return snap
 

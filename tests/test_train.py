@@ -93,7 +93,8 @@ def ddp_case(bucket_mb: float) -> float:
 
     from meshlm.distributed.comm import Comm
     from meshlm.model import PRESETS, Llama, materialize
-    from meshlm.parallel.data_parallel import DataParallel
+    from meshlm.parallel.data_parallel import GradBuckets
+    from meshlm.parallel.grad_sync import Reduction
 
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -106,8 +107,8 @@ def ddp_case(bucket_mb: float) -> float:
     ref, ours = build(), build()
     ddp = DistributedDataParallel(ref, bucket_cap_mb=bucket_mb)
     params = list(ours.parameters())
-    sync = DataParallel(params, params, Comm("dp", dist.group.WORLD, list(range(world)), rank),
-                        int(bucket_mb * 2 ** 20))
+    comm = Comm("dp", dist.group.WORLD, list(range(world)), rank)
+    sync = GradBuckets(params, params, [Reduction(None, (comm,), (), world)] * len(params), int(bucket_mb * 2 ** 20))
     g = torch.Generator().manual_seed(100 + rank)
     batches = [(torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g))
                for _ in range(2)]
@@ -120,7 +121,7 @@ def ddp_case(bucket_mb: float) -> float:
         sync.set_sync(i == 1)
         loss(ours, x, y).backward()
     sync.finish()
-    calls = sync.comm.stats["all_reduce"].calls
+    calls = comm.stats["all_reduce"].calls
     assert calls == len(sync.buckets) >= (2 if bucket_mb < 1 else 1), calls  # only the last micro-batch talks
     return max((a.grad - b.grad).abs().max().item() for a, b in zip(ref.parameters(), ours.parameters()))
 

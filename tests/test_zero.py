@@ -32,8 +32,8 @@ def reference(key: tuple) -> list:
 # ---------------------------------------------------------------- bad input, before launch
 
 @pytest.mark.parametrize("overrides,world,message", [
-    ({"parallel__zero": 4}, 2, "parallel.zero: must be 0, 1, 2 or 3, got 4"),
-    ({"parallel__zero": -1}, 2, "parallel.zero: must be 0, 1, 2 or 3, got -1"),
+    ({"parallel__zero": 4}, 2, "parallel.zero: '4' is not one of 0, 1, 2, 3"),
+    ({"parallel__zero": -1}, 2, "parallel.zero: '-1' is not one of 0, 1, 2, 3"),
     ({"parallel__zero": 3, "parallel__zero_group": 3}, 4, "parallel.zero_group: 3 does not divide dp 4"),
     ({"parallel__zero_group": 2}, 4, "parallel.zero_group: HSDP groups need a ZeRO stage (zero >= 1)"),
     ({"parallel__offload": "optimizer"}, 2,

@@ -1,4 +1,4 @@
-"""`meshlm` command line: train | prepare | plan | estimate | schedule | report | convert | generate."""
+"""`meshlm` command line: train | prepare | plan | estimate | schedule | report | explore | convert | generate."""
 from __future__ import annotations
 
 import argparse
@@ -33,9 +33,11 @@ def cmd_train(args, extra: list[str]) -> int:
             raise C.ConfigError("--max-restarts: under torchrun pass torchrun's own --max-restarts")
         resolve(cfg, world)
         check_data(cfg)
+        run_dir = args.run_dir or os.path.join("runs", f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+        from .train.checkpoint import preflight
+        preflight(cfg, run_dir)
     except (C.ConfigError, RuntimeError) as e:
         return _fail(str(e))
-    run_dir = args.run_dir or os.path.join("runs", f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     if not worker or int(os.environ.get("RANK", "0")) == 0:
         os.makedirs(run_dir, exist_ok=True)
         resolved = os.path.join(run_dir, "config.toml")
@@ -113,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", help="PNG path (default RUN_DIR/report.png)")
     r.set_defaults(func=cmd_report)
     for mod, fn in (("meshlm.plan.cli_cmds", "add_parsers"), ("meshlm.parallel.pipeline.schedule_cmd", "add_parser"),
-                    ("meshlm.cli_hf", "add_parsers")):
+                    ("meshlm.explore.server", "add_parser"), ("meshlm.cli_hf", "add_parsers")):
         try:
             module = __import__(mod, fromlist=[fn])
         except ImportError:

@@ -13,6 +13,7 @@ def _fail(msg: str, code: int = 2) -> int:
 
 def run_convert(args) -> int:
     from .convert import from_hf, to_hf
+    from .train.checkpoint import CheckpointError
     if bool(args.from_hf) == bool(args.to_hf):
         return _fail("convert: give exactly one of --from-hf DIR or --to-hf CKPT")
     if args.max_shard_gb <= 0:
@@ -26,7 +27,7 @@ def run_convert(args) -> int:
             files = to_hf(args.to_hf, args.out, args.dtype, int(args.max_shard_gb * 1e9))
             print(f"meshlm: wrote {args.out} ({len(files)} safetensors file{'s' if len(files) > 1 else ''}, "
                   f"{args.dtype})")
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, CheckpointError) as e:
         return _fail(str(e).splitlines()[0])
     return 0
 

@@ -1,8 +1,9 @@
 """`meshlm convert`: Hugging Face Llama directories <-> meshlm checkpoints, and reading a checkpoint's
 weights into one process (for export and `meshlm generate`).
 
-A checkpoint holds full single-process tensors by name (`master/<name>`) through DCP, whatever layout
-wrote it, so one process loads exactly the tensors it asks for, one group at a time. Everything is
+A checkpoint holds single-process tensors by name (`master/<name>`) through DCP, sharded however the
+writing layout held them; one process asks for each tensor whole (train/checkpoint.py reads the
+overlapping stored chunks), exactly the tensors it needs, one group at a time. Everything is
 checked before anything is written; output goes to `OUT.tmp` and is renamed when complete.
 """
 from __future__ import annotations
@@ -48,11 +49,14 @@ def checkpoint_model(path: str) -> tuple[C.Config, ModelArgs, dict]:
 
 
 def load_masters(path: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """The fp32 weights named in `shapes` from checkpoint `path` (only those are read)."""
-    import torch.distributed.checkpoint as dcp
-    state = {f"master/{n}": torch.empty(s) for n, s in shapes.items()}
-    dcp.load(state, checkpoint_id=path)
-    return {k.split("/", 1)[1]: v for k, v in state.items()}
+    """The fp32 weights named in `shapes` from checkpoint `path` (only those are read), through the
+    training loader: its index is read without unpickling arbitrary objects, shapes and data files are
+    checked first (CheckpointError, one line), and each tensor is one whole piece in this process."""
+    from .train.checkpoint import Pieces, load
+    state = {f"master/{n}": Pieces(tuple(s), torch.float32, [((0,) * len(s), torch.empty(s))], True)
+             for n, s in shapes.items()}
+    load(path, state)
+    return {k.split("/", 1)[1]: v.parts[0][1] for k, v in state.items()}
 
 
 def load_model(path: str, device: str | torch.device = "cpu"):

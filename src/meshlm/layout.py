@@ -5,14 +5,10 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from .choices import AC_MODES, CP_IMPLS, OFFLOAD, PP_SCHEDULES, PRECISIONS, REDUCE_DTYPES, ZERO_STAGES, choose
 from .config import Config, ConfigError
 from .model.args import PRESETS, ModelArgs
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-AC_MODES = ("none", "full", "selective")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
-OFFLOAD = ("none", "optimizer")
-REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 
 # Dimensions whose runtime has not landed yet: refused with the issue that brings them.
 NOT_YET: dict[str, str] = {
@@ -118,9 +114,8 @@ def check_checkpoint_keys(cfg: Config) -> None:
         raise ConfigError(f"checkpoint.mtbf_hours: must be >= 0, got {c.mtbf_hours}")
 
 
-def _choice(value: str, allowed: tuple[str, ...], key: str) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}: '{value}' is not one of {', '.join(allowed)}")
+def _choice(value, allowed, key: str) -> None:
+    choose(value, allowed, key, ConfigError)
 
 
 def batch_split(p, t, world: int, flag: str = "--nproc") -> tuple[int, int]:
@@ -168,12 +163,11 @@ def resolve(cfg: Config, world_size: int) -> Layout:
     _choice(p.pp_schedule, PP_SCHEDULES, "parallel.pp_schedule")
     _choice(p.offload, OFFLOAD, "parallel.offload")
     _choice(p.reduce_dtype, REDUCE_DTYPES, "parallel.reduce_dtype")
-    _choice(p.cp_impl, ("ring", "ulysses"), "parallel.cp_impl")
+    _choice(p.cp_impl, CP_IMPLS, "parallel.cp_impl")
     for key in ("tp", "pp", "cp", "ep", "pp_virtual"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallel.{key}: must be >= 1, got {getattr(p, key)}")
-    if p.zero not in (0, 1, 2, 3):
-        raise ConfigError(f"parallel.zero: must be 0, 1, 2 or 3, got {p.zero}")
+    _choice(p.zero, ZERO_STAGES, "parallel.zero")
     if p.offload != "none" and p.zero < 1:
         raise ConfigError("parallel.offload: optimizer offload needs a ZeRO stage that shards the optimizer (zero >= 1)")
     if world_size < 1:
@@ -198,6 +192,8 @@ def resolve(cfg: Config, world_size: int) -> Layout:
         _check_pipeline(cfg, args, microbatches)
     if t.steps < 0:
         raise ConfigError(f"training.steps: must be >= 0, got {t.steps}")
+    if t.peak_tflops < 0:
+        raise ConfigError(f"training.peak_tflops: must be >= 0 (0 = datasheet or measured), got {t.peak_tflops}")
     check_checkpoint_keys(cfg)
     for key, label in NOT_YET.items():
         value = getattr(p, key)
@@ -211,9 +207,6 @@ def resolve(cfg: Config, world_size: int) -> Layout:
 def _check_pipeline(cfg: Config, args: ModelArgs, microbatches: int) -> None:
     """Schedule, chunks and the stage split (parallel/pipeline/stage.py), as one-line ConfigErrors."""
     from .parallel.pipeline.build import plan_stages
-    if cfg.parallel.pp > 1 and args.tie_embeddings and cfg.parallel.zero:
-        raise ConfigError("model.tie_embeddings: tied embeddings with pp > 1 need zero = 0 (the two stage "
-                          "copies are summed before the gradient reduction, which ZeRO shards)")
     try:
         plan_stages(args, cfg, microbatches)
     except ValueError as e:

@@ -142,6 +142,17 @@ class Comm:
         return self._run("reduce_scatter", nbytes, self.ring,
                          lambda **kw: _reduce_scatter(out, full, op=op, **kw), async_op)
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
+                   in_splits: list[int] | None = None, async_op: bool = False):
+        """Rank r sends `inp`'s i-th block (dim 0) to rank i and receives rank i's r-th block into `out`'s
+        i-th block, in rank order; blocks are equal, or sized by the splits (rows along dim 0). Booked:
+        the bytes this rank sends, (size-1)/size of them cross a link."""
+        if self.size == 1:
+            out.copy_(inp.reshape(out.shape))
+            return Handle(self, "all_to_all", None) if async_op else None
+        return self._run("all_to_all", inp.numel() * inp.element_size(), self.ring,
+                         lambda **kw: dist.all_to_all_single(out, inp, out_splits, in_splits, **kw), async_op)
+
     def _has_reduce_scatter(self) -> bool:
         """Recent gloo builds reduce-scatter natively; older ones raise at once on every rank, so a
         tiny probe (not booked) on the first call decides, the same way on all members."""

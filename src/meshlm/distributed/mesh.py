@@ -113,6 +113,13 @@ def init_context(shape: dict[str, int], device: torch.device, timeout_s: float =
     for name in DIMS + tuple(COMPOSITES):
         dims = COMPOSITES.get(name, (name,))
         ctx.comms[name] = _make_comm(name, groups_along(dims, shape), rank, world, timeout_s)
+    # The two ends of each pipeline (first and last stage): the copies of a tied embedding. Middle
+    # stages are alone in theirs.
+    ends = []
+    for g in groups_along(("pp",), shape):
+        ends.append([g[0], g[-1]] if len(g) > 1 else g)
+        ends += [[r] for r in g[1:-1]]
+    ctx.comms["pp_ends"] = _make_comm("pp_ends", ends, rank, world, timeout_s)
     ctx.comms["world"] = Comm("world", dist.group.WORLD if world > 1 else None, list(range(world)), rank)
     return ctx
 
@@ -132,15 +139,17 @@ def _attempt_store(rank: int, world: int, timeout_s: float) -> dict:
 
 def _make_comm(name: str, all_groups: list[list[int]], rank: int, world: int, timeout_s: float) -> Comm:
     mine = next(g for g in all_groups if rank in g)
+    handle = None
+    for g in all_groups:  # every rank creates every group, in the same order
+        if len(g) == 1 or len(g) == world:  # no group needed (the same choice on every rank)
+            continue
+        pg = dist.new_group(g, timeout=timedelta(seconds=timeout_s))
+        if rank in g:
+            handle = pg
     if len(mine) == 1:
         return Comm(name, None, mine, rank)
     if len(mine) == world:
         return Comm(name, dist.group.WORLD, mine, rank)
-    handle = None
-    for g in all_groups:  # every rank creates every group, in the same order
-        pg = dist.new_group(g, timeout=timedelta(seconds=timeout_s))
-        if rank in g:
-            handle = pg
     return Comm(name, handle, mine, rank)
 
 

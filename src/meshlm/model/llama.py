@@ -129,9 +129,14 @@ class Llama(nn.Module):
             self.rope_cache = (cos.to(device), sin.to(device))
         return self.rope_cache
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
-        """`cache`: a kv_cache.KVCache (generation only); the tokens continue at its position."""
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None, *,
+                blocks: list[str] | None = None, embed: bool | None = None, head: bool | None = None) -> torch.Tensor:
+        """`blocks`, `embed`, `head`: run only these blocks (keys of `layers`) and the embedding / head
+        or not (default: whatever the model holds). A pipeline stage runs its chunk this way.
+        `cache`: a kv_cache.KVCache (generation only); the tokens continue at its position."""
+        embed = self.tok_embeddings is not None if embed is None else embed
+        head = self.output is not None if head is None else head
+        h = self.tok_embeddings(x) if embed else x
         cos, sin = self.rope(h.shape[1] if cache is None else cache.max_len, h.device)
         if cache is not None and positions is None:
             positions = cache.positions(h.shape[1], h.device)
@@ -139,12 +144,10 @@ class Llama(nn.Module):
             cos, sin = cos[: h.shape[1]], sin[: h.shape[1]]
         else:
             cos, sin = cos[positions], sin[positions]
-        for key, block in self.layers.items():
-            h = block(h, cos, sin) if cache is None else block(h, cos, sin, cache.layers[key])
+        for key in self.layers if blocks is None else blocks:
+            h = self.layers[key](h, cos, sin) if cache is None else self.layers[key](h, cos, sin, cache.layers[key])
         if cache is not None:
             cache.advance(x.shape[1])
-        if self.norm is not None:
-            h = self.norm(h)
-        if self.output is not None:
-            h = self.output(h)
+        if head:
+            h = self.output(self.norm(h))
         return h

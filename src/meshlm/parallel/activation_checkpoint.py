@@ -1,4 +1,4 @@
-"""Activation checkpointing applied from outside the model.
+"""Activation checkpointing applied from outside the model, to the modules the model plan names.
 
 full: each transformer block keeps only its input; everything inside is recomputed in backward.
 selective: only the attention core (softmax(QK^T)V) and the SwiGLU product are recomputed — the
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from ..choices import AC_MODES, choose
 
 
 class Checkpointed(nn.Module):
@@ -22,14 +24,8 @@ class Checkpointed(nn.Module):
         return checkpoint(self._wrapped, *args, use_reentrant=False)
 
 
-def apply_ac(model: nn.Module, mode: str) -> None:
-    if mode == "none":
-        return
-    for key, block in list(model.layers.items()):
-        if mode == "full":
-            model.layers[key] = Checkpointed(block)
-        elif mode == "selective":
-            block.attention.core = Checkpointed(block.attention.core)
-            block.feed_forward.act = Checkpointed(block.feed_forward.act)
-        else:
-            raise ValueError(f"training.ac: unknown mode '{mode}'")
+def apply_ac(model: nn.Module, mode: str, plan) -> None:
+    """Wrap the modules the model plan names for `mode` (parallel/llama_plan.py `ac_targets`)."""
+    choose(mode, AC_MODES, "training.ac")
+    for parent, attr in plan.ac_targets(model, mode):
+        setattr(parent, attr, Checkpointed(getattr(parent, attr)))

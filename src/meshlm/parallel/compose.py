@@ -1,13 +1,17 @@
 """Apply parallel dimensions to a plain model from outside (module swaps, hooks, wrappers).
 
 `parallelize` turns a meta-device model into this rank's part of the job and returns what the
-trainer drives: the model, the optimizer over its masters, and the gradient synchroniser.
+trainer drives: the model, the optimizer over its masters, the gradient synchroniser and the placement
+record of every parameter. Each dimension adds to the records as it is applied (placement.py); the
+model-specific questions (which linears TP splits, what a ZeRO unit is, what AC wraps, what a pipeline
+stage keeps) go to the model plan (llama_plan.py).
 The optimizer class comes from the trainer (train/ sits above parallel/); it must accept
-`(named_params, optim_cfg, device)` and expose `.params` and `.masters` (fp32, one per param).
+`(named_params, optim_cfg, device)` and expose `.params`, `.names`, `.masters` (fp32, one per param)
+and `state_storage()`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
@@ -15,17 +19,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..choices import torch_dtype
 from ..config import Config
 from ..distributed.mesh import ParallelContext
 from ..layout import Layout
 from ..model.init import canonical_name, init_source, materialize
 from .activation_checkpoint import apply_ac
-from .data_parallel import DTYPES, DataParallel, GradBuckets
+from .data_parallel import GradBuckets
+from .grad_sync import GradSync, Reduction
+from .llama_plan import LLAMA
 from .pipeline.build import attach as attach_pipeline, split_model
+from .placement import PlacementTable
 from .tensor_parallel import apply_tensor_parallel, pad_vocab
-from .zero import shard_model
-
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from .zero import ZeroOptimizer, shard_model
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
@@ -37,30 +43,33 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab: int | None
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def _identity(name: str, t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 @dataclass
 class Parallelized:
-    """What the trainer drives. Later dimensions replace pieces:
+    """What the trainer drives.
     - `loss_fn(model_output, targets)`: the mean token loss (vocab-parallel under TP);
-    - `to_full(name, t)` / `to_local(name, t)`: turn this rank's piece of a named parameter-shaped
-      tensor (master, Adam moment) into the full single-process tensor and back. The optimizer's
-      `state_tensors()` gives what the rank holds; the trainer maps it through these so checkpoints
-      hold full tensors by single-process name and load into any layout (DESIGN invariant 3).
+    - `placements`: one record per parameter this rank holds (single-process names): `to_local`,
+      checkpoint pieces and which copy owns each element (placement.py);
+    - `forward_backward` / `eval_loss` / `pipeline` (pp > 1): run all micro-batches of a step / one
+      eval micro-batch on this rank; the loss is the last stage's (zero elsewhere).
     """
     model: nn.Module
     optimizer: object
-    grads: GradBuckets  # begin_step / set_sync / finish / grad_tensors / norm_terms
+    grads: GradSync
+    placements: PlacementTable
+    world: object  # Comm over every rank: the gradient norm sums each owner's squares over it
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
-    to_full: Callable[[str, torch.Tensor], torch.Tensor] = _identity
-    to_local: Callable[[str, torch.Tensor], torch.Tensor] = _identity
-    # Pipeline (pp > 1): run all micro-batches of a step / one eval micro-batch on this rank; the
-    # loss is the last stage's (zero elsewhere). `pipeline` is the runtime (measured timelines).
     forward_backward: Callable[[torch.Tensor, torch.Tensor, float | torch.Tensor], torch.Tensor] | None = None
     eval_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     pipeline: object | None = None
+    owned: set[int] = field(default_factory=set)  # id() of parameters whose placement is the owner copy
+
+    def to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a full single-process tensor of parameter `name`."""
+        return self.placements.to_local(name, full)
+
+    def norm_grads(self) -> list[torch.Tensor]:
+        """The gradient pieces this rank counts in the global norm: each element once over the world."""
+        return [g for p, g in self.grads.param_grads() if id(p) in self.owned and g.numel()]
 
 
 def named_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -68,43 +77,67 @@ def named_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(canonical_name(n), p) for n, p in model.named_parameters()]
 
 
+def reductions(ctx: ParallelContext, layout: Layout, zero: int, tied_split: set[str]) -> Callable[[str], Reduction]:
+    """Every parameter's gradient reduction: averaged over the data-parallel ranks (reduce-scattered
+    over the ZeRO shard group and all-reduced over HSDP replicas, or all-reduced over dp); a tied weight
+    held by both pipeline ends is also summed over the two."""
+    if zero:
+        base = Reduction(ctx.comm("dp_shard"), (ctx.comm("dp_replicate"),), (), layout.dp)
+    else:
+        base = Reduction(None, (ctx.comm("dp"),), (), layout.dp)
+    tied = Reduction(base.scatter, base.over, (ctx.comm("pp_ends"),), base.divisor)
+    return lambda name: tied if name in tied_split else base
+
+
 def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Layout,
-                make_optimizer: Callable) -> Parallelized:
+                make_optimizer: Callable, plan=LLAMA) -> Parallelized:
     """`model` was built on the meta device; materialise and wrap it for this rank."""
-    pipe = split_model(model, ctx, cfg, layout) if layout.pp > 1 else None  # keep this rank's stages
-    apply_ac(model, cfg.training.ac)
-    dtype = COMPUTE_DTYPES[cfg.training.precision]
+    pipe = split_model(model, ctx, cfg, layout, plan) if layout.pp > 1 else None  # keep this rank's stages
+    table = PlacementTable()
+    for name, p in named_params(model):
+        table.add(name, tuple(p.shape))
+    apply_ac(model, cfg.training.ac, plan)
     # tp > 1: the full TP plan (vocab-parallel, padded); tp = 1: only the vocabulary padding, if any
-    tp = (apply_tensor_parallel(model, ctx.comm("tp"), cfg.parallel.sp) if layout.tp > 1
-          else pad_vocab(model, ctx.comm("tp")))
-    materialize(model, cfg.training.seed, ctx.device, dtype=dtype,
-                full_shapes=tp.full_shapes if tp else None, slicers=tp.slicers if tp else None,
+    tp = (apply_tensor_parallel(model, ctx.comm("tp"), cfg.parallel.sp, plan, table) if layout.tp > 1
+          else pad_vocab(model, ctx.comm("tp"), plan, table))
+    split = {fqn: table[canonical_name(fqn)] for fqn, _ in model.named_parameters()
+             if table[canonical_name(fqn)].splits}
+    materialize(model, cfg.training.seed, ctx.device, dtype=torch_dtype(cfg.training.precision),
+                full_shapes={f: pl.full_shape for f, pl in split.items()},
+                slicers={f: pl.to_local for f, pl in split.items()},
                 source=init_source(cfg.model.init_from, model.args))  # model.init_from = "hf:DIR"
     if cfg.training.compile:
-        for key, block in list(model.layers.items()):
-            model.layers[key] = torch.compile(block, dynamic=False)
+        for key, block in list(plan.blocks(model).items()):
+            plan.blocks(model)[key] = torch.compile(block, dynamic=False)
     named = named_params(model)
-    zero = shard_model(model, named, ctx, cfg) if cfg.parallel.zero else None  # ZeRO-1/2/3, HSDP
-    opt = zero[0] if zero else make_optimizer(named, cfg.optim, ctx.device)
-    reduce_dtype = DTYPES[cfg.parallel.reduce_dtype]
-    bucket_bytes = int(cfg.parallel.bucket_mb * 2 ** 20)
-    dp = ctx.comm("dp")
-    if zero:
-        grads = zero[1]
-    elif dp.size > 1:
-        grads: GradBuckets = DataParallel(opt.params, opt.masters, dp, bucket_bytes, reduce_dtype)
+    tied_split = {plan.tied_name()} & set(table.names()) if pipe is not None and pipe.tied else set()
+    reduction_of = reductions(ctx, layout, cfg.parallel.zero, tied_split)
+    reduce_dtype = torch_dtype(cfg.parallel.reduce_dtype)
+    if cfg.parallel.zero:  # ZeRO-1/2/3, HSDP
+        grads = shard_model(model, named, cfg, plan, bool(tied_split), reduction_of, reduce_dtype)
+        opt = ZeroOptimizer(grads, cfg.optim, cfg.parallel.offload == "optimizer")
+        for u in grads.units:
+            held = {i: (p0, p0 + s1 - s0) for i, s0, s1, p0 in u.segments}
+            for i, name in enumerate(u.names):
+                start, end = held.get(i, (0, 0))
+                table.update(name, lambda pl: pl.shard_flat(start, end, u.comm.name))
     else:
-        grads = GradBuckets(opt.params, opt.masters, bucket_bytes, reduce_dtype)
-    par = Parallelized(model=model, optimizer=opt, grads=grads)
-    if tp is not None:  # checkpoints hold the single-process tensors: unpadded, unsharded
-        par.to_full, par.to_local = tp.to_full, tp.to_local
+        opt = make_optimizer(named, cfg.optim, ctx.device)
+        grads = GradBuckets(opt.params, opt.masters, [reduction_of(n) for n in opt.names],
+                            int(cfg.parallel.bucket_mb * 2 ** 20), reduce_dtype)
+    for name in table.names():  # the copies a reduction sums are replicas of one another
+        red = reduction_of(name)
+        for c in red.over + red.after:
+            if c.size > 1:
+                table.update(name, lambda pl: pl.replicate(c.name, c.rank))
+    par = Parallelized(model=model, optimizer=opt, grads=grads, placements=table, world=ctx.comm("world"))
+    par.owned = {id(p) for name, p in named if table[name].owner}
     if layout.tp > 1:
-        grads.set_norm_groups(tp.norm_groups(named))
         par.loss_fn = tp.make_loss_fn()
     else:
         par.loss_fn = partial(cross_entropy, vocab=model.args.vocab_size)  # drops padded logits, if any
         if cfg.training.compile:  # the vocab-parallel loss has collectives inside; the plain one fuses well
             par.loss_fn = torch.compile(par.loss_fn, dynamic=False)
     if pipe is not None:
-        attach_pipeline(par, pipe, ctx, cfg, layout)
+        attach_pipeline(par, pipe, ctx, cfg, layout, plan)
     return par

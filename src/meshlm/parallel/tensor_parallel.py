@@ -14,46 +14,20 @@ they replace), and norm gains, which then see only part of the tokens, sum their
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.comm import Comm
-from ..distributed.functional import (all_gather_dim, copy_to, gather_seq, reduce_from, reduce_scatter_seq,
+from ..distributed.functional import (copy_to, gather_seq, reduce_from, reduce_scatter_seq,
                                       sum_grad, sum_grad_over_replicas)
 from ..layout import check_shape
 from ..model.args import padded_vocab
-from ..model.init import Slicer, canonical_name
-from ..model.llama import Attention, FeedForward, Llama, RMSNorm
+from ..model.init import canonical_name
+from ..model.llama import RMSNorm
 from .vocab_parallel import VocabParallelEmbedding, VocabParallelLoss, vocab_range
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """How one parameter is cut: along `dim`, whose single-process size `size` is padded to `padded`,
-    into tp/rep chunks, chunk i held by ranks i·rep … i·rep+rep-1."""
-    dim: int
-    size: int
-    padded: int
-    rep: int = 1
-
-    @torch.no_grad()
-    def local(self, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
-        if self.padded > self.size:
-            pad = list(full.shape)
-            pad[self.dim] = self.padded - self.size
-            full = torch.cat([full, full.new_zeros(pad)], dim=self.dim)
-        chunk = self.padded // (tp // self.rep)
-        return full.narrow(self.dim, (rank // self.rep) * chunk, chunk).contiguous()
-
-    @torch.no_grad()
-    def gather(self, local: torch.Tensor, comm: Comm) -> torch.Tensor:
-        full = all_gather_dim(local.detach(), comm, self.dim)
-        if self.rep > 1:  # keep one copy of each replicated chunk
-            full = torch.cat(full.split(local.shape[self.dim], dim=self.dim)[::self.rep], dim=self.dim)
-        return full.narrow(self.dim, 0, self.size).contiguous()
 
 
 class SeqParallelRMSNorm(RMSNorm):
@@ -77,55 +51,36 @@ class ReplicatedKVLinear(nn.Linear):
 
 @dataclass
 class TensorParallel:
-    """What `parallelize` needs from TP: materialize inputs, the loss, checkpoint mapping, norm groups.
-    At tp = 1 (`pad_vocab`) it only pads the vocabulary rows: the same specs, nothing to gather."""
+    """What `parallelize` needs from TP beyond the module swaps and hooks: the loss. The slices
+    themselves are recorded in the placement table (`DimSplit` along the sliced dimension, a replica
+    index for kv heads held by several ranks and for everything TP does not split)."""
     comm: Comm
     sp: bool
     vocab_size: int
     vocab_multiple: int = 1
-    specs: dict[str, ShardSpec] = field(default_factory=dict)  # by single-process name
-    full_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # by module path
-    slicers: dict[str, Slicer] = field(default_factory=dict)  # by module path
-
-    def shard(self, fqn: str, param: nn.Parameter, spec: ShardSpec) -> None:
-        self.specs[canonical_name(fqn)] = spec
-        self.full_shapes[fqn] = tuple(param.shape)
-        rank, tp = self.comm.rank, self.comm.size
-        self.slicers[fqn] = lambda full: spec.local(full, rank, tp)
 
     def make_loss_fn(self) -> VocabParallelLoss:
         return VocabParallelLoss(self.comm, self.vocab_size, self.vocab_multiple)
 
-    def to_full(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        spec = self.specs.get(name)
-        return t if spec is None else spec.gather(t, self.comm)
 
-    def to_local(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        spec = self.specs.get(name)
-        return t if spec is None else spec.local(t, self.comm.rank, self.comm.size)
-
-    def norm_groups(self, named: list[tuple[str, nn.Parameter]]) -> list[tuple[list[nn.Parameter], list[Comm]]]:
-        """Sharded parameters count their squares over the group, replicated ones once; a kv head
-        replicated on several ranks is counted by the first of them only."""
-        sharded, replicated = [], []
-        for name, p in named:
-            spec = self.specs.get(name)
-            if spec is None:
-                replicated.append(p)
-            elif self.comm.rank % spec.rep == 0:
-                sharded.append(p)
-        return [(sharded, [self.comm]), (replicated, [])]
+def _split(table, fqn: str, dim: int, size: int, comm: Comm, rep: int = 1, padded: int | None = None) -> None:
+    """Record that parameter `fqn` is cut along `dim` into tp/rep chunks, chunk i held by ranks
+    i·rep … i·rep+rep-1 (kv heads replicated when there are fewer than ranks)."""
+    name = canonical_name(fqn)
+    t, r = comm.size, comm.rank
+    table.update(name, lambda pl: pl.split(dim, size, padded or size, t // rep, r // rep, comm.name))
+    if rep > 1:
+        table.update(name, lambda pl: pl.replicate(comm.name, r % rep))
 
 
-def apply_tensor_parallel(model: Llama, comm: Comm, sp: bool) -> TensorParallel:
-    """Slice plan + hooks + module swaps on a meta-device model (activation checkpointing may already
-    wrap its blocks). Returns what materialize and parallelize need."""
+def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table) -> TensorParallel:
+    """Module swaps, hooks and placement records on a meta-device model (activation checkpointing may
+    already wrap its blocks). `plan` names the regions, linears and norms (parallel/llama_plan.py)."""
     args, t = model.args, comm.size
     check_shape(args, t, 1, 1)  # layout.resolve reports these before workers start
-    plan = TensorParallel(comm=comm, sp=sp, vocab_size=args.vocab_size, vocab_multiple=args.vocab_multiple)
+    tp = TensorParallel(comm=comm, sp=sp, vocab_size=args.vocab_size, vocab_multiple=args.vocab_multiple)
     enter = (lambda x: gather_seq(x, comm)) if sp else (lambda x: copy_to(x, comm))
     leave = (lambda x: reduce_scatter_seq(x, comm)) if sp else (lambda x: reduce_from(x, comm))
-    hd = args.head_dim
     kv_rep = max(1, t // args.n_kv_heads)
 
     def enter_hook(module, inputs):
@@ -134,85 +89,72 @@ def apply_tensor_parallel(model: Llama, comm: Comm, sp: bool) -> TensorParallel:
     def leave_hook(module, inputs, output):
         return leave(output)
 
-    def rows(fqn: str, lin: nn.Linear, size: int, rep: int = 1) -> None:
-        plan.shard(f"{fqn}.weight", lin.weight, ShardSpec(0, size, size, rep))
-
-    def cols(fqn: str, lin: nn.Linear, size: int) -> None:
-        plan.shard(f"{fqn}.weight", lin.weight, ShardSpec(1, size, size))
-
-    for fqn, mod in list(model.named_modules()):
-        if isinstance(mod, Attention):
-            rows(f"{fqn}.wq", mod.wq, args.n_heads * hd)
-            for name in ("wk", "wv"):
-                lin = getattr(mod, name)
-                rows(f"{fqn}.{name}", lin, args.n_kv_heads * hd, kv_rep)
-                if kv_rep > 1:
-                    lin.__class__ = ReplicatedKVLinear
-                    lin.tp_comm, lin.tp_rep = comm, kv_rep
-            cols(f"{fqn}.wo", mod.wo, args.n_heads * hd)
-        elif isinstance(mod, FeedForward):
-            rows(f"{fqn}.w1", mod.w1, args.ffn_dim)
-            rows(f"{fqn}.w3", mod.w3, args.ffn_dim)
-            cols(f"{fqn}.w2", mod.w2, args.ffn_dim)
-        else:
-            continue
-        mod.register_forward_pre_hook(enter_hook)
-        mod.register_forward_hook(leave_hook)
+    split = set()
+    for region in plan.tp_regions(model):
+        for lin in region.linears:
+            rep = kv_rep if lin.kv else 1
+            _split(table, f"{lin.fqn}.weight", 0 if lin.style == "rows" else 1, lin.size, comm, rep)
+            split.add(canonical_name(f"{lin.fqn}.weight"))
+            if rep > 1:
+                lin.module.__class__ = ReplicatedKVLinear
+                lin.module.tp_comm, lin.module.tp_rep = comm, rep
+        region.module.register_forward_pre_hook(enter_hook)
+        region.module.register_forward_hook(leave_hook)
     if sp:
-        for mod in model.modules():
-            if isinstance(mod, RMSNorm):
-                mod.__class__ = SeqParallelRMSNorm
-                mod.tp_comm = comm
-    _vocab_parallel(model, plan, enter_hook)
+        for mod in plan.norms(model):
+            mod.__class__ = SeqParallelRMSNorm
+            mod.tp_comm = comm
+    split |= _vocab_parallel(model, tp, plan, table, enter_hook)
+    for name in table.names():  # everything else is a copy on every TP rank
+        if name not in split:
+            table.update(name, lambda pl: pl.replicate(comm.name, comm.rank))
     if sp:
-        model.register_forward_pre_hook(_positions_hook(t), with_kwargs=True)
-    return plan
+        model.register_forward_pre_hook(_positions_hook(t, plan), with_kwargs=True)
+    return tp
 
 
-def pad_vocab(model: Llama, comm: Comm) -> TensorParallel | None:
+def pad_vocab(model: nn.Module, comm: Comm, plan, table) -> TensorParallel | None:
     """tp = 1: pad the embedding and head rows to `padded_vocab` with zeros (the vocab-parallel split with
     one chunk), or None when the vocabulary already is a multiple. The loss must cut the padded logits."""
     args = model.args
     if padded_vocab(args.vocab_size, args.vocab_multiple, comm.size) == args.vocab_size:
         return None
-    plan = TensorParallel(comm=comm, sp=False, vocab_size=args.vocab_size, vocab_multiple=args.vocab_multiple)
-    _vocab_rows(model, plan)
-    return plan
+    tp = TensorParallel(comm=comm, sp=False, vocab_size=args.vocab_size, vocab_multiple=args.vocab_multiple)
+    _vocab_rows(model, tp, plan, table)
+    return tp
 
 
-def _vocab_rows(model: Llama, plan: TensorParallel) -> None:
-    """Row specs of the embedding and the head (tied: one parameter, sliced once), whichever this
+def _vocab_rows(model: nn.Module, tp: TensorParallel, plan, table) -> set[str]:
+    """Row splits of the embedding and the head (tied: one parameter, split once), whichever this
     pipeline stage holds."""
     v = model.args.vocab_size
-    spec = ShardSpec(0, v, padded_vocab(v, plan.vocab_multiple, plan.comm.size))
-    emb, out = model.tok_embeddings, model.output
+    padded = padded_vocab(v, tp.vocab_multiple, tp.comm.size)
+    names = {n for n in plan.vocab_params() if n in table}
+    for name in names:
+        _split(table, name, 0, v, tp.comm, padded=padded)
+    return names
+
+
+def _vocab_parallel(model: nn.Module, tp: TensorParallel, plan, table, enter_hook) -> set[str]:
+    comm = tp.comm
+    names = _vocab_rows(model, tp, plan, table)
+    emb, head = plan.embedding(model), plan.head(model)
     if emb is not None:
-        plan.shard("tok_embeddings.weight", emb.weight, spec)
-    if out is not None:
-        if emb is not None and out.weight is emb.weight:
-            plan.specs["output.weight"] = spec
-        else:
-            plan.shard("output.weight", out.weight, spec)
+        start = vocab_range(model.args.vocab_size, comm.size, comm.rank, tp.vocab_multiple)[0]
+        plan.set_embedding(model, VocabParallelEmbedding(emb.weight, comm, start, tp.sp))
+    if head is not None:
+        head.register_forward_pre_hook(enter_hook)
+    return names
 
 
-def _vocab_parallel(model: Llama, plan: TensorParallel, enter_hook) -> None:
-    comm = plan.comm
-    _vocab_rows(model, plan)
-    if model.tok_embeddings is not None:
-        start = vocab_range(model.args.vocab_size, comm.size, comm.rank, plan.vocab_multiple)[0]
-        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, comm, start, plan.sp)
-    if model.output is not None:
-        model.output.register_forward_pre_hook(enter_hook)
-
-
-def _positions_hook(tp: int):
+def _positions_hook(tp: int, plan):
     """Under SP the embedding output is already split along the sequence, so the model would size
     RoPE by the local length: pass the full sequence's positions instead (unless given)."""
     def hook(model, args, kwargs):
         given = args[1] if len(args) > 1 else kwargs.get("positions")
         if given is None:
             x = args[0]
-            seq = x.shape[1] * (tp if model.tok_embeddings is None else 1)  # a stage gets hidden shards
+            seq = x.shape[1] * (tp if plan.embedding(model) is None else 1)  # a stage gets hidden shards
             positions = torch.arange(seq, device=x.device)
             if len(args) > 1:
                 args = (x, positions) + tuple(args[2:])
@@ -232,7 +174,7 @@ def expected_bytes(args, micro_batch: int, seq_len: int, accum: int, tp: int, sp
     Per micro-batch: each block half reduces once forward and once backward (full AC recomputes the
     forward: see below); the embedding reduces forward, the head's input backward. The loss adds a max and a
     (sum-exp, target-logit) all-reduce of [tokens] fp32; SP adds one gain-gradient all-reduce per
-    norm, kv replicas one per wk/wv. The grad-norm all-reduce is one fp32 scalar per step."""
+    norm, kv replicas one per wk/wv. (The grad-norm all-reduce is one fp32 scalar over the world group.)"""
     if tp == 1:
         return {}
     sp = sp and tp > 1
@@ -260,8 +202,6 @@ def expected_bytes(args, micro_batch: int, seq_len: int, accum: int, tp: int, sp
     add("all_reduce", 1, 2 * 8 * tokens)      # sum-exp and target logit
     if tp > args.n_kv_heads:
         add("all_reduce", 2 * layers, 2 * param_bytes * args.n_kv_heads * args.head_dim * args.dim)
-    calls["all_reduce"][0] += 1               # grad norm, once per step
-    calls["all_reduce"][1] += 8
     return {k: (v[0], v[1]) for k, v in calls.items()}
 
 

@@ -9,16 +9,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..choices import AC_MODES, CP_IMPLS, DTYPE_BYTES, OFFLOAD, PP_SCHEDULES as SCHEDULES, PRECISIONS, choose
 from ..config import Config, ConfigError
 from ..layout import batch_split, check_shape, model_args
 from ..model import args as model_args_module
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-AC_MODES = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
-OFFLOAD = ("none", "optimizer")
-CP_IMPLS = ("ring", "ulysses")
-ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+ACT_BYTES = DTYPE_BYTES
 
 
 class PlanError(ValueError):
@@ -145,8 +141,7 @@ def spec_from_config(cfg: Config, world: int) -> Spec:
 
 
 def _choice(value, allowed, key):
-    if value not in allowed:
-        raise PlanError(f"{key}: '{value}' is not one of {', '.join(map(str, allowed))}")
+    choose(value, allowed, key, PlanError)
 
 
 def check(shape: Shape, s: Spec) -> None:

@@ -1,21 +1,38 @@
-"""Checkpoints in torch.distributed.checkpoint (DCP) format, keyed by single-process parameter names.
+"""Sharded checkpoints in torch.distributed.checkpoint (DCP) format, keyed by single-process names.
 
-Tensors (fp32 masters, Adam moments, RNG states) go through DCP, which writes each distinct tensor
-once however many ranks hold it and loads by name into whatever this rank allocated. Everything else
-(step, sampler position, loss scale, config) is a small JSON file: nothing is ever unpickled.
-A checkpoint is written into `step_N.tmp` and renamed to `step_N` only when complete.
+Every rank hands DCP only the pieces it owns (`Pieces`: rectangles of the full tensor with their
+offsets, from the placement records, parallel/placement.py); DCP writes each element once, and at load
+time every rank asks for the rectangles its own layout holds, whatever layout wrote them: DCP reads the
+overlapping parts of the stored chunks (resharding). No rank gathers a full tensor: a rank holds its
+own share plus one stored chunk at a time (at most one parameter) while loading.
+
+Keys are `master/<name>`, `exp_avg/<name>`, `exp_avg_sq/<name>` (fp32) and `rng/cpu`; everything else
+(step, sampler position, loss scale, config) is `meta.json`. A checkpoint is written into `step_N.tmp`
+and renamed to `step_N` only when every rank has finished. DCP stores its index (`.metadata`) as a
+pickle: it is read here with an unpickler that admits DCP's own metadata classes only, and tensors
+with `weights_only=True` (DCP's reader), so loading never runs arbitrary code.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import re
 import shutil
+import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..distributed.comm import Comm
 
@@ -24,6 +41,156 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message is one line naming the file or tensor."""
+
+
+@dataclass
+class Pieces:
+    """This rank's rectangles of one full tensor: (offsets, tensor) each, and whether it writes them
+    (one copy of each element writes; every copy reads)."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    parts: list[tuple[tuple[int, ...], torch.Tensor]]
+    write: bool
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.parts) if self.write else 0
+
+    def to_host(self) -> "Pieces":
+        """A snapshot in host memory (pinned on CUDA) for a background write."""
+        pin = torch.cuda.is_available()
+        return Pieces(self.shape, self.dtype, [(o, t.detach().to("cpu", copy=True).pin_memory() if pin else
+                                               t.detach().to("cpu", copy=True)) for o, t in self.parts], self.write)
+
+
+def _find(state: dict[str, Pieces], index: MetadataIndex) -> torch.Tensor:
+    for offsets, t in state[index.fqn].parts:
+        if tuple(offsets) == tuple(index.offset):
+            return t
+    raise KeyError(f"{index.fqn}: no piece at {tuple(index.offset)}")
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's default planner (dedup, global metadata, coverage checks) over our pieces."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for fqn, obj in self.state_dict.items():
+            if not obj.write:
+                continue
+            for offsets, t in obj.parts:
+                items.append(WriteItem(
+                    index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=t.shape),
+                        properties=TensorProperties(dtype=obj.dtype), size=torch.Size(obj.shape))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex):
+        return _find(self.state_dict, index)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """Reads, for each of our pieces, the overlapping parts of whatever chunks were stored."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        self.state_dict, self.metadata, self.is_coordinator = state_dict, metadata, is_coordinator
+        self.original_state_dict = state_dict
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for fqn, obj in self.state_dict.items():
+            md = self.metadata.state_dict_metadata[fqn]
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.shape) for o, t in obj.parts]
+            items += create_read_items_for_chunk_list(fqn, md, chunks)
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return _find(self.state_dict, index)
+
+    def transform_tensor(self, read_item, tensor: torch.Tensor) -> torch.Tensor:
+        for d, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            tensor = tensor.narrow(d, o, n)
+        return tensor
+
+
+# -- reading the index without unpickling arbitrary objects ----------------------------------------
+_SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                 "torch.distributed.checkpoint.planner", "torch.distributed.checkpoint._extension",
+                 "torch.distributed.checkpoint.storage", "torch.distributed.checkpoint._hf_utils")
+_SAFE_NAMES = {("torch", "Size"), ("torch", "float32"), ("torch", "float16"), ("torch", "bfloat16"),
+               ("torch", "float64"), ("torch", "uint8"), ("torch", "int64"), ("torch", "int32"),
+               ("torch", "strided"), ("torch", "contiguous_format"), ("torch", "preserve_format"),
+               ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+               ("torch", "layout"), ("torch", "memory_format"), ("torch", "dtype"),
+               ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+               ("pathlib", "Path")}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module in _SAFE_MODULES or (module, name) in _SAFE_NAMES:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP index")
+
+
+class _Reader(dcp.FileSystemReader):
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        return read_metadata(str(self.path))
+
+
+def read_metadata(path: str) -> Metadata:
+    """The checkpoint's DCP index, or a CheckpointError naming the file."""
+    f = os.path.join(path, ".metadata")
+    try:
+        with open(f, "rb") as fh:
+            md = _Unpickler(io.BytesIO(fh.read())).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path}: {f} is missing (not a complete checkpoint)") from None
+    except Exception as e:  # noqa: BLE001 - truncated or foreign: one line
+        raise CheckpointError(f"checkpoint {path}: cannot read {f} ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else 'corrupt'})") from None
+    if not isinstance(md, Metadata):
+        raise CheckpointError(f"checkpoint {path}: {f} is not a DCP index")
+    return md
+
+
+def check_files(path: str, md: Metadata) -> None:
+    """Every data file the index names exists and is long enough (a truncated file is named here,
+    not by a traceback from inside torch)."""
+    need: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None:
+            need[rel] = max(need.get(rel, 0), info.offset + info.length)
+    for rel, size in sorted(need.items()):
+        f = os.path.join(path, rel)
+        have = os.path.getsize(f) if os.path.isfile(f) else -1
+        if have < size:
+            raise CheckpointError(f"checkpoint {path}: {f} is {'missing' if have < 0 else 'truncated'} "
+                                  f"({max(have, 0)} of {size} bytes)")
+
+
+def check_shapes(path: str, md: Metadata, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The checkpoint holds every tensor of `shapes` (in that order) with that shape."""
+    for key, shape in shapes.items():
+        got = md.state_dict_metadata.get(key)
+        if got is None:
+            raise CheckpointError(f"checkpoint {path}: has no tensor {key} (another model?)")
+        if not isinstance(got, TensorStorageMetadata) or tuple(got.size) != tuple(shape):
+            have = tuple(got.size) if isinstance(got, TensorStorageMetadata) else "not a tensor"
+            raise CheckpointError(f"checkpoint {path}: {key} has shape {have}, this model's is {tuple(shape)}")
+
+
+# -- finding checkpoints ---------------------------------------------------------------------------
 def list_checkpoints(root: str) -> list[tuple[int, str]]:
     if not os.path.isdir(root):
         return []
@@ -36,28 +203,73 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
 
 
 def find_resume(root: str, resume: str) -> str | None:
-    """The checkpoint to start from: newest for `auto`, none for `never`, else the given path."""
+    """The checkpoint to start from: newest complete one for `auto`, none for `never`, else the given
+    path (a complete checkpoint: never a `.tmp` being written or left by a crash)."""
     if resume == "never":
         return None
     if resume == "auto":
         found = list_checkpoints(root)
         return found[-1][1] if found else None
+    if resume.rstrip("/").endswith(".tmp"):
+        raise CheckpointError(f"checkpoint.resume: {resume} is an incomplete checkpoint (.tmp); "
+                              f"point at a step_NNNNNNNN directory")
     if not os.path.isfile(os.path.join(resume, "meta.json")):
-        raise FileNotFoundError(f"checkpoint.resume: no checkpoint at {resume}")
+        raise CheckpointError(f"checkpoint.resume: no checkpoint at {resume}")
     return resume
 
 
+def preflight(cfg, run_dir: str) -> None:
+    """Refuse the checkpoint a run would resume from before any worker starts: a `.tmp`, a missing or
+    unreadable index, a truncated data file, or tensors whose shapes differ from the configured model
+    (the first mismatching one, in model order, is named)."""
+    path = find_resume(os.path.join(run_dir, "checkpoints"), cfg.checkpoint.resume)
+    if path is None:
+        return
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            weights_only = bool(json.load(f).get("weights_only"))
+    except (OSError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"checkpoint {path}: cannot read meta.json ({e})") from None
+    if weights_only:  # `meshlm convert --from-hf` output: no optimizer state to resume
+        raise CheckpointError(f"checkpoint.resume: {path} holds weights only (meshlm convert --from-hf); "
+                              f"train from Hugging Face weights with --model.init_from hf:DIR")
+    from ..layout import model_args
+    from ..model import Llama
+    from ..model.init import canonical_name
+
+    with torch.device("meta"):
+        model = Llama(model_args(cfg))
+    named = [(canonical_name(n), tuple(p.shape)) for n, p in model.named_parameters()]
+    shapes = {f"{kind}/{n}": s for kind in ("master", "exp_avg", "exp_avg_sq") for n, s in named}
+    md = read_metadata(path)
+    check_shapes(path, md, shapes)
+    check_files(path, md)
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+# -- saving ----------------------------------------------------------------------------------------
 class Checkpointer:
+    """Writes checkpoints under `root`: synchronously, or (async) from a host snapshot in a background
+    thread on a gloo group of its own, made visible by the rename only when every rank has finished."""
+
     def __init__(self, root: str, world: Comm, keep: int, use_async: bool):
         self.root, self.world, self.keep, self.use_async = root, world, keep, use_async
-        self.pending = None  # (future, tmp, final, meta) of an async save in flight
-        self.on_written = None  # fault-injection hook (train/fault.py TestHooks): step -> None
+        self.pending: tuple[Future, str, str, dict, float] | None = None
+        # Test-only fault injection (train/fault.py TestHooks.in_save), step -> None: called once a
+        # checkpoint's tensors are written and before it is committed (renamed), sync or async.
+        self.on_written = None
         self.dcp_group = None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt") if use_async else None
         if use_async and world.size > 1:
-            # Async saves need a CPU-capable group of their own to stay off the training stream.
             self.dcp_group = dist.new_group(backend="gloo")
+        self.done: list[dict] = []  # finished saves not yet reported: {step, write_s, bytes}
 
-    def save(self, step: int, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    def save(self, step: int, state: dict[str, Pieces], meta: dict) -> dict:
+        """Write `state`; returns {save_s: wall time this call blocked, bytes of this rank's pieces}."""
+        t0 = time.perf_counter()
         self.wait()
         final = os.path.join(self.root, f"step_{step:08d}")
         tmp = final + ".tmp"
@@ -66,36 +278,74 @@ class Checkpointer:
             os.makedirs(tmp, exist_ok=True)
         self.world.barrier()
         if self.use_async:
-            fut = dcp.async_save(tensors, checkpoint_id=tmp, process_group=self.dcp_group)
-            self.pending = (fut, tmp, final, meta)
+            snap = {k: v.to_host() for k, v in state.items()}
+            if torch.cuda.is_available():
+                torch.cuda.current_stream().synchronize()
+            fut = self.pool.submit(self._write, snap, tmp, self.dcp_group)
+            self.pending = (fut, tmp, final, meta, step)
         else:
-            dcp.save(tensors, checkpoint_id=tmp)
-            if self.on_written is not None:
-                self.on_written(step)
-            self._commit(tmp, final, meta)
+            write_s = self._write(state, tmp, None)
+            self._written(step)
+            self._commit(tmp, final, meta, step, write_s)
+        return {"save_s": time.perf_counter() - t0}
+
+    @staticmethod
+    def _write(state: dict[str, Pieces], tmp: str, group) -> float:
+        t0 = time.perf_counter()
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=_SavePlanner(), process_group=group)
+        return time.perf_counter() - t0
+
+    def _written(self, step: int) -> None:
+        if self.on_written is not None:
+            self.on_written(step)
+
+    def in_flight(self) -> bool:
+        return self.pending is not None and not self.pending[0].done()
 
     def wait(self) -> None:
         if self.pending is None:
             return
-        fut, tmp, final, meta = self.pending
+        fut, tmp, final, meta, step = self.pending
         self.pending = None
-        fut.result()
-        self._commit(tmp, final, meta)
+        write_s = fut.result()
+        self._written(step)  # on this (the training) thread, like the sync path
+        self._commit(tmp, final, meta, step, write_s)
 
-    def _commit(self, tmp: str, final: str, meta: dict) -> None:
+    def _commit(self, tmp: str, final: str, meta: dict, step: int, write_s: float) -> None:
         self.world.barrier()
         if self.world.rank == 0:
             with open(os.path.join(tmp, "meta.json"), "w") as f:
                 json.dump(meta, f, indent=1)
+            size = dir_bytes(tmp)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             for _, old in list_checkpoints(self.root)[:-self.keep] if self.keep > 0 else []:
                 shutil.rmtree(old, ignore_errors=True)
+            self.done.append({"step": step, "write_s": write_s, "bytes": size})
         self.world.barrier()
 
+    def close(self) -> None:
+        self.wait()
+        if self.pool is not None:
+            self.pool.shutdown()
 
-def load(path: str, tensors: dict[str, torch.Tensor]) -> dict:
-    """Fill `tensors` in place from the checkpoint at `path`; returns its JSON metadata."""
-    dcp.load(tensors, checkpoint_id=path)
-    with open(os.path.join(path, "meta.json")) as f:
-        return json.load(f)
+
+# -- loading ---------------------------------------------------------------------------------------
+def load(path: str, state: dict[str, Pieces], shapes: dict[str, tuple[int, ...]] | None = None) -> dict:
+    """Fill every piece of `state` in place from the checkpoint at `path` (any layout wrote it);
+    returns its JSON metadata. Bad checkpoints raise CheckpointError before anything is read."""
+    md = read_metadata(path)
+    check_shapes(path, md, shapes if shapes is not None else {k: v.shape for k, v in state.items()})
+    check_files(path, md)
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: cannot read meta.json ({e})") from None
+    try:
+        dcp.load(state, storage_reader=_Reader(path), planner=_LoadPlanner())
+    except Exception as e:  # noqa: BLE001 - a corrupt data file: one line naming the checkpoint
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {path}: cannot read its data ({first})") from None
+    return meta
+

@@ -5,7 +5,9 @@ stopping on a non-finite loss or gradient norm without ever checkpointing the ba
   a restarted worker (TORCHELASTIC_RESTART_COUNT > 0) resumes from the newest complete checkpoint of
   its run directory, whatever `checkpoint.resume` said, and rank 0 writes a `restart` line to
   metrics.jsonl. Lines of steps after the resumed one are dropped first: those steps run again with
-  the same losses, so no step is ever logged twice.
+  the same losses, so no step is ever logged twice. A saving step's line is written after its save
+  (it carries the save's `ckpt` timings) and also kept in the checkpoint's meta.json, so a crash
+  between the two does not lose it: the resume puts it back (without `ckpt`).
 - **Cadence** (`checkpoint.every = "auto"`): the first checkpoint is written after AUTO_FIRST steps and
   timed; the interval is then √(2 · cost · MTBF) (Young 1974, Daly 2006) in steps of the measured
   step time, agreed by every rank, and logged.
@@ -38,14 +40,17 @@ def resume_setting(resume: str, root: str) -> str:
     return "auto" if restart_count() > 0 and list_checkpoints(root) else resume
 
 
-def on_start(run_dir: str, step: int, is_logger: bool) -> None:
-    """Before metrics are appended: drop lines of steps that will run again; note a restart."""
+def on_start(run_dir: str, step: int, is_logger: bool, record: dict | None = None) -> None:
+    """Before metrics are appended: drop lines of steps that will run again; put back the resumed
+    step's line (`record`, from its checkpoint) if a crash after the save lost it; note a restart."""
     path = os.path.join(run_dir, "metrics.jsonl")
     restarted = restart_count() > 0
     if not is_logger or not (restarted or step > 0) or not os.path.isfile(path):
         return
     with open(path) as f:
         lines = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    if record is not None and not any('"loss"' in line and json.loads(line).get("step") == step for line in lines):
+        lines.append(json.dumps(record) + "\n")
     if restarted:
         lines.append(json.dumps({"step": step, "restart": restart_count(), "resumed_from": step}) + "\n")
     tmp = path + ".tmp"
@@ -113,11 +118,14 @@ class Cadence:
             return step == self.first or (last and step < self.first)
         return (step - self.first) % self.interval == 0
 
-    def saved(self, step: int, cost_s: float, t_save_start: float) -> None:
-        """After a timed save: fix the auto interval (once), the same on every rank, and log it."""
+    def saved(self, step: int, cost_s: float) -> None:
+        """Right after a save that blocked training for `cost_s` (Checkpointer.save's `save_s`: the
+        whole write when sync, the host snapshot when async): fix the auto interval (once), the same
+        on every rank, and log it."""
         if not self.auto or self.interval is not None:
             return
         steps_timed = step - self.start - 1
+        t_save_start = time.perf_counter() - cost_s
         step_s = (t_save_start - self.t_first_step) / steps_timed if steps_timed > 0 else float("nan")
         best_s = math.sqrt(2.0 * cost_s * self.mtbf_s)
         local = max(1, round(best_s / step_s)) if step_s > 0 and math.isfinite(step_s) else 1

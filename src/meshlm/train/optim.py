@@ -54,14 +54,13 @@ class MasterOptimizer:
         if self.copies:  # a skipped fused step copies the unchanged masters: same values
             torch._foreach_copy_([p for _, p in self.copies], [m for m, _ in self.copies])
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Master weights and Adam moments by parameter name (checkpoint format, any layout)."""
-        out = {}
+    def state_storage(self) -> list[tuple[str, str, torch.Tensor]]:
+        """(parameter name, kind, tensor) for the fp32 master and both Adam moments: this rank's own
+        tensors, which checkpoints write and load in place (see parallel/placement.py)."""
+        out = []
         for name, m in zip(self.names, self.masters):
             st = self.opt.state[m]
-            out[f"master/{name}"] = m
-            out[f"exp_avg/{name}"] = st["exp_avg"]
-            out[f"exp_avg_sq/{name}"] = st["exp_avg_sq"]
+            out += [(name, "master", m), (name, "exp_avg", st["exp_avg"]), (name, "exp_avg_sq", st["exp_avg_sq"])]
         return out
 
     def step_count(self) -> int:
@@ -70,12 +69,9 @@ class MasterOptimizer:
         return 0
 
     @torch.no_grad()
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor], step: int) -> None:
-        for name, m in zip(self.names, self.masters):
-            m.copy_(tensors[f"master/{name}"])
-            st = self.opt.state[m]
-            st["exp_avg"].copy_(tensors[f"exp_avg/{name}"])
-            st["exp_avg_sq"].copy_(tensors[f"exp_avg_sq/{name}"])
+    def loaded(self, step: int) -> None:
+        """`state_storage` was filled from a checkpoint: set Adam's step, copy masters to the params."""
+        for st in self.opt.state.values():
             st["step"].fill_(float(step))
         if self.copies:
             torch._foreach_copy_([p for _, p in self.copies], [m for m, _ in self.copies])
@@ -102,19 +98,14 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def grad_norm(terms: list[tuple[list[torch.Tensor], list[Comm]]],
-              device: torch.device | str | None = None) -> torch.Tensor:
-    """Global L2 norm from `GradBuckets.norm_terms()`: each group's sum of squares is all-reduced over
-    the comms that shard it, so every element of the model is counted exactly once. `device`: where
-    a group with no gradients on this rank (and the result, if there are no groups) lives."""
-    total = None
-    for grads, comms in terms:
-        sq = torch._foreach_norm(grads, 2.0) if grads else []
-        part = torch.stack([n.float() for n in sq]).pow(2).sum() if sq else torch.zeros((), device=device)
-        for c in comms:
-            c.all_reduce(part)
-        total = part if total is None else total + part.to(total.device)
-    return (total if total is not None else torch.zeros((), device=device)).sqrt()
+def grad_norm(grads: list[torch.Tensor], world: Comm, device: torch.device | str | None = None) -> torch.Tensor:
+    """Global L2 norm. `grads`: the gradient pieces this rank owns (`Parallelized.norm_grads`: the
+    placement records give every element exactly one owner over the world), so one all-reduce of the
+    sum of squares over every rank counts each element once, whatever the layout."""
+    sq = torch._foreach_norm(grads, 2.0) if grads else []
+    part = torch.stack([n.float() for n in sq]).pow(2).sum() if sq else torch.zeros((), device=device)
+    world.all_reduce(part)
+    return part.sqrt()
 
 
 @torch.no_grad()

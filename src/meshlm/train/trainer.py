@@ -53,6 +53,8 @@ class Trainer:
         self.scaler = LossScaler(t.precision == "fp16", device=ctx.device)
         self.step = 0
         self.saved_step: int | None = None  # newest checkpoint written or resumed from (for messages)
+        self.resumed_record: dict | None = None  # the resumed step's metrics line, from its meta.json
+        self.step_line: dict | None = None  # this step's metrics line (None on unlogged steps)
         self.dp_comm = ctx.comm("dp")
         self.checkpointer = ckpt.Checkpointer(os.path.join(run_dir, "checkpoints"), ctx.comm("world"),
                                               cfg.checkpoint.keep, cfg.checkpoint.async_)
@@ -63,7 +65,7 @@ class Trainer:
         self.guard = fault.FiniteGuard(t.precision, ctx.device, ctx.comm("world"), run_dir)
         self.hooks = fault.TestHooks(ctx.rank)
         self.checkpointer.on_written = self.hooks.in_save
-        self.peak_flops, self.peak_label = device_peak(ctx.device)
+        self.peak_flops, self.peak_label = device_peak(ctx.device, t)
         self.flops_per_step = self.args.flops_per_token(self.seq_len) * t.global_batch * self.seq_len
 
     # -- one step -----------------------------------------------------------------------------
@@ -102,7 +104,7 @@ class Trainer:
         grads = par.grads.grad_tensors()
         if scaler.enabled:
             torch._foreach_mul_(grads, scaler.inv_scale())
-        norm = grad_norm(par.grads.norm_terms(), self.ctx.device)
+        norm = grad_norm(par.norm_grads(), par.world, self.ctx.device)
         self.guard.observe(self.step + 1, loss_sum, norm)  # device ops only; read on log steps
         found_inf = None
         if scaler.enabled:
@@ -147,40 +149,58 @@ class Trainer:
         return total / max(count, 1)
 
     # -- state --------------------------------------------------------------------------------
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Full single-process tensors by name (`kind/param_name`), whatever the layout."""
-        out = {k: self.par.to_full(k.split("/", 1)[1], t) for k, t in self.par.optimizer.state_tensors().items()}
-        out["rng/cpu"] = torch.get_rng_state()
-        return out
+    def checkpoint_state(self) -> tuple[dict[str, ckpt.Pieces], dict[str, tuple[int, ...]]]:
+        """This rank's pieces of every checkpoint tensor (views of its own optimizer state, placed by
+        the placement records), and the full shape of every key, in model order."""
+        state, shapes = {}, {}
+        places = self.par.placements
+        for name, kind, t in self.par.optimizer.state_storage():
+            pl = places[name]
+            key = f"{kind}/{name}"
+            state[key] = ckpt.Pieces(pl.full_shape, torch.float32,
+                                     [(b.offsets, v) for b, v in pl.pieces(t)], pl.owner)
+            shapes[key] = pl.full_shape
+        rng = torch.get_rng_state()
+        state["rng/cpu"] = ckpt.Pieces(tuple(rng.shape), rng.dtype, [((0,), rng)], self.ctx.rank == 0)
+        return state, shapes
 
-    def save(self) -> None:
+    def save(self) -> dict:
+        """Write a checkpoint of this step; returns what the metrics line reports (`ckpt`). The step's
+        metrics line (`step_line`) goes into meta.json: it is written after the save, so a crash in
+        between would lose it; a resume from this checkpoint puts it back (train/fault.py)."""
         meta = {"step": self.step, "sampler": self.sampler.state_dict(), "scaler": self.scaler.state_dict(),
                 "optimizer_step": self.par.optimizer.step_count(), "layout": self.layout.shape(),
                 "config": to_dict(self.cfg)}
-        self.checkpointer.save(self.step, self.state_tensors(), meta)
+        if self.step_line is not None and self.step_line["step"] == self.step:
+            meta["metrics"] = dict(self.step_line)
+        state, _ = self.checkpoint_state()
+        out = self.checkpointer.save(self.step, state, meta)
         self.saved_step = self.step
+        if self.cfg.checkpoint.async_:
+            out["async"] = True
+        return out
 
     def maybe_resume(self) -> None:
         root = os.path.join(self.run_dir, "checkpoints")
         path = ckpt.find_resume(root, fault.resume_setting(self.cfg.checkpoint.resume, root))
         if path is None:
             return
-        tensors = self.state_tensors()
-        meta = ckpt.load(path, tensors)
-        local = {k: self.par.to_local(k.split("/", 1)[1], t) for k, t in tensors.items() if k != "rng/cpu"}
-        self.par.optimizer.load_state_tensors(local, meta["optimizer_step"])
-        torch.set_rng_state(tensors["rng/cpu"])
+        state, shapes = self.checkpoint_state()
+        meta = ckpt.load(path, state, shapes)
+        self.par.optimizer.loaded(meta["optimizer_step"])
+        torch.set_rng_state(state["rng/cpu"].parts[0][1])
         self.sampler.load_state_dict(meta["sampler"])
         self.scaler.load_state_dict(meta["scaler"])
         self.step = int(meta["step"])
         self.saved_step = self.step
+        self.resumed_record = meta.get("metrics")
 
     # -- loop ---------------------------------------------------------------------------------
     def fit(self) -> dict:
         t, m = self.cfg.training, self.cfg.metrics
         self.guard.replay()
         self.maybe_resume()
-        fault.on_start(self.run_dir, self.step, self.ctx.is_logger)
+        fault.on_start(self.run_dir, self.step, self.ctx.is_logger, self.resumed_record)
         log = MetricsLog(self.run_dir, self.ctx.is_logger, t.steps, self.step, m.progress, m.tensorboard)
         comms = self.ctx.all_comms()
         reset_stats(comms)
@@ -198,27 +218,57 @@ class Trainer:
                 out = self.train_step(measure=logging)
                 window_steps += 1
                 log.advance()
+                rec = self._record(out, comms, window_start, window_steps, tokens_per_step) if logging else None
+                self.step_line = rec
+                due = cadence.due(self.step, self.step == t.steps)
+                if logging or due:  # read the non-finite record: a bad state is never saved
+                    self._check_finite(rec, log)
+                if due:
+                    ck = self.save()
+                    cadence.saved(self.step, ck["save_s"])
+                    for done in self._saves_done():  # a synchronous save has just finished
+                        if done["step"] == self.step:
+                            ck.update(write_s=done["write_s"], bytes=done["bytes"])
+                        else:
+                            log.write({"step": done["step"], "ckpt": done})
+                    if rec is None:
+                        log.write({"step": self.step, "ckpt": ck})
+                    else:
+                        rec["ckpt"] = ck
+                if rec is not None:
+                    last = rec
+                    log.write(rec)
                 if logging:
-                    last = self._record(out, comms, window_start, window_steps, tokens_per_step)
-                    log.write(last)
-                    self.guard.check(self.saved_step)
                     window_start, window_steps = time.perf_counter(), 0
                 if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
                     ev = self.evaluate()
                     last = dict(last, eval_loss=ev)
                     log.write({"step": self.step, "eval_loss": ev})
                     log.message(f"step {self.step}: eval loss {ev:.4f}")
-                if cadence.due(self.step, self.step == t.steps):
-                    self.guard.check(self.saved_step)  # never save a non-finite state
-                    t0 = time.perf_counter()
-                    self.save()
-                    cadence.saved(self.step, time.perf_counter() - t0, t0)
-            self.checkpointer.wait()
+            self.checkpointer.close()
+            for done in self._saves_done():  # the last background write, committed
+                log.write({"step": done["step"], "ckpt": done})
         finally:
             log.close()
             if self.watchdog is not None:
                 self.watchdog.close()
         return last
+
+    def _check_finite(self, rec: dict | None, log: MetricsLog) -> None:
+        """Stop on a non-finite loss or grad norm (train/fault.py); the step's metrics line is still
+        written and a checkpoint still being written (async, checked before it was taken) is committed."""
+        try:
+            self.guard.check(self.saved_step)
+        except fault.NonFiniteError:
+            if rec is not None:
+                log.write(rec)
+            self.checkpointer.wait()
+            raise
+
+    def _saves_done(self) -> list[dict]:
+        """Checkpoints committed since the last call (rank 0 measures their bytes)."""
+        done, self.checkpointer.done = self.checkpointer.done, []
+        return done
 
     def _record(self, out: dict, comms, window_start: float, window_steps: int, tokens_per_step: int) -> dict:
         if self.ctx.device.type == "cuda":

@@ -6,14 +6,13 @@ stage 0 and norm + head on the rank holding the last stage. Every other piece of
 (activation checkpointing, TP, materialisation, compile, ZeRO, the optimizer) then applies to that
 one pruned model unchanged. `attach` builds a `Stage` view per chunk and the runtime.
 
-Tied embeddings: the last stage keeps the embedding module too, only as the holder of the shared
-weight (its forward never runs there), so the copy has the single-process name and initial value.
+Tied embeddings: the last stage keeps the embedding's weight too (the plan's `prune`); the two copies
+are summed over the pipeline ends like any other gradient reduction (their `Reduction.after`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from .check import check_schedule
@@ -39,37 +38,28 @@ def plan_stages(args, cfg, m: int) -> list[list[int]]:
     return check_pipeline(args.n_layers, p.pp, p.pp_virtual, p.pp_schedule, m, list(p.pp_layers), costs)
 
 
-def split_model(model: nn.Module, ctx, cfg, layout) -> PipelinePlan:
-    """Prune the meta-device `model` to this rank's stages (in place)."""
+def split_model(model: nn.Module, ctx, cfg, layout, plan) -> PipelinePlan:
+    """Prune the meta-device `model` to this rank's stages (in place; what to keep is the model
+    plan's call, parallel/llama_plan.py)."""
     args = model.args
-    plan = PipelinePlan(plan_stages(args, cfg, layout.microbatches), ctx.index("pp"), layout.pp,
+    pipe = PipelinePlan(plan_stages(args, cfg, layout.microbatches), ctx.index("pp"), layout.pp,
                         cfg.parallel.pp_virtual, bool(args.tie_embeddings))
-    keep = {str(i) for c in range(plan.v) for i in plan.blocks[plan.stage(c)]}
-    for key in list(model.layers.keys()):
-        if key not in keep:
-            del model.layers[key]
-    first, last = plan.rank == 0, plan.rank == plan.p - 1
-    if not (first or (last and plan.tied)):
-        model.tok_embeddings = None
-    if not last:
-        model.norm, model.output = None, None
-    return plan
+    keep = {str(i) for c in range(pipe.v) for i in pipe.blocks[pipe.stage(c)]}
+    plan.prune(model, keep, pipe.rank == 0, pipe.rank == pipe.p - 1)
+    return pipe
 
 
-def attach(par, plan: PipelinePlan, ctx, cfg, layout) -> None:
+def attach(par, pipe: PipelinePlan, ctx, cfg, layout, plan) -> None:
     """Give `par` the pipeline step: forward_backward, eval_loss and the runtime (for traces)."""
     from .runtime import PipelineRuntime, Stage
 
-    model, p, v = par.model, plan.p, plan.v
+    model, p, v = par.model, pipe.p, pipe.v
     S = p * v
-    stages = [Stage(model, [str(i) for i in plan.blocks[plan.stage(c)]], plan.stage(c),
-                    plan.stage(c) == 0, plan.stage(c) == S - 1) for c in range(v)]
+    stages = [Stage(model, plan, [str(i) for i in pipe.blocks[pipe.stage(c)]], pipe.stage(c),
+                    pipe.stage(c) == 0, pipe.stage(c) == S - 1) for c in range(v)]
     m = layout.microbatches
     actions = build_schedule(cfg.parallel.pp_schedule, p, m, v)
     check_schedule(actions, p, m, v)
-    tied = None
-    if plan.tied and plan.rank in (0, p - 1):
-        tied = (model.tok_embeddings if plan.rank == 0 else model.output).weight
     args = model.args
     split = layout.tp if cfg.parallel.sp and layout.tp > 1 else 1
 
@@ -77,19 +67,7 @@ def attach(par, plan: PipelinePlan, ctx, cfg, layout) -> None:
         return (n, seq // split, args.dim)
 
     dtype = next(model.parameters()).dtype
-    rt = PipelineRuntime(stages, actions, plan.rank, ctx.comm("pp"), par.grads, par.loss_fn, dtype,
-                         ctx.device, act_shape, m, tied, cfg.parallel.pp_schedule,
+    rt = PipelineRuntime(stages, actions, pipe.rank, ctx.comm("pp"), par.grads, par.loss_fn, dtype,
+                         ctx.device, act_shape, m, cfg.parallel.pp_schedule,
                          split_w=cfg.training.ac != "full")  # backward.py: full AC recomputes per call
     par.forward_backward, par.eval_loss, par.pipeline = rt.forward_backward, rt.eval_loss, rt
-    _norm_over_pp(par.grads, model, ctx.comm("pp"), tied if plan.rank == p - 1 else None)
-
-
-def _norm_over_pp(grads, model: nn.Module, pp, duplicate: torch.Tensor | None) -> None:
-    """The gradient norm sums over the pp group too; the last stage's tied copy is not counted."""
-    by_id = {id(q): q for q in model.parameters()}
-    dup = id(duplicate) if duplicate is not None else None
-    if grads.norm_groups is None:
-        groups = [([q for i, q in by_id.items() if i != dup], [pp])]
-    else:
-        groups = [([by_id[i] for i in ids if i != dup], list(comms) + [pp]) for ids, comms in grads.norm_groups]
-    grads.set_norm_groups(groups)

@@ -12,7 +12,7 @@ the input gradient on at once; W later runs only the weight-gradient products).
 Gradient sync: every compute runs with `grads.set_sync(False)` except the last weight-producing
 backward (B or W) of each chunk, so DP buckets and ZeRO-1 reductions fire once per step, right after
 each chunk's gradients are final, overlapping the rest of the schedule. With tied embeddings the two
-copies (first and last stage) are summed over the pp group after the schedule, before `finish()`.
+copies (first and last stage) are summed in `finish()` (their `Reduction.after`, grad_sync.py).
 """
 from __future__ import annotations
 
@@ -29,29 +29,18 @@ from .p2p import p2p_batches
 
 
 class Stage:
-    """One local chunk: a view over the rank's pruned Llama (the same modules, looked up at call
-    time, so activation checkpointing and compile wrappers apply). Runs what `Llama.forward` runs
-    for these blocks; positions always cover the full sequence (sequence parallelism splits it)."""
+    """One local chunk: a view over the rank's pruned model (the same modules, looked up at call time,
+    so activation checkpointing and compile wrappers apply), run by the model's own forward."""
 
-    def __init__(self, model: nn.Module, keys: list[str], index: int, first: bool, last: bool):
-        self.model, self.keys, self.index, self.first, self.last = model, keys, index, first, last
+    def __init__(self, model: nn.Module, plan, keys: list[str], index: int, first: bool, last: bool):
+        self.model, self.plan, self.keys, self.index, self.first, self.last = model, plan, keys, index, first, last
 
     def __call__(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:
-        m = self.model
-        h = m.tok_embeddings(x) if self.first else x
-        cos, sin = m.rope(seq_len, h.device)
-        cos, sin = cos[:seq_len], sin[:seq_len]
-        for k in self.keys:
-            h = m.layers[k](h, cos, sin)
-        if self.last:
-            h = m.output(m.norm(h))
-        return h
+        return self.plan.run_stage(self.model, x, self.keys, self.first, self.last, seq_len)
 
     def parameters(self) -> list[nn.Parameter]:
-        mods = ([self.model.tok_embeddings] if self.first else []) + [self.model.layers[k] for k in self.keys]
-        mods += [self.model.norm, self.model.output] if self.last else []
         seen, out = set(), []
-        for mod in mods:
+        for mod in self.plan.stage_modules(self.model, self.keys, self.first, self.last):
             for p in mod.parameters():
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
@@ -64,12 +53,12 @@ class PipelineRuntime:
 
     def __init__(self, stages: list[Stage], actions: list[list[Action]], rank: int, comm: Comm, grads,
                  loss_fn: Callable, dtype: torch.dtype, device: torch.device,
-                 act_shape: Callable[[int, int], tuple[int, ...]], m: int, tied: nn.Parameter | None = None,
-                 schedule: str = "", split_w: bool = True):
+                 act_shape: Callable[[int, int], tuple[int, ...]], m: int, schedule: str = "",
+                 split_w: bool = True):
         self.stages, self.actions, self.rank, self.comm = stages, actions, rank, comm
         self.p, self.v, self.m = len(actions), len(stages), m
         self.grads, self.loss_fn, self.dtype, self.device = grads, loss_fn, dtype, device
-        self.act_shape, self.tied, self.schedule, self.split_w = act_shape, tied, schedule, split_w
+        self.act_shape, self.schedule, self.split_w = act_shape, schedule, split_w
         self.items = p2p_batches(actions[rank])
         self.sync_items = self._sync_points()
         self.inbox: dict = {}
@@ -82,16 +71,12 @@ class PipelineRuntime:
         self.timed = True
 
     def _sync_points(self) -> set[int]:
-        """Item index of the last weight-gradient backward of each chunk (none for a chunk holding a
-        tied-embedding copy: its reduction waits for the exchange after the schedule)."""
+        """Item index of the last weight-gradient backward of each chunk."""
         last: dict[int, int] = {}
         for i, it in enumerate(self.items):
             if not isinstance(it, tuple) and it.kind in ("B", "W"):
                 last[it.chunk] = i
-        skip = set()
-        if self.tied is not None:
-            skip = {c for c, st in enumerate(self.stages) if st.first or st.last}
-        return {i for c, i in last.items() if c not in skip}
+        return set(last.values())
 
     # -- one training step ----------------------------------------------------------------------
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
@@ -128,8 +113,6 @@ class PipelineRuntime:
         left = [k for box in (self.inbox, self.outbox, self.saved, self.deferred) for k in box]
         if left:
             raise RuntimeError(f"pipeline rank {self.rank}: schedule left tensors unconsumed: {left[:4]}")
-        if self.tied is not None:
-            self._sum_tied()
         self._clock = clock
         return loss_sum
 
@@ -177,14 +160,6 @@ class PipelineRuntime:
                 self.inbox[key] = buf
                 ops.append(("recv", buf, a.peer))
         self.comm.wait_p2p(self.comm.batch_p2p(ops))
-
-    def _sum_tied(self) -> None:
-        """First and last stage each hold the tied embedding: both end with the sum of their grads."""
-        view = _grad_view(self.grads, self.tied)
-        peer = self.p - 1 if self.rank == 0 else 0
-        other = torch.empty_like(view)
-        self.comm.wait_p2p(self.comm.batch_p2p([("send", view, peer), ("recv", other, peer)]))
-        view.add_(other)
 
     # -- evaluation -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -265,11 +240,3 @@ class _Clock:
         else:
             rel = [(a - self.t0, b - self.t0) for a, b in self.marks]
         return [(self.wall0 + a, self.wall0 + b) for a, b in rel]
-
-
-def _grad_view(grads, p: nn.Parameter) -> torch.Tensor:
-    """The accumulated full gradient of `p` in the synchroniser's storage (before `finish`)."""
-    bucket_of = getattr(grads, "bucket_of", None)
-    if bucket_of is None or id(p) not in bucket_of:
-        raise RuntimeError("pipeline: tied embeddings need the plain data-parallel gradient buckets")
-    return bucket_of[id(p)].views[id(p)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
+from ...choices import PP_SCHEDULES, PP_TAKES_VIRTUAL
 from .actions import Action, stage_index, stage_owner
 from .p2p import add_p2p, p2p_batches
 
@@ -119,7 +120,9 @@ SCHEDULES: dict[str, Callable[..., list[list[Action]]]] = {
     "interleaved": interleaved,
     "zb-h1": zb_h1,
 }
-TAKES_VIRTUAL = frozenset({"interleaved"})
+TAKES_VIRTUAL = frozenset(PP_TAKES_VIRTUAL)
+# The config's list of schedule names (meshlm.choices) is this registry, nothing more, nothing less.
+assert tuple(SCHEDULES) == PP_SCHEDULES, (tuple(SCHEDULES), PP_SCHEDULES)
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1, *, costs: dict | None = None) -> list[list[Action]]:

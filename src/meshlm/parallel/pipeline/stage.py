@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ...choices import choose
 from .schedules import SCHEDULES, TAKES_VIRTUAL
 
 
@@ -96,8 +97,7 @@ def check_pipeline(n_layers: int, pp: int, virtual: int, schedule: str, microbat
         if pp_layers and len(pp_layers) > 1:
             raise ValueError("parallel.pp_layers: a per-stage split needs pp > 1")
         return [list(range(n_layers))]
-    if schedule not in SCHEDULES:
-        raise ValueError(f"parallel.pp_schedule: '{schedule}' has no runtime yet; choose from {', '.join(SCHEDULES)}")
+    choose(schedule, SCHEDULES, "parallel.pp_schedule")
     if schedule in TAKES_VIRTUAL:
         if virtual < 2:
             raise ValueError(f"parallel.pp_virtual: schedule '{schedule}' needs >= 2 chunks per rank, got {virtual}")

@@ -9,15 +9,17 @@ and the updated shards are copied back asynchronously. Fused AdamW wherever torc
 device the step runs on, else foreach: the same choice as MasterOptimizer (parallel/adamw
 `fused_adamw_supported`), so ZeRO and one process do the same arithmetic, and an fp16 overflow skips
 the step on the device (`found_inf`) without a host read.
-Checkpoint tensors are full per-parameter tensors gathered over the shard group (DESIGN invariant 3).
+Checkpoints take each parameter's range of the flat master / moments as it is (`state_storage`):
+the placement records say where that range lies in the full tensor, so nothing is gathered.
 """
 from __future__ import annotations
 
 import torch
 
-from ..config import OptimConfig
-from .adamw import adamw_step, fused_adamw_supported
-from .zero import Unit, Zero
+from ...config import OptimConfig
+from ..adamw import adamw_step, fused_adamw_supported
+from .sync import Zero
+from .units import Unit
 
 
 class ZeroOptimizer:
@@ -83,7 +85,7 @@ class ZeroOptimizer:
             if found_inf is not None:  # a pinned host copy, complete after the synchronize below
                 self.found_inf_host.copy_(found_inf, non_blocking=True)
                 found_inf = self.found_inf_host
-            if self.slots[0][0].device.type == "cuda":
+            if self.slots and self.slots[0][0].device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
         for u, s0, s1, seg in self.bind:
             seg.grad = u.grad_shard[s0:s1]
@@ -104,7 +106,7 @@ class ZeroOptimizer:
     def param_tensors(self) -> list[torch.Tensor]:
         """The parameter memory this rank keeps (Trainer.memory): full flat buffers for zero 1-2, the
         shards for zero 3 (gathered blocks are transient and show in the peak only)."""
-        return [u.full if self.zero.stage < 3 else u.shard for u, *_ in self.slots]
+        return [u.shard if self.zero.sw.shard_params else u.full for u, *_ in self.slots]
 
     def state_bytes(self) -> int:
         """Adam moments, separate fp32 masters and the offload gradient staging buffers."""
@@ -121,27 +123,21 @@ class ZeroOptimizer:
             return int(st["step"])
         return 0
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded over dp_shard) master weights and Adam moments by parameter name."""
+    def state_storage(self) -> list[tuple[str, str, torch.Tensor]]:
+        """(parameter name, kind, this rank's flat range of it) for the fp32 master and both Adam
+        moments: views into the optimizer's own buffers (empty where the rank holds none of it)."""
         self.zero.wait_params()
-        out = {}
+        out = []
         for u, master, _, m, v in self.slots:
-            for kind, t in (("master", master), ("exp_avg", m), ("exp_avg_sq", v)):
-                full = self.zero.gather_flat(u, t)
-                for i, name in enumerate(u.names):
-                    out[f"{kind}/{name}"] = u.view(full, i).clone()
+            held = {i: (s0, s1) for i, s0, s1, _ in u.segments}
+            for i, name in enumerate(u.names):
+                s0, s1 = held.get(i, (0, 0))
+                out += [(name, kind, t[s0:s1]) for kind, t in (("master", master), ("exp_avg", m), ("exp_avg_sq", v))]
         return out
 
     @torch.no_grad()
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor], step: int) -> None:
-        """Keep this rank's piece of each full tensor, then refresh the compute parameters."""
-        self.zero.wait_params()
-        for u, master, _, m, v in self.slots:
-            for i, s0, s1, p0 in u.segments:
-                name = u.names[i]
-                for kind, t in (("master", master), ("exp_avg", m), ("exp_avg_sq", v)):
-                    src = tensors[f"{kind}/{name}"].reshape(-1)[p0:p0 + s1 - s0]
-                    t[s0:s1].copy_(src)
+    def loaded(self, step: int) -> None:
+        """`state_storage` was filled from a checkpoint: set Adam's step, refresh the parameters."""
         for st in self.opt.state.values():
             st["step"].fill_(float(step))
         self._publish()

@@ -1,0 +1,34 @@
+"""Every enumerated configuration value, in one place: the config checks (layout.resolve), the
+runtime (parallelize, the trainer) and the planner all read these lists, so a value exists everywhere
+or nowhere. A pipeline schedule is listed here only once it has a runtime (pipeline/schedules.py
+asserts that its registry is exactly this list), so an unimplemented name gets the same one-line
+refusal as any unknown value. Pure Python: the planner imports it without torch.
+"""
+from __future__ import annotations
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+AC_MODES = ("none", "selective", "full")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+PP_TAKES_VIRTUAL = ("interleaved",)
+OFFLOAD = ("none", "optimizer")
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+CP_IMPLS = ("ring", "ulysses")
+ZERO_STAGES = (0, 1, 2, 3)
+
+# Bytes per element of each dtype name (activations, reductions, parameters).
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# torch attribute of each dtype name (`torch_dtype` looks it up; torch is imported only there).
+_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def choose(value, allowed, key: str, error: type[Exception] = ValueError):
+    """`value` if it is one of `allowed`, else `error` with one line naming the key."""
+    if value not in allowed:
+        raise error(f"{key}: '{value}' is not one of {', '.join(map(str, allowed))}")
+    return value
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, _TORCH_DTYPES[choose(name, tuple(_TORCH_DTYPES), "dtype")])

@@ -1,0 +1,62 @@
+"""The gradient synchroniser interface, shared by DP buckets (data_parallel.py) and ZeRO units (zero/).
+
+Each bucket or unit carries its own `Reduction`: which groups sum its gradient and what it is divided
+by. A dimension that changes how gradients are reduced (context parallelism reduces over dp×cp,
+expert parameters over their expert-data group, a tied weight also over the two pipeline ends) hands
+the parameter another `Reduction` instead of patching a divisor somewhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from ..distributed.comm import Comm
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """`scatter`: ZeRO's shard group (reduce-scatter, then the parameters are gathered over it too);
+    None for plain DP. `over`: all-reduced over these as soon as the gradient is ready (DP's group;
+    HSDP's replicas after the scatter). `after`: summed once more in `finish()` (copies of one weight
+    on two pipeline stages). `divisor`: the number of data-parallel token slices averaged over."""
+    scatter: Comm | None
+    over: tuple[Comm, ...]
+    after: tuple[Comm, ...] = ()
+    divisor: int = 1
+
+    @property
+    def key(self) -> tuple:
+        def names(cs):
+            return tuple(c.name for c in cs)
+        return (self.scatter.name if self.scatter else None, names(self.over), names(self.after), self.divisor)
+
+
+class GradSync(Protocol):
+    """What the trainer (and the pipeline runtime) drive, once per optimizer step:
+    begin_step → backward passes (set_sync(True) before the last micro-batch's) → finish → read
+    grad_tensors / param_grads → optimizer step (→ release_grads)."""
+
+    def begin_step(self) -> None:
+        """Zero or drop last step's gradients."""
+
+    def set_sync(self, sync: bool) -> None:
+        """Whether the coming backward is the step's last for these gradients (reductions may start)."""
+
+    def finish(self) -> None:
+        """Complete every reduction and divide each bucket/unit by its own divisor."""
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """Every gradient element this rank holds, once (unscaling, clipping, inf checks)."""
+
+    def param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Each parameter and this rank's (reduced) gradient of it, as its optimizer piece sees it:
+        the whole local tensor for DP, this rank's flat range for ZeRO (empty if none)."""
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Gradient storage alive before the optimizer step (`mem.grads`)."""
+
+    def release_grads(self) -> None:
+        """After the optimizer step."""

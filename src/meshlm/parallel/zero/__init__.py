@@ -1,0 +1,33 @@
+"""ZeRO stages 1-3 and HSDP (parallel.zero, parallel.zero_group) as a small package:
+
+- units.py: which parameters share a flat buffer, and this rank's range of it;
+- sync.py: `Zero`, the gradient synchroniser that gathers, frees and reduces units around forward and
+  backward, driven by named switches rather than stage numbers;
+- optim.py: `ZeroOptimizer`, AdamW on this rank's shards (on the device or offloaded to the CPU).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .optim import ZeroOptimizer
+from .sync import Zero
+from .units import Unit
+
+__all__ = ["ZeroSwitches", "SWITCHES", "Zero", "ZeroOptimizer", "Unit", "shard_model"]
+
+
+@dataclass(frozen=True)
+class ZeroSwitches:
+    """What is sharded over the shard group. The optimizer state always is (that is ZeRO-1)."""
+    shard_grads: bool = False     # gradients live as shards; full buffers only while a unit's backward runs
+    shard_params: bool = False    # parameters live as shards; gathered around each use
+    reshard_after_forward: bool = True  # with shard_params: free after forward, gather again for backward
+
+
+SWITCHES = {1: ZeroSwitches(), 2: ZeroSwitches(shard_grads=True),
+            3: ZeroSwitches(shard_grads=True, shard_params=True)}
+
+
+def shard_model(model, named, cfg, plan, split_tied: bool, reduction_of, reduce_dtype) -> Zero:
+    """The synchroniser `parallelize` uses for zero >= 1 (its optimizer: `ZeroOptimizer(zero, ...)`)."""
+    return Zero(model, named, SWITCHES[cfg.parallel.zero], plan, split_tied, reduction_of, reduce_dtype)
