@@ -18,7 +18,8 @@ import statistics
 import sys
 import tempfile
 
-from zero import _hwm, _rss, join_gloo, spawn_gloo  # bench/ is the script's directory
+from spawn import join_gloo, spawn_gloo  # noqa: E402  (bench/spawn.py)
+from zero import _hwm, _rss
 
 VARIANTS = ("none", "sync", "async")
 

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
+
+from spawn import join_gloo, spawn_gloo  # noqa: E402  (bench/spawn.py)
 
 PAIRS = [("meshlm-zero0", "torch-ddp"), ("meshlm-zero3", "torch-fsdp2")]
 
@@ -123,31 +123,6 @@ def torch_runner(cfg, world: int, rank: int, kind: str):
     return step
 
 
-def join_gloo(rank: int, world: int, port: int) -> None:
-    """In a spawned worker: one thread, join the gloo job on loopback."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-
-
-def spawn_gloo(target, world: int, *args, timeout: float = 1800) -> dict:
-    """Run `target(rank, world, port, *args, queue)` in `world` fresh processes; each puts (rank, result)."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    res = dict(out.get(timeout=timeout) for _ in procs)
-    for p in procs:
-        p.join()
-    return res
-
-
 def worker(rank: int, world: int, port: int, variant: str, a, out) -> None:
     join_gloo(rank, world, port)
     import torch.distributed as dist
@@ -171,12 +146,6 @@ def worker(rank: int, world: int, port: int, variant: str, a, out) -> None:
     dist.barrier()
     out.put((rank, {"times": times, "cpu": cpu, "peak": peak - base, "losses": losses}))
     dist.destroy_process_group()
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_variant(variant: str, a) -> dict:

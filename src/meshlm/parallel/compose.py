@@ -25,6 +25,7 @@ from ..distributed.mesh import ParallelContext
 from ..layout import Layout
 from ..model.init import canonical_name, init_source, materialize
 from .activation_checkpoint import apply_ac
+from .context_parallel import ContextParallel, apply_context_parallel
 from .data_parallel import GradBuckets
 from .grad_sync import GradSync, Reduction
 from .llama_plan import LLAMA
@@ -62,6 +63,11 @@ class Parallelized:
     eval_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     pipeline: object | None = None
     owned: set[int] = field(default_factory=set)  # id() of parameters whose placement is the owner copy
+    cp: ContextParallel | None = None  # cp > 1: which tokens of each sequence this rank holds
+
+    def local_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of full sequences [B, S] (its context-parallel chunks; all without CP)."""
+        return x if self.cp is None else self.cp.take(x)
 
     def to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a full single-process tensor of parameter `name`."""
@@ -78,13 +84,14 @@ def named_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def reductions(ctx: ParallelContext, layout: Layout, zero: int, tied_split: set[str]) -> Callable[[str], Reduction]:
-    """Every parameter's gradient reduction: averaged over the data-parallel ranks (reduce-scattered
-    over the ZeRO shard group and all-reduced over HSDP replicas, or all-reduced over dp); a tied weight
-    held by both pipeline ends is also summed over the two."""
+    """Every parameter's gradient reduction: averaged over the data-parallel and context-parallel ranks
+    (each holds the same weights and other tokens: reduce-scattered over the ZeRO shard group
+    dp_shard×cp and all-reduced over HSDP replicas, or all-reduced over dp×cp); a tied weight held by
+    both pipeline ends is also summed over the two."""
     if zero:
-        base = Reduction(ctx.comm("dp_shard"), (ctx.comm("dp_replicate"),), (), layout.dp)
+        base = Reduction(ctx.comm("dp_shard_cp"), (ctx.comm("dp_replicate"),), (), layout.dp * layout.cp)
     else:
-        base = Reduction(None, (ctx.comm("dp"),), (), layout.dp)
+        base = Reduction(None, (ctx.comm("dp_cp"),), (), layout.dp * layout.cp)
     tied = Reduction(base.scatter, base.over, (ctx.comm("pp_ends"),), base.divisor)
     return lambda name: tied if name in tied_split else base
 
@@ -97,9 +104,12 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
     for name, p in named_params(model):
         table.add(name, tuple(p.shape))
     apply_ac(model, cfg.training.ac, plan)
+    sp = cfg.parallel.sp and layout.tp > 1
+    cp = (apply_context_parallel(model, ctx.comm("cp"), cfg.parallel.cp_impl, plan, sp) if layout.cp > 1
+          else None)
     # tp > 1: the full TP plan (vocab-parallel, padded); tp = 1: only the vocabulary padding, if any
-    tp = (apply_tensor_parallel(model, ctx.comm("tp"), cfg.parallel.sp, plan, table) if layout.tp > 1
-          else pad_vocab(model, ctx.comm("tp"), plan, table))
+    tp = (apply_tensor_parallel(model, ctx.comm("tp"), cfg.parallel.sp, plan, table, cp and cp.split)
+          if layout.tp > 1 else pad_vocab(model, ctx.comm("tp"), plan, table))
     split = {fqn: table[canonical_name(fqn)] for fqn, _ in model.named_parameters()
              if table[canonical_name(fqn)].splits}
     materialize(model, cfg.training.seed, ctx.device, dtype=torch_dtype(cfg.training.precision),
@@ -130,7 +140,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
         for c in red.over + red.after:
             if c.size > 1:
                 table.update(name, lambda pl: pl.replicate(c.name, c.rank))
-    par = Parallelized(model=model, optimizer=opt, grads=grads, placements=table, world=ctx.comm("world"))
+    par = Parallelized(model=model, optimizer=opt, grads=grads, placements=table, world=ctx.comm("world"), cp=cp)
     par.owned = {id(p) for name, p in named if table[name].owner}
     if layout.tp > 1:
         par.loss_fn = tp.make_loss_fn()
