@@ -169,8 +169,10 @@ class MoE(nn.Module):
             kept = counts.clamp(max=cap)
         return probs, weights, order, counts, kept
 
+    @torch.compiler.disable  # data-dependent row counts: compiled code would specialise on each
     def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Outputs of the tokens `x` sorted by expert, `counts[e]` rows for expert e."""
+        """Outputs of the tokens `x` sorted by expert, `counts[e]` rows for expert e. Runs eagerly under
+        training.compile (routing and combining around it are compiled)."""
         return self.experts(x, counts.tolist())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,7 @@ class ExpertParallelMoE(MoE):
     """A MoE feed-forward holding experts [r·E/ep, (r+1)·E/ep) of the ep group."""
     ep_comm: Comm
 
+    @torch.compiler.disable  # collectives with data-dependent splits stay eager under compile
     def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         comm = self.ep_comm
         ep, n = comm.size, self.num_experts // comm.size

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..choices import AC_MODES, CP_IMPLS, DTYPE_BYTES, OFFLOAD, PP_SCHEDULES as SCHEDULES, PRECISIONS, choose
 from ..config import Config, ConfigError
-from ..layout import batch_split, check_shape, model_args
+from ..layout import batch_split, check_ep, check_shape, model_args
 from ..model import args as model_args_module
 
 ACT_BYTES = DTYPE_BYTES
@@ -176,14 +176,10 @@ def check(shape: Shape, s: Spec) -> None:
         if s.cp_impl == "ulysses" and ((a.n_heads // s.tp) % s.cp or s.seq_len % s.cp):
             raise PlanError(f"parallel.cp: ulysses needs cp = {s.cp} to divide the heads per TP rank "
                             f"({a.n_heads // s.tp}) and data.seq_len {s.seq_len}")
-    if s.ep > 1:
-        if not shape.moe:
-            raise PlanError("parallel.ep: expert parallelism needs a mixture-of-experts model (model.moe.num_experts > 0)")
-        if shape.num_experts % s.ep:
-            raise PlanError(f"parallel.ep: {s.ep} does not divide model.moe.num_experts {shape.num_experts}")
-        shard = (s.zero_group if s.zero else 1) * s.cp
-        if shard % s.ep:
-            raise PlanError(f"parallel.ep: {s.ep} does not divide dp_shard×cp = {shard}")
+    try:
+        check_ep(a, s.ep, s.dp, s.zero_group if s.zero else 1, s.cp, s.zero)
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
 
 
 def to_config(shape: Shape, s: Spec, base: Config | None = None) -> Config:
