@@ -16,64 +16,24 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import socket
 import sys
-import tempfile
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+from tp import measure, start_trainer  # noqa: E402 - bench/ is the script's directory
 
 
 def _worker(rank: int, world: int, port: int, overrides: dict, steps: int, out) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    import torch
-    from meshlm import config as C
-    from meshlm.distributed.comm import reset_stats
-    from meshlm.distributed.mesh import init_context, pick_device, shutdown
-    from meshlm.layout import resolve
-    from meshlm.train.trainer import Trainer
+    from meshlm.distributed.mesh import shutdown
 
-    torch.set_num_threads(1)
-    cfg = C.Config()
-    for k, v in overrides.items():
-        C.apply(cfg, k, v)
-    layout = resolve(cfg, world)
-    ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=300)
     try:
-        trainer = Trainer(cfg, tempfile.mkdtemp(prefix="meshlm-bench-moe-"), ctx, layout)
-        trainer.train_step()  # warm-up, not counted
-        reset_stats(ctx.all_comms())
-        ctx.comm("world").barrier()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            trainer.train_step()
-        ctx.comm("world").barrier()
-        step_s = (time.perf_counter() - t0) / steps
+        _, _, ctx, trainer, step_s = start_trainer(rank, world, port, overrides, steps)
         a2a = ctx.comms["ep"].stats["all_to_all"] if "ep" in ctx.comms else None
         if rank == 0:
             out.put({"step_s": step_s, "a2a_bytes": a2a.bytes / steps if a2a else 0.0,
-                     "a2a_calls": a2a.calls / steps if a2a else 0.0, "a2a_s": a2a.seconds / steps if a2a else 0.0,
-                     "params": sum(p.numel() for p in trainer.model.parameters())})
+                     "a2a_calls": a2a.calls / steps if a2a else 0.0, "a2a_s": a2a.seconds / steps if a2a else 0.0})
     finally:
         shutdown()
-
-
-def measure(overrides: dict, world: int, steps: int) -> dict:
-    ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, overrides, steps, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    res = q.get(timeout=1800)
-    for p in procs:
-        p.join()
-    return res
 
 
 def main() -> None:
@@ -109,7 +69,7 @@ def main() -> None:
     first = None
     for ep in a.ep:
         over = dict(base, **{"parallel.ep": ep})
-        r = measure(over, a.world, a.steps)
+        r = measure(over, a.world, a.steps, _worker)
         formula = a.layers * a.accum * (4 * T * a.top_k * d * 4 + a.experts * 8) if ep > 1 else 0
         cfg = C.Config()
         for k, v in over.items():
