@@ -4,7 +4,9 @@
 
 Every row trains the same MoE model on `world` gloo ranks (dp = world, so the global batch and the
 routing are the same; only where the experts live changes), reads the bytes the `ep` group's `Comm`
-booked on rank 0 (the bytes this rank sends, its own block included) and prints them next to
+booked, averaged over the ranks (the bytes a rank sends, its own block included: the dispatch sends
+its T·k assignments, the return sends back what it received, which depends on the routing, so only
+the mean over the ep group is fixed), and prints them next to
 
     formula = MoE blocks × micro-batches × (4 · T·k·d·bytes + E·8)
 
@@ -29,9 +31,12 @@ def _worker(rank: int, world: int, port: int, overrides: dict, steps: int, out) 
     try:
         _, _, ctx, trainer, step_s = start_trainer(rank, world, port, overrides, steps)
         a2a = ctx.comms["ep"].stats["all_to_all"] if "ep" in ctx.comms else None
+        mine = [a2a.bytes / steps, a2a.calls / steps, a2a.seconds / steps] if a2a else [0.0, 0.0, 0.0]
+        # a rank sends back what it received, which depends on the routing: the formula is the mean
+        mean = [v / world for v in ctx.comm("world").all_reduce_scalars(mine)]
         if rank == 0:
-            out.put({"step_s": step_s, "a2a_bytes": a2a.bytes / steps if a2a else 0.0,
-                     "a2a_calls": a2a.calls / steps if a2a else 0.0, "a2a_s": a2a.seconds / steps if a2a else 0.0})
+            out.put({"step_s": step_s, "a2a_bytes": mean[0], "a2a_calls": mean[1], "a2a_s": mean[2],
+                     "a2a_bytes_rank0": mine[0]})
     finally:
         shutdown()
 
@@ -64,8 +69,8 @@ def main() -> None:
     print(f"MoE {a.layers} blocks, dim {d}, {a.experts} experts of {a.expert_dim} (top-{a.top_k}, 1 shared), "
           f"seq {a.seq_len}, micro-batch {a.micro_batch} × {a.accum} per rank, {a.world} gloo ranks (dp {a.world}), "
           f"fp32, dropless\n")
-    print("| ep | all-to-all bytes/step (rank 0) | formula | planner | calls/step | all-to-all s/step | step s | ratio to ep 1 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| ep | all-to-all bytes/step (mean over ranks) | formula | planner | rank 0 | calls/step | all-to-all s/step | step s | ratio to ep 1 |")
+    print("|---|---|---|---|---|---|---|---|---|")
     first = None
     for ep in a.ep:
         over = dict(base, **{"parallel.ep": ep})
@@ -77,7 +82,8 @@ def main() -> None:
         planned = sum(c.calls * c.buffer_bytes for c in collectives(shape_from_config(cfg), spec_from_config(cfg, a.world),
                                                                 0, 0, a.layers, True, True, None) if c.group == "ep")
         first = first or r["step_s"]
-        print(f"| {ep} | {r['a2a_bytes']:,.0f} | {formula:,.0f} | {planned:,.0f} | {r['a2a_calls']:.0f} | "
+        print(f"| {ep} | {r['a2a_bytes']:,.0f} | {formula:,.0f} | {planned:,.0f} | {r['a2a_bytes_rank0']:,.0f} | "
+              f"{r['a2a_calls']:.0f} | "
               f"{r['a2a_s']:.3f} | {r['step_s']:.3f} | {r['step_s'] / first:.2f} |", flush=True)
 
 
