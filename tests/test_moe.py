@@ -157,3 +157,16 @@ def test_compiled_moe_matches_eager():
     torch.testing.assert_close(out, eager)
     for n, p in moe.named_parameters():
         torch.testing.assert_close(p.grad, ref[n], msg=n)
+
+
+def test_statistics_count_training_forwards_only():
+    """Eval (no grad) and full-AC recomputation inside backward add nothing to the step's statistics."""
+    from torch.utils.checkpoint import checkpoint
+
+    moe = _moe()
+    x = torch.randn(12, ARGS.dim, dtype=torch.float64, requires_grad=True)
+    with torch.no_grad():
+        moe(x)
+    assert moe.stats is None
+    checkpoint(moe, x, use_reentrant=False).sum().backward()  # forward once, recomputed once in backward
+    assert moe.stats[-1] == 1 and moe.stats[:8].sum() == 12 * 2

@@ -1,6 +1,7 @@
 """Issue #13: the MoE model trains to one process's losses under expert parallelism and its compositions
 (fp32, 1e-5 relative), capacity dropping included; the `moe` metrics agree across layouts."""
 import functools
+import json
 import os
 import tempfile
 
@@ -77,3 +78,23 @@ def test_moe_checkpoint_reshards_across_ep(pools, a, b):
     got = _train(pools, _layout(b), dir_b, checkpoint__resume=step4, **CKPT)
     assert [r["step"] for r in got] == [5, 6, 7, 8]
     assert_same_losses(ref[4:], got, RESHARD)
+
+
+def _eval_losses(run_dir: str) -> list[float]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line)["eval_loss"] for line in f if '"eval_loss"' in line]
+
+
+def test_moe_eval_under_ep(pools):
+    """Held-out evaluation dispatches over ep too (no grad, no statistics): the same eval losses."""
+    from harness import train_case
+    from meshlm import config as C
+
+    over = {**MOE, "training__steps": 2, "training__eval_every": 1, "training__eval_batches": 2}
+    ref_dir, got_dir = tempfile.mkdtemp(prefix="meshlm-ref-"), tempfile.mkdtemp(prefix="meshlm-ep-")
+    run_local(make_config(**over), ref_dir)
+    pools(2).run(train_case, C.to_dict(make_config(**over, parallel__dp=2, parallel__ep=2)), got_dir)
+    want, got = _eval_losses(ref_dir), _eval_losses(got_dir)
+    assert len(want) == 2 and len(got) == 2
+    for a, b in zip(want, got):
+        assert abs(a - b) <= FP32 * a, (want, got)
