@@ -22,7 +22,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-from tp import measure, start_trainer  # noqa: E402 - bench/ is the script's directory
+from spawn import spawn  # noqa: E402  (bench/spawn.py)
+from tp import start_trainer  # noqa: E402
 
 
 def _worker(rank: int, world: int, port: int, overrides: dict, steps: int, out) -> None:
@@ -74,7 +75,7 @@ def main() -> None:
     first = None
     for ep in a.ep:
         over = dict(base, **{"parallel.ep": ep})
-        r = measure(over, a.world, a.steps, _worker)
+        r = spawn(_worker, a.world, over, a.steps, timeout=1800)
         formula = a.layers * a.accum * (4 * T * a.top_k * d * 4 + a.experts * 8) if ep > 1 else 0
         cfg = C.Config()
         for k, v in over.items():

@@ -11,13 +11,12 @@ block by part, to show what SP buys. Output is a markdown table (docs/benchmarks
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import socket
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+from spawn import spawn  # noqa: E402  (bench/spawn.py)
 
 
 def start_trainer(rank: int, world: int, port: int, overrides: dict, steps: int):
@@ -68,21 +67,8 @@ def _worker(rank: int, world: int, port: int, overrides: dict, steps: int, out) 
         shutdown()
 
 
-def measure(overrides: dict, world: int, steps: int, worker=None):
-    ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    q = ctx.Queue()
-    procs = [ctx.Process(target=worker or _worker, args=(r, world, port, overrides, steps, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    result = q.get(timeout=1800)
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise SystemExit(f"worker exited with {p.exitcode}")
-    return result
+def measure(overrides: dict, world: int, steps: int) -> tuple[dict, dict]:
+    return spawn(_worker, world, overrides, steps, timeout=1800)
 
 
 def main() -> None:

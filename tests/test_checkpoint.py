@@ -31,6 +31,8 @@ def _layout(spec: str) -> dict:
             out["parallel__sp"] = True
         elif tok == "offload":
             out["parallel__offload"] = "optimizer"
+        elif tok in ("ring", "ulysses"):
+            out["parallel__cp_impl"] = tok
         elif tok in ("1f1b", "zb-h1", "gpipe"):
             out["parallel__pp_schedule"] = tok
         elif tok == "interleaved":
@@ -45,7 +47,8 @@ def _layout(spec: str) -> dict:
 
 
 def _world(over: dict) -> int:
-    return over.get("parallel__dp", 1) * over.get("parallel__tp", 1) * over.get("parallel__pp", 1)
+    return (over.get("parallel__dp", 1) * over.get("parallel__tp", 1) * over.get("parallel__pp", 1)
+            * over.get("parallel__cp", 1))
 
 
 def traced_case(cfg_dict: dict, run_dir: str) -> dict:
@@ -109,6 +112,10 @@ RESHARD_CASES = [
     ("1proc", "dp2 pp2 zb-h1"),
     ("pp2 interleaved", "tp4"),
     ("hsdp4g2", "dp2 zero3"),
+    # context parallelism (issue #12): ZeRO shards over dp_shard×cp, replicas over cp
+    ("cp2", "1proc"),
+    ("1proc", "cp2 ulysses"),
+    ("dp2 cp2 zero3", "cp2 tp2 sp"),
 ]
 
 

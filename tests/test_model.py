@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from meshlm.model import PRESETS, Llama, ModelArgs, init_tensor, materialize
 from meshlm.parallel.activation_checkpoint import apply_ac
+from meshlm.parallel.llama_plan import LLAMA
 
 DEBUG = PRESETS["debug"]
 
@@ -82,7 +83,7 @@ def test_activation_checkpointing_gives_same_loss_and_grads(mode):
     x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
     ref_loss, ref_grads = loss_and_grads(build(), x, y)
     m = build()
-    apply_ac(m, mode)
+    apply_ac(m, mode, LLAMA)
     loss, grads = loss_and_grads(m, x, y)
     assert loss == pytest.approx(ref_loss, rel=1e-6)
     strip = lambda n: n.replace("_wrapped.", "")  # noqa: E731

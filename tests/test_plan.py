@@ -309,10 +309,11 @@ def _measure_block(torch, ac, dtype, b, s, d, h, kv, ffn, math):
     from meshlm.model.args import ModelArgs
     from meshlm.model.llama import Llama
     from meshlm.parallel.activation_checkpoint import apply_ac
+    from meshlm.parallel.llama_plan import LLAMA
     args = ModelArgs(dim=d, n_layers=1, n_heads=h, n_kv_heads=kv, ffn_dim=ffn, vocab_size=64, max_seq_len=s)
     torch.manual_seed(0)
     model = Llama(args).to(dtype)
-    apply_ac(model, ac)
+    apply_ac(model, ac, LLAMA)
     cos, sin = model.rope(s, torch.device("cpu"))
     cos, sin = cos[:s], sin[:s]
     skip = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + [cos, sin]}
@@ -379,11 +380,12 @@ def test_whole_model_activations_match_saved_tensors(precision):
     from meshlm.model.args import ModelArgs
     from meshlm.model.llama import Llama
     from meshlm.parallel.activation_checkpoint import apply_ac
+    from meshlm.parallel.llama_plan import LLAMA
     b, s = 2, 64
     args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=300, max_seq_len=s)
     for ac in ("none", "selective", "full"):
         model = Llama(args).to(torch.float32 if precision == "fp32" else torch.bfloat16)
-        apply_ac(model, ac)
+        apply_ac(model, ac, LLAMA)
         model.rope(s, torch.device("cpu"))
         skip = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.rope_cache)}
         seen = {}

@@ -1,4 +1,4 @@
-"""`meshlm` command line: train | prepare | plan | estimate | schedule | report."""
+"""`meshlm` command line: train | prepare | plan | estimate | schedule | report | explore."""
 from __future__ import annotations
 
 import argparse
@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("run_dir")
     r.add_argument("--out", help="PNG path (default RUN_DIR/report.png)")
     r.set_defaults(func=cmd_report)
-    for mod, fn in (("meshlm.plan.cli_cmds", "add_parsers"), ("meshlm.parallel.pipeline.schedule_cmd", "add_parser")):
+    for mod, fn in (("meshlm.plan.cli_cmds", "add_parsers"), ("meshlm.parallel.pipeline.schedule_cmd", "add_parser"),
+                    ("meshlm.explore.server", "add_parser")):
         try:
             module = __import__(mod, fromlist=[fn])
         except ImportError:

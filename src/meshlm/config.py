@@ -91,6 +91,7 @@ class TrainingConfig:
     eval_every: int = 40
     eval_batches: int = 4
     device: str = "auto"  # auto, cpu, cuda
+    peak_tflops: float = 0.0  # peak per device behind MFU; 0: datasheet (GPU) or measured (CPU)
 
 
 @dataclass

@@ -12,7 +12,6 @@ from .model.args import PRESETS, ModelArgs
 
 # Dimensions whose runtime has not landed yet: refused with the issue that brings them.
 NOT_YET: dict[str, str] = {
-    "cp": "context parallelism",
 }
 
 # model.moe.<key> -> ModelArgs field
@@ -136,6 +135,27 @@ def check_shape(args: ModelArgs, tp: int, pp: int, pp_virtual: int) -> None:
         raise ConfigError(f"parallel.pp: {args.n_layers} layers cannot fill pp×pp_virtual = {pp * pp_virtual} stages")
 
 
+def check_cp(args: ModelArgs, cp: int, impl: str, tp: int, sp: bool, seq_len: int) -> None:
+    """Context parallelism against the sequence and the heads (shared with the planner). Ring cuts each
+    sequence in 2·cp chunks (zig-zag); Ulysses in cp, and splits each TP rank's heads over cp."""
+    if cp == 1:
+        return
+    chunks = 2 * cp if impl == "ring" else cp
+    if seq_len % chunks:
+        raise ConfigError(f"data.seq_len: {seq_len} is not divisible by {chunks} "
+                          f"({'2×cp: ring attention holds 2 chunks per rank' if impl == 'ring' else 'cp'})")
+    if sp and tp > 1 and (seq_len // cp) % tp:
+        raise ConfigError(f"parallel.sp: each CP rank's {seq_len // cp} tokens are not divisible by tp {tp}")
+    if impl == "ulysses":
+        heads, kv = args.n_heads // tp, max(1, args.n_kv_heads // tp)
+        if heads % cp:
+            raise ConfigError(f"parallel.cp: ulysses splits the {heads} heads per TP rank over cp = {cp}; "
+                              f"cp does not divide them")
+        if kv % cp and cp % kv:
+            raise ConfigError(f"model.n_kv_heads: ulysses needs the {kv} kv heads per TP rank and cp = {cp} "
+                              f"to divide one another")
+
+
 def resolve(cfg: Config, world_size: int) -> Layout:
     """The layout for `world_size` ranks, or a ConfigError naming the offending key."""
     p, t, tr = cfg.parallel, cfg.training, cfg.model
@@ -166,6 +186,7 @@ def resolve(cfg: Config, world_size: int) -> Layout:
     # sp splits the sequence over the tp group; at tp = 1 it is a no-op (docs/tensor_parallel.md)
     if p.sp and p.tp > 1 and cfg.data.seq_len % p.tp:
         raise ConfigError(f"parallel.sp: data.seq_len {cfg.data.seq_len} is not divisible by tp {p.tp}")
+    check_cp(args, p.cp, p.cp_impl, p.tp, p.sp, cfg.data.seq_len)
     check_ep(args, p.ep, dp, dp_shard, p.cp, p.zero)
     if cfg.data.seq_len < 1:
         raise ConfigError(f"data.seq_len: must be >= 1, got {cfg.data.seq_len}")
@@ -173,6 +194,8 @@ def resolve(cfg: Config, world_size: int) -> Layout:
         _check_pipeline(cfg, args, microbatches)
     if t.steps < 0:
         raise ConfigError(f"training.steps: must be >= 0, got {t.steps}")
+    if t.peak_tflops < 0:
+        raise ConfigError(f"training.peak_tflops: must be >= 0 (0 = datasheet or measured), got {t.peak_tflops}")
     for key, label in NOT_YET.items():
         value = getattr(p, key)
         if value > (0 if key == "zero" else 1):
@@ -185,6 +208,9 @@ def resolve(cfg: Config, world_size: int) -> Layout:
 def check_ep(args: ModelArgs, ep: int, dp: int, dp_shard: int, cp: int, zero: int) -> None:
     """Expert parallelism against the model and the dp×cp block it borrows its ranks from (shared with
     the planner). With ZeRO the experts' shard group lies inside one HSDP shard group: ep | dp_shard×cp."""
+    if args.moe and cp > 1:  # each cp rank would route only its chunks: capacity and aux loss differ
+        raise ConfigError("parallel.cp: mixture-of-experts models with context parallelism are not supported "
+                          "yet (routing statistics and capacity are per micro-batch of whole sequences)")
     if ep == 1:
         return
     if not args.moe:

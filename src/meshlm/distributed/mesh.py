@@ -20,7 +20,10 @@ from .comm import Comm
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # Groups that span several mesh dimensions at once.
-COMPOSITES = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp")}
+# dp_cp / dp_shard_cp: context-parallel ranks hold the same weights and see other tokens, so gradients
+# are averaged over dp×cp and ZeRO shards over dp_shard×cp (as torchtitan does).
+COMPOSITES = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+              "dp_cp": ("dp_replicate", "dp_shard", "cp")}
 
 
 def coords_of(rank: int, shape: dict[str, int]) -> dict[str, int]:

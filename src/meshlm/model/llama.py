@@ -124,7 +124,7 @@ class Llama(nn.Module):
 
     def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         # Kept out of the state dict and the parameter list: it is derived, never trained or saved.
-        if self.rope_cache is None or self.rope_cache[0].device != device:
+        if self.rope_cache is None or self.rope_cache[0].device != device or self.rope_cache[0].shape[0] < seq_len:
             n = max(self.args.max_seq_len, seq_len)
             cos, sin = rope_tables(self.args.head_dim, n, self.args.rope_theta)
             self.rope_cache = (cos.to(device), sin.to(device))

@@ -110,6 +110,15 @@ class LlamaPlan:
         """MoE feed-forwards by global block index (none in a dense Llama)."""
         return {}
 
+    def attention_cores(self, model: nn.Module) -> list[tuple[nn.Module, str]]:
+        """(parent, attribute) of every attention core, softmax(QKᵀ)V alone: what context parallelism
+        swaps for its ring or Ulysses core (found through activation-checkpointing wrappers)."""
+        return [(m, "core") for m in model.modules() if isinstance(m, Attention)]
+
+    def reserve_positions(self, model: nn.Module, n: int, device: torch.device) -> None:
+        """Make the RoPE tables cover positions 0 … n-1 (CP: a rank's tokens reach the full length)."""
+        model.rope(n, device)
+
     # -- pipeline ------------------------------------------------------------------------------
     def prune(self, model: nn.Module, keep: set[str], first: bool, last: bool) -> None:
         """Keep blocks `keep`, the embedding on the first stage, norm + head on the last. With tied
@@ -128,9 +137,11 @@ class LlamaPlan:
 
     def run_stage(self, model: nn.Module, x: torch.Tensor, keys: list[str], first: bool, last: bool,
                   seq_len: int) -> torch.Tensor:
-        """The model's own forward over one chunk; positions cover the full sequence (SP splits it)."""
-        positions = torch.arange(seq_len, device=x.device)
-        return model(x, positions, blocks=keys, embed=first, head=last)
+        """The model's own forward over one chunk. Positions: the model's default (0 … local length)
+        unless a positions hook (SP, CP: tensor_parallel.positions_hook) passes the true ones; `x` and
+        `seq_len` are this rank's (CP: its chunks of each sequence)."""
+        del seq_len
+        return model(x, blocks=keys, embed=first, head=last)
 
     def stage_modules(self, model: nn.Module, keys: list[str], first: bool, last: bool) -> list[nn.Module]:
         mods = [model.tok_embeddings] if first else []

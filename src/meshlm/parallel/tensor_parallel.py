@@ -82,9 +82,10 @@ def _split(table, fqn: str, dim: int, size: int, comm: Comm, rep: int = 1, padde
         table.update(name, lambda pl: pl.replicate(comm.name, r % rep))
 
 
-def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table) -> TensorParallel:
+def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table, cp_split=None) -> TensorParallel:
     """Module swaps, hooks and placement records on a meta-device model (activation checkpointing may
-    already wrap its blocks). `plan` names the regions, linears and norms (parallel/llama_plan.py)."""
+    already wrap its blocks). `plan` names the regions, linears and norms (parallel/llama_plan.py);
+    `cp_split`: context parallelism's split, composed into SP's positions hook."""
     args, t = model.args, comm.size
     check_shape(args, t, 1, 1)  # layout.resolve reports these before workers start
     tp = TensorParallel(comm=comm, sp=sp, vocab_size=args.vocab_size, vocab_multiple=args.vocab_multiple)
@@ -121,7 +122,7 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table) -
         if name not in split:
             table.update(name, lambda pl: pl.replicate(comm.name, comm.rank))
     if sp:
-        model.register_forward_pre_hook(_positions_hook(t, plan), with_kwargs=True)
+        model.register_forward_pre_hook(positions_hook(t, plan, cp_split), with_kwargs=True)
     return tp
 
 
@@ -159,15 +160,21 @@ def _vocab_parallel(model: nn.Module, tp: TensorParallel, plan, table, enter_hoo
     return names
 
 
-def _positions_hook(tp: int, plan):
-    """Under SP the embedding output is already split along the sequence, so the model would size
-    RoPE by the local length: pass the full sequence's positions instead (unless given)."""
+def positions_hook(tp: int, plan, cp_split=None):
+    """Pass the true positions of this rank's tokens to the model (unless given). Under SP the
+    embedding output (or a pipeline stage's hidden input) is split along the sequence, so the model
+    would size RoPE by the shard: the local sequence is tp shards long. Under CP (`cp_split`) the
+    local sequence holds this rank's chunks of the full one, at their positions in it."""
     def hook(model, args, kwargs):
         given = args[1] if len(args) > 1 else kwargs.get("positions")
         if given is None:
             x = args[0]
-            seq = x.shape[1] * (tp if plan.embedding(model) is None else 1)  # a stage gets hidden shards
-            positions = torch.arange(seq, device=x.device)
+            seq = x.shape[1] * (tp if x.is_floating_point() else 1)  # hidden states come as SP shards
+            if cp_split is None:
+                positions = torch.arange(seq, device=x.device)
+            else:
+                positions = cp_split.positions(seq, x.device)
+                plan.reserve_positions(model, seq * cp_split.size, x.device)
             if len(args) > 1:
                 args = (x, positions) + tuple(args[2:])
             else:

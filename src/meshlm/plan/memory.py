@@ -71,7 +71,8 @@ def korthikanti_block_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
 
 def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes: int, tp: int = 1,
                            sp: bool = False, ac: str = "none", flash: bool = True,
-                           attn_math_bytes: int | None = None, compiled: bool = False) -> float:
+                           attn_math_bytes: int | None = None, compiled: bool = False, cp: int = 1,
+                           cp_impl: str = "ring") -> float:
     """Bytes one Block saves for backward on one rank, for `tokens` local tokens (micro_batch×seq/cp).
 
     Per token, with e = act_bytes, t = tp, d' = d/t under sequence parallelism (else d):
@@ -89,6 +90,14 @@ def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes:
     input (e·d'), the inputs of wq/wk/wv and w1/w3 (2·e·d), q and the wo input (2·e·d/t), k and v
     (2·e·kv/t), gate and up (2·e·F/t) and the two norms' rsqrt (8 per local token); without AC also the
     attention output with its log-sum-exp (e·d/t + 4·H/t) and silu(gate)·up (e·F/t).
+
+    Context parallelism (cp > 1) swaps the attention core for one that saves q, k, v, its output and
+    the log-sum-exp whatever the kernel and AC mode (the ring's custom Function; Ulysses' inner fused
+    attention), so the attention term is the fused one. Under Ulysses k and v count max(kv heads, cp)
+    heads (kv heads fewer than cp are repeated before the all-to-all) and wo's input is the all-to-all's
+    output, not a view of the attention output: one more e·d/t. Selective AC leaves that core alone
+    (it stores nothing quadratic to save). Measured against saved-tensor hooks in
+    tests/test_plan_vs_measured.py.
     """
     a, t, e = shape.args, tp, act_bytes
     d = a.dim
@@ -105,7 +114,13 @@ def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes:
             saved += e * (dq + f) + 4 * hq
         return tokens * saved
     norm = 4 * dsp + 4 * dsp / d + e * dsp + e * d
-    if ac == "selective":
+    if cp > 1:
+        if cp_impl == "ulysses":  # the all-to-all back makes wo's input a tensor of its own (+e·q)
+            attn = e * (3 * dq + 2 * max(_ceil(a.n_kv_heads, t), cp) * a.head_dim) + 4 * hq
+        else:
+            attn = e * (2 * dq + 2 * kvd) + 4 * hq
+        n_ffn = 3 if ac == "selective" else 4
+    elif ac == "selective":
         attn = e * (2 * dq + 2 * kvd)
         n_ffn = 3
     else:
@@ -206,8 +221,8 @@ def inflight(schedule: str, p: int, m: int, v: int, rank: int) -> float:
 
 @lru_cache(maxsize=65536)
 def _per_token(shape: Shape, seq_len: int, e: int, t: int, sp: bool, ac: str, flash: bool,
-               amb: int | None, compiled: bool = False) -> float:
-    return block_activation_bytes(shape, 1.0, seq_len, e, t, sp, ac, flash, amb, compiled)
+               amb: int | None, compiled: bool = False, cp: int = 1, cp_impl: str = "ring") -> float:
+    return block_activation_bytes(shape, 1.0, seq_len, e, t, sp, ac, flash, amb, compiled, cp, cp_impl)
 
 
 def head_bytes(a, t: int, dsp: float, e: int, compiled: bool) -> tuple[float, float]:
@@ -223,8 +238,19 @@ def head_bytes(a, t: int, dsp: float, e: int, compiled: bool) -> tuple[float, fl
     return norm_head + 4 * vocab_real(a, t), (vocab_real(a, t) + vocab_rows(a, t)) * 4
 
 
+def cp_buffer_bytes(a, t: int, cp: int, impl: str, e: int) -> float:
+    """Transient bytes per local token of one CP attention core in backward (the larger pass). Ring:
+    the k,v block held and the one arriving (4·e·kv), the fp32 dk,dv accumulator held and arriving
+    (16·kv) and the fp32 dq (4·q). Ulysses: send and receive buffers of q, k, v (2·e·(q + 2·kv'))."""
+    kvd = _ceil(a.n_kv_heads, t) * a.head_dim
+    dq = a.n_heads // t * a.head_dim
+    if impl == "ring":
+        return (4 * e + 16) * kvd + 4 * dq
+    return 2 * e * (dq + 2 * max(_ceil(a.n_kv_heads, t), cp) * a.head_dim)
+
+
 def _stage_static(shape: Shape, s: Spec, stage: str) -> tuple:
-    n = s.zero_group if s.zero else 1
+    n = s.zero_group * s.cp if s.zero else 1  # ZeRO shards over dp_shard×cp
     return _static(shape, stage, s.tp, s.pp, s.pp_virtual, s.ep, s.zero, n, s.dp * s.cp > 1, s.bucket_mb,
                    s.precision)
 
@@ -268,7 +294,7 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
     tokens = s.micro_batch * s.seq_len / s.cp
     t, sq = s.tp, (s.sp and s.tp > 1)
     dsp = a.dim / t if sq else a.dim
-    blk_tok = _per_token(shape, s.seq_len, e, t, sq, s.ac, flash, attn_math_bytes, compiled)
+    blk_tok = _per_token(shape, s.seq_len, e, t, sq, s.ac, flash, attn_math_bytes, compiled, s.cp, s.cp_impl)
     blk = blk_tok * tokens
     rank = s.pp - 1 if stage == "last" else 0
     units = inflight(s.pp_schedule, s.pp, s.accum, s.pp_virtual, rank)
@@ -284,7 +310,7 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
     # Backward of one block: full AC first recomputes all of its activations; otherwise gradient
     # temporaries take about half a block's worth while its saved tensors are being released.
     blk_none = blk if s.ac == "none" else tokens * _per_token(shape, s.seq_len, e, t, sq, "none", flash,
-                                                              attn_math_bytes, compiled)
+                                                              attn_math_bytes, compiled, s.cp, s.cp_impl)
     buffers["backward_working"] = blk_none * (1.0 if s.ac == "full" else 0.5)
     if sp.head:
         buffers["loss"] = tokens * loss_buf
@@ -295,8 +321,7 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
     if s.pp > 1:
         buffers["pp_p2p"] = 4 * e * dsp * tokens
     if s.cp > 1:
-        kvd = _ceil(a.n_kv_heads, t) * a.head_dim
-        buffers["cp"] = 8 * e * kvd * tokens if s.cp_impl == "ring" else 2 * e * a.dim / t * tokens
+        buffers["cp"] = cp_buffer_bytes(a, t, s.cp, s.cp_impl, e) * tokens
     if s.ep > 1:
         buffers["ep_all_to_all"] = 2 * shape.top_k * shape.capacity_factor * e * a.dim * tokens
     buf = sum(buffers.values())
@@ -306,7 +331,7 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
     if detail:
         out["detail"] = {"stage": stage, "layers": sp.layers, "params_local": sp.dense + sp.expert,
                          "block_activation_bytes": blk, "inflight_microbatches": units, "buffers": buffers,
-                         "shard_group": s.zero_group if s.zero else 1}
+                         "shard_group": s.zero_group * s.cp if s.zero else 1}
     return out
 
 
@@ -319,7 +344,7 @@ def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, 
     the search calls it for every candidate; tests check it against stage_memory."""
     a = shape.args
     e = ACT_BYTES[precision]
-    spp, params, grads, optim, fixed_buf = _static(shape, stage, tp, pp, v, ep, zero, n if zero else 1,
+    spp, params, grads, optim, fixed_buf = _static(shape, stage, tp, pp, v, ep, zero, n * cp if zero else 1,
                                                   dp * cp > 1, bucket_mb, precision)
     tokens = mb * seq_len / cp
     sq = sp and tp > 1
@@ -338,13 +363,12 @@ def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, 
     if pp > 1:
         base += 4 * e * dsp * tokens
     if cp > 1:
-        kvd = _ceil(a.n_kv_heads, tp) * a.head_dim
-        base += 8 * e * kvd * tokens if cp_impl == "ring" else 2 * e * a.dim / tp * tokens
+        base += cp_buffer_bytes(a, tp, cp, cp_impl, e) * tokens
     if ep > 1:
         base += 2 * shape.top_k * shape.capacity_factor * e * a.dim * tokens
-    none = _per_token(shape, seq_len, e, tp, sq, "none", flash, amb, compiled) * tokens
+    none = _per_token(shape, seq_len, e, tp, sq, "none", flash, amb, compiled, cp, cp_impl) * tokens
     scale = units * spp.layers
-    acts = {ac: _per_token(shape, seq_len, e, tp, sq, ac, flash, amb, compiled) * tokens * scale
+    acts = {ac: _per_token(shape, seq_len, e, tp, sq, ac, flash, amb, compiled, cp, cp_impl) * tokens * scale
             + none * (1.0 if ac == "full" else 0.5) for ac in ("none", "selective", "full")}
     return base, optim, acts
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..choices import AC_MODES, CP_IMPLS, DTYPE_BYTES, OFFLOAD, PP_SCHEDULES as SCHEDULES, PRECISIONS, choose
 from ..config import Config, ConfigError
-from ..layout import batch_split, check_ep, check_shape, model_args
+from ..layout import batch_split, check_cp, check_ep, check_shape, model_args
 from ..model import args as model_args_module
 
 ACT_BYTES = DTYPE_BYTES
@@ -169,13 +169,7 @@ def check(shape: Shape, s: Spec) -> None:
             raise PlanError("parallel.pp_virtual: interleaved needs >= 2 chunks per rank")
         if s.accum % s.pp:
             raise PlanError(f"parallel.microbatches: interleaved needs a multiple of pp = {s.pp}, got {s.accum}")
-    if s.cp > 1:
-        if s.cp_impl == "ring" and s.seq_len % (2 * s.cp):
-            raise PlanError(f"parallel.cp: ring attention splits the sequence in 2×cp = {2 * s.cp} chunks; "
-                            f"data.seq_len {s.seq_len} is not divisible")
-        if s.cp_impl == "ulysses" and ((a.n_heads // s.tp) % s.cp or s.seq_len % s.cp):
-            raise PlanError(f"parallel.cp: ulysses needs cp = {s.cp} to divide the heads per TP rank "
-                            f"({a.n_heads // s.tp}) and data.seq_len {s.seq_len}")
+    check_cp(a, s.cp, s.cp_impl, s.tp, s.sp, s.seq_len)
     try:
         check_ep(a, s.ep, s.dp, s.zero_group if s.zero else 1, s.cp, s.zero)
     except ConfigError as e:

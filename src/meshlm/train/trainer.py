@@ -51,13 +51,13 @@ class Trainer:
         self.model = self.par.model
         self.scaler = LossScaler(t.precision == "fp16", device=ctx.device)
         self.step = 0
-        self.dp_comm = ctx.comm("dp")
+        self.dp_comm = ctx.comm("dp_cp")  # loss sums: every data- and context-parallel rank's tokens
         self.checkpointer = ckpt.Checkpointer(os.path.join(run_dir, "checkpoints"), ctx.comm("world"),
                                               cfg.checkpoint.keep, cfg.checkpoint.async_)
         self.watchdog = Watchdog.for_job(ctx.rank, ctx.world_size)
         for c in ctx.all_comms():
             c.watchdog = self.watchdog
-        self.peak_flops, self.peak_label = device_peak(ctx.device)
+        self.peak_flops, self.peak_label = device_peak(ctx.device, t)
         self.flops_per_step = self.args.flops_per_token(self.seq_len) * t.global_batch * self.seq_len
 
     # -- one step -----------------------------------------------------------------------------
@@ -72,6 +72,7 @@ class Trainer:
         The returned tensors (`loss_sum`, `norm`, `skipped`) are read by `_record` on log steps only."""
         t, par, scaler = self.cfg.training, self.par, self.scaler
         inputs, targets = self.sampler.next_batch(self.train_data, self.ctx.index("dp"), self.layout.dp)
+        inputs, targets = par.local_tokens(inputs), par.local_tokens(targets)  # CP: this rank's chunks
         if self.ctx.device.type == "cuda":  # async host-to-device copies from pinned memory
             inputs, targets = inputs.pin_memory(), targets.pin_memory()
         inputs = inputs.to(self.ctx.device, non_blocking=True)
@@ -119,10 +120,11 @@ class Trainer:
                 "peak": peak_bytes(self.ctx.device)}
 
     def global_loss(self, loss_sum: torch.Tensor) -> float:
-        """Mean loss over the whole global batch: every micro-batch has the same token count."""
+        """Mean loss over the whole global batch: every micro-batch (and CP rank's share of it) has the
+        same token count."""
         total = self.dp_comm.all_reduce_scalars([float(loss_sum)])[0]
         total = self.ctx.comm("pp").all_reduce_scalars([total])[0]  # pp > 1: only the last stage's is not 0
-        return total / (self.layout.accum * self.layout.dp)
+        return total / (self.layout.accum * self.layout.dp * self.layout.cp)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -132,13 +134,13 @@ class Trainer:
         total, count = 0.0, 0
         for inputs, targets in batches:
             n = inputs.shape[0] // dp
-            x, y = inputs[r * n:(r + 1) * n], targets[r * n:(r + 1) * n]
+            x, y = (self.par.local_tokens(t[r * n:(r + 1) * n]) for t in (inputs, targets))
             if n:
                 total += float((self.par.eval_loss or self._loss)(x.to(self.ctx.device), y.to(self.ctx.device))) * n
             count += inputs.shape[0] - inputs.shape[0] % dp
         total = self.dp_comm.all_reduce_scalars([total])[0]
         total = self.ctx.comm("pp").all_reduce_scalars([total])[0]
-        return total / max(count, 1)
+        return total / max(count * self.layout.cp, 1)
 
     # -- state --------------------------------------------------------------------------------
     def checkpoint_state(self) -> tuple[dict[str, ckpt.Pieces], dict[str, tuple[int, ...]]]:
