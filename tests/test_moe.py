@@ -128,10 +128,11 @@ def test_every_kth_block():
     ({"parallel__ep": 2, "parallel__dp": 4, "parallel__zero": 1, "parallel__zero_group": 1,
       "training__micro_batch": 1}, "parallel.ep"),
     ({"model__moe__every": 0}, "model.moe.every"),
+    ({"parallel__cp": 2, "parallel__dp": 1}, "parallel.cp"),
 ])
 def test_bad_moe_input_names_the_key(overrides, key):
     cfg = make_config(**{"model__preset": "moe-debug", **overrides})
-    world = cfg.parallel.dp if cfg.parallel.dp > 0 else 1
+    world = (cfg.parallel.dp if cfg.parallel.dp > 0 else 1) * cfg.parallel.cp
     with pytest.raises(ConfigError) as e:
         resolve(cfg, world)
     msg = str(e.value)
