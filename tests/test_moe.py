@@ -128,7 +128,7 @@ def test_every_kth_block():
     ({"parallel__ep": 2, "parallel__dp": 4, "parallel__zero": 1, "parallel__zero_group": 1,
       "training__micro_batch": 1}, "parallel.ep"),
     ({"model__moe__every": 0}, "model.moe.every"),
-    ({"parallel__cp": 2, "parallel__dp": 1}, "parallel.cp"),
+    ({"parallel__cp": 2, "parallel__dp": 1, "model__moe__capacity_factor": 1.0}, "model.moe.capacity_factor"),
 ])
 def test_bad_moe_input_names_the_key(overrides, key):
     cfg = make_config(**{"model__preset": "moe-debug", **overrides})

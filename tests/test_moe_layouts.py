@@ -36,6 +36,9 @@ CASES = [
     ("ep2-ac-full-accum", 2, {"parallel__dp": 2, "parallel__ep": 2, "training__ac": "full", "training__micro_batch": 1}),
     ("ep2-ac-selective-zero2", 2, {"parallel__dp": 2, "parallel__ep": 2, "training__ac": "selective", "parallel__zero": 2}),
     # capacity dropping: decided per micro-batch at the source, so the same tokens drop as in one process
+    ("ep2-cp2", 4, {"parallel__dp": 2, "parallel__ep": 2, "parallel__cp": 2}),
+    ("cp2-ulysses", 2, {"parallel__cp": 2, "parallel__cp_impl": "ulysses"}),
+    ("ep4-dp2-cp2-zero1", 4, {"parallel__dp": 2, "parallel__ep": 4, "parallel__cp": 2, "parallel__zero": 1}),
     ("ep2-bf16", 2, {"parallel__dp": 2, "parallel__ep": 2, "training__precision": "bf16"}),
     ("ep2-capacity", 2, {"parallel__dp": 2, "parallel__ep": 2, "model__moe__capacity_factor": 1.0}),
 ]

@@ -208,9 +208,9 @@ def resolve(cfg: Config, world_size: int) -> Layout:
 def check_ep(args: ModelArgs, ep: int, dp: int, dp_shard: int, cp: int, zero: int) -> None:
     """Expert parallelism against the model and the dp×cp block it borrows its ranks from (shared with
     the planner). With ZeRO the experts' shard group lies inside one HSDP shard group: ep | dp_shard×cp."""
-    if args.moe and cp > 1:  # each cp rank would route only its chunks: capacity and aux loss differ
-        raise ConfigError("parallel.cp: mixture-of-experts models with context parallelism are not supported "
-                          "yet (routing statistics and capacity are per micro-batch of whole sequences)")
+    if args.moe and cp > 1 and args.capacity_factor > 0:  # each cp rank routes only its chunks
+        raise ConfigError("model.moe.capacity_factor: capacity dropping with context parallelism is not "
+                          "supported (each cp rank holds part of the micro-batch); use a dropless model (<= 0)")
     if ep == 1:
         return
     if not args.moe:

@@ -142,6 +142,11 @@ class MoE(nn.Module):
         self.aux_grad_scale: float | torch.Tensor = 1.0  # set by the trainer each step
         self.aux_share = 1.0  # tensor parallelism: each of t ranks feeds 1/t of the aux gradient
         self.stats: torch.Tensor | None = None  # [E + 3] summed over the step's training forwards
+        # Context parallelism: the ranks that hold other tokens of the same micro-batch. `token_sum`
+        # sums a per-rank total over them (with autograd: summed both ways), `token_ranks` counts them;
+        # the balance term is then the one-process micro-batch's (set by parallel/expert_parallel.py).
+        self.token_sum = None
+        self.token_ranks = 1
 
     def capacity(self, tokens: int) -> int:
         """Assignments one expert takes per call; 0 = unlimited."""
@@ -186,13 +191,21 @@ class MoE(nn.Module):
         out = torch.zeros(h.shape, dtype=torch.float32, device=h.device).index_add_(0, token, y).to(h.dtype)
         if self.shared is not None:
             out = out + self.shared(h)
-        balance = self.num_experts * (counts.float() / (T * self.top_k) * probs.mean(0)).sum()
+        balance = self._balance(counts, probs)
         if self.aux_loss_coef > 0 and torch.is_grad_enabled():
             scale = self.aux_loss_coef * self.aux_grad_scale * self.aux_share
             out = _AuxGrad.apply(out, balance, scale)
         if _recording():
             self._record(counts, kept, balance)
         return out.view(shape)
+
+    def _balance(self, counts: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """E · Σ_e f_e · P_e over the micro-batch (all its context-parallel ranks' tokens)."""
+        assigned, prob_sum = counts.float(), probs.sum(0)
+        T = probs.shape[0] * self.token_ranks
+        if self.token_sum is not None:
+            assigned, prob_sum = self.token_sum(assigned.detach()).detach(), self.token_sum(prob_sum)
+        return self.num_experts * (assigned / (T * self.top_k) * (prob_sum / T)).sum()
 
     @torch.no_grad()
     def _record(self, counts: torch.Tensor, kept: torch.Tensor, balance: torch.Tensor) -> None:

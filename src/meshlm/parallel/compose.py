@@ -27,7 +27,7 @@ from ..model.init import canonical_name, materialize
 from .activation_checkpoint import apply_ac
 from .context_parallel import ContextParallel, apply_context_parallel
 from .data_parallel import GradBuckets
-from .expert_parallel import MoEStats, apply_expert_parallel
+from .expert_parallel import MoEStats, apply_expert_parallel, share_tokens_over_cp
 from .grad_sync import GradSync, Reduction
 from .moe_plan import plan_for
 from .pipeline.build import attach as attach_pipeline, split_model
@@ -115,6 +115,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
         table.add(name, tuple(p.shape))
     if layout.ep > 1:
         apply_expert_parallel(model, ctx.comm("ep"), plan, table)
+    if layout.cp > 1 and model.args.moe:
+        share_tokens_over_cp(model, ctx.comm("cp"), plan)
     apply_ac(model, cfg.training.ac, plan)
     sp = cfg.parallel.sp and layout.tp > 1
     cp = (apply_context_parallel(model, ctx.comm("cp"), cfg.parallel.cp_impl, plan, sp) if layout.cp > 1

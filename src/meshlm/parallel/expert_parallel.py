@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..distributed.comm import Comm
+from ..distributed.functional import copy_to, reduce_from
 from ..model.init import canonical_name
 from ..model.moe import BALANCE, CALLS, DROPPED, MoE
 
@@ -83,13 +84,28 @@ def apply_expert_parallel(model: nn.Module, comm: Comm, plan, table) -> None:
             table.update(name, lambda pl: pl.split(0, n, n, comm.size, comm.rank, comm.name))
 
 
+def share_tokens_over_cp(model: nn.Module, comm: Comm, plan) -> None:
+    """Context parallelism: each cp rank routes its chunks of the micro-batch's sequences. The balance
+    term needs the whole micro-batch's assignment fractions and mean probabilities: summed over cp
+    (forward all-reduce, backward all-reduce: each rank's loss is the mean over its own tokens, so the
+    gradient signal of every rank is cp times its share, as for the cross-entropy). Every cp rank then
+    computes the same balance term and feeds its gradient in full; the cp-summed, (dp·cp)-divided
+    gradients come out as one process's. Capacity dropping stays per rank, so it is refused with cp."""
+    def token_sum(t: torch.Tensor) -> torch.Tensor:
+        return reduce_from(copy_to(t, comm), comm)
+
+    for m in plan.moe_layers(model).values():
+        m.token_sum, m.token_ranks = token_sum, comm.size
+
+
 class MoEStats:
     """Routing statistics per step for metrics.jsonl `moe`, and the aux-loss gradient scale.
 
     Every MoE module sums, over the step's training forwards, the tokens assigned to each expert
     (before dropping), the dropped assignments, its balance term and its call count. `record` sums
     those over the world (each TP rank routes the same tokens: divided by tp) into one row per MoE
-    block of the model, whichever stage holds it."""
+    block of the model, whichever stage holds it. Under cp every cp rank records the same balance
+    term once per call, so the mean over calls is unchanged."""
 
     def __init__(self, model: nn.Module, plan, tp: int):
         args = model.args
