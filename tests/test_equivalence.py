@@ -57,6 +57,11 @@ CASES = [
     ("pp2-interleaved-v2", 2, {"parallel__pp": 2, "parallel__pp_schedule": "interleaved", "parallel__pp_virtual": 2}),
     ("pp4-interleaved-v2", 4, {"parallel__pp": 4, "parallel__pp_schedule": "interleaved", "parallel__pp_virtual": 2,
                                "model__n_layers": 8}),
+    # ZB-V (issue #17): two chunks per rank in a V; rank 0 holds the first and the last stage.
+    ("pp2-zbv", 2, {"parallel__pp": 2, "parallel__pp_schedule": "zbv", "parallel__pp_virtual": 2}),
+    ("pp4-zbv", 4, {"parallel__pp": 4, "parallel__pp_schedule": "zbv", "parallel__pp_virtual": 2, "model__n_layers": 8}),
+    ("pp2-zbv-tied-accum", 2, {"parallel__pp": 2, "parallel__pp_schedule": "zbv", "parallel__pp_virtual": 2,
+                               "model__tie_embeddings": True, "training__micro_batch": 1}),
     ("pp2-tied", 2, {"parallel__pp": 2, "model__tie_embeddings": True}),
     # Tied embeddings across pipeline ends with ZeRO (issue #11: the copies' reduction sums over pp_ends).
     ("dp2-pp2-tied-zero1", 4, {"parallel__dp": 2, "parallel__pp": 2, "parallel__zero": 1, "model__tie_embeddings": True}),

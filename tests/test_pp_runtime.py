@@ -47,6 +47,7 @@ def test_partition_override_and_errors():
     ({"parallel__pp": 2, "parallel__pp_schedule": "interleaved"}, 2, "parallel.pp_virtual: .* needs >= 2"),
     ({"parallel__pp": 2, "parallel__pp_virtual": 2}, 2, "parallel.pp_virtual: schedule '1f1b' runs one chunk"),
     ({"parallel__pp_virtual": 2}, 1, "parallel.pp_virtual: 2 chunks per rank need pp > 1"),
+    ({"parallel__pp": 2, "parallel__pp_schedule": "zbv"}, 2, "parallel.pp_virtual: schedule 'zbv' runs exactly 2"),
     ({"parallel__pp": 2, "parallel__pp_schedule": "dualpipe"}, 2, "parallel.pp_schedule: 'dualpipe' is not one of"),
     ({"parallel__pp": 4, "parallel__pp_schedule": "interleaved", "parallel__pp_virtual": 2, "model__n_layers": 8,
       "training__micro_batch": 4}, 4, "parallel.microbatches: .* divisible by pp"),

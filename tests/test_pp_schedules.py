@@ -73,6 +73,57 @@ def test_every_built_schedule_passes_the_checker():
                     check_schedule(build_schedule("interleaved", p, m, v), p, m, v)
 
 
+# ------------------------------------------------------------------ ZB-V (issue #17)
+
+def test_zbv_v_placement():
+    from meshlm.parallel.pipeline.actions import local_target, message_of, stage_index, stage_owner
+    assert [stage_index(r, c, 4, True) for c in (0, 1) for r in range(4)] == [0, 1, 2, 3, 7, 6, 5, 4]
+    assert all(stage_owner(stage_index(r, c, 4, True), 4, True) == (r, c) for r in range(4) for c in (0, 1))
+    # the V's turn (stage 3 -> 4) stays on rank 3 (no p2p); rank 0's chunk 1 is the loss stage
+    assert message_of(Action("F", 0, 0), 3, 4, 2, True) is None
+    assert local_target(Action("F", 0, 0), 3, 4, 2, True) == ("F", 1)
+    assert local_target(Action("I", 0, 1), 3, 4, 2, True) == ("B", 0)
+    assert message_of(Action("F", 0, 1), 0, 4, 2, True) is None and local_target(Action("F", 0, 1), 0, 4, 2, True) is None
+    assert message_of(Action("F", 0, 1), 1, 4, 2, True) == ("F", 0, 1)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (8, 32), (3, 7)])
+def test_zbv_bubble_and_memory_against_1f1b_and_zb_h1(p, m):
+    """Peak activations of 1F1B's first rank on every rank (one loss-stage micro-batch on rank 0);
+    half of ZB-H1's warm-up idle when F = I = W (the closed form in textbook_bubble); p2p placement
+    stalls nobody under rendezvous."""
+    acts = build_schedule("zbv", p, m, 2)
+    stats = check_schedule(acts, p, m, 2, vshape=True)
+    assert stats["peak_activations"] == [float(p)] * p
+    from meshlm.parallel.pipeline.check import inflight_by_chunk
+    assert inflight_by_chunk(acts)[0][1] == 1
+    tl = simulate(acts, p, m, 2, vshape=True, **ZB)
+    if p <= 4:  # beyond, running the loss stage's W early (one micro-batch of logits held) costs a little
+        assert tl.bubble == pytest.approx(textbook_bubble("zbv", p, m, 2, **ZB), abs=1e-9)
+    assert tl.bubble >= textbook_bubble("zbv", p, m, 2, **ZB) - 1e-9
+    assert tl.bubble < run("zb-h1", p, m, **ZB).bubble < run("1f1b", p, m, **ZB).bubble
+    assert simulate(acts, p, m, 2, vshape=True, p2p="blocking", **ZB).makespan == pytest.approx(tl.makespan)
+
+
+def test_zbv_builds_and_checks_for_all_small_cases():
+    for p in range(1, 6):
+        for m in range(1, 10):
+            check_schedule(build_schedule("zbv", p, m, 2), p, m, 2, vshape=True)
+    with pytest.raises(ValueError, match="exactly 2 chunks"):
+        build_schedule("zbv", 4, 8, 3)
+    # checked against the looping placement, the V's messages go to the wrong stages
+    with pytest.raises(ScheduleError):
+        check_schedule(build_schedule("zbv", 4, 8, 2), 4, 8, 2)
+
+
+def test_zbv_cli_json(capsys):
+    assert schedule_cmd.main(["--schedule", "zbv", "--pp", "4", "-m", "8", "--cost-b", "2", "--cost-w", "1",
+                              "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["virtual"] == 2 and rep["peak_activations"] == [4.0] * 4
+    assert rep["bubble"] == pytest.approx(rep["textbook_bubble"])
+
+
 @pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (3, 6, 3)])
 def test_eager_placement_is_also_repaired_to_deadlock_free(p, m, v):
     # SEND right after the producer / RECV right before the consumer deadlocks

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 AC_MODES = ("none", "selective", "full")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-PP_TAKES_VIRTUAL = ("interleaved",)
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+PP_TAKES_VIRTUAL = ("interleaved", "zbv")
+PP_V_SHAPED = ("zbv",)  # two chunks per rank placed in a V (pipeline/actions.py: vshape)
 OFFLOAD = ("none", "optimizer")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 CP_IMPLS = ("ring", "ulysses")

@@ -46,7 +46,9 @@ class ModelConfig:
     max_seq_len: int | None = None
     rope_theta: float | None = None
     tie_embeddings: bool | None = None
+    norm_eps: float | None = None
     vocab_multiple: int = 128  # embedding/head rows padded to a multiple of this × tp; 1: no padding
+    init_from: str = ""  # "hf:DIR": start from a Hugging Face Llama (shape from its config.json)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
 
@@ -107,10 +109,11 @@ class OptimConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # 0: never
+    every: int | str = 0  # steps between checkpoints, 0: never, "auto": Young/Daly from mtbf_hours
     keep: int = 2
     async_: bool = False
     resume: str = "auto"  # auto, never, or a path
+    mtbf_hours: float = 0.0  # the job's mean time between failures (for every = "auto")
 
 
 @dataclass
@@ -145,6 +148,11 @@ def _coerce(value: Any, current: Any, typ: Any, where: str) -> Any:
     t = str(typ)
     if value is None and "None" in t:
         return None
+    if t == "int | str":  # a count or a word (checkpoint.every = "auto"), checked by layout.resolve
+        try:
+            return int(value) if not isinstance(value, bool) else value
+        except (TypeError, ValueError):
+            return str(value).strip()
     if t.startswith("list"):
         return _coerce_int_list(value, where)
     if isinstance(value, str) and "str" not in t.split("|")[0]:

@@ -53,7 +53,9 @@ def model_args(cfg: Config) -> ModelArgs:
         raise ConfigError(f"model.preset: unknown preset '{m.preset}' (known: {', '.join(PRESETS)})")
     base = PRESETS[m.preset]
     changes = {f.name: getattr(m, f.name) for f in dataclasses.fields(ModelArgs)
-               if hasattr(m, f.name) and getattr(m, f.name) is not None and f.name != "moe"}
+               if hasattr(m, f.name) and getattr(m, f.name) is not None}
+    if m.init_from:
+        base = _hf_base(m.init_from, changes)
     changes.update({field: getattr(m.moe, key) for key, field in MOE_KEYS.items()
                     if getattr(m.moe, key) is not None})
     args = dataclasses.replace(base, **changes)
@@ -91,6 +93,51 @@ def _check_moe(args: ModelArgs, given) -> None:
     if args.n_moe_blocks == 0:
         raise ConfigError(f"model.moe.first_dense: {args.moe_first_dense} leaves no MoE block in "
                           f"{args.n_layers} layers")
+
+
+# Keys a config may set on top of a Hugging Face model's shape (they change no weight).
+HF_FREE_KEYS = ("max_seq_len", "vocab_multiple")
+
+
+def _hf_base(init_from: str, changes: dict) -> ModelArgs:
+    """The shape of the `model.init_from` model; explicit model keys must agree with it."""
+    from .model.hf_config import args_from_hf
+    if not init_from.startswith("hf:") or len(init_from) == 3:
+        raise ConfigError(f"model.init_from: expected 'hf:DIR', got '{init_from}'")
+    try:
+        base = args_from_hf(init_from[3:])
+    except ValueError as e:
+        raise ConfigError(f"model.init_from: {e}") from None
+    for key, value in changes.items():
+        if key not in HF_FREE_KEYS and getattr(base, key) != value:
+            raise ConfigError(f"model.{key}: {value} differs from {init_from[3:]}/config.json "
+                              f"({getattr(base, key)}); leave it out to use the Hugging Face model's shape")
+    return base
+
+
+def pin_model_shape(cfg: Config) -> None:
+    """Write the model.init_from model's shape into the config, so the run directory's config.toml
+    (and every checkpoint's meta.json) describe the model without the Hugging Face directory."""
+    if not cfg.model.init_from:
+        return
+    args = model_args(cfg)
+    for f in dataclasses.fields(ModelArgs):
+        if hasattr(cfg.model, f.name) and getattr(cfg.model, f.name) is None:
+            setattr(cfg.model, f.name, getattr(args, f.name))
+
+
+def check_checkpoint_keys(cfg: Config) -> None:
+    c = cfg.checkpoint
+    if isinstance(c.every, str):
+        if c.every != "auto":
+            raise ConfigError(f"checkpoint.every: expected a step count or \"auto\", got '{c.every}'")
+        if not c.mtbf_hours or c.mtbf_hours <= 0:
+            raise ConfigError("checkpoint.mtbf_hours: checkpoint.every = \"auto\" needs the job's mean time "
+                              "between failures in hours (> 0)")
+    elif c.every < 0:
+        raise ConfigError(f"checkpoint.every: must be >= 0 or \"auto\", got {c.every}")
+    if c.mtbf_hours < 0:
+        raise ConfigError(f"checkpoint.mtbf_hours: must be >= 0, got {c.mtbf_hours}")
 
 
 def _choice(value, allowed, key: str) -> None:
@@ -196,6 +243,7 @@ def resolve(cfg: Config, world_size: int) -> Layout:
         raise ConfigError(f"training.steps: must be >= 0, got {t.steps}")
     if t.peak_tflops < 0:
         raise ConfigError(f"training.peak_tflops: must be >= 0 (0 = datasheet or measured), got {t.peak_tflops}")
+    check_checkpoint_keys(cfg)
     for key, label in NOT_YET.items():
         value = getattr(p, key)
         if value > (0 if key == "zero" else 1):
@@ -234,7 +282,14 @@ def _check_pipeline(cfg: Config, args: ModelArgs, microbatches: int) -> None:
 
 
 def check_data(cfg: Config) -> None:
-    """Missing data or an unreadable tokenizer: refused before workers start."""
+    """Missing data, an unreadable tokenizer or Hugging Face weights that do not match their
+    config.json (headers only): refused before workers start."""
+    if cfg.model.init_from:
+        from .model.hf import HFWeights
+        try:
+            HFWeights(cfg.model.init_from[3:]).check(model_args(cfg))
+        except ValueError as e:
+            raise ConfigError(f"model.init_from: {e}") from None
     if cfg.data.path:
         if not os.path.exists(cfg.data.path):
             raise ConfigError(f"data.path: no such directory: {cfg.data.path}")

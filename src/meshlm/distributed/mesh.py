@@ -127,7 +127,8 @@ def init_context(shape: dict[str, int], device: torch.device, timeout_s: float =
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+                                device_id=device if device.type == "cuda" else None,
+                                **_attempt_store(rank, world, timeout_s))
     ctx = ParallelContext(rank=rank, world_size=world, shape=dict(shape), device=device)
     for name in DIMS + tuple(COMPOSITES):
         dims = COMPOSITES.get(name, (name,))
@@ -147,6 +148,19 @@ def init_context(shape: dict[str, int], device: torch.device, timeout_s: float =
                 ctx.comms[name] = _make_comm(name, groups, rank, world, timeout_s)
     ctx.comms["world"] = Comm("world", dist.group.WORLD if world > 1 else None, list(range(world)), rank)
     return ctx
+
+
+def _attempt_store(rank: int, world: int, timeout_s: float) -> dict:
+    """After an elastic restart, a key prefix of this attempt's own in the job's store: the agent's
+    store outlives the workers, and the first attempt's process-group keys (peer addresses of dead
+    workers) would otherwise be read back and make the new ranks' connections fail."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0 or "MASTER_ADDR" not in os.environ:
+        return {}
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                         is_master=rank == 0 and not agent, timeout=timedelta(seconds=timeout_s))
+    return {"store": dist.PrefixStore(f"meshlm/attempt_{attempt}", base), "rank": rank, "world_size": world}
 
 
 def _make_comm(name: str, all_groups: list[list[int]], rank: int, world: int, timeout_s: float) -> Comm:

@@ -49,11 +49,13 @@ Slicer = Callable[[torch.Tensor], torch.Tensor]
 
 def materialize(model: nn.Module, seed: int, device: torch.device | str, dtype: torch.dtype = torch.float32,
                 full_shapes: dict[str, tuple[int, ...]] | None = None,
-                slicers: dict[str, Slicer] | None = None) -> None:
+                slicers: dict[str, Slicer] | None = None,
+                source: Callable[[str, tuple[int, ...]], torch.Tensor] | None = None) -> None:
     """Allocate every parameter of `model` on `device` and fill it from its name.
 
     `full_shapes` / `slicers` come from the parallelizer: the shape of the unsharded parameter and how
-    to cut this rank's part out of it. Without them the parameter is taken as whole.
+    to cut this rank's part out of it. Without them the parameter is taken as whole. `source`
+    (single-process name, full shape) -> full value replaces the random init (model.init_from).
     """
     full_shapes = full_shapes or {}
     slicers = slicers or {}
@@ -68,7 +70,8 @@ def materialize(model: nn.Module, seed: int, device: torch.device | str, dtype: 
                 setattr(mod, pname, seen[id(p)])
                 continue
             shape = tuple(full_shapes.get(fqn, p.shape))
-            value = init_tensor(canonical_name(fqn), shape, seed, n_layers)
+            value = (source(canonical_name(fqn), shape) if source is not None
+                     else init_tensor(canonical_name(fqn), shape, seed, n_layers))
             if fqn in slicers:
                 # clone: a slice is a view, and keeping it would keep the whole tensor's storage alive
                 value = slicers[fqn](value).clone()
@@ -85,3 +88,11 @@ def canonical_name(fqn: str) -> str:
     for junk in ("_checkpoint_wrapped_module.", "_orig_mod.", "_wrapped."):
         fqn = fqn.replace(junk, "")
     return fqn
+
+
+def init_source(init_from: str, args) -> Callable[[str, tuple[int, ...]], torch.Tensor] | None:
+    """The value source for `materialize` named by `model.init_from` ("" = random init)."""
+    if not init_from:
+        return None
+    from .hf import hf_source
+    return hf_source(init_from[len("hf:"):], args)

@@ -58,13 +58,16 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.core = AttentionCore()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         b, s = x.shape[0], x.shape[1]
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        if cache is None:
+            out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        else:  # generation: a kv_cache.LayerKV
+            out = cache.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -99,8 +102,8 @@ class Block(nn.Module):
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -130,20 +133,25 @@ class Llama(nn.Module):
             self.rope_cache = (cos.to(device), sin.to(device))
         return self.rope_cache
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, *,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None, *,
                 blocks: list[str] | None = None, embed: bool | None = None, head: bool | None = None) -> torch.Tensor:
         """`blocks`, `embed`, `head`: run only these blocks (keys of `layers`) and the embedding / head
-        or not (default: whatever the model holds). A pipeline stage runs its chunk this way."""
+        or not (default: whatever the model holds). A pipeline stage runs its chunk this way.
+        `cache`: a kv_cache.KVCache (generation only); the tokens continue at its position."""
         embed = self.tok_embeddings is not None if embed is None else embed
         head = self.output is not None if head is None else head
         h = self.tok_embeddings(x) if embed else x
-        cos, sin = self.rope(h.shape[1], h.device)
+        cos, sin = self.rope(h.shape[1] if cache is None else cache.max_len, h.device)
+        if cache is not None and positions is None:
+            positions = cache.positions(h.shape[1], h.device)
         if positions is None:
             cos, sin = cos[: h.shape[1]], sin[: h.shape[1]]
         else:
             cos, sin = cos[positions], sin[positions]
         for key in self.layers if blocks is None else blocks:
-            h = self.layers[key](h, cos, sin)
+            h = self.layers[key](h, cos, sin) if cache is None else self.layers[key](h, cos, sin, cache.layers[key])
+        if cache is not None:
+            cache.advance(x.shape[1])
         if head:
             h = self.output(self.norm(h))
         return h

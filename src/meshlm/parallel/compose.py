@@ -23,7 +23,7 @@ from ..choices import torch_dtype
 from ..config import Config
 from ..distributed.mesh import ParallelContext
 from ..layout import Layout
-from ..model.init import canonical_name, materialize
+from ..model.init import canonical_name, init_source, materialize
 from .activation_checkpoint import apply_ac
 from .context_parallel import ContextParallel, apply_context_parallel
 from .data_parallel import GradBuckets
@@ -128,7 +128,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
              if table[canonical_name(fqn)].splits}
     materialize(model, cfg.training.seed, ctx.device, dtype=torch_dtype(cfg.training.precision),
                 full_shapes={f: pl.full_shape for f, pl in split.items()},
-                slicers={f: pl.to_local for f, pl in split.items()})
+                slicers={f: pl.to_local for f, pl in split.items()},
+                source=init_source(cfg.model.init_from, model.args))  # model.init_from = "hf:DIR"
     if cfg.training.compile:
         for key, block in list(plan.blocks(model).items()):
             plan.blocks(model)[key] = torch.compile(block, dynamic=False)

@@ -17,7 +17,8 @@ from functools import lru_cache
 
 from . import comm as C
 from .hardware import GIB, GPU
-from .memory import block_params_local, stage_memory, stage_params, state_bytes_per_param, vocab_rows
+from .memory import (block_params_local, pipeline_roles, stage_memory, stage_params, state_bytes_per_param,
+                     vocab_rows)
 from .spec import Shape, Spec, check
 
 
@@ -47,8 +48,9 @@ def bubble_formula(schedule: str, p: int, m: int, v: int, f: float = 1.0, b: flo
     if schedule == "interleaved":
         return (p - 1) / (v * m)
     if schedule in ("zb-h1", "zbv"):  # with m < p, fewer deferred W's than ranks fill the warm-up gaps
-        w = b / 2 if w is None else w
-        return ((p - 1) * max(0.0, f + (b - w) - w) + max(0, p - m) * w) / (m * (f + b))
+        w = b / 2 if w is None else w   # zbv: the same warm-up at half-size chunks (simulate.textbook_bubble)
+        idle = (p - 1) * max(0.0, f + (b - w) - w) / (2 if schedule == "zbv" else 1)
+        return (idle + max(0, p - m) * w) / (m * (f + b))
     return (p - 1) / m
 
 
@@ -62,8 +64,18 @@ SIM_MAX_UNITS = 2048  # p·m·v above which the simulator (~1 s at 8k units) giv
 
 
 @lru_cache(maxsize=256)
-def _built(schedule: str, p: int, m: int, v: int):
-    return _simulator()[0](schedule, p, m, v)
+def _built(schedule: str, p: int, m: int, v: int, fbw: tuple | None = None):
+    """The schedule's actions; `fbw` (F, B, W per micro-batch) for schedules whose compute order
+    depends on the costs (ZB-V's list scheduling)."""
+    if fbw is None:
+        return _simulator()[0](schedule, p, m, v)
+    from ..parallel.pipeline.simulate import action_costs
+    return _simulator()[0](schedule, p, m, v, costs=action_costs(v, *fbw))
+
+
+def _sim_placement(schedule: str) -> bool:
+    from ..parallel.pipeline.schedules import V_SHAPED
+    return schedule in V_SHAPED
 
 
 @lru_cache(maxsize=4096)
@@ -72,11 +84,13 @@ def bubble_simulated(schedule: str, p: int, m: int, v: int, f: float, b: float, 
     With equal stage costs it reproduces the formulas; it matters for zb-h1, whose bubble depends on
     the F : B : W ratio, and as a cross-check (tests/test_plan.py)."""
     sim = _simulator()
-    if (p <= 1 or schedule not in ("gpipe", "1f1b", "interleaved", "zb-h1")
+    if (p <= 1 or schedule not in ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
             or p * m * v > SIM_MAX_UNITS):
         return None
     try:
-        tl = sim[1](_built(schedule, p, m, v), p, m, v, cost_f=f, cost_b=b, cost_w=w)
+        vs = _sim_placement(schedule)
+        tl = sim[1](_built(schedule, p, m, v, (f, b, w) if vs else None), p, m, v, cost_f=f, cost_b=b,
+                    cost_w=w, vshape=vs)
     except Exception:  # noqa: BLE001 - a simulator bug must not break the planner; fall back
         return None
     return tl.makespan / (m * (f + b)) - 1.0
@@ -156,7 +170,7 @@ def _stage_time(shape: Shape, s: Spec, stage: str, gpu: GPU, o: Options) -> dict
 
 
 def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | None = None) -> dict:
-    stages = ("only",) if s.pp == 1 else ("first", "last")
+    stages = pipeline_roles(s.pp)
     times = [_stage_time(shape, s, st, gpu, o) for st in stages]
 
     def slot(x: dict) -> float:
@@ -209,7 +223,7 @@ def estimate(shape: Shape, s: Spec, gpu: GPU | None = None, o: Options | None = 
     o = o or Options()
     if validate:
         check(shape, s)
-    stages = ("only",) if s.pp == 1 else ("first", "last")
+    stages = pipeline_roles(s.pp)
     mems = [stage_memory(shape, s, st, o.flash, o.attn_math_bytes, compiled=o.compiled) for st in stages]
     worst = max(mems, key=lambda x: x["total"])
     usable = o.usable(gpu)
@@ -235,6 +249,6 @@ def estimate(shape: Shape, s: Spec, gpu: GPU | None = None, o: Options | None = 
 
 def quick(shape: Shape, s: Spec, gpu: GPU, o: Options) -> tuple[float, float]:
     """(worst-rank bytes, predicted step seconds) with the bubble formula: what the search ranks by."""
-    stages = ("only",) if s.pp == 1 else ("first", "last")
+    stages = pipeline_roles(s.pp)
     total = max(stage_memory(shape, s, st, o.flash, o.attn_math_bytes, compiled=o.compiled)["total"] for st in stages)
     return total, time_model(shape, s, gpu, o, simulate=False)["step_s"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..model.args import padded_vocab
+from ..parallel.pipeline.actions import stage_index
 from ..parallel.pipeline.stage import estimate_costs, partition
 from .spec import ACT_BYTES, Shape, Spec
 
@@ -153,6 +154,8 @@ class StageParams:
     layers: int
     embed: bool
     head: bool
+    chunks: tuple = ()   # blocks of each local chunk, in chunk order
+    rank: int = 0
 
 
 def block_params_local(shape: Shape, tp: int, ep: int = 1) -> tuple[float, float]:
@@ -169,19 +172,43 @@ def block_params_local(shape: Shape, tp: int, ep: int = 1) -> tuple[float, float
     return attn + 2 * a.dim + mlp, 0.0
 
 
-def stage_layers(a, pp: int, v: int, stage: str) -> int:
-    """Blocks on the first or the last pipeline rank over its v chunks, split exactly as the runtime
-    splits them (parallel/pipeline/stage.py: the head costs vocab·dim, so the last stage gets fewer
-    blocks). Layer counts that cannot be split fall back to ceil(L/(pp·v)) per chunk; check() reports them."""
+def pipeline_roles(pp: int) -> tuple[str, ...]:
+    """The ranks the planner sizes: the first and the last, and with pp >= 3 the middle rank holding
+    the most blocks (it sets the pace when the end stages are given fewer blocks)."""
+    return ("only",) if pp == 1 else ("first", "last") if pp == 2 else ("first", "last", "middle")
+
+
+@lru_cache(maxsize=4096)
+def stage_chunks(a, pp: int, v: int, stage: str, schedule: str = "1f1b",
+                 pp_layers: tuple = ()) -> tuple[int, tuple[int, ...], bool, bool]:
+    """(rank, blocks per local chunk, holds the embedding, holds the head) for a planner role, split
+    exactly as the runtime splits the blocks (parallel/pipeline/stage.py: the head costs vocab·dim,
+    so the last stage gets fewer blocks; `pp_layers` overrides) and placed as the schedule places
+    them (ZB-V's V puts the first and the last stage on rank 0). Layer counts that cannot be split
+    fall back to ceil(L/(pp·v)) per chunk; check() reports them."""
     if pp == 1:
-        return a.n_layers
+        return 0, (a.n_layers,), True, True
+    S, vs = pp * v, schedule == "zbv"
     try:
-        blocks = partition(a.n_layers, pp * v,
-                           estimate_costs(a.dim, a.n_heads, a.n_kv_heads, a.ffn_dim, a.vocab_size))
+        blocks = [len(b) for b in partition(a.n_layers, S, estimate_costs(
+            a.dim, a.n_heads, a.n_kv_heads, a.ffn_dim, a.vocab_size), list(pp_layers) or None)]
     except ValueError:
-        return _ceil(a.n_layers, pp * v) * v
-    rank = pp - 1 if stage == "last" else 0
-    return sum(len(blocks[c * pp + rank]) for c in range(v))
+        blocks = [_ceil(a.n_layers, S)] * S
+
+    def held(r: int) -> list[int]:
+        return [stage_index(r, c, pp, vs) for c in range(v)]
+
+    if stage == "middle":
+        rank = max(range(1, pp - 1), key=lambda r: (sum(blocks[s] for s in held(r)), -r))
+    else:
+        rank = pp - 1 if stage == "last" else 0
+    mine = held(rank)
+    return rank, tuple(blocks[s] for s in mine), 0 in mine, S - 1 in mine
+
+
+def stage_layers(a, pp: int, v: int, stage: str, schedule: str = "1f1b", pp_layers: tuple = ()) -> int:
+    """Blocks on one planner role's rank over its v chunks (`stage_chunks`)."""
+    return sum(stage_chunks(a, pp, v, stage, schedule, tuple(pp_layers))[1])
 
 
 def stage_params(shape: Shape, s: Spec, stage: str) -> StageParams:
@@ -189,33 +216,45 @@ def stage_params(shape: Shape, s: Spec, stage: str) -> StageParams:
     gives them (`stage_layers`). Tied embeddings are stored once with pp = 1 and on both end stages
     otherwise."""
     a = shape.args
-    layers = stage_layers(a, s.pp, s.pp_virtual, stage)
+    rank, chunks, embed, head = stage_chunks(a, s.pp, s.pp_virtual, stage, s.pp_schedule, s.pp_layers)
+    layers = sum(chunks)
     dense_blk, exp_blk = block_params_local(shape, s.tp, s.ep)
     emb = vocab_rows(a, s.tp) * a.dim
-    embed = stage in ("first", "only")
-    head = stage in ("last", "only")
     dense = layers * dense_blk
     if embed:
         dense += emb
     if head:
         dense += a.dim
-        if not (a.tie_embeddings and stage == "only"):
+        if not (a.tie_embeddings and embed):
             dense += emb
     unit = max(dense_blk + exp_blk, emb if (embed or head) else 0)
-    return StageParams(dense, layers * exp_blk, unit, layers, embed, head)
+    return StageParams(dense, layers * exp_blk, unit, layers, embed, head, chunks, rank)
+
+
+def held_layers(schedule: str, p: int, m: int, v: int, rank: int, chunks: tuple) -> float:
+    """Block-activations (in blocks × micro-batches) a rank holds at its peak: `inflight` times its
+    blocks, except ZB-V's rank 0, whose loss-stage chunk holds one micro-batch (its W runs first,
+    schedules.py) while the chunk of stage 0 holds up to 2p (an upper bound: the two peaks need
+    not coincide)."""
+    if schedule == "zbv" and p > 1 and rank == 0:
+        return min(2 * p, m) * chunks[0] + chunks[1]
+    return inflight(schedule, p, m, v, rank) * sum(chunks)
 
 
 def inflight(schedule: str, p: int, m: int, v: int, rank: int) -> float:
     """Micro-batches whose activations rank `rank` holds at its peak, in units of all its layers.
 
     gpipe: m; 1f1b and zb-h1: min(p - rank, m); interleaved (Megatron): (warm-up chunks + 1)/v =
-    p + (p-1)/v on rank 0, the (1 + (p-1)/(p·v)) penalty of Korthikanti et al."""
+    p + (p-1)/v on rank 0, the (1 + (p-1)/(p·v)) penalty of Korthikanti et al.; zbv: min(p, m) on
+    every rank (2p half-size chunks, checked against the built schedule in tests/test_plan.py)."""
     if p == 1:
         return 1.0
     if schedule == "gpipe":
         return float(m)
     if schedule == "interleaved":
         return min((p - rank - 1) * 2 + (v - 1) * p + 1, m * v) / v
+    if schedule == "zbv":
+        return float(min(p, m))
     return float(min(p - rank, m))
 
 
@@ -252,14 +291,15 @@ def cp_buffer_bytes(a, t: int, cp: int, impl: str, e: int) -> float:
 def _stage_static(shape: Shape, s: Spec, stage: str) -> tuple:
     n = s.zero_group * s.cp if s.zero else 1  # ZeRO shards over dp_shard×cp
     return _static(shape, stage, s.tp, s.pp, s.pp_virtual, s.ep, s.zero, n, s.dp * s.cp > 1, s.bucket_mb,
-                   s.precision)
+                   s.precision, s.pp_schedule, s.pp_layers)
 
 
 @lru_cache(maxsize=65536)
 def _static(shape: Shape, stage: str, tp: int, pp: int, v: int, ep: int, zero: int, n: int, multi: bool,
-            bucket_mb: float, precision: str) -> tuple:
-    """Everything about a stage that does not depend on micro-batch size, AC or schedule."""
-    sp = _stage_params_cached(shape, Spec(tp=tp, pp=pp, pp_virtual=v, ep=ep), stage)
+            bucket_mb: float, precision: str, schedule: str = "1f1b", pp_layers: tuple = ()) -> tuple:
+    """Everything about a stage that does not depend on micro-batch size or AC."""
+    sp = _stage_params_cached(shape, Spec(tp=tp, pp=pp, pp_virtual=v, ep=ep, pp_schedule=schedule,
+                                          pp_layers=pp_layers), stage)
     pb, gb, ob = state_bytes_per_param(precision)
     ne = max(1, n // ep)
     params = pb * (sp.dense / (n if zero >= 3 else 1) + sp.expert / (ne if zero >= 3 else 1))
@@ -296,9 +336,8 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
     dsp = a.dim / t if sq else a.dim
     blk_tok = _per_token(shape, s.seq_len, e, t, sq, s.ac, flash, attn_math_bytes, compiled, s.cp, s.cp_impl)
     blk = blk_tok * tokens
-    rank = s.pp - 1 if stage == "last" else 0
-    units = inflight(s.pp_schedule, s.pp, s.accum, s.pp_virtual, rank)
-    acts = units * sp.layers * blk
+    units = inflight(s.pp_schedule, s.pp, s.accum, s.pp_virtual, sp.rank)
+    acts = held_layers(s.pp_schedule, s.pp, s.accum, s.pp_virtual, sp.rank, sp.chunks) * blk
     if sp.embed:
         acts += units * tokens * 8  # token ids kept by the embedding backward
     head_saved, loss_buf = head_bytes(a, t, dsp, e, compiled)
@@ -338,19 +377,19 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
 def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, v: int, ep: int, zero: int,
                  n: int, dp: int, mb: int, accum: int, schedule: str, seq_len: int, precision: str,
                  cp_impl: str = "ring", bucket_mb: float = 25.0, flash: bool = True,
-                 amb: int | None = None, compiled: bool = False) -> tuple[float, float, dict[str, float]]:
+                 amb: int | None = None, compiled: bool = False,
+                 pp_layers: tuple = ()) -> tuple[float, float, dict[str, float]]:
     """The same totals as stage_memory, split for the search: (bytes that depend on neither AC nor
     offload, optimizer-state bytes, {ac: activation + backward working-set bytes}). Kept lean because
     the search calls it for every candidate; tests check it against stage_memory."""
     a = shape.args
     e = ACT_BYTES[precision]
     spp, params, grads, optim, fixed_buf = _static(shape, stage, tp, pp, v, ep, zero, n * cp if zero else 1,
-                                                  dp * cp > 1, bucket_mb, precision)
+                                                  dp * cp > 1, bucket_mb, precision, schedule, pp_layers)
     tokens = mb * seq_len / cp
     sq = sp and tp > 1
     dsp = a.dim / tp if sq else a.dim
-    rank = pp - 1 if stage == "last" else 0
-    units = inflight(schedule, pp, accum, v, rank)
+    units = inflight(schedule, pp, accum, v, spp.rank)
     base = params + grads + (fixed_buf[1] if fixed_buf else 0.0)
     if spp.embed:
         base += units * tokens * 8
@@ -367,7 +406,7 @@ def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, 
     if ep > 1:
         base += 2 * shape.top_k * shape.capacity_factor * e * a.dim * tokens
     none = _per_token(shape, seq_len, e, tp, sq, "none", flash, amb, compiled, cp, cp_impl) * tokens
-    scale = units * spp.layers
+    scale = held_layers(schedule, pp, accum, v, spp.rank, spp.chunks)
     acts = {ac: _per_token(shape, seq_len, e, tp, sq, ac, flash, amb, compiled, cp, cp_impl) * tokens * scale
             + none * (1.0 if ac == "full" else 0.5) for ac in ("none", "selective", "full")}
     return base, optim, acts
@@ -376,9 +415,8 @@ def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, 
 def memory(shape: Shape, s: Spec, flash: bool = True, attn_math_bytes: int | None = None,
            compiled: bool = False) -> dict:
     """The worst rank's breakdown (largest total over the first and the last stage)."""
-    stages = ("only",) if s.pp == 1 else ("first", "last")
     best = None
-    for st in stages:
+    for st in pipeline_roles(s.pp):
         m = stage_memory(shape, s, st, flash, attn_math_bytes, compiled=compiled)
         if best is None or m["total"] > best["total"]:
             best = m

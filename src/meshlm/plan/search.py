@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from .comm import link
 from .estimate import Options, bubble_formula, compute_times, estimate, time_model
 from .hardware import GIB, GPU
-from .memory import stage_totals
+from .memory import pipeline_roles, stage_totals
 from .spec import AC_MODES, PlanError, Shape, Spec, check
 
 FIXABLE = {"dp": int, "tp": int, "pp": int, "cp": int, "ep": int, "zero": int, "zero_group": int,
@@ -134,8 +134,34 @@ def _schedules(pp: int, n_layers: int, fx: dict) -> list[tuple[str, int]]:
     if pp == 1:
         return [("1f1b", 1)]
     out = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)] + [("interleaved", v) for v in VIRTUAL if pp * v <= n_layers]
+    out += [("zbv", 2)] if 2 * pp <= n_layers else []
     return [(s, v) for s, v in out if ("pp_schedule" not in fx or fx["pp_schedule"] == s)
             and ("pp_virtual" not in fx or fx["pp_virtual"] == v)]
+
+
+def lighter_ends(n_layers: int, stages: int, fewer: int = 1) -> tuple[int, ...] | None:
+    """A split with `fewer` blocks less on the first and the last stage than on the others (as Meta
+    split Llama 3 405B: 126 layers over 16 stages as 7 + 14×8 + 7), the rest spread evenly; None
+    when it cannot be built. The first rank holds the most micro-batches in flight and the last one
+    the head, so this trades a little pipeline balance for memory where it is tightest."""
+    if stages < 3:
+        return None
+    end = (n_layers - (stages - 2) * fewer) // stages
+    if end < 1:
+        return None
+    base, extra = divmod(n_layers - 2 * end, stages - 2)
+    return (end,) + tuple(base + (1 if i < extra else 0) for i in range(stages - 2)) + (end,)
+
+
+def _splits(n_layers: int, stages: int, fx: dict) -> list[tuple]:
+    """Stage splits to try: the runtime's balanced one, and the first and last stages one block lighter."""
+    if "pp_layers" in fx:
+        return [tuple(fx["pp_layers"])]
+    out: list[tuple] = [()]
+    light = lighter_ends(n_layers, stages)
+    if light is not None:
+        out.append(light)
+    return out
 
 
 def _zero_options(dp: int, tp: int, cp: int, gpn: int) -> list[tuple[int, int]]:
@@ -154,7 +180,7 @@ def _layouts(shape, gpu, o, fx, want, reject, counts, heap, keep, tie, acs, rate
     """All layouts with these degrees: schedules × ZeRO × micro-batch × (AC, offload)."""
     a = shape.args
     b_local = G // dp
-    stages = ("only",) if pp == 1 else ("first", "last")
+    stages = pipeline_roles(pp)
     sps = [s for s in ((False, True) if tp > 1 else (False,)) if want("sp", s)]
     zeros = [(z, g) for z, g in _zero_options(dp, tp, cp, gpu.gpus_per_node)
              if want("zero", z) and want("zero_group", g)]
@@ -162,7 +188,8 @@ def _layouts(shape, gpu, o, fx, want, reject, counts, heap, keep, tie, acs, rate
     mbs = [mb for mb in _divisors(b_local) if want("micro_batch", mb)]
     offs = [x for x in ("none", "optimizer") if want("offload", x)]
     cp_impl = fx.get("cp_impl", "ring")
-    for sched, v in _schedules(pp, a.n_layers, fx):
+    for (sched, v), split in ((sv, x) for sv in _schedules(pp, a.n_layers, fx)
+                              for x in (_splits(a.n_layers, pp * sv[1], fx) if pp > 1 else [()])):
         for sp in sps:
             for zero, g in zeros:
                 for ep in eps:
@@ -176,7 +203,7 @@ def _layouts(shape, gpu, o, fx, want, reject, counts, heap, keep, tie, acs, rate
                             continue
                         parts = [stage_totals(shape, st, tp, sp, cp, pp, v, ep, zero, g, dp, mb, m, sched,
                                               seq_len, precision, cp_impl, 25.0, o.flash, o.attn_math_bytes,
-                                              o.compiled)
+                                              o.compiled, split)
                                  for st in stages]
                         variants = []
                         for off in offs:
@@ -207,13 +234,14 @@ def _layouts(shape, gpu, o, fx, want, reject, counts, heap, keep, tie, acs, rate
                         for _, ac, off, _ in chosen:
                             tie += 1
                             lb = _lower_bound(shape, gpu, o, tp, cp, pp, v, sched, seq_len, mb, m, ac, rate, stages,
-                                              precision)
+                                              precision, split)
                             if len(heap) >= keep and lb >= -heap[0][0]:
                                 counts["bounded"] += 1
                                 continue
                             spec = Spec(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, zero_group=g, sp=sp,
                                         pp_schedule=sched, pp_virtual=v, micro_batch=mb, accum=m, ac=ac,
-                                        offload=off, precision=precision, seq_len=seq_len, cp_impl=cp_impl)
+                                        offload=off, precision=precision, seq_len=seq_len, cp_impl=cp_impl,
+                                        pp_layers=split)
                             step = time_model(shape, spec, gpu, o, simulate=False)["step_s"]
                             counts["timed"] += 1
                             item = (-step, tie, spec)
@@ -224,7 +252,8 @@ def _layouts(shape, gpu, o, fx, want, reject, counts, heap, keep, tie, acs, rate
     return tie
 
 
-def _lower_bound(shape, gpu, o, tp, cp, pp, v, sched, seq_len, mb, m, ac, rate, stages, precision) -> float:
+def _lower_bound(shape, gpu, o, tp, cp, pp, v, sched, seq_len, mb, m, ac, rate, stages, precision,
+                 split: tuple = ()) -> float:
     """Compute time plus the bandwidth term of the (never hidden) TP reductions; no other communication,
     optimizer or offload: never above the full time model's step time."""
     from .memory import _stage_params_cached
@@ -235,7 +264,7 @@ def _lower_bound(shape, gpu, o, tp, cp, pp, v, sched, seq_len, mb, m, ac, rate, 
         tp_s = 2 * (tp - 1) / tp * e * shape.args.dim * tokens / (link(gpu, tp, 1)[1] * o.comm_efficiency)
     full, busy = [], []
     for st in stages:  # the real worst stage is unknown here: bound with the least of the per-stage bounds
-        sp = _stage_params_cached(shape, Spec(tp=tp, pp=pp, pp_virtual=v), st)
+        sp = _stage_params_cached(shape, Spec(tp=tp, pp=pp, pp_virtual=v, pp_schedule=sched, pp_layers=split), st)
         t_f, t_b, t_rc, _ = compute_times(shape, tp, seq_len, sp.layers, sp.head, tokens, ac, rate,
                                           o.block_overhead_s)
         x = sp.layers * 2 * (3 if ac == "full" else 2) * tp_s

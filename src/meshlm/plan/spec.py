@@ -96,6 +96,7 @@ class Spec:
     cp_impl: str = "ring"
     bucket_mb: float = 25.0
     reduce_dtype: str = "fp32"
+    pp_layers: tuple = ()      # blocks per stage (parallel.pp_layers); () = the runtime's balanced split
 
     @property
     def world(self) -> int:
@@ -109,7 +110,7 @@ class Spec:
         """The parallel.* keys plus training.micro_batch / ac / precision, as `plan --json` shows them."""
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep,
                 "zero": self.zero, "zero_group": self.zero_group, "sp": self.sp,
-                "pp_schedule": self.pp_schedule, "pp_virtual": self.pp_virtual,
+                "pp_schedule": self.pp_schedule, "pp_virtual": self.pp_virtual, "pp_layers": list(self.pp_layers),
                 "microbatches": self.accum, "cp_impl": self.cp_impl, "offload": self.offload,
                 "micro_batch": self.micro_batch, "ac": self.ac, "precision": self.precision,
                 "global_batch": self.global_batch, "seq_len": self.seq_len}
@@ -122,6 +123,8 @@ class Spec:
             s += f" z{self.zero}" + (f"/g{self.zero_group}" if self.zero_group != self.dp else "")
         if self.pp > 1:
             s += f" {self.pp_schedule}" + (f"v{self.pp_virtual}" if self.pp_virtual > 1 else "")
+            if self.pp_layers:
+                s += " layers" + "/".join(map(str, self.pp_layers))
         return s + f" mb{self.micro_batch}x{self.accum} ac={self.ac}" + (" offload" if self.offload != "none" else "")
 
 
@@ -139,7 +142,8 @@ def spec_from_config(cfg: Config, world: int) -> Spec:
     return Spec(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, zero_group=p.zero_group or dp,
                 sp=bool(p.sp), pp_schedule=p.pp_schedule, pp_virtual=p.pp_virtual,
                 micro_batch=t.micro_batch, accum=accum, ac=t.ac, offload=p.offload, precision=t.precision,
-                seq_len=cfg.data.seq_len, cp_impl=p.cp_impl, bucket_mb=p.bucket_mb, reduce_dtype=p.reduce_dtype)
+                seq_len=cfg.data.seq_len, cp_impl=p.cp_impl, bucket_mb=p.bucket_mb, reduce_dtype=p.reduce_dtype,
+                pp_layers=tuple(p.pp_layers))
 
 
 def _choice(value, allowed, key):
@@ -162,7 +166,16 @@ def check(shape: Shape, s: Spec) -> None:
     if s.zero_group < 1 or s.dp % s.zero_group:
         raise PlanError(f"parallel.zero_group: {s.zero_group} does not divide dp {s.dp}")
     check_shape(a, s.tp, s.pp, s.pp_virtual)
-    if s.pp_virtual > 1 and s.pp_schedule != "interleaved":
+    if s.pp_layers:
+        from ..parallel.pipeline.stage import partition
+        try:
+            partition(a.n_layers, s.pp * s.pp_virtual, override=list(s.pp_layers))
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+    if s.pp_schedule == "zbv":
+        if s.pp_virtual != 2:
+            raise PlanError(f"parallel.pp_virtual: zbv runs exactly 2 chunks per rank (a V), got {s.pp_virtual}")
+    elif s.pp_virtual > 1 and s.pp_schedule != "interleaved":
         raise PlanError(f"parallel.pp_virtual: {s.pp_virtual} chunks per rank need pp_schedule = interleaved")
     if s.pp > 1 and s.pp_schedule == "interleaved":
         if s.pp_virtual < 2:
@@ -186,7 +199,8 @@ def to_config(shape: Shape, s: Spec, base: Config | None = None) -> Config:
     cfg.parallel = dataclasses.replace(
         cfg.parallel, dp=s.dp, tp=s.tp, pp=s.pp, cp=s.cp, ep=s.ep, zero=s.zero,
         zero_group=(s.zero_group if s.zero and s.zero_group != s.dp else 0), sp=s.sp,
-        pp_schedule=s.pp_schedule, pp_virtual=s.pp_virtual, microbatches=s.accum, cp_impl=s.cp_impl,
+        pp_schedule=s.pp_schedule, pp_virtual=s.pp_virtual, pp_layers=list(s.pp_layers), microbatches=s.accum,
+        cp_impl=s.cp_impl,
         offload=s.offload)
     return cfg
 

@@ -2,7 +2,10 @@
 
 Layout: p ranks, v chunks (virtual stages) per rank; (rank r, chunk c) holds
 model stage ``c * p + r`` (Megatron's looping placement). S = p * v stages;
-stage 0 owns the embedding, stage S-1 the loss.
+stage 0 owns the embedding, stage S-1 the loss. V-shaped schedules (ZB-V,
+``vshape=True``, v = 2) place chunk 0 of rank r at stage r and chunk 1 at
+stage 2p-1-r: rank 0 holds both the first and the last stage, and the hand-off
+from stage p-1 to stage p stays on rank p-1.
 """
 from __future__ import annotations
 
@@ -58,37 +61,54 @@ class Action:
     __repr__ = __str__
 
 
-def stage_index(rank: int, chunk: int, p: int) -> int:
-    """Model stage held by (rank, chunk) under looping placement."""
+def stage_index(rank: int, chunk: int, p: int, vshape: bool = False) -> int:
+    """Model stage held by (rank, chunk): looping placement, or the V when `vshape`."""
+    if vshape:
+        return rank if chunk == 0 else 2 * p - 1 - rank
     return chunk * p + rank
 
 
-def stage_owner(stage: int, p: int) -> tuple[int, int]:
+def stage_owner(stage: int, p: int, vshape: bool = False) -> tuple[int, int]:
     """(rank, chunk) that holds `stage`."""
+    if vshape:
+        return (stage, 0) if stage < p else (2 * p - 1 - stage, 1)
     return stage % p, stage // p
 
 
-def message_of(action: Action, rank: int, p: int, v: int):
-    """For a producing compute: (suffix 'F'/'B', dst rank, dst chunk), else None.
-
-    F sends its output to stage s+1, B or I sends its input-grad to s-1. None
-    also when that neighbour lives on the same rank (p == 1): a local hand-off.
-    """
-    s = stage_index(rank, action.chunk, p)
+def _consumer(action: Action, rank: int, p: int, v: int, vshape: bool):
+    """(suffix 'F'/'B', rank, chunk) of the stage that consumes what `action` produces, or None."""
+    s = stage_index(rank, action.chunk, p, vshape)
     if action.kind == "F" and s < p * v - 1:
         kind, dst = "F", s + 1
     elif action.kind in ("B", "I") and s > 0:
         kind, dst = "B", s - 1
     else:
         return None
-    dr, dc = stage_owner(dst, p)
-    return None if dr == rank else (kind, dr, dc)
+    return (kind,) + stage_owner(dst, p, vshape)
 
 
-def source_of(action: Action, rank: int, p: int, v: int):
+def message_of(action: Action, rank: int, p: int, v: int, vshape: bool = False):
+    """For a producing compute: (suffix 'F'/'B', dst rank, dst chunk), else None.
+
+    F sends its output to stage s+1, B or I sends its input-grad to s-1. None
+    also when that neighbour lives on the same rank (p == 1, or the V's turn):
+    a local hand-off (see `local_target`).
+    """
+    msg = _consumer(action, rank, p, v, vshape)
+    return None if msg is None or msg[1] == rank else msg
+
+
+def local_target(action: Action, rank: int, p: int, v: int, vshape: bool = False):
+    """(suffix, chunk) of a same-rank consumer of what `action` produces, else None; the runtime
+    hands such tensors over without p2p."""
+    msg = _consumer(action, rank, p, v, vshape)
+    return (msg[0], msg[2]) if msg is not None and msg[1] == rank else None
+
+
+def source_of(action: Action, rank: int, p: int, v: int, vshape: bool = False):
     """(rank, chunk) whose output the compute consumes (F: stage s-1, B/I: s+1), or None."""
     if action.kind not in ("F", "B", "I"):
         return None
-    s = stage_index(rank, action.chunk, p)
+    s = stage_index(rank, action.chunk, p, vshape)
     src = s - 1 if action.kind == "F" else s + 1
-    return stage_owner(src, p) if 0 <= src < p * v else None
+    return stage_owner(src, p, vshape) if 0 <= src < p * v else None

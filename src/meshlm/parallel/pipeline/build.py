@@ -7,7 +7,8 @@ stage 0 and norm + head on the rank holding the last stage. Every other piece of
 one pruned model unchanged. `attach` builds a `Stage` view per chunk and the runtime.
 
 Tied embeddings: the last stage keeps the embedding's weight too (the plan's `prune`); the two copies
-are summed over the pipeline ends like any other gradient reduction (their `Reduction.after`).
+are summed over the pipeline ends like any other gradient reduction (their `Reduction.after`). Under
+ZB-V rank 0 holds both ends, so the weight is one parameter there and nothing is summed.
 """
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .actions import stage_index, stage_owner
 from .check import check_schedule
-from .schedules import build_schedule
+from .schedules import V_SHAPED, build_schedule
 from .stage import check_pipeline, estimate_costs
 
 
@@ -26,10 +28,14 @@ class PipelinePlan:
     rank: int
     p: int
     v: int
-    tied: bool
+    tied: bool  # a tied weight held by two ranks (the two ends), summed over them; not under ZB-V
+    vshape: bool = False
 
     def stage(self, chunk: int) -> int:
-        return chunk * self.p + self.rank
+        return stage_index(self.rank, chunk, self.p, self.vshape)
+
+    def holds(self, stage: int) -> bool:
+        return any(self.stage(c) == stage for c in range(self.v))
 
 
 def plan_stages(args, cfg, m: int) -> list[list[int]]:
@@ -42,10 +48,14 @@ def split_model(model: nn.Module, ctx, cfg, layout, plan) -> PipelinePlan:
     """Prune the meta-device `model` to this rank's stages (in place; what to keep is the model
     plan's call, parallel/llama_plan.py)."""
     args = model.args
+    vshape = cfg.parallel.pp_schedule in V_SHAPED
+    S = layout.pp * cfg.parallel.pp_virtual
+    # the tied weight is split over two ranks unless one rank holds both ends (ZB-V's rank 0)
+    split_tied = stage_owner(0, layout.pp, vshape)[0] != stage_owner(S - 1, layout.pp, vshape)[0]
     pipe = PipelinePlan(plan_stages(args, cfg, layout.microbatches), ctx.index("pp"), layout.pp,
-                        cfg.parallel.pp_virtual, bool(args.tie_embeddings))
+                        cfg.parallel.pp_virtual, bool(args.tie_embeddings) and split_tied, vshape)
     keep = {str(i) for c in range(pipe.v) for i in pipe.blocks[pipe.stage(c)]}
-    plan.prune(model, keep, pipe.rank == 0, pipe.rank == pipe.p - 1)
+    plan.prune(model, keep, pipe.holds(0), pipe.holds(S - 1))
     return pipe
 
 
@@ -59,7 +69,7 @@ def attach(par, pipe: PipelinePlan, ctx, cfg, layout, plan) -> None:
                     pipe.stage(c) == 0, pipe.stage(c) == S - 1) for c in range(v)]
     m = layout.microbatches
     actions = build_schedule(cfg.parallel.pp_schedule, p, m, v)
-    check_schedule(actions, p, m, v)
+    check_schedule(actions, p, m, v, pipe.vshape)
     args = model.args
     split = layout.tp if cfg.parallel.sp and layout.tp > 1 else 1
 
@@ -69,5 +79,6 @@ def attach(par, pipe: PipelinePlan, ctx, cfg, layout, plan) -> None:
     dtype = next(model.parameters()).dtype
     rt = PipelineRuntime(stages, actions, pipe.rank, ctx.comm("pp"), par.grads, par.loss_fn, dtype,
                          ctx.device, act_shape, m, cfg.parallel.pp_schedule,
-                         split_w=cfg.training.ac != "full")  # backward.py: full AC recomputes per call
+                         split_w=cfg.training.ac != "full",  # backward.py: full AC recomputes per call
+                         vshape=pipe.vshape)
     par.forward_backward, par.eval_loss, par.pipeline = rt.forward_backward, rt.eval_loss, rt

@@ -37,7 +37,7 @@ def _check_shape(actions, p: int, m: int, v: int) -> None:
                 raise ScheduleError(f"{_where(r, i, a)}: bad peer {a.peer!r}")
 
 
-def _check_local(actions, p: int, m: int, v: int) -> None:
+def _check_local(actions, p: int, m: int, v: int, vs: bool) -> None:
     """Coverage, same-rank ordering and SEND/RECV placement, one rank at a time."""
     for r, acts in enumerate(actions):
         done: set[tuple[str, int, int]] = set()   # ("F"|"B"|"I"|"W", mb, chunk)
@@ -45,7 +45,7 @@ def _check_local(actions, p: int, m: int, v: int) -> None:
         recvd: set[tuple[str, int, int]] = set()
         for i, a in enumerate(acts):
             key = (a.kind, a.mb, a.chunk)
-            s = stage_index(r, a.chunk, p)
+            s = stage_index(r, a.chunk, p, vs)
             if a.is_compute:
                 if key in done:
                     raise ScheduleError(f"{_where(r, i, a)}: duplicate {a.kind} for stage {s} mb {a.mb}")
@@ -57,7 +57,7 @@ def _check_local(actions, p: int, m: int, v: int) -> None:
                 if a.kind == "W" and ("I", a.mb, a.chunk) not in done:
                     raise ScheduleError(f"{_where(r, i, a)}: W before its I (input-grad backward)")
                 need = "F" if a.kind == "F" else "B"
-                src = source_of(a, r, p, v)   # None for W and for the first/last stage
+                src = source_of(a, r, p, v, vs)   # None for W and for the first/last stage
                 if src is not None and src[0] != r and (need, a.mb, a.chunk) not in recvd:
                     raise ScheduleError(
                         f"{_where(r, i, a)}: no RECV_{need} from rank {src[0]} before it")
@@ -70,7 +70,7 @@ def _check_local(actions, p: int, m: int, v: int) -> None:
                     ("B", a.mb, a.chunk) in done or ("I", a.mb, a.chunk) in done)
                 if not produced:
                     raise ScheduleError(f"{_where(r, i, a)}: sends a tensor not produced yet")
-                msg = message_of(Action("F" if suffix == "F" else "B", a.mb, a.chunk), r, p, v)
+                msg = message_of(Action("F" if suffix == "F" else "B", a.mb, a.chunk), r, p, v, vs)
                 if msg is None or msg[1] != a.peer:
                     raise ScheduleError(
                         f"{_where(r, i, a)}: stage {s} does not send {suffix} to rank {a.peer}")
@@ -78,7 +78,7 @@ def _check_local(actions, p: int, m: int, v: int) -> None:
                     raise ScheduleError(f"{_where(r, i, a)}: duplicate send")
                 sent.add(mkey)
             else:
-                src = source_of(Action("F" if suffix == "F" else "B", a.mb, a.chunk), r, p, v)
+                src = source_of(Action("F" if suffix == "F" else "B", a.mb, a.chunk), r, p, v, vs)
                 if src is None or src[0] != a.peer:
                     raise ScheduleError(
                         f"{_where(r, i, a)}: stage {s} does not receive {suffix} from rank {a.peer}")
@@ -87,7 +87,7 @@ def _check_local(actions, p: int, m: int, v: int) -> None:
                 recvd.add(mkey)
         for c in range(v):
             for mb in range(m):
-                s = stage_index(r, c, p)
+                s = stage_index(r, c, p, vs)
                 has = {k for k in COMPUTE_KINDS if (k, mb, c) in done}
                 if "F" not in has:
                     raise ScheduleError(f"rank {r}: stage {s} mb {mb} has no forward F")
@@ -95,13 +95,13 @@ def _check_local(actions, p: int, m: int, v: int) -> None:
                     raise ScheduleError(
                         f"rank {r}: stage {s} mb {mb} needs one B or one I and one W, has {sorted(has - {'F'})}")
                 for suffix in ("F", "B"):
-                    msg = message_of(Action(suffix, mb, c), r, p, v)
+                    msg = message_of(Action(suffix, mb, c), r, p, v, vs)
                     if msg is not None and (suffix, mb, c) not in sent:
                         raise ScheduleError(
                             f"rank {r}: stage {s} mb {mb} never sends SEND_{suffix} to rank {msg[1]}")
 
 
-def match_p2p(actions, p: int) -> dict[tuple[int, int], tuple[int, int]]:
+def match_p2p(actions, p: int, vshape: bool = False) -> dict[tuple[int, int], tuple[int, int]]:
     """Pair every p2p action with its partner by per-channel order.
 
     Returns {(rank, index in rank list): (peer rank, peer index)}; raises if
@@ -129,8 +129,8 @@ def match_p2p(actions, p: int) -> dict[tuple[int, int], tuple[int, int]]:
                 raise ScheduleError(
                     f"{_where(b_, rr[k], y)}: no matching SEND from rank {a_} (recv #{k} on {a_}->{b_})")
             x, y = actions[a_][ss[k]], actions[b_][rr[k]]
-            s_src = stage_index(a_, x.chunk, p)
-            s_dst = stage_index(b_, y.chunk, p)
+            s_src = stage_index(a_, x.chunk, p, vshape)
+            s_dst = stage_index(b_, y.chunk, p, vshape)
             ok = x.kind[-1] == y.kind[-1] and x.mb == y.mb and s_dst == s_src + (1 if x.kind == "SEND_F" else -1)
             if not ok:
                 raise ScheduleError(
@@ -156,8 +156,25 @@ def inflight_profile(actions) -> list[int]:
     return peaks
 
 
-def check_schedule(actions, p: int, m: int, v: int = 1) -> dict:
-    """Validate `actions` for (p, m, v); return stats or raise ScheduleError.
+def inflight_by_chunk(actions) -> list[list[int]]:
+    """Per rank, per chunk, the peak count of held activations (what the planner weighs per stage)."""
+    out = []
+    for acts in actions:
+        v = 1 + max((a.chunk for a in acts), default=0)
+        cur, peak = [0] * v, [0] * v
+        for a in acts:
+            if a.kind == "F":
+                cur[a.chunk] += 1
+                peak[a.chunk] = max(peak[a.chunk], cur[a.chunk])
+            elif a.kind in ("B", "W"):
+                cur[a.chunk] -= 1
+        out.append(peak)
+    return out
+
+
+def check_schedule(actions, p: int, m: int, v: int = 1, vshape: bool = False) -> dict:
+    """Validate `actions` for (p, m, v) (`vshape`: the V placement of actions.py); return stats or
+    raise ScheduleError.
 
     Returns {"peak_inflight": per-rank peak of held (mb, chunk) activations,
     "peak_activations": the same divided by v (units of a full micro-batch
@@ -165,9 +182,9 @@ def check_schedule(actions, p: int, m: int, v: int = 1) -> dict:
     "actions": compute actions per rank}.
     """
     _check_shape(actions, p, m, v)
-    _check_local(actions, p, m, v)
-    match_p2p(actions, p)
-    run_blocking(actions, p, v)
+    _check_local(actions, p, m, v, vshape)
+    match_p2p(actions, p, vshape)
+    run_blocking(actions, p, v, vshape=vshape)
     peaks = inflight_profile(actions)
     return {
         "peak_inflight": peaks,

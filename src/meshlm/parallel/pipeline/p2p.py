@@ -51,7 +51,7 @@ def _channel(r: int, a: Action) -> tuple[int, int]:
     return (r, a.peer) if a.is_send else (a.peer, r)
 
 
-def run_blocking(actions: list[list[Action]], p: int, v: int, repair: bool = False) -> list[list[Action]]:
+def run_blocking(actions: list[list[Action]], p: int, v: int, repair: bool = False, vshape: bool = False) -> list[list[Action]]:
     """Replay `actions` under the blocking batch model; return the (repaired) lists.
 
     Without `repair` a deadlock or a compute whose input was never produced
@@ -77,10 +77,10 @@ def run_blocking(actions: list[list[Action]], p: int, v: int, repair: bool = Fal
                 if posted[(_channel(r, a), not a.is_send)] <= k]
 
     def compute_wait(r: int, a: Action):
-        src = source_of(a, r, p, v)
+        src = source_of(a, r, p, v, vshape)
         if src is None:
             return None
-        s = stage_index(src[0], src[1], p)
+        s = stage_index(src[0], src[1], p, vshape)
         done = fwd_done if a.kind == "F" else bwd_done
         return None if (s, a.mb) in done else (s, src[0])
 
@@ -101,7 +101,7 @@ def run_blocking(actions: list[list[Action]], p: int, v: int, repair: bool = Fal
                     else:
                         if compute_wait(r, it) is not None:
                             break
-                        s = stage_index(r, it.chunk, p)
+                        s = stage_index(r, it.chunk, p, vshape)
                         if it.kind == "F":
                             fwd_done.add((s, it.mb))
                         elif it.kind in ("B", "I"):
@@ -163,7 +163,7 @@ def _why(rows, pos, r: int, unmatched, compute_wait) -> str:
 PLACEMENT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
-def _ideal_times(compute: list[list[Action]], p: int, v: int, costs: dict) -> list[list[tuple[float, float]]]:
+def _ideal_times(compute: list[list[Action]], p: int, v: int, costs: dict, vshape: bool = False) -> list[list[tuple[float, float]]]:
     """Dataflow (start, end) of every compute under `costs`, with free p2p."""
     times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
     ends: dict[tuple[str, int, int], float] = {}
@@ -174,17 +174,17 @@ def _ideal_times(compute: list[list[Action]], p: int, v: int, costs: dict) -> li
         for r in range(p):
             while pos[r] < len(compute[r]):
                 a = compute[r][pos[r]]
-                src = source_of(a, r, p, v)
+                src = source_of(a, r, p, v, vshape)
                 start = clock[r]
                 if src is not None:
-                    t = ends.get(("F" if a.kind == "F" else "B", stage_index(*src, p), a.mb))
+                    t = ends.get(("F" if a.kind == "F" else "B", stage_index(*src, p, vshape), a.mb))
                     if t is None:
                         break
                     start = max(start, t)
                 clock[r] = start + costs[a.kind]
                 times[r].append((start, clock[r]))
                 if a.kind != "W":
-                    ends[("F" if a.kind == "F" else "B", stage_index(r, a.chunk, p), a.mb)] = clock[r]
+                    ends[("F" if a.kind == "F" else "B", stage_index(r, a.chunk, p, vshape), a.mb)] = clock[r]
                 pos[r] += 1
                 progress = True
     if any(pos[r] < len(compute[r]) for r in range(p)):
@@ -230,7 +230,7 @@ def _meet(gs_list, gr_list, i: int, j: int) -> tuple[int, int, float]:
 
 
 def add_p2p(compute: list[list[Action]], p: int, v: int, placement: str = "timed",
-            costs: dict | None = None) -> list[list[Action]]:
+            costs: dict | None = None, vshape: bool = False) -> list[list[Action]]:
     """Insert SEND/RECV actions into compute-only per-rank lists (rules in module doc).
 
     `costs` ({"F", "B", "I", "W"} relative durations, default PLACEMENT_COSTS)
@@ -239,7 +239,7 @@ def add_p2p(compute: list[list[Action]], p: int, v: int, placement: str = "timed
     if placement not in ("timed", "eager"):
         raise ValueError(f"placement must be 'timed' or 'eager', got {placement!r}")
     costs = {**PLACEMENT_COSTS, **(costs or {})}
-    gaps = [_gaps(t) for t in _ideal_times(compute, p, v, costs)]
+    gaps = [_gaps(t) for t in _ideal_times(compute, p, v, costs, vshape)]
     consumer_pos: list[dict[tuple[str, int, int], int]] = [{} for _ in range(p)]
     for r, acts in enumerate(compute):
         for i, a in enumerate(acts):
@@ -248,7 +248,7 @@ def add_p2p(compute: list[list[Action]], p: int, v: int, placement: str = "timed
     channels: dict[tuple[int, int], list] = {}
     for r, acts in enumerate(compute):
         for i, a in enumerate(acts):
-            msg = message_of(a, r, p, v)
+            msg = message_of(a, r, p, v, vshape)
             if msg is None:
                 continue
             kind, q, qc = msg
@@ -280,4 +280,4 @@ def add_p2p(compute: list[list[Action]], p: int, v: int, placement: str = "timed
             if g < len(acts):
                 row.append(acts[g])
         out.append(row)
-    return run_blocking(out, p, v, repair=True)
+    return run_blocking(out, p, v, repair=True, vshape=vshape)

@@ -4,6 +4,7 @@ It follows the p2p rules of p2p.py literally: items are taken in list order; a r
 SEND/RECV actions is one `Comm.batch_p2p` call, waited before the next compute (so any schedule the
 checker accepts cannot deadlock here). A RECV may come long before its consumer, so received tensors
 wait in `inbox` keyed by (kind, mb, chunk); produced tensors wait in `outbox` until their SEND.
+A consumer on the same rank (the turn of ZB-V's V) gets the tensor straight into `inbox`.
 Activation shapes are known in advance (micro-batch × local sequence × dim, the compute dtype).
 
 Backward kinds: B is one `autograd.backward`; the zero-bubble I and W are in backward.py (I sends
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from ...distributed.comm import Comm
-from .actions import Action
+from .actions import Action, local_target, message_of, source_of
 from .backward import input_backward
 from .p2p import p2p_batches
 
@@ -54,11 +55,11 @@ class PipelineRuntime:
     def __init__(self, stages: list[Stage], actions: list[list[Action]], rank: int, comm: Comm, grads,
                  loss_fn: Callable, dtype: torch.dtype, device: torch.device,
                  act_shape: Callable[[int, int], tuple[int, ...]], m: int, schedule: str = "",
-                 split_w: bool = True):
+                 split_w: bool = True, vshape: bool = False):
         self.stages, self.actions, self.rank, self.comm = stages, actions, rank, comm
         self.p, self.v, self.m = len(actions), len(stages), m
         self.grads, self.loss_fn, self.dtype, self.device = grads, loss_fn, dtype, device
-        self.act_shape, self.schedule, self.split_w = act_shape, schedule, split_w
+        self.act_shape, self.schedule, self.split_w, self.vshape = act_shape, schedule, split_w, vshape
         self.items = p2p_batches(actions[rank])
         self.sync_items = self._sync_points()
         self.inbox: dict = {}
@@ -130,7 +131,7 @@ class PipelineRuntime:
                 out = loss * scale
                 loss = loss.detach()
             else:
-                self.outbox[("F",) + key] = out.detach()
+                self._hand_off(a, out.detach())
             self.saved[key] = (x, out)
             return loss
         if a.kind in ("B", "I"):
@@ -139,15 +140,23 @@ class PipelineRuntime:
             if a.kind == "B":
                 torch.autograd.backward(out, g)
                 if not st.first:
-                    self.outbox[("B",) + key] = x.grad
+                    self._hand_off(a, x.grad)
             else:
                 gx, self.deferred[key] = input_backward(out, g, None if st.first else x, st.parameters(),
                                                         self.split_w)
                 if gx is not None:
-                    self.outbox[("B",) + key] = gx
+                    self._hand_off(a, gx)
             return None
         self.deferred.pop(key).weight()  # W
         return None
+
+    def _hand_off(self, a: Action, t: torch.Tensor) -> None:
+        """What compute `a` produced: to the local consumer's inbox, or to the outbox for a SEND."""
+        local = local_target(a, self.rank, self.p, self.v, self.vshape)
+        if local is None:
+            self.outbox[("F" if a.kind == "F" else "B", a.mb, a.chunk)] = t
+        else:
+            self.inbox[(local[0], a.mb, local[1])] = t
 
     def _p2p(self, batch: tuple[Action, ...], shape: tuple[int, ...]) -> None:
         ops = []
@@ -165,22 +174,33 @@ class PipelineRuntime:
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward of one micro-batch through every stage in order (blocking p2p: stage s waits for
-        s-1, a chain that cannot deadlock). The mean loss on the last stage, zero elsewhere."""
+        s-1, a chain that cannot deadlock: each rank's chunks hold increasing stages in both placements).
+        The mean loss on the last stage, zero elsewhere."""
         seq = x.shape[1]
         shape = self.act_shape(x.shape[0], seq)
         loss = torch.zeros((), device=self.device)
-        for st in self.stages:
+        local: dict[int, torch.Tensor] = {}
+        order = sorted(range(self.v), key=lambda c: self.stages[c].index)
+        for c in order:
+            st, fwd = self.stages[c], Action("F", 0, c)
             if st.first:
                 h = x
+            elif c in local:
+                h = local.pop(c)
             else:
                 h = torch.empty(shape, dtype=self.dtype, device=self.device)
-                self.comm.wait_p2p(self.comm.batch_p2p([("recv", h, (self.rank - 1) % self.p)]))
+                src = source_of(fwd, self.rank, self.p, self.v, self.vshape)[0]
+                self.comm.wait_p2p(self.comm.batch_p2p([("recv", h, src)]))
             out = st(h, seq)
             if st.last:
                 loss = self.loss_fn(out, y).detach()
+                continue
+            nxt = local_target(fwd, self.rank, self.p, self.v, self.vshape)
+            if nxt is not None:
+                local[nxt[1]] = out
             else:
-                self.comm.wait_p2p(self.comm.batch_p2p([("send", out.to(self.dtype).contiguous(),
-                                                         (self.rank + 1) % self.p)]))
+                dst = message_of(fwd, self.rank, self.p, self.v, self.vshape)[1]
+                self.comm.wait_p2p(self.comm.batch_p2p([("send", out.to(self.dtype).contiguous(), dst)]))
         return loss
 
     # -- measured timeline ----------------------------------------------------------------------
@@ -200,7 +220,7 @@ class PipelineRuntime:
         bubble = trace.measured_bubble(self.actions, spans)
         if path is not None:
             meta = {"schedule": self.schedule, "p": self.p, "m": self.m, "v": self.v, "step": step,
-                    "bubble": bubble}
+                    "bubble": bubble, "vshape": self.vshape}
             trace.write_chrome_trace(path, self.actions, spans, meta)
         return bubble
 

@@ -12,7 +12,7 @@ import sys
 
 from .check import check_schedule
 from .draw import render_png, render_text
-from .schedules import SCHEDULES, TAKES_VIRTUAL, build_schedule
+from .schedules import SCHEDULES, TAKES_VIRTUAL, V_SHAPED, build_schedule
 from .simulate import P2P_MODES, action_costs, simulate, textbook_bubble
 
 
@@ -21,7 +21,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", "-m", type=int, default=8, help="micro-batches per step (default 8)")
     p.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)")
     p.add_argument("--virtual", "-v", type=int, default=None,
-                   help="chunks per rank (interleaved only; default 2 there, 1 elsewhere)")
+                   help="chunks per rank (interleaved: default 2; zbv: always 2; 1 elsewhere)")
     p.add_argument("--cost-f", type=float, default=1.0, help="forward time per micro-batch per rank")
     p.add_argument("--cost-b", type=float, default=2.0, help="full backward time (I + W)")
     p.add_argument("--cost-w", type=float, default=None, help="weight-grad part of the backward (default B/2)")
@@ -47,10 +47,11 @@ def _report(args) -> dict:
     v = args.virtual if args.virtual is not None else (2 if name in TAKES_VIRTUAL else 1)
     p, m = args.pp, args.microbatches
     costs = action_costs(v, args.cost_f, args.cost_b, args.cost_w)
+    vs = name in V_SHAPED
     actions = build_schedule(name, p, m, v, costs=costs)
-    stats = check_schedule(actions, p, m, v)
+    stats = check_schedule(actions, p, m, v, vs)
     tl = simulate(actions, p, m, v, cost_f=args.cost_f, cost_b=args.cost_b, cost_w=args.cost_w,
-                  cost_comm=args.cost_comm, p2p=args.p2p, name=name)
+                  cost_comm=args.cost_comm, p2p=args.p2p, name=name, vshape=vs)
     return {
         "schedule": name, "pp": p, "microbatches": m, "virtual": v,
         "bubble": tl.bubble,
@@ -96,6 +97,8 @@ def _formula(rep: dict) -> str:
         return "(p-1)/(m+p-1)"
     if name == "interleaved":
         return "(p-1)/(v*m+p-1)"
+    if name == "zbv":
+        return "ZB-H1's formula at half-size chunks: idle (p-1)*(F+I-W)/2 per rank"
     return "idle (p-1)*(F+I-W) per rank, Qi et al. ZB-H1"
 
 

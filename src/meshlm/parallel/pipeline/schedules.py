@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
-from ...choices import PP_SCHEDULES, PP_TAKES_VIRTUAL
+from ...choices import PP_SCHEDULES, PP_TAKES_VIRTUAL, PP_V_SHAPED
 from .actions import Action, stage_index, stage_owner
-from .p2p import add_p2p, p2p_batches
+from .p2p import PLACEMENT_COSTS, add_p2p, p2p_batches
 
 __all__ = ["Action", "stage_index", "stage_owner", "add_p2p", "p2p_batches", "gpipe", "one_f_one_b",
-           "interleaved", "zb_h1", "SCHEDULES", "TAKES_VIRTUAL", "build_schedule"]
+           "interleaved", "zb_h1", "zbv", "SCHEDULES", "TAKES_VIRTUAL", "V_SHAPED", "build_schedule"]
 
 
 # --------------------------------------------------------------------------- schedules
@@ -86,6 +86,95 @@ def _zb_h1_compute(p: int, m: int) -> list[list[Action]]:
     return out
 
 
+def _zbv_compute(p: int, m: int, costs: dict) -> list[list[Action]]:
+    """ZB-V's compute order, found by list scheduling on simulated time (Qi et al. 2024 build theirs
+    the same way: a greedy pass under a memory limit).
+
+    Rank r holds stage r (chunk 0) and stage 2p-1-r (chunk 1). Whenever a rank is free it runs, in
+    this order of preference: an input-grad backward I whose gradient has arrived (the critical
+    path); a forward F whose input has arrived, if the rank then holds at most 2p chunk activations
+    (p micro-batches of all its layers: 1F1B's peak on its first rank); a deferred weight-grad W
+    (they fill what would be bubbles). Ties go to the lower micro-batch, then to chunk 1 (deeper in
+    the V, nearer its loss). Each chunk runs its F's and its I's in micro-batch order. The loss
+    stage's W goes first of all (before any F), so rank 0 holds one micro-batch of logits.
+    """
+    S, cap = 2 * p, 2 * p
+    dur = {k: costs[k] for k in ("F", "I", "W")}
+    f_end: dict[tuple[int, int], float] = {}   # (stage, mb) -> end of F
+    i_end: dict[tuple[int, int], float] = {}   # (stage, mb) -> end of I
+    nxt_f = [[0, 0] for _ in range(p)]         # next mb to forward, per rank and chunk
+    nxt_i = [[0, 0] for _ in range(p)]
+    pending: list[deque] = [deque() for _ in range(p)]   # (mb, chunk) whose W is deferred
+    held, clock = [0] * p, [0.0] * p
+    out: list[list[Action]] = [[] for _ in range(p)]
+    total = 6 * m * p
+    step = max(min(dur["F"], dur["I"]), 1e-6)
+
+    def ready(r: int, kind: str, c: int) -> float | None:
+        """When the next `kind` on chunk c of rank r has its input (None: not produced yet)."""
+        mb = (nxt_f if kind == "F" else nxt_i)[r][c]
+        if mb >= m:
+            return None
+        s = stage_index(r, c, p, True)
+        if kind == "F":
+            return 0.0 if s == 0 else f_end.get((s - 1, mb))
+        if (s, mb) not in f_end:
+            return None
+        return f_end[(s, mb)] if s == S - 1 else i_end.get((s + 1, mb))
+
+    def run(r: int, kind: str, mb: int, c: int, start: float) -> None:
+        end = start + dur[kind]
+        s = stage_index(r, c, p, True)
+        out[r].append(Action(kind, mb, c))
+        clock[r] = end
+        if kind == "F":
+            f_end[(s, mb)] = end
+            nxt_f[r][c] += 1
+            held[r] += 1
+        elif kind == "I":
+            i_end[(s, mb)] = end
+            nxt_i[r][c] += 1
+            pending[r].append((mb, c))
+        else:
+            held[r] -= 1
+
+    while sum(len(a) for a in out) < total:
+        order = sorted((q for q in range(p) if len(out[q]) < 6 * m), key=lambda q: (clock[q], q))
+        for r in order:
+            t = clock[r]
+            cands = []
+            for kind, rank_k in (("I", 0), ("F", 1)):
+                if kind == "F" and held[r] >= cap:
+                    continue
+                for c in (1, 0):
+                    at = ready(r, kind, c)
+                    if at is not None:
+                        mb = (nxt_f if kind == "F" else nxt_i)[r][c]
+                        cands.append((at > t + 1e-9, rank_k, mb, -c, at, kind, c))
+            loss_w = [x for x in pending[r] if stage_index(r, x[1], p, True) == S - 1]
+            if loss_w:   # the loss stage's W before any F: its saved logits are the largest activations
+                pending[r].remove(loss_w[0])
+                run(r, "W", *loss_w[0], t)
+                break
+            now = [x for x in cands if not x[0]]
+            if now:
+                _, _, mb, _, _, kind, c = min(now)
+                run(r, kind, mb, c, t)
+                break
+            if pending[r]:
+                mb, c = pending[r].popleft()
+                run(r, "W", mb, c, t)
+                break
+            # idle until a known input arrives or another rank could have produced one
+            wake = [x[4] for x in cands] + [clock[q] + step for q in order if q != r]
+            if wake:
+                clock[r] = min(wake)
+                break
+        else:
+            raise AssertionError("zbv list scheduling made no progress")  # a bug, not bad input
+    return out
+
+
 def gpipe(p: int, m: int, *, costs: dict | None = None) -> list[list[Action]]:
     """GPipe: every rank runs all m forwards, then all m backwards."""
     _validate(p, m)
@@ -114,13 +203,25 @@ def zb_h1(p: int, m: int, *, costs: dict | None = None) -> list[list[Action]]:
     return add_p2p(_zb_h1_compute(p, m), p, 1, costs=costs)
 
 
+def zbv(p: int, m: int, v: int = 2, *, costs: dict | None = None) -> list[list[Action]]:
+    """ZB-V (Qi et al. 2024): two chunks per rank in a V, split backward, W's fill the bubbles; peak
+    activation memory as 1F1B's first rank. Build with vshape placement (actions.py)."""
+    _validate(p, m, v)
+    if v != 2:
+        raise ValueError(f"zbv runs exactly 2 chunks per rank (a V), got v={v}")
+    c = {**PLACEMENT_COSTS, **(costs or {})}
+    return add_p2p(_zbv_compute(p, m, c), p, 2, costs=c, vshape=True)
+
+
 SCHEDULES: dict[str, Callable[..., list[list[Action]]]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved": interleaved,
     "zb-h1": zb_h1,
+    "zbv": zbv,
 }
 TAKES_VIRTUAL = frozenset(PP_TAKES_VIRTUAL)
+V_SHAPED = frozenset(PP_V_SHAPED)  # schedules whose chunks sit in a V (actions.py: vshape)
 # The config's list of schedule names (meshlm.choices) is this registry, nothing more, nothing less.
 assert tuple(SCHEDULES) == PP_SCHEDULES, (tuple(SCHEDULES), PP_SCHEDULES)
 

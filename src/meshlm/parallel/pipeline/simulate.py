@@ -48,7 +48,7 @@ P2P_MODES = ("free", "blocking")
 
 def simulate(actions: list[list[Action]], p: int, m: int, v: int = 1, cost_f: float = 1.0,
              cost_b: float = 2.0, cost_w: float | None = None, cost_comm: float = 0.0,
-             p2p: str = "free", name: str = "") -> Timeline:
+             p2p: str = "free", name: str = "", vshape: bool = False) -> Timeline:
     """Simulate `actions` (as built by schedules.py) and return its Timeline.
 
     p2p="free": p2p only carries data (arrives cost_comm after production),
@@ -62,7 +62,7 @@ def simulate(actions: list[list[Action]], p: int, m: int, v: int = 1, cost_f: fl
         raise ValueError(f"cost_comm must be >= 0, got {cost_comm}")
     if p2p not in P2P_MODES:
         raise ValueError(f"p2p must be one of {P2P_MODES}, got {p2p!r}")
-    pairs = match_p2p(actions, p) if p2p != "free" else {}
+    pairs = match_p2p(actions, p, vshape) if p2p != "free" else {}
     items, groups, grp_of = [], [], []
     for acts in actions:
         row, grps, of, i = [], [], {}, 0
@@ -124,17 +124,17 @@ def simulate(actions: list[list[Action]], p: int, m: int, v: int = 1, cost_f: fl
             clock[r] = max(clock[r], done[r][g])
             return True
         ready = clock[r]
-        src = source_of(it, r, p, v)
+        src = source_of(it, r, p, v, vshape)
         if src is not None:
             ends = fwd_end if it.kind == "F" else bwd_end
-            t = ends.get((stage_index(src[0], src[1], p), it.mb))
+            t = ends.get((stage_index(src[0], src[1], p, vshape), it.mb))
             if t is None:
                 return False
             ready = max(ready, t + (cost_comm if src[0] != r else 0.0))
         end = ready + dur[it.kind]
         rows[r].append((ready, end, it))
         clock[r] = end
-        s = stage_index(r, it.chunk, p)
+        s = stage_index(r, it.chunk, p, vshape)
         if it.kind == "F":
             fwd_end[(s, it.mb)] = end
         elif it.kind in ("B", "I"):
@@ -167,14 +167,16 @@ def textbook_bubble(name: str, p: int, m: int, v: int = 1, cost_f: float = 1.0, 
     """Closed-form bubble fraction from the papers, for comparison with `simulate`.
 
     gpipe / 1f1b: (p-1)/(m+p-1); interleaved: (p-1)/(v*m+p-1); zb-h1: idle
-    (p-1)*(F+I-W) per rank (Qi et al.) against m*(F+B) of work.
+    (p-1)*(F+I-W) per rank (Qi et al.) against m*(F+B) of work; zbv: the same
+    warm-up at half-size chunks, (p-1)*(F+I-W)/2 (our list-scheduled ZB-V reaches
+    it for p <= 4 and m >= 2p and stays a little above beyond; docs/pipeline.md).
     """
     if name in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
     if name == "interleaved":
         return (p - 1) / (v * m + p - 1)
-    if name == "zb-h1":
+    if name in ("zb-h1", "zbv"):
         w = cost_b / 2 if cost_w is None else cost_w
-        idle = (p - 1) * max(0.0, cost_f + (cost_b - w) - w)
+        idle = (p - 1) * max(0.0, cost_f + (cost_b - w) - w) / (2 if name == "zbv" else 1)
         return idle / (idle + m * (cost_f + cost_b))
     raise ValueError(f"no textbook formula for schedule {name!r}")

@@ -1,6 +1,7 @@
 """Which transformer blocks each pipeline stage holds (pure Python, shared with the planner).
 
-S = pp × pp_virtual stages in model order; stage s lives on (rank s % pp, chunk s // pp) (actions.py).
+S = pp × pp_virtual stages in model order; stage s lives on (rank s % pp, chunk s // pp), or in a V for
+ZB-V (actions.py).
 Stage 0 also runs the embedding, stage S-1 the final norm, the head and the loss. Blocks are split
 into contiguous runs so that the slowest stage is as fast as possible: every block costs 1, the
 embedding and the head cost what their FLOPs are worth in blocks (a lookup is free; the head's matmul
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ...choices import choose
-from .schedules import SCHEDULES, TAKES_VIRTUAL
+from .schedules import SCHEDULES, TAKES_VIRTUAL, V_SHAPED
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,11 @@ def check_pipeline(n_layers: int, pp: int, virtual: int, schedule: str, microbat
             raise ValueError("parallel.pp_layers: a per-stage split needs pp > 1")
         return [list(range(n_layers))]
     choose(schedule, SCHEDULES, "parallel.pp_schedule")
-    if schedule in TAKES_VIRTUAL:
+    if schedule in V_SHAPED:
+        if virtual != 2:
+            raise ValueError(f"parallel.pp_virtual: schedule '{schedule}' runs exactly 2 chunks per rank "
+                             f"(a V), got {virtual}; set pp_virtual = 2")
+    elif schedule in TAKES_VIRTUAL:
         if virtual < 2:
             raise ValueError(f"parallel.pp_virtual: schedule '{schedule}' needs >= 2 chunks per rank, got {virtual}")
         if microbatches % pp:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 
-from .actions import Action
+from .actions import Action, stage_index
 from .p2p import p2p_batches
 
 Spans = list[list[tuple[float, float]]]
@@ -64,7 +64,7 @@ def chrome_trace(actions: list[list[Action]], spans: Spans, meta: dict) -> dict:
             ev.update(name="p2p", cat="p2p", args={"ops": [str(a) for a in it], "blocked_ms": (e - s) * 1e3})
         else:
             ev.update(name=f"{it.kind}{it.mb}" + (f"c{it.chunk}" if v > 1 else ""), cat=it.kind,
-                      args={"kind": it.kind, "mb": it.mb, "chunk": it.chunk, "stage": it.chunk * p + r})
+                      args={"kind": it.kind, "mb": it.mb, "chunk": it.chunk, "stage": stage_index(r, it.chunk, p, bool(meta.get("vshape")))})
         events.append(ev)
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": dict(meta)}
 
