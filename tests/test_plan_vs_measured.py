@@ -26,6 +26,11 @@ CASES = [
     # vocabulary padding (model.vocab_multiple 128): 300 ids take 384 rows, at tp=2 512 (256 per rank)
     ("vocab300-padded", 1, {"model__vocab_size": 300}),
     ("tp2-vocab300-padded", 2, {"parallel__tp": 2, "model__vocab_size": 300}),
+    # mixture of experts (issue 13): experts split over ep, ZeRO over the expert-data group
+    ("moe-ep2", 2, {"model__preset": "moe-debug", "parallel__dp": 2, "parallel__ep": 2}),
+    ("moe-dp4-ep2-zero3", 4, {"model__preset": "moe-debug", "parallel__dp": 4, "parallel__ep": 2, "parallel__zero": 3}),
+    ("moe-ep2-tp2-every2", 4, {"model__preset": "moe-debug", "parallel__dp": 2, "parallel__ep": 2, "parallel__tp": 2,
+                               "model__moe__every": 2}),
 ]
 
 

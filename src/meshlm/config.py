@@ -23,10 +23,15 @@ class ConfigError(ValueError):
 
 @dataclass
 class MoEConfig:
-    num_experts: int = 0
-    top_k: int = 2
-    capacity_factor: float = 1.25
-    shared_experts: int = 0
+    """Mixture-of-experts keys; None = the preset's value (model/args.py: ModelArgs' MoE fields)."""
+    num_experts: int | None = None
+    top_k: int | None = None
+    ffn_dim: int | None = None            # one routed expert's hidden size (default: model.ffn_dim)
+    shared_experts: int | None = None
+    capacity_factor: float | None = None  # <= 0: dropless
+    every: int | None = None              # every k-th block is MoE
+    first_dense: int | None = None        # leading dense blocks
+    aux_loss_coef: float | None = None
 
 
 @dataclass

@@ -150,6 +150,9 @@ def to_hf(ckpt: str, out: str, dtype: str = "bf16", max_shard_bytes: int = 5 * 1
         raise ValueError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
     path = find_checkpoint(ckpt)
     cfg, args, meta = checkpoint_model(path)
+    if args.moe:  # param_shapes / the name map describe the dense transformers Llama only
+        raise ValueError(f"{path}: a mixture-of-experts checkpoint (model.moe.num_experts = {args.num_experts}); "
+                         f"export to Hugging Face supports dense Llama models only")
     tok = tokenizer_of(path, cfg, meta, args.vocab_size)
     torch_dtype, dtype_name = DTYPES[dtype]
     shapes = param_shapes(args)

@@ -1,4 +1,5 @@
-"""The 5-D device mesh (pp, dp_replicate, dp_shard, cp, tp) and the process groups along it.
+"""The 5-D device mesh (pp, dp_replicate, dp_shard, cp, tp) and the process groups along it, plus the
+expert view of the dp×cp ranks when `shape["ep"] > 1` (`expert_groups`).
 
 Rank r sits at coordinates given by r in row-major order over that shape, so tp neighbours are
 consecutive ranks (one node) and pp is outermost. Groups are created once, on every rank, in the same
@@ -51,6 +52,22 @@ def groups_along(dims: tuple[str, ...], shape: dict[str, int]) -> list[list[int]
             c = dict(base, **dict(zip(dims, var_vals)))
             members.append(rank_of(c, shape))
         out.append(sorted(members))
+    return out
+
+
+def expert_groups(shape: dict[str, int], ep: int) -> dict[str, list[list[int]]]:
+    """The expert view of the dp_replicate × dp_shard × cp block (flattened row-major, per pp and tp
+    coordinate): `ep` = runs of ep consecutive ranks (each holds E/ep experts), `edp` = the ranks
+    holding the same experts (every ep-th), `edp_shard` = those inside one dp_replicate slice (ZeRO's
+    expert shard group; only when ep divides dp_shard × cp)."""
+    inner = shape["dp_shard"] * shape["cp"]
+    out: dict[str, list[list[int]]] = {"ep": [], "edp": [], "edp_shard": []}
+    for g in groups_along(("dp_replicate", "dp_shard", "cp"), shape):
+        out["ep"] += [g[i:i + ep] for i in range(0, len(g), ep)]
+        out["edp"] += [g[r::ep] for r in range(ep)]
+        if inner % ep == 0:
+            for rep in range(0, len(g), inner):
+                out["edp_shard"] += [g[rep:rep + inner][r::ep] for r in range(ep)]
     return out
 
 
@@ -123,6 +140,12 @@ def init_context(shape: dict[str, int], device: torch.device, timeout_s: float =
         ends.append([g[0], g[-1]] if len(g) > 1 else g)
         ends += [[r] for r in g[1:-1]]
     ctx.comms["pp_ends"] = _make_comm("pp_ends", ends, rank, world, timeout_s)
+    # Expert parallelism: a second view of the dp×cp ranks (experts × expert-data), groups of its own.
+    ep = shape.get("ep", 1)
+    if ep > 1:
+        for name, groups in expert_groups(shape, ep).items():
+            if groups:
+                ctx.comms[name] = _make_comm(name, groups, rank, world, timeout_s)
     ctx.comms["world"] = Comm("world", dist.group.WORLD if world > 1 else None, list(range(world)), rank)
     return ctx
 

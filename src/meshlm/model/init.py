@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from typing import Callable
 
 import torch
 from torch import nn
 
 STD = 0.02
+# Residual projections (scaled by 1/sqrt(2L), GPT-2 / Megatron): attention out, dense / shared / routed
+# expert down-projections.
+_RESIDUAL = re.compile(r"(attention\.wo\.weight|feed_forward\.w2\.weight|feed_forward\.shared\.w2\.weight"
+                       r"|feed_forward\.experts\.\d+\.w2)$")
+_STACKED = re.compile(r"(.*\.experts)\.(w[123])$")  # [E, ...] expert weights: one seed per expert
 
 
 def name_seed(seed: int, name: str) -> int:
@@ -26,10 +32,14 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int, n_layers: int) -> 
     """The full fp32 initial value of parameter `name` (its unsharded, single-process name)."""
     if name.endswith("norm.weight"):
         return torch.ones(shape)
+    stacked = _STACKED.match(name)
+    if stacked:  # expert e's slice is seeded by its own name, so an EP rank's slice equals one process's
+        return torch.stack([init_tensor(f"{stacked[1]}.{e}.{stacked[2]}", tuple(shape[1:]), seed, n_layers)
+                            for e in range(shape[0])])
     g = torch.Generator().manual_seed(name_seed(seed, name))
     std = STD
-    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-        std = STD / math.sqrt(2 * n_layers)  # residual projections, as in GPT-2 / Megatron
+    if _RESIDUAL.search(name):
+        std = STD / math.sqrt(2 * n_layers)
     return torch.empty(shape).normal_(0.0, std, generator=g)
 
 

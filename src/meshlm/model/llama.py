@@ -91,12 +91,16 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        if args.is_moe_block(layer):
+            from .moe import MoE  # moe.py builds on this module's SwiGLU / FeedForward
+            self.feed_forward: nn.Module = MoE(args)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, cache)
@@ -114,7 +118,7 @@ class Llama(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings: nn.Module | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(args.n_layers)})
         self.norm: nn.Module | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Module | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:

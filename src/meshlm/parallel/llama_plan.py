@@ -20,12 +20,14 @@ from ..model.llama import Attention, FeedForward, RMSNorm
 class TPLinear:
     """A linear inside a TP region: `rows` (column-parallel: output rows split) or `cols` (row-parallel:
     input columns split); `size` is the split dimension's full size; `kv`: a k/v projection, whose heads
-    are replicated when there are fewer kv heads than ranks."""
+    are replicated when there are fewer kv heads than ranks; `param`: the weight's attribute name
+    (stacked expert weights [E, out, in] are split along their last two dimensions the same way)."""
     fqn: str
-    module: nn.Linear
+    module: nn.Module
     style: str
     size: int
     kv: bool = False
+    param: str = "weight"
 
 
 @dataclass(frozen=True)
@@ -92,9 +94,21 @@ class LlamaPlan:
             out.append(TPRegion(fqn, mod, lins))
         return out
 
+    def tp_extra(self, model: nn.Module, comm) -> None:
+        """Module changes TP needs beyond the regions (none for a dense Llama; moe_plan.py)."""
+
     def norms(self, model: nn.Module) -> list[RMSNorm]:
         """The modules that see the residual stream (split along the sequence under SP)."""
         return [m for m in model.modules() if isinstance(m, RMSNorm)]
+
+    # -- experts -------------------------------------------------------------------------------
+    def expert_param(self, name: str) -> bool:
+        """Whether parameter `name` is split over expert parallelism (none in a dense Llama)."""
+        return False
+
+    def moe_layers(self, model: nn.Module) -> dict[int, nn.Module]:
+        """MoE feed-forwards by global block index (none in a dense Llama)."""
+        return {}
 
     def attention_cores(self, model: nn.Module) -> list[tuple[nn.Module, str]]:
         """(parent, attribute) of every attention core, softmax(QKᵀ)V alone: what context parallelism

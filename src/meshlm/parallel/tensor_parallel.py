@@ -49,6 +49,15 @@ class ReplicatedKVLinear(nn.Linear):
         return F.linear(x, sum_grad_over_replicas(self.weight, self.tp_comm, self.tp_rep))
 
 
+class SumGradLinear(nn.Linear):
+    """A linear replicated on every TP rank whose gradient each rank only sees part of (a MoE router
+    inside a TP region: its outputs weight partial expert outputs): gradients summed over the group."""
+    tp_comm: Comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, sum_grad(self.weight, self.tp_comm))
+
+
 @dataclass
 class TensorParallel:
     """What `parallelize` needs from TP beyond the module swaps and hooks: the loss. The slices
@@ -94,8 +103,10 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table, c
     for region in plan.tp_regions(model):
         for lin in region.linears:
             rep = kv_rep if lin.kv else 1
-            _split(table, f"{lin.fqn}.weight", 0 if lin.style == "rows" else 1, lin.size, comm, rep)
-            split.add(canonical_name(f"{lin.fqn}.weight"))
+            name = f"{lin.fqn}.{lin.param}"
+            nd = len(table[canonical_name(name)].full_shape)  # stacked expert weights: [E, out, in]
+            _split(table, name, nd - 2 if lin.style == "rows" else nd - 1, lin.size, comm, rep)
+            split.add(canonical_name(name))
             if rep > 1:
                 lin.module.__class__ = ReplicatedKVLinear
                 lin.module.tp_comm, lin.module.tp_rep = comm, rep
@@ -105,6 +116,7 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table, c
         for mod in plan.norms(model):
             mod.__class__ = SeqParallelRMSNorm
             mod.tp_comm = comm
+    plan.tp_extra(model, comm)
     split |= _vocab_parallel(model, tp, plan, table, enter_hook)
     for name in table.names():  # everything else is a copy on every TP rank
         if name not in split:

@@ -111,9 +111,11 @@ def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first:
         else:  # ulysses: q,k,v scattered over heads and the output back (4 all-to-alls), fwd and bwd
             qkvo = e * tokens * a.head_dim * (2 * (a.n_heads // t) + 2 * max(kv_heads, cp))
             add("cp", "all_to_all", cp, t, 4 * layers * (fwd_passes + 1) * m, qkvo / 4)
-    if s.ep > 1:
+    if s.ep > 1:  # per MoE block: tokens out and back in forward (again under full AC), both in backward;
+        # every TP rank dispatches the full (gathered) tokens itself. Split sizes (E int64) not counted.
         routed = e * a.dim * tokens * shape.top_k * shape.capacity_factor
-        add("ep", "all_to_all", s.ep, t, layers * 2 * (fwd_passes + 1) * m, routed)
+        moe_layers = layers * a.n_moe_blocks / a.n_layers
+        add("ep", "all_to_all", s.ep, t, moe_layers * 2 * (fwd_passes + 1) * m, routed)
     if p > 1:  # activations forward and their gradients backward, once per chunk boundary
         hidden = e * (a.dim / t if sq else a.dim) * tokens
         add("pp", "p2p", 2, t * cp * dp, 2 * s.pp_virtual * m, hidden, window="pipeline", per="step")

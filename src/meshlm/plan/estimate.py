@@ -106,9 +106,8 @@ def fwd_flops_per_token(shape: Shape, s: Spec, layers: int, head: bool) -> tuple
 @lru_cache(maxsize=65536)
 def _fwd_flops(shape: Shape, t: int, seq_len: int, layers: int, head: bool) -> tuple[float, float]:
     a = shape.args
-    dense, _ = block_params_local(shape, t, 1)
-    mlp = 3 * a.dim * a.ffn_dim / t
-    active = dense + (shape.top_k * mlp if shape.moe else 0.0)
+    dense, experts = block_params_local(shape, t, 1)
+    active = dense + (experts * shape.top_k / shape.num_experts if shape.moe else 0.0)  # routed: top_k
     attn = 4.0 * a.dim * seq_len / t
     f = layers * (2.0 * active + attn)
     if head:

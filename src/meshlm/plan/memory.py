@@ -132,12 +132,13 @@ def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes:
             m = attn_math_bytes or e
             attn = 3 * m * dq + m * hq * seq_len + e * dq
     f_local = a.ffn_dim / t
-    if shape.moe:
+    ffn = n_ffn * e * f_local
+    if shape.moe:  # averaged over the blocks: MoE ones (moe.every, moe.first_dense) and dense ones
+        x_local, frac = a.expert_dim / t, a.n_moe_blocks / a.n_layers
         routed = shape.top_k * shape.capacity_factor
-        ffn = 4 * shape.num_experts + routed * (2 * e * d + n_ffn * e * f_local) \
-            + shape.shared_experts * n_ffn * e * f_local
-    else:
-        ffn = n_ffn * e * f_local
+        moe = 4 * shape.num_experts + routed * (2 * e * d + n_ffn * e * x_local) \
+            + shape.shared_experts * n_ffn * e * x_local
+        ffn = frac * moe + (1 - frac) * ffn
     return tokens * (2 * norm + attn + ffn)
 
 
@@ -163,9 +164,11 @@ def block_params_local(shape: Shape, tp: int, ep: int = 1) -> tuple[float, float
     a = shape.args
     attn = a.dim * a.head_dim * 2 * (a.n_heads // tp) + a.dim * a.head_dim * 2 * _ceil(a.n_kv_heads, tp)
     mlp = 3 * a.dim * a.ffn_dim / tp
-    if shape.moe:
-        dense = attn + 2 * a.dim + shape.shared_experts * mlp + a.dim * shape.num_experts
-        return dense, _ceil(shape.num_experts, ep) * mlp
+    if shape.moe:  # per block, averaged over MoE and dense blocks (moe.every, moe.first_dense)
+        frac, xmlp = a.n_moe_blocks / a.n_layers, 3 * a.dim * a.expert_dim / tp
+        dense = attn + 2 * a.dim + frac * (shape.shared_experts * xmlp + a.dim * shape.num_experts) \
+            + (1 - frac) * mlp
+        return dense, frac * _ceil(shape.num_experts, ep) * xmlp
     return attn + 2 * a.dim + mlp, 0.0
 
 

@@ -91,6 +91,8 @@ class Trainer:
         mb, accum = self.layout.micro_batch, self.layout.accum
         # fp16: a 0-dim device tensor (scale / accum); otherwise the plain 1 / accum
         scale = scaler.scale / accum if scaler.enabled else 1.0 / accum
+        if par.moe is not None:  # the aux loss's gradient is scaled like the main loss's
+            par.moe.begin_step(scale)
         if par.forward_backward is not None:  # pipeline: the schedule runs every micro-batch
             par.pipeline.timed = measure  # its timeline (bubble metric) is read on logged steps only
             loss_sum = par.forward_backward(inputs, targets, scale)
@@ -286,6 +288,8 @@ class Trainer:
                "peak_label": self.peak_label,
                "comm": {k: {"calls": s.calls / window_steps, "bytes": s.bytes / window_steps,
                             "seconds": s.seconds / window_steps} for k, s in stats.items()}}
+        if self.par.moe is not None:
+            rec["moe"] = self.par.moe.record(self.ctx.comm("world"), self.ctx.device)
         if self.par.pipeline is not None:  # measured bubble; rank 0 writes the step's Chrome trace
             path = os.path.join(self.run_dir, "pipeline_trace.json") if self.ctx.is_logger else None
             rec["bubble"] = self.par.pipeline.record(path, self.step)
