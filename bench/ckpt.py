@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 
-from zero import _hwm, _port, _rss  # noqa: E402 - bench/ is the script's directory
+from spawn import join_gloo, spawn_gloo  # noqa: E402  (bench/spawn.py)
+from zero import _hwm, _rss
 
 VARIANTS = ("none", "sync", "async")
 
@@ -39,13 +39,9 @@ def make_cfg(a, variant: str):
 
 
 def worker(rank: int, world: int, port: int, variant: str, a, out) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    import torch
+    join_gloo(rank, world, port)
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     from meshlm.distributed.mesh import init_context, pick_device
     from meshlm.layout import resolve
     from meshlm.train.trainer import Trainer
@@ -63,15 +59,7 @@ def worker(rank: int, world: int, port: int, variant: str, a, out) -> None:
 
 
 def run_variant(variant: str, a) -> dict:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=worker, args=(r, a.world, port, variant, a, q)) for r in range(a.world)]
-    for p in procs:
-        p.start()
-    peaks = dict(q.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
+    peaks = spawn_gloo(worker, a.world, variant, a)
     lines = [json.loads(x) for x in open(os.path.join(a.out, variant, "metrics.jsonl"))]
     steps = [x for x in lines if "loss" in x and x["step"] > 1]
     saves = [x["ckpt"] for x in lines if "ckpt" in x and x["step"] > 1]

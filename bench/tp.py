@@ -11,24 +11,27 @@ block by part, to show what SP buys. Output is a markdown table (docs/benchmarks
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import socket
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+from spawn import spawn  # noqa: E402  (bench/spawn.py)
 
 
-def _worker(rank: int, world: int, port: int, overrides: dict, steps: int, out) -> None:
+def start_trainer(rank: int, world: int, port: int, overrides: dict, steps: int):
+    """In a spawned worker: join the gloo job, build the Trainer, run one warm-up step and `steps`
+    counted ones (comm stats reset between). Returns (cfg, layout, ctx, trainer, seconds per step);
+    the caller calls mesh.shutdown(). Shared with bench/moe.py."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
+    import time
+
     import torch
     from meshlm import config as C
     from meshlm.distributed.comm import reset_stats
-    from meshlm.distributed.mesh import init_context, pick_device, shutdown
+    from meshlm.distributed.mesh import init_context, pick_device
     from meshlm.layout import resolve
-    from meshlm.parallel.tensor_parallel import saved_activation_bytes
     from meshlm.train.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -37,12 +40,24 @@ def _worker(rank: int, world: int, port: int, overrides: dict, steps: int, out) 
         C.apply(cfg, k, v)
     layout = resolve(cfg, world)
     ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=300)
+    trainer = Trainer(cfg, tempfile.mkdtemp(prefix="meshlm-bench-"), ctx, layout)
+    trainer.train_step()  # warm-up, not counted
+    reset_stats(ctx.all_comms())
+    ctx.comm("world").barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    ctx.comm("world").barrier()
+    return cfg, layout, ctx, trainer, (time.perf_counter() - t0) / steps
+
+
+def _worker(rank: int, world: int, port: int, overrides: dict, steps: int, out) -> None:
+    import torch
+    from meshlm.distributed.mesh import shutdown
+    from meshlm.parallel.tensor_parallel import saved_activation_bytes
+
     try:
-        trainer = Trainer(cfg, tempfile.mkdtemp(prefix="meshlm-bench-tp-"), ctx, layout)
-        trainer.train_step()  # warm-up, not counted
-        reset_stats(ctx.all_comms())
-        for _ in range(steps):
-            trainer.train_step()
+        cfg, layout, ctx, trainer, _ = start_trainer(rank, world, port, overrides, steps)
         stats = {k: (s.calls / steps, s.bytes / steps, s.seconds / steps) for k, s in ctx.comm("tp").stats.items()}
         tokens = torch.randint(0, cfg.model.vocab_size or 256, (layout.micro_batch, cfg.data.seq_len))
         acts = saved_activation_bytes(trainer.model.layers["0"], lambda: trainer.model(tokens))
@@ -53,20 +68,7 @@ def _worker(rank: int, world: int, port: int, overrides: dict, steps: int, out) 
 
 
 def measure(overrides: dict, world: int, steps: int) -> tuple[dict, dict]:
-    ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, overrides, steps, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    result = q.get(timeout=1800)
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise SystemExit(f"worker exited with {p.exitcode}")
-    return result
+    return spawn(_worker, world, overrides, steps, timeout=1800)
 
 
 def main() -> None:

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
+
+from spawn import join_gloo, spawn_gloo  # noqa: E402  (bench/spawn.py)
 
 PAIRS = [("meshlm-zero0", "torch-ddp"), ("meshlm-zero3", "torch-fsdp2")]
 
@@ -124,15 +124,8 @@ def torch_runner(cfg, world: int, rank: int, kind: str):
 
 
 def worker(rank: int, world: int, port: int, variant: str, a, out) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    import torch
+    join_gloo(rank, world, port)
     import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    import torch.distributed.fsdp
-    import torch.nn.parallel
 
     import meshlm.train.trainer  # noqa: F401 - every variant imports the same modules before `base`
     base = _rss()
@@ -155,22 +148,8 @@ def worker(rank: int, world: int, port: int, variant: str, a, out) -> None:
     dist.destroy_process_group()
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_variant(variant: str, a) -> dict:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=worker, args=(r, a.world, port, variant, a, out)) for r in range(a.world)]
-    for p in procs:
-        p.start()
-    res = dict(out.get(timeout=900) for _ in procs)
-    for p in procs:
-        p.join()
+    res = spawn_gloo(worker, a.world, variant, a, timeout=900)
     step_times = [max(res[r]["times"][i] for r in res) for i in range(a.steps)]
     cpu = [max(res[r]["cpu"][i] for r in res) for i in range(a.steps)]
     return {"times": step_times, "cpu": cpu, "peak": max(res[r]["peak"] for r in res), "losses": res[0]["losses"]}

@@ -25,3 +25,11 @@ def test_overhead_bench_smoke():
     out = run_json("bench/overhead.py", "--json", "--preset", "debug", "--seq-len", "32", "--batch", "2",
                    "--steps", "4", "--rounds", "1", "--skip", "1")
     assert out["ratio"] > 0 and out["bare_median_s"] > 0 and out["meshlm_median_s"] > 0
+
+
+def test_ckpt_bench_smoke():
+    out = run_json("bench/ckpt.py", "--json", "--dim", "64", "--n-layers", "2", "--ffn-dim", "128", "--seq-len", "16",
+                   "--world", "2", "--steps", "2")
+    r = out["results"]
+    assert r["none"]["bytes"] == 0 and r["sync"]["bytes"] > 12 * out["params"]  # every element written once
+    assert r["sync"]["save_s"] > 0 and r["async"]["write_s"] > 0

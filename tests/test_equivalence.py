@@ -77,6 +77,19 @@ CASES = [
     ("tp2-pp2", 4, {"parallel__tp": 2, "parallel__pp": 2}),
     ("tp2-sp-pp2-zb-h1", 4, {"parallel__tp": 2, "parallel__sp": True, "parallel__pp": 2, "parallel__pp_schedule": "zb-h1"}),
     ("dp2-tp2-pp2-1f1b", 8, {"parallel__dp": 2, "parallel__tp": 2, "parallel__pp": 2, "parallel__pp_schedule": "1f1b"}),
+    # Context parallelism (issue #12): ring (zig-zag) and Ulysses, then with the other dimensions; more
+    # CP rows (AC, bf16, compile, every pipeline schedule, GQA) in test_cp.py.
+    ("cp2-ring", 2, {"parallel__cp": 2}),
+    ("cp4-ring", 4, {"parallel__cp": 4}),
+    ("cp2-ulysses", 2, {"parallel__cp": 2, "parallel__cp_impl": "ulysses"}),
+    ("cp4-ulysses", 4, {"parallel__cp": 4, "parallel__cp_impl": "ulysses"}),
+    ("cp4-ulysses-kv2", 4, {"parallel__cp": 4, "parallel__cp_impl": "ulysses", "model__n_kv_heads": 2}),
+    ("dp2-cp2-zero3", 4, {"parallel__dp": 2, "parallel__cp": 2, "parallel__zero": 3}),
+    ("cp2-tp2-sp", 4, {"parallel__cp": 2, "parallel__tp": 2, "parallel__sp": True}),
+    ("pp2-cp2-1f1b", 4, {"parallel__pp": 2, "parallel__cp": 2, "parallel__pp_schedule": "1f1b"}),
+    ("dp2-cp2-tp2-zero1", 8, {"parallel__dp": 2, "parallel__cp": 2, "parallel__tp": 2, "parallel__zero": 1}),
+    ("pp2-cp2-tp2-sp-ulysses", 8, {"parallel__pp": 2, "parallel__cp": 2, "parallel__tp": 2, "parallel__sp": True,
+                                   "parallel__cp_impl": "ulysses"}),
 ]
 
 

@@ -3,6 +3,7 @@ from live tensors (metrics.jsonl `mem`, rank 0) within 2%, for every layout that
 import pytest
 
 from harness import make_config, run_layout, run_local
+from meshlm import config as C
 from meshlm.plan.estimate import estimate
 from meshlm.plan.memory import stage_memory
 from meshlm.plan.spec import shape_from_config, spec_from_config
@@ -25,6 +26,11 @@ CASES = [
     # vocabulary padding (model.vocab_multiple 128): 300 ids take 384 rows, at tp=2 512 (256 per rank)
     ("vocab300-padded", 1, {"model__vocab_size": 300}),
     ("tp2-vocab300-padded", 2, {"parallel__tp": 2, "model__vocab_size": 300}),
+    # mixture of experts (issue 13): experts split over ep, ZeRO over the expert-data group
+    ("moe-ep2", 2, {"model__preset": "moe-debug", "parallel__dp": 2, "parallel__ep": 2}),
+    ("moe-dp4-ep2-zero3", 4, {"model__preset": "moe-debug", "parallel__dp": 4, "parallel__ep": 2, "parallel__zero": 3}),
+    ("moe-ep2-tp2-every2", 4, {"model__preset": "moe-debug", "parallel__dp": 2, "parallel__ep": 2, "parallel__tp": 2,
+                               "model__moe__every": 2}),
 ]
 
 
@@ -64,5 +70,91 @@ def test_planner_tp_traffic_matches_runtime_count(sp, ac):
     if sp:
         for kind in ("all_gather", "reduce_scatter"):
             assert planned[kind] == runtime[kind][0], (kind, planned, runtime)
-    else:  # the runtime's all-reduce count also has the loss's two (the grad norm is over the world group)
+    else:  # the runtime's all-reduce count also has the loss's two per micro-batch (the grad norm is
+        # one all-reduce over the world, not the tp group)
         assert planned["all_reduce"] == runtime["all_reduce"][0] - 2 * spec.accum, (planned, runtime)
+
+
+# -- context parallelism (issue #12) ------------------------------------------------------------
+
+CP_STATE = [
+    ("cp2", 2, {"parallel__cp": 2}),
+    ("cp2-zero1", 2, {"parallel__cp": 2, "parallel__zero": 1}),
+    ("dp2-cp2-zero3", 4, {"parallel__dp": 2, "parallel__cp": 2, "parallel__zero": 3}),
+    ("hsdp-dp2g1-cp2-zero2-ulysses", 4, {"parallel__dp": 2, "parallel__zero_group": 1, "parallel__cp": 2,
+                                         "parallel__zero": 2, "parallel__cp_impl": "ulysses"}),
+]
+
+
+@pytest.mark.parametrize("name,world,overrides", CP_STATE, ids=[c[0] for c in CP_STATE])
+def test_predicted_cp_state_bytes_match_measured(pools, name, world, overrides):
+    """ZeRO shards over dp_shard×cp (the planner's shard group is zero_group × cp)."""
+    test_predicted_state_bytes_match_measured(pools, name, world, overrides)
+
+
+def activation_task(cfg_dict: dict) -> int:
+    """Bytes the whole model saves for backward in one micro-batch's forward + loss on this rank."""
+    import os
+
+    import torch
+
+    from meshlm import config as C
+    from meshlm.distributed.mesh import init_context, pick_device
+    from meshlm.layout import model_args, resolve
+    from meshlm.model import Llama
+    from meshlm.parallel import parallelize
+    from meshlm.parallel.context_parallel import saved_bytes
+    from meshlm.train.optim import MasterOptimizer
+    cfg = C.from_dict(cfg_dict)
+    layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=120)
+    with torch.device("meta"):
+        model = Llama(model_args(cfg))
+    par = parallelize(model, ctx, cfg, layout, MasterOptimizer)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (cfg.training.micro_batch, cfg.data.seq_len + 1), generator=g)
+    x, y = (par.local_tokens(t) for t in (tokens[:, :-1], tokens[:, 1:]))
+    return saved_bytes(par.model, lambda: par.loss_fn(par.model(x), y))
+
+
+CP_ACTS = [(c, impl, ac) for c in (1, 2, 4) for impl in ("ring", "ulysses") for ac in ("none", "selective")
+           if not (c == 1 and impl == "ulysses")] + [(2, "ring", "full")]
+
+
+@pytest.mark.parametrize("cp,impl,ac", CP_ACTS, ids=[f"cp{c}-{i}-{a}" for c, i, a in CP_ACTS])
+def test_predicted_cp_activations_match_measured(pools, cp, impl, ac):
+    """The planner's activation bytes per rank (blocks, embedding ids, head and loss) against the
+    tensors autograd really saves in one forward, within 10%: they fall as 1/cp."""
+    over = {"parallel__cp": cp, "parallel__cp_impl": impl, "training__ac": ac, "data__seq_len": 128,
+            "model__n_kv_heads": 2 if impl == "ring" else 1}
+    cfg = make_config(**over)
+    if cp == 1:
+        measured = _local(activation_task, cfg)
+    else:
+        measured = pools(cp).run(activation_task, C.to_dict(cfg))[0]
+    pred = estimate(shape_from_config(cfg), spec_from_config(cfg, cp))["per_gpu"]["activations"]
+    print(f"cp{cp} {impl} ac={ac}: measured {measured} B, planned {pred:.0f} B ({measured / pred:.3f})")
+    assert measured == pytest.approx(pred, rel=0.10)
+
+
+def _local(task, cfg):
+    return task(C.to_dict(cfg))
+
+
+@pytest.mark.parametrize("impl,ac,kv", [("ring", "none", 4), ("ring", "full", 2), ("ulysses", "none", 4),
+                                        ("ulysses", "full", 1)])
+def test_planner_cp_traffic_matches_runtime_count(impl, ac, kv):
+    """The planner's CP bytes per step equal the runtime's formula (checked against Comm's books in
+    test_cp.test_cp_bytes_match_theory), for cp = 4."""
+    from meshlm.layout import model_args
+    from meshlm.parallel.context_parallel import expected_bytes
+    from meshlm.plan.comm import collectives
+
+    cfg = make_config(parallel__cp=4, parallel__cp_impl=impl, training__ac=ac, model__n_kv_heads=kv)
+    shape, spec = shape_from_config(cfg), spec_from_config(cfg, 4)
+    e = 4
+    planned = [c for c in collectives(shape, spec, 0, 0, shape.args.n_layers, True, True, None) if c.group == "cp"]
+    runtime = expected_bytes(model_args(cfg), spec.micro_batch, spec.seq_len, spec.accum, 4, impl, 1, ac, e)
+    kind = "send" if impl == "ring" else "all_to_all"
+    assert sum(c.calls for c in planned) == runtime[kind][0]
+    assert sum(c.calls * c.buffer_bytes for c in planned) == pytest.approx(runtime[kind][1], rel=1e-9)

@@ -45,8 +45,8 @@ def loss_task(vocab: int, n: int, seed: int):
     return float(loss), float(want), float((mine.grad - grad_want).abs().max())
 
 
-def comm_task(cfg_dict: dict, steps: int):
-    """Train `steps` steps and return what the tp group moved: {kind: (calls, bytes)}."""
+def comm_task(cfg_dict: dict, steps: int, group: str = "tp"):
+    """Train `steps` steps and return what `group` moved: {kind: (calls, bytes)}."""
     from meshlm.distributed.comm import reset_stats
     from meshlm.train.trainer import Trainer
     cfg = C.from_dict(cfg_dict)
@@ -55,7 +55,7 @@ def comm_task(cfg_dict: dict, steps: int):
     reset_stats(ctx.all_comms())
     for _ in range(steps):
         trainer.train_step()
-    return {k: (s.calls, s.bytes) for k, s in ctx.comm("tp").stats.items()}
+    return {k: (s.calls, s.bytes) for k, s in ctx.comm(group).stats.items() if k != "recv_wait"}
 
 
 def activation_task(cfg_dict: dict):

@@ -1,4 +1,4 @@
-"""`meshlm` command line: train | prepare | plan | estimate | schedule | report."""
+"""`meshlm` command line: train | prepare | plan | estimate | schedule | report | explore | convert | generate."""
 from __future__ import annotations
 
 import argparse
@@ -14,18 +14,23 @@ def _fail(msg: str, code: int = 2) -> int:
 
 def cmd_train(args, extra: list[str]) -> int:
     from . import config as C
-    from .layout import check_data, resolve
-    from .train.launch import spawn, under_launcher
+    from .layout import check_data, pin_model_shape, resolve
+    from .train.launch import record_error, spawn, under_launcher, worker_errors
 
     try:
         pairs, rest = C.parse_overrides(extra)
         if rest:
             raise C.ConfigError(f"unrecognised argument: {rest[0]}")
         cfg = C.load(args.config, pairs)
+        pin_model_shape(cfg)  # model.init_from: the HF model's shape goes into config.toml
         worker = args.worker or under_launcher()
         world = int(os.environ["WORLD_SIZE"]) if worker else (args.nproc or 1)
         if worker and args.nproc:
             raise C.ConfigError("--nproc: leave it out under torchrun or Slurm (the launcher starts the workers)")
+        if args.max_restarts < 0:
+            raise C.ConfigError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
+        if worker and args.max_restarts and not args.worker:
+            raise C.ConfigError("--max-restarts: under torchrun pass torchrun's own --max-restarts")
         resolve(cfg, world)
         check_data(cfg)
         run_dir = args.run_dir or os.path.join("runs", f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -39,15 +44,23 @@ def cmd_train(args, extra: list[str]) -> int:
         if not (args.config and os.path.abspath(args.config) == os.path.abspath(resolved) and not pairs):
             with open(resolved, "w") as f:
                 f.write(C.to_toml(cfg))
-    if not worker and world > 1:
+    if not worker and (world > 1 or args.max_restarts):
         print(f"meshlm: {world} workers, run dir {run_dir}", file=sys.stderr)
-        code = spawn(world, os.path.join(run_dir, "config.toml"), run_dir)
+        code = spawn(world, os.path.join(run_dir, "config.toml"), run_dir, args.max_restarts)
+        if code:
+            for line in worker_errors(run_dir):  # the failing ranks' own one-line reasons
+                print(line, file=sys.stderr)
         return code and _fail(f"training failed (exit {code}); worker logs in {run_dir}/logs", code)
     from .train.trainer import run
     try:
         last = run(cfg, run_dir)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
-        return _fail(f"rank {os.environ.get('RANK', '0')}: {str(e).splitlines()[0] if str(e) else type(e).__name__}", 1)
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        prefix = f"rank {os.environ.get('RANK', '0')}: "
+        line = first if first.startswith(prefix) else prefix + first  # CollectiveErrors name the rank
+        if worker:
+            record_error(run_dir, int(os.environ.get("RANK", "0")), f"meshlm: {line}")
+        return _fail(line, 1)
     if last and int(os.environ.get("RANK", "0")) == 0:
         print(f"meshlm: done, step {last.get('step')} loss {last.get('loss', float('nan')):.4f}; "
               f"run dir {run_dir}", file=sys.stderr)
@@ -86,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", help="TOML config file")
     t.add_argument("--nproc", type=int, help="start N local workers through torchrun")
     t.add_argument("--run-dir", help="where config, metrics, checkpoints and logs go")
+    t.add_argument("--max-restarts", type=int, default=0,
+                   help="restart all workers up to R times after one fails, resuming from the newest "
+                        "checkpoint (torchrun's elastic agent; also with one worker)")
     t.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     t.set_defaults(func=cmd_train)
     pr = sub.add_parser("prepare", help="tokenise text files into memory-mapped shards")
@@ -98,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("run_dir")
     r.add_argument("--out", help="PNG path (default RUN_DIR/report.png)")
     r.set_defaults(func=cmd_report)
-    for mod, fn in (("meshlm.plan.cli_cmds", "add_parsers"), ("meshlm.parallel.pipeline.schedule_cmd", "add_parser")):
+    for mod, fn in (("meshlm.plan.cli_cmds", "add_parsers"), ("meshlm.parallel.pipeline.schedule_cmd", "add_parser"),
+                    ("meshlm.explore.server", "add_parser"), ("meshlm.cli_hf", "add_parsers")):
         try:
             module = __import__(mod, fromlist=[fn])
         except ImportError:

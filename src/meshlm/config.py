@@ -23,10 +23,15 @@ class ConfigError(ValueError):
 
 @dataclass
 class MoEConfig:
-    num_experts: int = 0
-    top_k: int = 2
-    capacity_factor: float = 1.25
-    shared_experts: int = 0
+    """Mixture-of-experts keys; None = the preset's value (model/args.py: ModelArgs' MoE fields)."""
+    num_experts: int | None = None
+    top_k: int | None = None
+    ffn_dim: int | None = None            # one routed expert's hidden size (default: model.ffn_dim)
+    shared_experts: int | None = None
+    capacity_factor: float | None = None  # <= 0: dropless
+    every: int | None = None              # every k-th block is MoE
+    first_dense: int | None = None        # leading dense blocks
+    aux_loss_coef: float | None = None
 
 
 @dataclass
@@ -41,7 +46,9 @@ class ModelConfig:
     max_seq_len: int | None = None
     rope_theta: float | None = None
     tie_embeddings: bool | None = None
+    norm_eps: float | None = None
     vocab_multiple: int = 128  # embedding/head rows padded to a multiple of this × tp; 1: no padding
+    init_from: str = ""  # "hf:DIR": start from a Hugging Face Llama (shape from its config.json)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
 
@@ -86,6 +93,7 @@ class TrainingConfig:
     eval_every: int = 40
     eval_batches: int = 4
     device: str = "auto"  # auto, cpu, cuda
+    peak_tflops: float = 0.0  # peak per device behind MFU; 0: datasheet (GPU) or measured (CPU)
 
 
 @dataclass
@@ -101,10 +109,11 @@ class OptimConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # 0: never
+    every: int | str = 0  # steps between checkpoints, 0: never, "auto": Young/Daly from mtbf_hours
     keep: int = 2
     async_: bool = False
     resume: str = "auto"  # auto, never, or a path
+    mtbf_hours: float = 0.0  # the job's mean time between failures (for every = "auto")
 
 
 @dataclass
@@ -139,6 +148,11 @@ def _coerce(value: Any, current: Any, typ: Any, where: str) -> Any:
     t = str(typ)
     if value is None and "None" in t:
         return None
+    if t == "int | str":  # a count or a word (checkpoint.every = "auto"), checked by layout.resolve
+        try:
+            return int(value) if not isinstance(value, bool) else value
+        except (TypeError, ValueError):
+            return str(value).strip()
     if t.startswith("list"):
         return _coerce_int_list(value, where)
     if isinstance(value, str) and "str" not in t.split("|")[0]:

@@ -12,9 +12,12 @@ from .model.args import PRESETS, ModelArgs
 
 # Dimensions whose runtime has not landed yet: refused with the issue that brings them.
 NOT_YET: dict[str, str] = {
-    "cp": "context parallelism",
-    "ep": "expert parallelism",
 }
+
+# model.moe.<key> -> ModelArgs field
+MOE_KEYS = {"num_experts": "num_experts", "top_k": "top_k", "ffn_dim": "moe_ffn_dim",
+            "shared_experts": "shared_experts", "capacity_factor": "capacity_factor", "every": "moe_every",
+            "first_dense": "moe_first_dense", "aux_loss_coef": "aux_loss_coef"}
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class Layout:
     micro_batch: int
     accum: int  # micro-batches per optimizer step on each dp rank
     microbatches: int  # pipeline micro-batches per step (= accum unless set)
+    ep: int = 1  # expert parallelism: a second view of the dp×cp ranks (distributed/mesh.py)
 
     @property
     def dp(self) -> int:
@@ -39,18 +43,21 @@ class Layout:
 
     def shape(self) -> dict[str, int]:
         return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
-                "cp": self.cp, "tp": self.tp}
+                "cp": self.cp, "tp": self.tp, "ep": self.ep}
 
 
-def model_args(cfg: Config, moe: bool = False) -> ModelArgs:
-    """The preset with the model section's overrides, checked. `moe`: accept mixture-of-experts keys
-    (the planner sizes MoE models; training refuses them until expert parallelism lands)."""
+def model_args(cfg: Config) -> ModelArgs:
+    """The preset with the model section's overrides (model.moe.* included), checked."""
     m = cfg.model
     if m.preset not in PRESETS:
         raise ConfigError(f"model.preset: unknown preset '{m.preset}' (known: {', '.join(PRESETS)})")
     base = PRESETS[m.preset]
     changes = {f.name: getattr(m, f.name) for f in dataclasses.fields(ModelArgs)
                if hasattr(m, f.name) and getattr(m, f.name) is not None}
+    if m.init_from:
+        base = _hf_base(m.init_from, changes)
+    changes.update({field: getattr(m.moe, key) for key, field in MOE_KEYS.items()
+                    if getattr(m.moe, key) is not None})
     args = dataclasses.replace(base, **changes)
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
                 "vocab_multiple"):
@@ -62,9 +69,75 @@ def model_args(cfg: Config, moe: bool = False) -> ModelArgs:
         raise ConfigError(f"model.n_heads: head_dim {args.head_dim} must be even for RoPE")
     if args.n_heads % args.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads: {args.n_kv_heads} does not divide model.n_heads {args.n_heads}")
-    if m.moe.num_experts and not moe:
-        raise ConfigError("model.moe.num_experts: mixture-of-experts is not implemented yet")
+    _check_moe(args, m.moe)
     return args
+
+
+def _check_moe(args: ModelArgs, given) -> None:
+    if args.num_experts < 0:
+        raise ConfigError(f"model.moe.num_experts: must be >= 0, got {args.num_experts}")
+    if not args.moe:
+        extra = [k for k in MOE_KEYS if k != "num_experts" and getattr(given, k) is not None]
+        if extra:
+            raise ConfigError(f"model.moe.{extra[0]}: set on a dense model (model.moe.num_experts = 0)")
+        return
+    if not 1 <= args.top_k <= args.num_experts:
+        raise ConfigError(f"model.moe.top_k: {args.top_k} must be between 1 and num_experts {args.num_experts}")
+    for key in ("ffn_dim", "shared_experts", "first_dense"):
+        if getattr(args, MOE_KEYS[key]) < 0:
+            raise ConfigError(f"model.moe.{key}: must be >= 0, got {getattr(args, MOE_KEYS[key])}")
+    if args.moe_every < 1:
+        raise ConfigError(f"model.moe.every: must be >= 1, got {args.moe_every}")
+    if args.aux_loss_coef < 0:
+        raise ConfigError(f"model.moe.aux_loss_coef: must be >= 0, got {args.aux_loss_coef}")
+    if args.n_moe_blocks == 0:
+        raise ConfigError(f"model.moe.first_dense: {args.moe_first_dense} leaves no MoE block in "
+                          f"{args.n_layers} layers")
+
+
+# Keys a config may set on top of a Hugging Face model's shape (they change no weight).
+HF_FREE_KEYS = ("max_seq_len", "vocab_multiple")
+
+
+def _hf_base(init_from: str, changes: dict) -> ModelArgs:
+    """The shape of the `model.init_from` model; explicit model keys must agree with it."""
+    from .model.hf_config import args_from_hf
+    if not init_from.startswith("hf:") or len(init_from) == 3:
+        raise ConfigError(f"model.init_from: expected 'hf:DIR', got '{init_from}'")
+    try:
+        base = args_from_hf(init_from[3:])
+    except ValueError as e:
+        raise ConfigError(f"model.init_from: {e}") from None
+    for key, value in changes.items():
+        if key not in HF_FREE_KEYS and getattr(base, key) != value:
+            raise ConfigError(f"model.{key}: {value} differs from {init_from[3:]}/config.json "
+                              f"({getattr(base, key)}); leave it out to use the Hugging Face model's shape")
+    return base
+
+
+def pin_model_shape(cfg: Config) -> None:
+    """Write the model.init_from model's shape into the config, so the run directory's config.toml
+    (and every checkpoint's meta.json) describe the model without the Hugging Face directory."""
+    if not cfg.model.init_from:
+        return
+    args = model_args(cfg)
+    for f in dataclasses.fields(ModelArgs):
+        if hasattr(cfg.model, f.name) and getattr(cfg.model, f.name) is None:
+            setattr(cfg.model, f.name, getattr(args, f.name))
+
+
+def check_checkpoint_keys(cfg: Config) -> None:
+    c = cfg.checkpoint
+    if isinstance(c.every, str):
+        if c.every != "auto":
+            raise ConfigError(f"checkpoint.every: expected a step count or \"auto\", got '{c.every}'")
+        if not c.mtbf_hours or c.mtbf_hours <= 0:
+            raise ConfigError("checkpoint.mtbf_hours: checkpoint.every = \"auto\" needs the job's mean time "
+                              "between failures in hours (> 0)")
+    elif c.every < 0:
+        raise ConfigError(f"checkpoint.every: must be >= 0 or \"auto\", got {c.every}")
+    if c.mtbf_hours < 0:
+        raise ConfigError(f"checkpoint.mtbf_hours: must be >= 0, got {c.mtbf_hours}")
 
 
 def _choice(value, allowed, key: str) -> None:
@@ -103,8 +176,31 @@ def check_shape(args: ModelArgs, tp: int, pp: int, pp_virtual: int) -> None:
         raise ConfigError(f"parallel.tp: {tp} and model.n_kv_heads {args.n_kv_heads} do not divide one another")
     if args.ffn_dim % tp:
         raise ConfigError(f"parallel.tp: {tp} does not divide model.ffn_dim {args.ffn_dim}")
+    if args.moe and args.expert_dim % tp:
+        raise ConfigError(f"parallel.tp: {tp} does not divide model.moe.ffn_dim {args.expert_dim}")
     if args.n_layers < pp * pp_virtual:
         raise ConfigError(f"parallel.pp: {args.n_layers} layers cannot fill pp×pp_virtual = {pp * pp_virtual} stages")
+
+
+def check_cp(args: ModelArgs, cp: int, impl: str, tp: int, sp: bool, seq_len: int) -> None:
+    """Context parallelism against the sequence and the heads (shared with the planner). Ring cuts each
+    sequence in 2·cp chunks (zig-zag); Ulysses in cp, and splits each TP rank's heads over cp."""
+    if cp == 1:
+        return
+    chunks = 2 * cp if impl == "ring" else cp
+    if seq_len % chunks:
+        raise ConfigError(f"data.seq_len: {seq_len} is not divisible by {chunks} "
+                          f"({'2×cp: ring attention holds 2 chunks per rank' if impl == 'ring' else 'cp'})")
+    if sp and tp > 1 and (seq_len // cp) % tp:
+        raise ConfigError(f"parallel.sp: each CP rank's {seq_len // cp} tokens are not divisible by tp {tp}")
+    if impl == "ulysses":
+        heads, kv = args.n_heads // tp, max(1, args.n_kv_heads // tp)
+        if heads % cp:
+            raise ConfigError(f"parallel.cp: ulysses splits the {heads} heads per TP rank over cp = {cp}; "
+                              f"cp does not divide them")
+        if kv % cp and cp % kv:
+            raise ConfigError(f"model.n_kv_heads: ulysses needs the {kv} kv heads per TP rank and cp = {cp} "
+                              f"to divide one another")
 
 
 def resolve(cfg: Config, world_size: int) -> Layout:
@@ -137,21 +233,43 @@ def resolve(cfg: Config, world_size: int) -> Layout:
     # sp splits the sequence over the tp group; at tp = 1 it is a no-op (docs/tensor_parallel.md)
     if p.sp and p.tp > 1 and cfg.data.seq_len % p.tp:
         raise ConfigError(f"parallel.sp: data.seq_len {cfg.data.seq_len} is not divisible by tp {p.tp}")
-    if (dp_shard * p.cp) % p.ep:
-        raise ConfigError(f"parallel.ep: {p.ep} does not divide dp_shard×cp = {dp_shard * p.cp}")
+    check_cp(args, p.cp, p.cp_impl, p.tp, p.sp, cfg.data.seq_len)
+    check_ep(args, p.ep, dp, dp_shard, p.cp, p.zero)
     if cfg.data.seq_len < 1:
         raise ConfigError(f"data.seq_len: must be >= 1, got {cfg.data.seq_len}")
     if p.pp > 1 or p.pp_virtual > 1 or p.pp_layers:
         _check_pipeline(cfg, args, microbatches)
     if t.steps < 0:
         raise ConfigError(f"training.steps: must be >= 0, got {t.steps}")
+    if t.peak_tflops < 0:
+        raise ConfigError(f"training.peak_tflops: must be >= 0 (0 = datasheet or measured), got {t.peak_tflops}")
+    check_checkpoint_keys(cfg)
     for key, label in NOT_YET.items():
         value = getattr(p, key)
         if value > (0 if key == "zero" else 1):
             raise ConfigError(f"parallel.{key}: {label} is not available in this build yet")
     del tr
     return Layout(pp=p.pp, dp_replicate=dp // dp_shard, dp_shard=dp_shard, cp=p.cp, tp=p.tp,
-                  micro_batch=t.micro_batch, accum=accum, microbatches=microbatches)
+                  micro_batch=t.micro_batch, accum=accum, microbatches=microbatches, ep=p.ep)
+
+
+def check_ep(args: ModelArgs, ep: int, dp: int, dp_shard: int, cp: int, zero: int) -> None:
+    """Expert parallelism against the model and the dp×cp block it borrows its ranks from (shared with
+    the planner). With ZeRO the experts' shard group lies inside one HSDP shard group: ep | dp_shard×cp."""
+    if args.moe and cp > 1 and args.capacity_factor > 0:  # each cp rank routes only its chunks
+        raise ConfigError("model.moe.capacity_factor: capacity dropping with context parallelism is not "
+                          "supported (each cp rank holds part of the micro-batch); use a dropless model (<= 0)")
+    if ep == 1:
+        return
+    if not args.moe:
+        raise ConfigError("parallel.ep: expert parallelism needs a mixture-of-experts model (model.moe.num_experts > 0)")
+    if args.num_experts % ep:
+        raise ConfigError(f"parallel.ep: {ep} does not divide model.moe.num_experts {args.num_experts}")
+    if (dp * cp) % ep:
+        raise ConfigError(f"parallel.ep: {ep} does not divide dp×cp = {dp * cp}")
+    if zero and (dp_shard * cp) % ep:
+        raise ConfigError(f"parallel.ep: {ep} does not divide the ZeRO shard group × cp = {dp_shard * cp} "
+                          f"(parallel.zero_group)")
 
 
 def _check_pipeline(cfg: Config, args: ModelArgs, microbatches: int) -> None:
@@ -164,7 +282,14 @@ def _check_pipeline(cfg: Config, args: ModelArgs, microbatches: int) -> None:
 
 
 def check_data(cfg: Config) -> None:
-    """Missing data or an unreadable tokenizer: refused before workers start."""
+    """Missing data, an unreadable tokenizer or Hugging Face weights that do not match their
+    config.json (headers only): refused before workers start."""
+    if cfg.model.init_from:
+        from .model.hf import HFWeights
+        try:
+            HFWeights(cfg.model.init_from[3:]).check(model_args(cfg))
+        except ValueError as e:
+            raise ConfigError(f"model.init_from: {e}") from None
     if cfg.data.path:
         if not os.path.exists(cfg.data.path):
             raise ConfigError(f"data.path: no such directory: {cfg.data.path}")

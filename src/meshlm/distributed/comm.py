@@ -8,8 +8,11 @@ textbook unit (DDP moves 2Ψ, ZeRO-3 3Ψ). `wire_bytes` is what a ring actually 
 """
 from __future__ import annotations
 
+import json
+import sys
+import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 
 import torch
@@ -76,13 +79,21 @@ class Comm:
         try:
             return fn(*args, **kwargs)
         except Exception as e:  # gloo/nccl timeouts and peer failures surface here
-            lag = self.watchdog.describe() if self.watchdog is not None else ""
+            wd = self.watchdog
+            lag = wd.describe(self.name, self.ranks) if wd is not None else ""
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if wd is not None:
+                wd.dump()  # this rank's last collectives, to its log
             raise CollectiveError(f"rank {self.global_rank}: {kind} on group '{self.name}' (ranks "
                                   f"{self.ranks}) failed: {first[:300]}{lag}") from e
 
+    def _enter(self, kind: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.enter(self.name, kind)
+
     def _run(self, kind: str, nbytes: int, wire_factor: float, fn, async_op: bool, after=None, **kw):
         self._book(kind, nbytes, wire_factor)
+        self._enter(kind)
         if not async_op:
             t0 = time.perf_counter()
             self._guard(kind, fn, group=self.group, async_op=False, **kw)
@@ -131,6 +142,17 @@ class Comm:
         return self._run("reduce_scatter", nbytes, self.ring,
                          lambda **kw: _reduce_scatter(out, full, op=op, **kw), async_op)
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
+                   in_splits: list[int] | None = None, async_op: bool = False):
+        """Rank r sends `inp`'s i-th block (dim 0) to rank i and receives rank i's r-th block into `out`'s
+        i-th block, in rank order; blocks are equal, or sized by the splits (rows along dim 0). Booked:
+        the bytes this rank sends, (size-1)/size of them cross a link."""
+        if self.size == 1:
+            out.copy_(inp.reshape(out.shape))
+            return Handle(self, "all_to_all", None) if async_op else None
+        return self._run("all_to_all", inp.numel() * inp.element_size(), self.ring,
+                         lambda **kw: dist.all_to_all_single(out, inp, out_splits, in_splits, **kw), async_op)
+
     def _has_reduce_scatter(self) -> bool:
         """Recent gloo builds reduce-scatter natively; older ones raise at once on every rank, so a
         tiny probe (not booked) on the first call decides, the same way on all members."""
@@ -151,6 +173,7 @@ class Comm:
 
     def barrier(self) -> None:
         if self.size > 1:
+            self._enter("barrier")
             self._guard("barrier", dist.barrier, group=self.group)
 
     def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int]]) -> list:
@@ -162,6 +185,7 @@ class Comm:
             self._book(kind, t.numel() * t.element_size(), 1.0)
             fn = dist.isend if kind == "send" else dist.irecv
             p2p.append(dist.P2POp(fn, t, self.ranks[peer], group=self.group))
+        # not numbered: pipeline stages send different numbers of messages by design
         return self._guard("send/recv", dist.batch_isend_irecv, p2p)
 
     def wait_p2p(self, works: list) -> None:
@@ -180,12 +204,26 @@ class Comm:
 
 
 class Watchdog:
-    """Per-rank heartbeats in the job's key-value store, so a collective that times out can name the
-    ranks that stopped answering instead of hanging or failing anonymously."""
+    """Per-rank heartbeats and a small flight recorder in the job's key-value store, so a collective
+    that times out names the ranks that never entered it instead of hanging or failing anonymously.
 
-    def __init__(self, store, rank: int, world: int):
-        self.store, self.rank, self.world = store, rank, world
+    Every collective a rank enters gets a sequence number per group (the same on every member when
+    they agree); the last few are kept in memory. A daemon thread publishes the numbers to the store
+    about every `period` seconds (never on the collective's path: a store round trip per collective
+    would cost milliseconds per step). A frozen rank stops publishing, so what the others read is
+    where it froze, give or take one period; that is how the error can say "rank 1 never entered
+    all_reduce #57 on group 'dp'" when both ranks had beaten the same step.
+    """
+
+    def __init__(self, store, rank: int, world: int, period: float = 0.2, keep: int = 16):
+        self.store, self.rank, self.world, self.period = store, rank, world, period
         self.step = -1
+        self.seq: dict[str, int] = defaultdict(int)
+        self.recent: deque = deque(maxlen=keep)  # (group, seq, kind, step, time)
+        self._dirty, self._stop, self._lock = True, threading.Event(), threading.Lock()
+        self._publish()
+        self._thread = threading.Thread(target=self._loop, name="meshlm-flight-recorder", daemon=True)
+        self._thread.start()
 
     @classmethod
     def for_job(cls, rank: int, world: int) -> "Watchdog | None":
@@ -197,20 +235,72 @@ class Watchdog:
     def beat(self, step: int) -> None:
         self.step = step
         self.store.set(f"meshlm/beat/{self.rank}", str(step))
+        self._publish()  # also once a step on the main thread: the record is at most a step old
 
-    def describe(self) -> str:
-        behind = []
+    def enter(self, group: str, kind: str) -> None:
+        """A collective is being issued on `group` (cheap: no store access here)."""
+        with self._lock:
+            self.seq[group] += 1
+            self.recent.append((group, self.seq[group], kind, self.step, time.time()))
+            self._dirty = True
+
+    def _publish(self) -> None:
+        with self._lock:
+            self._dirty = False
+            record = {"seq": dict(self.seq), "step": self.step, "time": time.time(),
+                      "last": self.recent[-1] if self.recent else None}
+        self.store.set(f"meshlm/fr/{self.rank}", json.dumps(record))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period):
+            if self._dirty:
+                try:
+                    self._publish()
+                except Exception:  # noqa: BLE001 - the store went away with the job: stop quietly
+                    return
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _read(self, key: str):
+        return self.store.get(key) if self.store.check([key]) else None
+
+    def describe(self, group: str | None = None, ranks: list[int] | None = None) -> str:
+        """Who is missing from the collective this rank is stuck in (on `group`), and who is behind."""
+        mine = self.seq.get(group, 0) if group else 0
+        kind = next((e[2] for e in reversed(self.recent) if e[0] == group), "collective")
+        missing, behind = [], []
         try:
-            for r in range(self.world):
-                key = f"meshlm/beat/{r}"
-                step = int(self.store.get(key)) if self.store.check([key]) else -1
-                if r != self.rank and step < self.step:
+            for r in ranks if ranks is not None else range(self.world):
+                if r == self.rank:
+                    continue
+                fr = self._read(f"meshlm/fr/{r}")
+                if group and fr is not None:
+                    rec = json.loads(fr)
+                    theirs = rec["seq"].get(group, 0)
+                    if theirs < mine:
+                        last = rec["last"]
+                        where = (f"last reported: {last[2]} #{last[1]} on '{last[0]}' at step {last[3]}"
+                                 if last else "it reported none")
+                        missing.append(f"rank {r} never entered {kind} #{mine} on group '{group}' ({where}; "
+                                       f"reported {time.time() - rec['time']:.0f} s ago)")
+                beat = self._read(f"meshlm/beat/{r}")
+                step = int(beat) if beat is not None else -1
+                if step < self.step:
                     behind.append(f"rank {r} at step {step}" if step >= 0 else f"rank {r} never started")
-        except Exception:  # the store itself may be gone with the failed peer
+        except Exception:  # noqa: BLE001 - the store itself may be gone with the failed peer
             return "; peers' progress unknown (store unreachable)"
-        if not behind:
-            return ""
-        return f"; stopped answering: {', '.join(behind)} (this rank is at step {self.step})"
+        out = "; " + "; ".join(missing) if missing else ""
+        if behind:
+            out += f"; stopped answering: {', '.join(behind)} (this rank is at step {self.step})"
+        return out
+
+    def dump(self) -> None:
+        """The flight record of this rank (its last collectives), to stderr, i.e. its log file."""
+        print(f"meshlm flight recorder, rank {self.rank} (step {self.step}), last collectives:", file=sys.stderr)
+        for group, seq, kind, step, t in self.recent:
+            print(f"  {time.strftime('%H:%M:%S', time.localtime(t))} step {step} {kind} #{seq} on '{group}'",
+                  file=sys.stderr)
 
 
 def merge_stats(comms: list[Comm]) -> dict[str, Stat]:

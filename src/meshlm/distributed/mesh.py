@@ -1,4 +1,5 @@
-"""The 5-D device mesh (pp, dp_replicate, dp_shard, cp, tp) and the process groups along it.
+"""The 5-D device mesh (pp, dp_replicate, dp_shard, cp, tp) and the process groups along it, plus the
+expert view of the dp×cp ranks when `shape["ep"] > 1` (`expert_groups`).
 
 Rank r sits at coordinates given by r in row-major order over that shape, so tp neighbours are
 consecutive ranks (one node) and pp is outermost. Groups are created once, on every rank, in the same
@@ -19,7 +20,10 @@ from .comm import Comm
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # Groups that span several mesh dimensions at once.
-COMPOSITES = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp")}
+# dp_cp / dp_shard_cp: context-parallel ranks hold the same weights and see other tokens, so gradients
+# are averaged over dp×cp and ZeRO shards over dp_shard×cp (as torchtitan does).
+COMPOSITES = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+              "dp_cp": ("dp_replicate", "dp_shard", "cp")}
 
 
 def coords_of(rank: int, shape: dict[str, int]) -> dict[str, int]:
@@ -48,6 +52,22 @@ def groups_along(dims: tuple[str, ...], shape: dict[str, int]) -> list[list[int]
             c = dict(base, **dict(zip(dims, var_vals)))
             members.append(rank_of(c, shape))
         out.append(sorted(members))
+    return out
+
+
+def expert_groups(shape: dict[str, int], ep: int) -> dict[str, list[list[int]]]:
+    """The expert view of the dp_replicate × dp_shard × cp block (flattened row-major, per pp and tp
+    coordinate): `ep` = runs of ep consecutive ranks (each holds E/ep experts), `edp` = the ranks
+    holding the same experts (every ep-th), `edp_shard` = those inside one dp_replicate slice (ZeRO's
+    expert shard group; only when ep divides dp_shard × cp)."""
+    inner = shape["dp_shard"] * shape["cp"]
+    out: dict[str, list[list[int]]] = {"ep": [], "edp": [], "edp_shard": []}
+    for g in groups_along(("dp_replicate", "dp_shard", "cp"), shape):
+        out["ep"] += [g[i:i + ep] for i in range(0, len(g), ep)]
+        out["edp"] += [g[r::ep] for r in range(ep)]
+        if inner % ep == 0:
+            for rep in range(0, len(g), inner):
+                out["edp_shard"] += [g[rep:rep + inner][r::ep] for r in range(ep)]
     return out
 
 
@@ -107,7 +127,8 @@ def init_context(shape: dict[str, int], device: torch.device, timeout_s: float =
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+                                device_id=device if device.type == "cuda" else None,
+                                **_attempt_store(rank, world, timeout_s))
     ctx = ParallelContext(rank=rank, world_size=world, shape=dict(shape), device=device)
     for name in DIMS + tuple(COMPOSITES):
         dims = COMPOSITES.get(name, (name,))
@@ -119,8 +140,27 @@ def init_context(shape: dict[str, int], device: torch.device, timeout_s: float =
         ends.append([g[0], g[-1]] if len(g) > 1 else g)
         ends += [[r] for r in g[1:-1]]
     ctx.comms["pp_ends"] = _make_comm("pp_ends", ends, rank, world, timeout_s)
+    # Expert parallelism: a second view of the dp×cp ranks (experts × expert-data), groups of its own.
+    ep = shape.get("ep", 1)
+    if ep > 1:
+        for name, groups in expert_groups(shape, ep).items():
+            if groups:
+                ctx.comms[name] = _make_comm(name, groups, rank, world, timeout_s)
     ctx.comms["world"] = Comm("world", dist.group.WORLD if world > 1 else None, list(range(world)), rank)
     return ctx
+
+
+def _attempt_store(rank: int, world: int, timeout_s: float) -> dict:
+    """After an elastic restart, a key prefix of this attempt's own in the job's store: the agent's
+    store outlives the workers, and the first attempt's process-group keys (peer addresses of dead
+    workers) would otherwise be read back and make the new ranks' connections fail."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0 or "MASTER_ADDR" not in os.environ:
+        return {}
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                         is_master=rank == 0 and not agent, timeout=timedelta(seconds=timeout_s))
+    return {"store": dist.PrefixStore(f"meshlm/attempt_{attempt}", base), "rank": rank, "world_size": world}
 
 
 def _make_comm(name: str, all_groups: list[list[int]], rank: int, world: int, timeout_s: float) -> Comm:

@@ -17,6 +17,30 @@ class ModelArgs:
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     vocab_multiple: int = 128  # rows of the embedding and head are padded to this × tp (padded_vocab)
+    # Mixture of experts (model/moe.py; config keys model.moe.*): 0 experts = a dense model.
+    num_experts: int = 0
+    top_k: int = 2
+    moe_ffn_dim: int = 0          # hidden size of one routed expert (0: ffn_dim)
+    shared_experts: int = 0       # always-on experts, run as one SwiGLU of shared_experts × moe_ffn_dim
+    capacity_factor: float = 0.0  # <= 0: dropless; else each expert takes ceil(cf·T·k/E) per micro-batch
+    moe_every: int = 1            # every k-th block (after the dense ones) is a MoE block
+    moe_first_dense: int = 0      # leading blocks that keep the dense FFN (DeepSeek's first_k_dense)
+    aux_loss_coef: float = 0.01   # weight of each MoE block's load-balancing loss
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def expert_dim(self) -> int:
+        return self.moe_ffn_dim or self.ffn_dim
+
+    def is_moe_block(self, i: int) -> bool:
+        return self.moe and i >= self.moe_first_dense and (i - self.moe_first_dense) % self.moe_every == 0
+
+    @property
+    def n_moe_blocks(self) -> int:
+        return sum(self.is_moe_block(i) for i in range(self.n_layers))
 
     @property
     def head_dim(self) -> int:
@@ -29,11 +53,26 @@ class ModelArgs:
         mlp = 3 * self.dim * self.ffn_dim
         block = attn + mlp + 2 * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return self.vocab_size * self.dim + self.n_layers * block + self.dim + head
+        moe = self.n_moe_blocks * (self.moe_block_params(self.num_experts) - mlp)
+        return self.vocab_size * self.dim + self.n_layers * block + moe + self.dim + head
+
+    def moe_block_params(self, experts: int) -> int:
+        """Feed-forward parameters of one MoE block counting `experts` routed experts: router, routed
+        and shared experts (`experts = top_k` gives the parameters one token runs through)."""
+        return self.dim * self.num_experts + 3 * self.dim * self.expert_dim * (experts + self.shared_experts)
+
+    def active_params(self) -> int:
+        """Parameters one token runs through: routed experts count top_k times, not num_experts."""
+        if not self.moe:
+            return self.num_params()
+        return self.num_params() - self.n_moe_blocks * (self.moe_block_params(self.num_experts)
+                                                          - self.moe_block_params(self.top_k))
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6·N (N without the embedding lookup) + 12·L·d·seq for attention."""
-        n = self.num_params() - (0 if self.tie_embeddings else self.vocab_size * self.dim)
+        """Training FLOPs per token: 6·N (N without the embedding lookup) + 12·L·d·seq for attention.
+        MoE: N counts only the routed experts a token runs through (top_k), so MFU is the MFU of
+        the active parameters (Megatron's and DeepSeek's convention); dropped tokens still count."""
+        n = self.active_params() - (0 if self.tie_embeddings else self.vocab_size * self.dim)
         return 6.0 * n + 12.0 * self.n_layers * self.dim * seq_len
 
     def to_dict(self) -> dict:
@@ -65,4 +104,16 @@ PRESETS: dict[str, ModelArgs] = {
                             vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
     "llama3-405b": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248,
                              vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
+    # tiny MoE, for tests: 8 experts (ep up to 8), top-2, one shared expert, dropless; every block MoE
+    "moe-debug": ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=128, vocab_size=256,
+                           max_seq_len=128, num_experts=8, top_k=2, moe_ffn_dim=64, shared_experts=1),
+    # Mixtral 8x7B (Jiang et al. 2024; HF config): 8 experts of 14336, top-2, every block, dropless
+    "mixtral-8x7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                              vocab_size=32000, max_seq_len=32768, rope_theta=1e6, num_experts=8, top_k=2,
+                              moe_ffn_dim=14336),
+    # DeepSeekMoE 16B (Dai et al. 2024; HF deepseek-moe-16b-base): fine-grained, 64 routed experts of
+    # 1408 (top-6) + 2 shared, the first block dense (10944), multi-head attention
+    "deepseek-moe-16b": ModelArgs(dim=2048, n_layers=28, n_heads=16, n_kv_heads=16, ffn_dim=10944,
+                                  vocab_size=102400, max_seq_len=4096, num_experts=64, top_k=6,
+                                  moe_ffn_dim=1408, shared_experts=2, moe_first_dense=1),
 }

@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from typing import Callable
 
 import torch
 from torch import nn
 
 STD = 0.02
+# Residual projections (scaled by 1/sqrt(2L), GPT-2 / Megatron): attention out, dense / shared / routed
+# expert down-projections.
+_RESIDUAL = re.compile(r"(attention\.wo\.weight|feed_forward\.w2\.weight|feed_forward\.shared\.w2\.weight"
+                       r"|feed_forward\.experts\.\d+\.w2)$")
+_STACKED = re.compile(r"(.*\.experts)\.(w[123])$")  # [E, ...] expert weights: one seed per expert
 
 
 def name_seed(seed: int, name: str) -> int:
@@ -26,10 +32,14 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int, n_layers: int) -> 
     """The full fp32 initial value of parameter `name` (its unsharded, single-process name)."""
     if name.endswith("norm.weight"):
         return torch.ones(shape)
+    stacked = _STACKED.match(name)
+    if stacked:  # expert e's slice is seeded by its own name, so an EP rank's slice equals one process's
+        return torch.stack([init_tensor(f"{stacked[1]}.{e}.{stacked[2]}", tuple(shape[1:]), seed, n_layers)
+                            for e in range(shape[0])])
     g = torch.Generator().manual_seed(name_seed(seed, name))
     std = STD
-    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-        std = STD / math.sqrt(2 * n_layers)  # residual projections, as in GPT-2 / Megatron
+    if _RESIDUAL.search(name):
+        std = STD / math.sqrt(2 * n_layers)
     return torch.empty(shape).normal_(0.0, std, generator=g)
 
 
@@ -39,11 +49,13 @@ Slicer = Callable[[torch.Tensor], torch.Tensor]
 
 def materialize(model: nn.Module, seed: int, device: torch.device | str, dtype: torch.dtype = torch.float32,
                 full_shapes: dict[str, tuple[int, ...]] | None = None,
-                slicers: dict[str, Slicer] | None = None) -> None:
+                slicers: dict[str, Slicer] | None = None,
+                source: Callable[[str, tuple[int, ...]], torch.Tensor] | None = None) -> None:
     """Allocate every parameter of `model` on `device` and fill it from its name.
 
     `full_shapes` / `slicers` come from the parallelizer: the shape of the unsharded parameter and how
-    to cut this rank's part out of it. Without them the parameter is taken as whole.
+    to cut this rank's part out of it. Without them the parameter is taken as whole. `source`
+    (single-process name, full shape) -> full value replaces the random init (model.init_from).
     """
     full_shapes = full_shapes or {}
     slicers = slicers or {}
@@ -58,7 +70,8 @@ def materialize(model: nn.Module, seed: int, device: torch.device | str, dtype: 
                 setattr(mod, pname, seen[id(p)])
                 continue
             shape = tuple(full_shapes.get(fqn, p.shape))
-            value = init_tensor(canonical_name(fqn), shape, seed, n_layers)
+            value = (source(canonical_name(fqn), shape) if source is not None
+                     else init_tensor(canonical_name(fqn), shape, seed, n_layers))
             if fqn in slicers:
                 # clone: a slice is a view, and keeping it would keep the whole tensor's storage alive
                 value = slicers[fqn](value).clone()
@@ -75,3 +88,11 @@ def canonical_name(fqn: str) -> str:
     for junk in ("_checkpoint_wrapped_module.", "_orig_mod.", "_wrapped."):
         fqn = fqn.replace(junk, "")
     return fqn
+
+
+def init_source(init_from: str, args) -> Callable[[str, tuple[int, ...]], torch.Tensor] | None:
+    """The value source for `materialize` named by `model.init_from` ("" = random init)."""
+    if not init_from:
+        return None
+    from .hf import hf_source
+    return hf_source(init_from[len("hf:"):], args)

@@ -61,12 +61,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.core = AttentionCore()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         b, s = q.shape[0], q.shape[1]  # not x's: under SP the region's entry gathers x inside wq/wk/wv
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        if cache is None:
+            out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        else:  # generation: a kv_cache.LayerKV
+            out = cache.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -83,15 +86,19 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        if args.is_moe_block(layer):
+            from .moe import MoE  # moe.py builds on this module's SwiGLU / FeedForward
+            self.feed_forward: nn.Module = MoE(args)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -106,7 +113,7 @@ class Llama(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings: nn.Module | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(args.n_layers)})
         self.norm: nn.Module | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Module | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -115,26 +122,31 @@ class Llama(nn.Module):
 
     def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         # Kept out of the state dict and the parameter list: it is derived, never trained or saved.
-        if self.rope_cache is None or self.rope_cache[0].device != device:
+        if self.rope_cache is None or self.rope_cache[0].device != device or self.rope_cache[0].shape[0] < seq_len:
             n = max(self.args.max_seq_len, seq_len)
             cos, sin = rope_tables(self.args.head_dim, n, self.args.rope_theta)
             self.rope_cache = (cos.to(device), sin.to(device))
         return self.rope_cache
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, *,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None, *,
                 blocks: list[str] | None = None, embed: bool | None = None, head: bool | None = None) -> torch.Tensor:
         """`blocks`, `embed`, `head`: run only these blocks (keys of `layers`) and the embedding / head
-        or not (default: whatever the model holds). A pipeline stage runs its chunk this way."""
+        or not (default: whatever the model holds). A pipeline stage runs its chunk this way.
+        `cache`: a kv_cache.KVCache (generation only); the tokens continue at its position."""
         embed = self.tok_embeddings is not None if embed is None else embed
         head = self.output is not None if head is None else head
         h = self.tok_embeddings(x) if embed else x
-        cos, sin = self.rope(h.shape[1], h.device)
+        cos, sin = self.rope(h.shape[1] if cache is None else cache.max_len, h.device)
+        if cache is not None and positions is None:
+            positions = cache.positions(h.shape[1], h.device)
         if positions is None:
             cos, sin = cos[: h.shape[1]], sin[: h.shape[1]]
         else:
             cos, sin = cos[positions], sin[positions]
         for key in self.layers if blocks is None else blocks:
-            h = self.layers[key](h, cos, sin)
+            h = self.layers[key](h, cos, sin) if cache is None else self.layers[key](h, cos, sin, cache.layers[key])
+        if cache is not None:
+            cache.advance(x.shape[1])
         if head:
             h = self.output(self.norm(h))
         return h

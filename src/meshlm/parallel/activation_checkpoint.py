@@ -54,8 +54,12 @@ class Checkpointed(nn.Module):
         return CheckpointPolicy.MUST_SAVE
 
 
-def apply_ac(model: nn.Module, mode: str, plan) -> None:
-    """Wrap the modules the model plan names for `mode` (parallel/llama_plan.py `ac_targets`)."""
+def apply_ac(model: nn.Module, mode: str, plan=None) -> None:
+    """Wrap the modules the model plan names for `mode` (parallel/llama_plan.py `ac_targets`; default:
+    the model's own plan)."""
     choose(mode, AC_MODES, "training.ac")
+    if plan is None:
+        from .moe_plan import plan_for
+        plan = plan_for(model)
     for parent, attr in plan.ac_targets(model, mode):
         setattr(parent, attr, Checkpointed(getattr(parent, attr), per_op=mode == "op"))

@@ -23,11 +23,13 @@ from ..choices import torch_dtype
 from ..config import Config
 from ..distributed.mesh import ParallelContext
 from ..layout import Layout
-from ..model.init import canonical_name, materialize
+from ..model.init import canonical_name, init_source, materialize
 from .activation_checkpoint import apply_ac
+from .context_parallel import ContextParallel, apply_context_parallel
 from .data_parallel import GradBuckets
+from .expert_parallel import MoEStats, apply_expert_parallel, share_tokens_over_cp
 from .grad_sync import GradSync, Reduction
-from .llama_plan import LLAMA
+from .moe_plan import plan_for
 from .pipeline.build import attach as attach_pipeline, split_model
 from .placement import PlacementTable
 from .tensor_parallel import apply_tensor_parallel, pad_vocab
@@ -62,6 +64,12 @@ class Parallelized:
     eval_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     pipeline: object | None = None
     owned: set[int] = field(default_factory=set)  # id() of parameters whose placement is the owner copy
+    moe: MoEStats | None = None  # MoE models: routing metrics and the aux-loss gradient scale
+    cp: ContextParallel | None = None  # cp > 1: which tokens of each sequence this rank holds
+
+    def local_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of full sequences [B, S] (its context-parallel chunks; all without CP)."""
+        return x if self.cp is None else self.cp.take(x)
 
     def to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a full single-process tensor of parameter `name`."""
@@ -77,40 +85,57 @@ def named_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(canonical_name(n), p) for n, p in model.named_parameters()]
 
 
-def reductions(ctx: ParallelContext, layout: Layout, zero: int, tied_split: set[str]) -> Callable[[str], Reduction]:
-    """Every parameter's gradient reduction: averaged over the data-parallel ranks (reduce-scattered
-    over the ZeRO shard group and all-reduced over HSDP replicas, or all-reduced over dp); a tied weight
-    held by both pipeline ends is also summed over the two."""
+def reductions(ctx: ParallelContext, layout: Layout, zero: int, tied_split: set[str],
+               expert: Callable[[str], bool] = lambda name: False) -> Callable[[str], Reduction]:
+    """Every parameter's gradient reduction: averaged over the data-parallel and context-parallel ranks
+    (each holds the same weights and other tokens: reduce-scattered over the ZeRO shard group
+    dp_shard×cp and all-reduced over HSDP replicas, or all-reduced over dp×cp); a tied weight held by
+    both pipeline ends is also summed over the two. Under expert parallelism, expert weights
+    (`expert(name)`) already hold every ep peer's tokens: summed over the ranks holding the same experts
+    (`edp`; ZeRO: scattered over `edp_shard`, all-reduced over the HSDP replicas), divided by dp×cp too."""
     if zero:
-        base = Reduction(ctx.comm("dp_shard"), (ctx.comm("dp_replicate"),), (), layout.dp)
+        base = Reduction(ctx.comm("dp_shard_cp"), (ctx.comm("dp_replicate"),), (), layout.dp * layout.cp)
     else:
-        base = Reduction(None, (ctx.comm("dp"),), (), layout.dp)
+        base = Reduction(None, (ctx.comm("dp_cp"),), (), layout.dp * layout.cp)
     tied = Reduction(base.scatter, base.over, (ctx.comm("pp_ends"),), base.divisor)
-    return lambda name: tied if name in tied_split else base
+    if layout.ep == 1:
+        return lambda name: tied if name in tied_split else base
+    experts = (Reduction(ctx.comm("edp_shard"), (ctx.comm("dp_replicate"),), (), base.divisor) if zero
+               else Reduction(None, (ctx.comm("edp"),), (), base.divisor))
+    return lambda name: experts if expert(name) else tied if name in tied_split else base
 
 
 def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Layout,
-                make_optimizer: Callable, plan=LLAMA) -> Parallelized:
+                make_optimizer: Callable, plan=None) -> Parallelized:
     """`model` was built on the meta device; materialise and wrap it for this rank."""
+    plan = plan or plan_for(model)
     pipe = split_model(model, ctx, cfg, layout, plan) if layout.pp > 1 else None  # keep this rank's stages
     table = PlacementTable()
     for name, p in named_params(model):
         table.add(name, tuple(p.shape))
+    if layout.ep > 1:
+        apply_expert_parallel(model, ctx.comm("ep"), plan, table)
+    if layout.cp > 1 and model.args.moe:
+        share_tokens_over_cp(model, ctx.comm("cp"), plan)
     apply_ac(model, cfg.training.ac, plan)
+    sp = cfg.parallel.sp and layout.tp > 1
+    cp = (apply_context_parallel(model, ctx.comm("cp"), cfg.parallel.cp_impl, plan, sp) if layout.cp > 1
+          else None)
     # tp > 1: the full TP plan (vocab-parallel, padded); tp = 1: only the vocabulary padding, if any
-    tp = (apply_tensor_parallel(model, ctx.comm("tp"), cfg.parallel.sp, plan, table) if layout.tp > 1
-          else pad_vocab(model, ctx.comm("tp"), plan, table))
+    tp = (apply_tensor_parallel(model, ctx.comm("tp"), cfg.parallel.sp, plan, table, cp and cp.split)
+          if layout.tp > 1 else pad_vocab(model, ctx.comm("tp"), plan, table))
     split = {fqn: table[canonical_name(fqn)] for fqn, _ in model.named_parameters()
              if table[canonical_name(fqn)].splits}
     materialize(model, cfg.training.seed, ctx.device, dtype=torch_dtype(cfg.training.precision),
                 full_shapes={f: pl.full_shape for f, pl in split.items()},
-                slicers={f: pl.to_local for f, pl in split.items()})
+                slicers={f: pl.to_local for f, pl in split.items()},
+                source=init_source(cfg.model.init_from, model.args))  # model.init_from = "hf:DIR"
     if cfg.training.compile:
         for key, block in list(plan.blocks(model).items()):
             plan.blocks(model)[key] = torch.compile(block, dynamic=False)
     named = named_params(model)
     tied_split = {plan.tied_name()} & set(table.names()) if pipe is not None and pipe.tied else set()
-    reduction_of = reductions(ctx, layout, cfg.parallel.zero, tied_split)
+    reduction_of = reductions(ctx, layout, cfg.parallel.zero, tied_split, plan.expert_param)
     reduce_dtype = torch_dtype(cfg.parallel.reduce_dtype)
     if cfg.parallel.zero:  # ZeRO-1/2/3, HSDP
         grads = shard_model(model, named, cfg, plan, bool(tied_split), reduction_of, reduce_dtype)
@@ -129,8 +154,10 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
         for c in red.over + red.after:
             if c.size > 1:
                 table.update(name, lambda pl: pl.replicate(c.name, c.rank))
-    par = Parallelized(model=model, optimizer=opt, grads=grads, placements=table, world=ctx.comm("world"))
+    par = Parallelized(model=model, optimizer=opt, grads=grads, placements=table, world=ctx.comm("world"), cp=cp)
     par.owned = {id(p) for name, p in named if table[name].owner}
+    if model.args.moe:
+        par.moe = MoEStats(model, plan, layout.tp)
     if layout.tp > 1:
         par.loss_fn = tp.make_loss_fn()
     else:

@@ -20,20 +20,25 @@ from ..model.llama import Attention, FeedForward, RMSNorm
 class TPLinear:
     """A linear inside a TP region: `rows` (column-parallel: output rows split) or `cols` (row-parallel:
     input columns split); `size` is the split dimension's full size; `kv`: a k/v projection, whose heads
-    are replicated when there are fewer kv heads than ranks."""
+    are replicated when there are fewer kv heads than ranks; `param`: the weight's attribute name
+    (stacked expert weights [E, out, in] are split along their last two dimensions the same way)."""
     fqn: str
-    module: nn.Linear
+    module: nn.Module
     style: str
     size: int
     kv: bool = False
+    param: str = "weight"
 
 
 @dataclass(frozen=True)
 class TPRegion:
-    """A block half: entered (input copied / gathered) before, left (output reduced) after."""
+    """A block half: entered (input copied / gathered) before, left (output reduced) after.
+    `fused_entry`: under SP the gather may be fused into the column-parallel linears (they are
+    nn.Linear modules reading the region's input); a MoE block's experts read routed tokens instead."""
     fqn: str
     module: nn.Module
     linears: tuple[TPLinear, ...]
+    fused_entry: bool = True
 
 
 @dataclass(frozen=True)
@@ -92,9 +97,30 @@ class LlamaPlan:
             out.append(TPRegion(fqn, mod, lins))
         return out
 
+    def tp_extra(self, model: nn.Module, comm) -> None:
+        """Module changes TP needs beyond the regions (none for a dense Llama; moe_plan.py)."""
+
     def norms(self, model: nn.Module) -> list[RMSNorm]:
         """The modules that see the residual stream (split along the sequence under SP)."""
         return [m for m in model.modules() if isinstance(m, RMSNorm)]
+
+    # -- experts -------------------------------------------------------------------------------
+    def expert_param(self, name: str) -> bool:
+        """Whether parameter `name` is split over expert parallelism (none in a dense Llama)."""
+        return False
+
+    def moe_layers(self, model: nn.Module) -> dict[int, nn.Module]:
+        """MoE feed-forwards by global block index (none in a dense Llama)."""
+        return {}
+
+    def attention_cores(self, model: nn.Module) -> list[tuple[nn.Module, str]]:
+        """(parent, attribute) of every attention core, softmax(QKᵀ)V alone: what context parallelism
+        swaps for its ring or Ulysses core (found through activation-checkpointing wrappers)."""
+        return [(m, "core") for m in model.modules() if isinstance(m, Attention)]
+
+    def reserve_positions(self, model: nn.Module, n: int, device: torch.device) -> None:
+        """Make the RoPE tables cover positions 0 … n-1 (CP: a rank's tokens reach the full length)."""
+        model.rope(n, device)
 
     # -- pipeline ------------------------------------------------------------------------------
     def prune(self, model: nn.Module, keep: set[str], first: bool, last: bool) -> None:
@@ -114,9 +140,11 @@ class LlamaPlan:
 
     def run_stage(self, model: nn.Module, x: torch.Tensor, keys: list[str], first: bool, last: bool,
                   seq_len: int) -> torch.Tensor:
-        """The model's own forward over one chunk; positions cover the full sequence (SP splits it)."""
-        positions = torch.arange(seq_len, device=x.device)
-        return model(x, positions, blocks=keys, embed=first, head=last)
+        """The model's own forward over one chunk. Positions: the model's default (0 … local length)
+        unless a positions hook (SP, CP: tensor_parallel.positions_hook) passes the true ones; `x` and
+        `seq_len` are this rank's (CP: its chunks of each sequence)."""
+        del seq_len
+        return model(x, blocks=keys, embed=first, head=last)
 
     def stage_modules(self, model: nn.Module, keys: list[str], first: bool, last: bool) -> list[nn.Module]:
         mods = [model.tok_embeddings] if first else []

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.comm import Comm
-from ..distributed.functional import (copy_to, gather_linears, reduce_from, reduce_scatter_seq,
+from ..distributed.functional import (copy_to, gather_linears, gather_seq, reduce_from, reduce_scatter_seq,
                                       sum_grad, sum_grad_over_replicas)
 from ..layout import check_shape
 from ..model.args import padded_vocab
@@ -85,6 +85,15 @@ class GatheredLinear(nn.Linear):
         return self.group.output(x, self.slot)
 
 
+class SumGradLinear(nn.Linear):
+    """A linear replicated on every TP rank whose gradient each rank only sees part of (a MoE router
+    inside a TP region: its outputs weight partial expert outputs): gradients summed over the group."""
+    tp_comm: Comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, sum_grad(self.weight, self.tp_comm))
+
+
 @dataclass
 class TensorParallel:
     """What `parallelize` needs from TP beyond the module swaps and hooks: the loss. The slices
@@ -109,17 +118,20 @@ def _split(table, fqn: str, dim: int, size: int, comm: Comm, rep: int = 1, padde
         table.update(name, lambda pl: pl.replicate(comm.name, r % rep))
 
 
-def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table) -> TensorParallel:
+def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table, cp_split=None) -> TensorParallel:
     """Module swaps, hooks and placement records on a meta-device model (activation checkpointing may
-    already wrap its blocks). `plan` names the regions, linears and norms (parallel/llama_plan.py)."""
+    already wrap its blocks). `plan` names the regions, linears and norms (parallel/llama_plan.py);
+    `cp_split`: context parallelism's split, composed into SP's positions hook."""
     args, t = model.args, comm.size
     check_shape(args, t, 1, 1)  # layout.resolve reports these before workers start
     tp = TensorParallel(comm=comm, sp=sp, vocab_size=args.vocab_size, vocab_multiple=args.vocab_multiple)
     leave = (lambda x: reduce_scatter_seq(x, comm)) if sp else (lambda x: reduce_from(x, comm))
     kv_rep = max(1, t // args.n_kv_heads)
 
-    def enter_hook(module, inputs):  # without SP; with SP the entry is in the linears (_ColumnGroup)
-        return (copy_to(inputs[0], comm),) + tuple(inputs[1:])
+    enter = (lambda x: gather_seq(x, comm)) if sp else (lambda x: copy_to(x, comm))
+
+    def enter_hook(module, inputs):  # with SP, regions whose linears read the input fuse it (_ColumnGroup)
+        return (enter(inputs[0]),) + tuple(inputs[1:])
 
     def leave_hook(module, inputs, output):
         return leave(output)
@@ -128,12 +140,14 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table) -
     for region in plan.tp_regions(model):
         for lin in region.linears:
             rep = kv_rep if lin.kv else 1
-            _split(table, f"{lin.fqn}.weight", 0 if lin.style == "rows" else 1, lin.size, comm, rep)
-            split.add(canonical_name(f"{lin.fqn}.weight"))
+            name = f"{lin.fqn}.{lin.param}"
+            nd = len(table[canonical_name(name)].full_shape)  # stacked expert weights: [E, out, in]
+            _split(table, name, nd - 2 if lin.style == "rows" else nd - 1, lin.size, comm, rep)
+            split.add(canonical_name(name))
             if rep > 1:
                 lin.module.__class__ = ReplicatedKVLinear
                 lin.module.tp_comm, lin.module.tp_rep = comm, rep
-        if sp:  # the entry's all-gather is fused into the column-parallel linears
+        if sp and region.fused_entry:  # the entry's all-gather is fused into the column-parallel linears
             _ColumnGroup([lin.module for lin in region.linears if lin.style == "rows"], comm)
         else:
             region.module.register_forward_pre_hook(enter_hook)
@@ -142,12 +156,13 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table) -
         for mod in plan.norms(model):
             mod.__class__ = SeqParallelRMSNorm
             mod.tp_comm = comm
+    plan.tp_extra(model, comm)
     split |= _vocab_parallel(model, tp, plan, table, enter_hook)
     for name in table.names():  # everything else is a copy on every TP rank
         if name not in split:
             table.update(name, lambda pl: pl.replicate(comm.name, comm.rank))
     if sp:
-        model.register_forward_pre_hook(_positions_hook(t, plan), with_kwargs=True)
+        model.register_forward_pre_hook(positions_hook(t, plan, cp_split), with_kwargs=True)
     return tp
 
 
@@ -188,15 +203,21 @@ def _vocab_parallel(model: nn.Module, tp: TensorParallel, plan, table, enter_hoo
     return names
 
 
-def _positions_hook(tp: int, plan):
-    """Under SP the embedding output is already split along the sequence, so the model would size
-    RoPE by the local length: pass the full sequence's positions instead (unless given)."""
+def positions_hook(tp: int, plan, cp_split=None):
+    """Pass the true positions of this rank's tokens to the model (unless given). Under SP the
+    embedding output (or a pipeline stage's hidden input) is split along the sequence, so the model
+    would size RoPE by the shard: the local sequence is tp shards long. Under CP (`cp_split`) the
+    local sequence holds this rank's chunks of the full one, at their positions in it."""
     def hook(model, args, kwargs):
         given = args[1] if len(args) > 1 else kwargs.get("positions")
         if given is None:
             x = args[0]
-            seq = x.shape[1] * (tp if plan.embedding(model) is None else 1)  # a stage gets hidden shards
-            positions = torch.arange(seq, device=x.device)
+            seq = x.shape[1] * (tp if x.is_floating_point() else 1)  # hidden states come as SP shards
+            if cp_split is None:
+                positions = torch.arange(seq, device=x.device)
+            else:
+                positions = cp_split.positions(seq, x.device)
+                plan.reserve_positions(model, seq * cp_split.size, x.device)
             if len(args) > 1:
                 args = (x, positions) + tuple(args[2:])
             else:

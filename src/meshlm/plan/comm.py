@@ -103,38 +103,40 @@ def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first:
             add("tp", "reduce_scatter", t, 1, (base + (layers if full else 0)) * m, act)
         else:
             add("tp", "all_reduce", t, 1, (base + (layers if full else 0)) * m, act)
-    if cp > 1:
-        kvd = -(-a.n_kv_heads // t) * a.head_dim
-        if s.cp_impl == "ring":  # k,v go round the ring; backward sends k,v and dk,dv
-            kv = 2 * e * kvd * tokens
-            add("cp", "p2p", cp, t, layers * (cp - 1) * (fwd_passes + 2) * m, kv, window="attention")
-        else:  # ulysses: q,k,v scattered over heads and the output back, in forward and backward
-            qkvo = e * tokens * (2 * a.dim / t + 2 * kvd)
-            add("cp", "all_to_all", cp, t, layers * (fwd_passes + 1) * m, qkvo)
-    if s.ep > 1:
+    if cp > 1:  # per layer and micro-batch; the runtime's formula: context_parallel.expected_bytes
+        kv_heads = -(-a.n_kv_heads // t)
+        if s.cp_impl == "ring":  # k,v round the ring, forward (again under full AC) and backward; the
+            kv = 2 * e * kv_heads * a.head_dim * tokens  # fp32 dk,dv accumulators go all the way round
+            add("cp", "p2p", cp, t, layers * (cp - 1) * (fwd_passes + 1) * m, kv, window="attention")
+            add("cp", "p2p", cp, t, layers * cp * m, kv * 4 / e, window="attention")
+        else:  # ulysses: q,k,v scattered over heads and the output back (4 all-to-alls), fwd and bwd
+            qkvo = e * tokens * a.head_dim * (2 * (a.n_heads // t) + 2 * max(kv_heads, cp))
+            add("cp", "all_to_all", cp, t, 4 * layers * (fwd_passes + 1) * m, qkvo / 4)
+    if s.ep > 1:  # per MoE block: tokens out and back in forward (again under full AC), both in backward;
+        # every TP rank dispatches the full (gathered) tokens itself. Split sizes (E int64) not counted.
         routed = e * a.dim * tokens * shape.top_k * shape.capacity_factor
-        add("ep", "all_to_all", s.ep, t, layers * 2 * (fwd_passes + 1) * m, routed)
+        moe_layers = layers * a.n_moe_blocks / a.n_layers
+        add("ep", "all_to_all", s.ep, t, moe_layers * 2 * (fwd_passes + 1) * m, routed)
     if p > 1:  # activations forward and their gradients backward, once per chunk boundary
         hidden = e * (a.dim / t if sq else a.dim) * tokens
         add("pp", "p2p", 2, t * cp * dp, 2 * s.pp_virtual * m, hidden, window="pipeline", per="step")
-    # data parallel: gradients over dp×cp (cp ranks hold the same weights), ZeRO within the shard group
-    n = s.zero_group if s.zero else 1
-    reps = dp // n
+    # data parallel: gradients over dp×cp (cp ranks hold the same weights), ZeRO over dp_shard×cp
+    n = (s.zero_group if s.zero else 1) * cp
+    reps = dp // s.zero_group if s.zero else 1
     psi = sp_dense + sp_expert
     if s.zero == 0:
         if dp * cp > 1:
             add("dp", "all_reduce", dp * cp, t, 1, rb * psi, window="backward", per="step")
     else:
         if s.zero >= 2:
-            add("dp_shard", "reduce_scatter", n, t * cp, m, rb * psi, window="backward")
+            add("dp_shard", "reduce_scatter", n, t, m, rb * psi, window="backward")
         else:
-            add("dp_shard", "reduce_scatter", n, t * cp, 1, rb * psi, window="backward", per="step")
-        if reps * cp > 1:
-            add("dp_replicate", "all_reduce", reps * cp, t * cp * n if reps > 1 else t, 1, rb * psi / n,
-                per="step", window="step")
+            add("dp_shard", "reduce_scatter", n, t, 1, rb * psi, window="backward", per="step")
+        if reps > 1:
+            add("dp_replicate", "all_reduce", reps, t * n, 1, rb * psi / n, per="step", window="step")
         if s.zero >= 3:
-            add("dp_shard", "all_gather", n, t * cp, m, pb * psi, window="forward")
-            add("dp_shard", "all_gather", n, t * cp, m, pb * psi, window="backward")
+            add("dp_shard", "all_gather", n, t, m, pb * psi, window="forward")
+            add("dp_shard", "all_gather", n, t, m, pb * psi, window="backward")
         else:  # updated parameters back to every rank after the sharded optimizer step
-            add("dp_shard", "all_gather", n, t * cp, 1, pb * psi, per="step", window="step")
+            add("dp_shard", "all_gather", n, t, 1, pb * psi, per="step", window="step")
     return out

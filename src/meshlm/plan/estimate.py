@@ -106,9 +106,8 @@ def fwd_flops_per_token(shape: Shape, s: Spec, layers: int, head: bool) -> tuple
 @lru_cache(maxsize=65536)
 def _fwd_flops(shape: Shape, t: int, seq_len: int, layers: int, head: bool) -> tuple[float, float]:
     a = shape.args
-    dense, _ = block_params_local(shape, t, 1)
-    mlp = 3 * a.dim * a.ffn_dim / t
-    active = dense + (shape.top_k * mlp if shape.moe else 0.0)
+    dense, experts = block_params_local(shape, t, 1)
+    active = dense + (experts * shape.top_k / shape.num_experts if shape.moe else 0.0)  # routed: top_k
     attn = 4.0 * a.dim * seq_len / t
     f = layers * (2.0 * active + attn)
     if head:
@@ -136,7 +135,9 @@ def _stage_time(shape: Shape, s: Spec, stage: str, gpu: GPU, o: Options) -> dict
     sp = stage_params(shape, s, stage)
     tokens = s.micro_batch * s.seq_len / s.cp
     rate = gpu.peak(s.precision) * o.efficiency
-    t_f, t_b, t_rc, t_attn = compute_times(shape, s.tp, s.seq_len, sp.layers, sp.head, tokens, s.ac, rate,
+    # a context-parallel attention core is never recomputed by selective AC (memory.block_activation_bytes)
+    ac = "none" if s.ac == "selective" and s.cp > 1 else s.ac
+    t_f, t_b, t_rc, t_attn = compute_times(shape, s.tp, s.seq_len, sp.layers, sp.head, tokens, ac, rate,
                                            o.block_overhead_s)
     colls = C.collectives(shape, s, sp.dense, sp.expert, sp.layers, sp.embed, sp.head, gpu, o.comm_efficiency)
     m = s.accum
@@ -190,7 +191,7 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
     # optimizer step: read master, m, v, grad; write master, m, v and the compute copy (HBM bound)
     pb, gb, ob = state_bytes_per_param(s.precision)
     sp = worst["params"]
-    n = s.zero_group if s.zero else 1
+    n = s.zero_group * s.cp if s.zero else 1  # ZeRO shards over dp_shard×cp
     shard = sp.dense / n + sp.expert / (max(1, n // s.ep) if s.zero else 1)
     offload_s = opt_s = 0.0
     if s.offload == "optimizer":

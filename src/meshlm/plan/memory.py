@@ -90,7 +90,8 @@ def minimal_block_bytes(d: int, ffn: int, heads: int, kv_heads: int, head_dim: i
 
 def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes: int, tp: int = 1,
                            sp: bool = False, ac: str = "none", flash: bool = True,
-                           attn_math_bytes: int | None = None, compiled: bool = False) -> float:
+                           attn_math_bytes: int | None = None, compiled: bool = False, cp: int = 1,
+                           cp_impl: str = "ring") -> float:
     """Bytes one Block saves for backward on one rank, for `tokens` local tokens (micro_batch×seq/cp).
 
     none: `minimal_block_bytes` (the saved set of model/ops.py and the SP linears). The unfused math
@@ -102,8 +103,17 @@ def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes:
     the norms, RoPE and the residual adds. full keeps the block input only (e·d').
 
     `compiled` (training.compile, fused attention, dense FFN): inductor's partitioner chooses its own
-    set from the joint graph (below; measured in tests/test_plan_compiled.py): it keeps the gathered
-    linear inputs and the SwiGLU product, so compiled blocks now save more than eager ones."""
+    set from the joint graph (below; measured in tests/test_plan_compiled.py).
+
+    Context parallelism (cp > 1) swaps the attention core for one that saves q, k, v, its output and
+    the log-sum-exp whatever the kernel and AC mode (the ring's custom Function; Ulysses' inner fused
+    attention), so the attention term is the fused one. Under Ulysses k and v count max(kv heads, cp)
+    heads (kv heads fewer than cp are repeated before the all-to-all) and wo's input is the all-to-all's
+    output, not a view of the attention output: one more e·d/t. Selective AC leaves that core alone.
+    MoE blocks: the routed experts keep gate, up, silu(gate) and the product (4·e·F'/t, 3 under
+    selective) for each routed copy, the router its gathered input (e·d) instead of the norm output
+    shard. Measured against saved-tensor hooks in tests/test_plan_vs_measured.py.
+    """
     a, t, e = shape.args, tp, act_bytes
     d = a.dim
     dsp = d / t if (sp and t > 1) else d
@@ -123,21 +133,29 @@ def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes:
         else:  # selective recomputes the attention core only; the product stays (inductor's choice)
             saved += e * f_local
         return tokens * saved
-    if ac == "op":
-        return tokens * (e * dsp + e * (2 * dq + 2 * kvd) + 4 * hq + 2 * e * f_local + 2 * e * d)
-    norm = 4 * e * dsp + 8 * dsp / d  # norm inputs and outputs (the linears' inputs), rstd
-    if ac == "selective":
+    if cp > 1:
+        if cp_impl == "ulysses":  # the all-to-all back makes wo's input a tensor of its own (+e·q)
+            attn = e * (3 * dq + 2 * max(_ceil(a.n_kv_heads, t), cp) * a.head_dim) + 4 * hq
+        else:
+            attn = e * (2 * dq + 2 * kvd) + 4 * hq
+    elif ac == "selective":
         attn = e * (2 * dq + 2 * kvd)
-    elif flash or compiled:
+    elif flash or compiled or ac == "op":
         attn = e * (2 * dq + 2 * kvd) + 4 * hq
     else:
         m = attn_math_bytes or e
         attn = 3 * m * dq + m * hq * seq_len + e * dq
-    if shape.moe:
-        routed = shape.top_k * shape.capacity_factor
-        ffn = 4 * shape.num_experts + routed * (2 * e * d + 2 * e * f_local) + shape.shared_experts * 2 * e * f_local
+    if ac == "op":  # block input; the matmul outputs (wo / w2 before their TP reduction: e·d each)
+        norm, ffn = e * dsp, 2 * e * f_local + 2 * e * d
     else:
-        ffn = 2 * e * f_local
+        norm, ffn = 4 * e * dsp + 8 * dsp / d, 2 * e * f_local  # norm inputs + outputs, rstd; gate, up
+    if shape.moe:  # averaged over the blocks: MoE ones (moe.every, moe.first_dense) and dense ones
+        x_local, frac = a.expert_dim / t, a.n_moe_blocks / a.n_layers
+        n_ffn = 3 if ac == "selective" else 4
+        routed = shape.top_k * shape.capacity_factor
+        moe = 4 * shape.num_experts + routed * (2 * e * d + n_ffn * e * x_local) \
+            + shape.shared_experts * 2 * e * x_local + e * (d - dsp)
+        ffn = frac * moe + (1 - frac) * ffn
     return tokens * (norm + attn + ffn)
 
 
@@ -163,9 +181,11 @@ def block_params_local(shape: Shape, tp: int, ep: int = 1) -> tuple[float, float
     a = shape.args
     attn = a.dim * a.head_dim * 2 * (a.n_heads // tp) + a.dim * a.head_dim * 2 * _ceil(a.n_kv_heads, tp)
     mlp = 3 * a.dim * a.ffn_dim / tp
-    if shape.moe:
-        dense = attn + 2 * a.dim + shape.shared_experts * mlp + a.dim * shape.num_experts
-        return dense, _ceil(shape.num_experts, ep) * mlp
+    if shape.moe:  # per block, averaged over MoE and dense blocks (moe.every, moe.first_dense)
+        frac, xmlp = a.n_moe_blocks / a.n_layers, 3 * a.dim * a.expert_dim / tp
+        dense = attn + 2 * a.dim + frac * (shape.shared_experts * xmlp + a.dim * shape.num_experts) \
+            + (1 - frac) * mlp
+        return dense, frac * _ceil(shape.num_experts, ep) * xmlp
     return attn + 2 * a.dim + mlp, 0.0
 
 
@@ -257,8 +277,8 @@ def inflight(schedule: str, p: int, m: int, v: int, rank: int) -> float:
 
 @lru_cache(maxsize=65536)
 def _per_token(shape: Shape, seq_len: int, e: int, t: int, sp: bool, ac: str, flash: bool,
-               amb: int | None, compiled: bool = False) -> float:
-    return block_activation_bytes(shape, 1.0, seq_len, e, t, sp, ac, flash, amb, compiled)
+               amb: int | None, compiled: bool = False, cp: int = 1, cp_impl: str = "ring") -> float:
+    return block_activation_bytes(shape, 1.0, seq_len, e, t, sp, ac, flash, amb, compiled, cp, cp_impl)
 
 
 def head_bytes(a, t: int, dsp: float, e: int, compiled: bool) -> tuple[float, float]:
@@ -275,8 +295,19 @@ def head_bytes(a, t: int, dsp: float, e: int, compiled: bool) -> tuple[float, fl
     return norm_head + 4 * vocab_real(a, t), (vocab_real(a, t) + vocab_rows(a, t)) * 4
 
 
+def cp_buffer_bytes(a, t: int, cp: int, impl: str, e: int) -> float:
+    """Transient bytes per local token of one CP attention core in backward (the larger pass). Ring:
+    the k,v block held and the one arriving (4·e·kv), the fp32 dk,dv accumulator held and arriving
+    (16·kv) and the fp32 dq (4·q). Ulysses: send and receive buffers of q, k, v (2·e·(q + 2·kv'))."""
+    kvd = _ceil(a.n_kv_heads, t) * a.head_dim
+    dq = a.n_heads // t * a.head_dim
+    if impl == "ring":
+        return (4 * e + 16) * kvd + 4 * dq
+    return 2 * e * (dq + 2 * max(_ceil(a.n_kv_heads, t), cp) * a.head_dim)
+
+
 def _stage_static(shape: Shape, s: Spec, stage: str) -> tuple:
-    n = s.zero_group if s.zero else 1
+    n = s.zero_group * s.cp if s.zero else 1  # ZeRO shards over dp_shard×cp
     return _static(shape, stage, s.tp, s.pp, s.pp_virtual, s.ep, s.zero, n, s.dp * s.cp > 1, s.bucket_mb,
                    s.precision, s.pp_schedule, s.pp_layers)
 
@@ -321,7 +352,7 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
     tokens = s.micro_batch * s.seq_len / s.cp
     t, sq = s.tp, (s.sp and s.tp > 1)
     dsp = a.dim / t if sq else a.dim
-    blk_tok = _per_token(shape, s.seq_len, e, t, sq, s.ac, flash, attn_math_bytes, compiled)
+    blk_tok = _per_token(shape, s.seq_len, e, t, sq, s.ac, flash, attn_math_bytes, compiled, s.cp, s.cp_impl)
     blk = blk_tok * tokens
     units = inflight(s.pp_schedule, s.pp, s.accum, s.pp_virtual, sp.rank)
     acts = held_layers(s.pp_schedule, s.pp, s.accum, s.pp_virtual, sp.rank, sp.chunks) * blk
@@ -336,7 +367,7 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
     # Backward of one block: full AC first recomputes all of its activations; otherwise gradient
     # temporaries take about half a block's worth while its saved tensors are being released.
     blk_none = blk if s.ac == "none" else tokens * _per_token(shape, s.seq_len, e, t, sq, "none", flash,
-                                                              attn_math_bytes, compiled)
+                                                              attn_math_bytes, compiled, s.cp, s.cp_impl)
     buffers["backward_working"] = blk_none * (1.0 if s.ac == "full" else 0.5)
     if sp.head:
         buffers["loss"] = tokens * loss_buf
@@ -347,8 +378,7 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
     if s.pp > 1:
         buffers["pp_p2p"] = 4 * e * dsp * tokens
     if s.cp > 1:
-        kvd = _ceil(a.n_kv_heads, t) * a.head_dim
-        buffers["cp"] = 8 * e * kvd * tokens if s.cp_impl == "ring" else 2 * e * a.dim / t * tokens
+        buffers["cp"] = cp_buffer_bytes(a, t, s.cp, s.cp_impl, e) * tokens
     if s.ep > 1:
         buffers["ep_all_to_all"] = 2 * shape.top_k * shape.capacity_factor * e * a.dim * tokens
     buf = sum(buffers.values())
@@ -358,7 +388,7 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
     if detail:
         out["detail"] = {"stage": stage, "layers": sp.layers, "params_local": sp.dense + sp.expert,
                          "block_activation_bytes": blk, "inflight_microbatches": units, "buffers": buffers,
-                         "shard_group": s.zero_group if s.zero else 1}
+                         "shard_group": s.zero_group * s.cp if s.zero else 1}
     return out
 
 
@@ -372,7 +402,7 @@ def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, 
     the search calls it for every candidate; tests check it against stage_memory."""
     a = shape.args
     e = ACT_BYTES[precision]
-    spp, params, grads, optim, fixed_buf = _static(shape, stage, tp, pp, v, ep, zero, n if zero else 1,
+    spp, params, grads, optim, fixed_buf = _static(shape, stage, tp, pp, v, ep, zero, n * cp if zero else 1,
                                                   dp * cp > 1, bucket_mb, precision, schedule, pp_layers)
     tokens = mb * seq_len / cp
     sq = sp and tp > 1
@@ -390,13 +420,12 @@ def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, 
     if pp > 1:
         base += 4 * e * dsp * tokens
     if cp > 1:
-        kvd = _ceil(a.n_kv_heads, tp) * a.head_dim
-        base += 8 * e * kvd * tokens if cp_impl == "ring" else 2 * e * a.dim / tp * tokens
+        base += cp_buffer_bytes(a, tp, cp, cp_impl, e) * tokens
     if ep > 1:
         base += 2 * shape.top_k * shape.capacity_factor * e * a.dim * tokens
-    none = _per_token(shape, seq_len, e, tp, sq, "none", flash, amb, compiled) * tokens
+    none = _per_token(shape, seq_len, e, tp, sq, "none", flash, amb, compiled, cp, cp_impl) * tokens
     scale = held_layers(schedule, pp, accum, v, spp.rank, spp.chunks)
-    acts = {ac: _per_token(shape, seq_len, e, tp, sq, ac, flash, amb, compiled) * tokens * scale
+    acts = {ac: _per_token(shape, seq_len, e, tp, sq, ac, flash, amb, compiled, cp, cp_impl) * tokens * scale
             + none * (1.0 if ac == "full" else 0.5) for ac in AC_MODES}
     return base, optim, acts
 

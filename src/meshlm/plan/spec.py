@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..choices import AC_MODES, CP_IMPLS, DTYPE_BYTES, OFFLOAD, PP_SCHEDULES as SCHEDULES, PRECISIONS, choose
 from ..config import Config, ConfigError
-from ..layout import batch_split, check_shape, model_args
+from ..layout import batch_split, check_cp, check_ep, check_shape, model_args
 from ..model import args as model_args_module
 
 ACT_BYTES = DTYPE_BYTES
@@ -27,49 +27,51 @@ def presets() -> dict:
 
 @dataclass(frozen=True)
 class Shape:
-    """A model: dense Llama args plus the MoE knobs (which ModelArgs does not carry yet)."""
+    """A model: its ModelArgs (dense or MoE: model/args.py carries the MoE fields) and a name."""
     args: object  # meshlm.model.args.ModelArgs
     name: str = ""
-    num_experts: int = 0
-    top_k: int = 2
-    capacity_factor: float = 1.25
-    shared_experts: int = 0
 
     def __post_init__(self):  # hashed on every cache lookup of the search: compute it once
-        object.__setattr__(self, "_hash", hash((self.args, self.name, self.num_experts, self.top_k,
-                                                self.capacity_factor, self.shared_experts)))
+        object.__setattr__(self, "_hash", hash((self.args, self.name)))
 
     def __hash__(self) -> int:
         return self._hash
 
     @property
     def moe(self) -> bool:
-        return self.num_experts > 0
+        return self.args.num_experts > 0
+
+    @property
+    def num_experts(self) -> int:
+        return self.args.num_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.args.top_k
+
+    @property
+    def shared_experts(self) -> int:
+        return self.args.shared_experts
+
+    @property
+    def capacity_factor(self) -> float:
+        """Routed copies per token per expert slot: the capacity factor, or 1 (a balanced load) when
+        dropless (the planner assumes balance; a skewed router needs more)."""
+        cf = self.args.capacity_factor
+        return cf if cf > 0 else 1.0
 
     def num_params(self) -> int:
-        """Ψ: ModelArgs.num_params(), with each dense FFN replaced by experts + router for MoE."""
-        a, n = self.args, self.args.num_params()
-        if self.moe:
-            n += a.n_layers * ((self.num_experts + self.shared_experts - 1) * 3 * a.dim * a.ffn_dim
-                               + a.dim * self.num_experts)
-        return n
+        """Ψ: ModelArgs.num_params() (routed experts, router and shared experts included)."""
+        return self.args.num_params()
 
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs per trained token (ModelArgs.flops_per_token; MoE counts only active experts)."""
-        a, f = self.args, self.args.flops_per_token(seq_len)
-        if self.moe:
-            f += 6.0 * a.n_layers * ((self.top_k + self.shared_experts - 1) * 3 * a.dim * a.ffn_dim
-                                     + a.dim * self.num_experts)
-        return f
+        return self.args.flops_per_token(seq_len)
 
 
 def shape_from_config(cfg: Config) -> Shape:
-    """The model section as a Shape: layout.model_args' checks, MoE allowed (the planner sizes it)."""
-    a, m = model_args(cfg, moe=True), cfg.model
-    moe = m.moe
-    if moe.num_experts < 0 or (moe.num_experts and not 1 <= moe.top_k <= moe.num_experts):
-        raise PlanError(f"model.moe.top_k: {moe.top_k} must be between 1 and num_experts {moe.num_experts}")
-    return Shape(a, m.preset, moe.num_experts, moe.top_k, moe.capacity_factor, moe.shared_experts)
+    """The model section as a Shape, with layout.model_args' checks."""
+    return Shape(model_args(cfg), cfg.model.preset)
 
 
 @dataclass(frozen=True)
@@ -180,21 +182,11 @@ def check(shape: Shape, s: Spec) -> None:
             raise PlanError("parallel.pp_virtual: interleaved needs >= 2 chunks per rank")
         if s.accum % s.pp:
             raise PlanError(f"parallel.microbatches: interleaved needs a multiple of pp = {s.pp}, got {s.accum}")
-    if s.cp > 1:
-        if s.cp_impl == "ring" and s.seq_len % (2 * s.cp):
-            raise PlanError(f"parallel.cp: ring attention splits the sequence in 2×cp = {2 * s.cp} chunks; "
-                            f"data.seq_len {s.seq_len} is not divisible")
-        if s.cp_impl == "ulysses" and ((a.n_heads // s.tp) % s.cp or s.seq_len % s.cp):
-            raise PlanError(f"parallel.cp: ulysses needs cp = {s.cp} to divide the heads per TP rank "
-                            f"({a.n_heads // s.tp}) and data.seq_len {s.seq_len}")
-    if s.ep > 1:
-        if not shape.moe:
-            raise PlanError("parallel.ep: expert parallelism needs a mixture-of-experts model (model.moe.num_experts > 0)")
-        if shape.num_experts % s.ep:
-            raise PlanError(f"parallel.ep: {s.ep} does not divide model.moe.num_experts {shape.num_experts}")
-        shard = (s.zero_group if s.zero else 1) * s.cp
-        if shard % s.ep:
-            raise PlanError(f"parallel.ep: {s.ep} does not divide dp_shard×cp = {shard}")
+    check_cp(a, s.cp, s.cp_impl, s.tp, s.sp, s.seq_len)
+    try:
+        check_ep(a, s.ep, s.dp, s.zero_group if s.zero else 1, s.cp, s.zero)
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
 
 
 def to_config(shape: Shape, s: Spec, base: Config | None = None) -> Config:

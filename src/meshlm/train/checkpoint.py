@@ -225,6 +225,14 @@ def preflight(cfg, run_dir: str) -> None:
     path = find_resume(os.path.join(run_dir, "checkpoints"), cfg.checkpoint.resume)
     if path is None:
         return
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            weights_only = bool(json.load(f).get("weights_only"))
+    except (OSError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"checkpoint {path}: cannot read meta.json ({e})") from None
+    if weights_only:  # `meshlm convert --from-hf` output: no optimizer state to resume
+        raise CheckpointError(f"checkpoint.resume: {path} holds weights only (meshlm convert --from-hf); "
+                              f"train from Hugging Face weights with --model.init_from hf:DIR")
     from ..layout import model_args
     from ..model import Llama
     from ..model.init import canonical_name
@@ -250,6 +258,9 @@ class Checkpointer:
     def __init__(self, root: str, world: Comm, keep: int, use_async: bool):
         self.root, self.world, self.keep, self.use_async = root, world, keep, use_async
         self.pending: tuple[Future, str, str, dict, float] | None = None
+        # Test-only fault injection (train/fault.py TestHooks.in_save), step -> None: called once a
+        # checkpoint's tensors are written and before it is committed (renamed), sync or async.
+        self.on_written = None
         self.dcp_group = None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt") if use_async else None
         if use_async and world.size > 1:
@@ -274,6 +285,7 @@ class Checkpointer:
             self.pending = (fut, tmp, final, meta, step)
         else:
             write_s = self._write(state, tmp, None)
+            self._written(step)
             self._commit(tmp, final, meta, step, write_s)
         return {"save_s": time.perf_counter() - t0}
 
@@ -282,6 +294,10 @@ class Checkpointer:
         t0 = time.perf_counter()
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=_SavePlanner(), process_group=group)
         return time.perf_counter() - t0
+
+    def _written(self, step: int) -> None:
+        if self.on_written is not None:
+            self.on_written(step)
 
     def in_flight(self) -> bool:
         return self.pending is not None and not self.pending[0].done()
@@ -292,6 +308,7 @@ class Checkpointer:
         fut, tmp, final, meta, step = self.pending
         self.pending = None
         write_s = fut.result()
+        self._written(step)  # on this (the training) thread, like the sync path
         self._commit(tmp, final, meta, step, write_s)
 
     def _commit(self, tmp: str, final: str, meta: dict, step: int, write_s: float) -> None:

@@ -24,12 +24,40 @@ def under_launcher() -> bool:
     return False
 
 
-def spawn(nproc: int, config_path: str, run_dir: str) -> int:
-    """Run `meshlm train` on `nproc` local workers through torchrun; returns its exit status."""
+def spawn(nproc: int, config_path: str, run_dir: str, max_restarts: int = 0) -> int:
+    """Run `meshlm train` on `nproc` local workers through torchrun; returns its exit status.
+    `max_restarts`: torchrun's elastic agent restarts all workers up to that many times after one fails
+    (each restart resumes from the newest complete checkpoint, see train/fault.py)."""
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
+    for old in os.listdir(logs):  # one-line errors of a previous launch would be misleading
+        if old.startswith(ERROR_PREFIX):
+            os.remove(os.path.join(logs, old))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--log-dir={logs}", "--redirects=2", "--tee=2",
+           f"--max-restarts={max_restarts}", f"--log-dir={logs}", "--redirects=2", "--tee=2",
            "-m", "meshlm.cli", "train", "--config", config_path, "--run-dir", run_dir, "--worker"]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc))))
     return subprocess.call(cmd, env=env)
+
+
+ERROR_PREFIX = "error_rank"
+
+
+def record_error(run_dir: str, rank: int, line: str) -> None:
+    """A failing worker leaves its one-line reason where the launcher will look for it."""
+    try:
+        with open(os.path.join(run_dir, "logs", f"{ERROR_PREFIX}{rank}.txt"), "w") as f:
+            f.write(line + "\n")
+    except OSError:
+        pass  # the log on stderr still has it
+
+
+def worker_errors(run_dir: str) -> list[str]:
+    """The failing ranks' one-line errors of the last attempt, by rank."""
+    logs = os.path.join(run_dir, "logs")
+    found = []
+    for name in os.listdir(logs) if os.path.isdir(logs) else []:
+        if name.startswith(ERROR_PREFIX) and name.endswith(".txt"):
+            with open(os.path.join(logs, name)) as f:
+                found.append((int(name[len(ERROR_PREFIX):-4]), f.read().strip()))
+    return [line for _, line in sorted(found)]

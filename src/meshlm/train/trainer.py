@@ -15,6 +15,7 @@ from ..layout import Layout, model_args, resolve
 from ..model import Llama
 from ..parallel import Parallelized, parallelize
 from . import checkpoint as ckpt
+from . import fault
 from .metrics import MetricsLog, device_peak, peak_bytes, tensor_bytes
 from .optim import LossScaler, MasterOptimizer, clip_, grad_norm, lr_at
 
@@ -51,13 +52,20 @@ class Trainer:
         self.model = self.par.model
         self.scaler = LossScaler(t.precision == "fp16", device=ctx.device)
         self.step = 0
-        self.dp_comm = ctx.comm("dp")
+        self.saved_step: int | None = None  # newest checkpoint written or resumed from (for messages)
+        self.resumed_record: dict | None = None  # the resumed step's metrics line, from its meta.json
+        self.step_line: dict | None = None  # this step's metrics line (None on unlogged steps)
+        self.dp_comm = ctx.comm("dp_cp")  # loss sums: every data- and context-parallel rank's tokens
         self.checkpointer = ckpt.Checkpointer(os.path.join(run_dir, "checkpoints"), ctx.comm("world"),
                                               cfg.checkpoint.keep, cfg.checkpoint.async_)
         self.watchdog = Watchdog.for_job(ctx.rank, ctx.world_size)
         for c in ctx.all_comms():
             c.watchdog = self.watchdog
-        self.peak_flops, self.peak_label = device_peak(ctx.device)
+        # fault tolerance (train/fault.py): non-finite guard, test-only failure injection
+        self.guard = fault.FiniteGuard(t.precision, ctx.device, ctx.comm("world"), run_dir)
+        self.hooks = fault.TestHooks(ctx.rank)
+        self.checkpointer.on_written = self.hooks.in_save
+        self.peak_flops, self.peak_label = device_peak(ctx.device, t)
         self.flops_per_step = self.args.flops_per_token(self.seq_len) * t.global_batch * self.seq_len
 
     # -- one step -----------------------------------------------------------------------------
@@ -72,6 +80,7 @@ class Trainer:
         The returned tensors (`loss_sum`, `norm`, `skipped`) are read by `_record` on log steps only."""
         t, par, scaler = self.cfg.training, self.par, self.scaler
         inputs, targets = self.sampler.next_batch(self.train_data, self.ctx.index("dp"), self.layout.dp)
+        inputs, targets = par.local_tokens(inputs), par.local_tokens(targets)  # CP: this rank's chunks
         if self.ctx.device.type == "cuda":  # async host-to-device copies from pinned memory
             inputs, targets = inputs.pin_memory(), targets.pin_memory()
         inputs = inputs.to(self.ctx.device, non_blocking=True)
@@ -82,6 +91,8 @@ class Trainer:
         mb, accum = self.layout.micro_batch, self.layout.accum
         # fp16: a 0-dim device tensor (scale / accum); otherwise the plain 1 / accum
         scale = scaler.scale / accum if scaler.enabled else 1.0 / accum
+        if par.moe is not None:  # the aux loss's gradient is scaled like the main loss's
+            par.moe.begin_step(scale)
         if par.forward_backward is not None:  # pipeline: the schedule runs every micro-batch
             par.pipeline.timed = measure  # its timeline (bubble metric) is read on logged steps only
             loss_sum = par.forward_backward(inputs, targets, scale)
@@ -91,11 +102,13 @@ class Trainer:
                 loss = self._loss(inputs[i * mb:(i + 1) * mb], targets[i * mb:(i + 1) * mb])
                 (loss * scale).backward()
                 loss_sum += loss.detach()
+        loss_sum = self.hooks.loss(self.step + 1, loss_sum)
         par.grads.finish()
         grads = par.grads.grad_tensors()
         if scaler.enabled:
             torch._foreach_mul_(grads, scaler.inv_scale())
         norm = grad_norm(par.norm_grads(), par.world, self.ctx.device)
+        self.guard.observe(self.step + 1, loss_sum, norm)  # device ops only; read on log steps
         found_inf = None
         if scaler.enabled:
             found_inf = torch.isfinite(norm).logical_not().float()  # 1.0: skip this step (every rank agrees)
@@ -117,10 +130,11 @@ class Trainer:
                 "peak": peak_bytes(self.ctx.device)}
 
     def global_loss(self, loss_sum: torch.Tensor) -> float:
-        """Mean loss over the whole global batch: every micro-batch has the same token count."""
+        """Mean loss over the whole global batch: every micro-batch (and CP rank's share of it) has the
+        same token count."""
         total = self.dp_comm.all_reduce_scalars([float(loss_sum)])[0]
         total = self.ctx.comm("pp").all_reduce_scalars([total])[0]  # pp > 1: only the last stage's is not 0
-        return total / (self.layout.accum * self.layout.dp)
+        return total / (self.layout.accum * self.layout.dp * self.layout.cp)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -130,13 +144,13 @@ class Trainer:
         total, count = 0.0, 0
         for inputs, targets in batches:
             n = inputs.shape[0] // dp
-            x, y = inputs[r * n:(r + 1) * n], targets[r * n:(r + 1) * n]
+            x, y = (self.par.local_tokens(t[r * n:(r + 1) * n]) for t in (inputs, targets))
             if n:
                 total += float((self.par.eval_loss or self._loss)(x.to(self.ctx.device), y.to(self.ctx.device))) * n
             count += inputs.shape[0] - inputs.shape[0] % dp
         total = self.dp_comm.all_reduce_scalars([total])[0]
         total = self.ctx.comm("pp").all_reduce_scalars([total])[0]
-        return total / max(count, 1)
+        return total / max(count * self.layout.cp, 1)
 
     # -- state --------------------------------------------------------------------------------
     def checkpoint_state(self) -> tuple[dict[str, ckpt.Pieces], dict[str, tuple[int, ...]]]:
@@ -155,18 +169,24 @@ class Trainer:
         return state, shapes
 
     def save(self) -> dict:
-        """Write a checkpoint of this step; returns what the metrics line reports (`ckpt`)."""
+        """Write a checkpoint of this step; returns what the metrics line reports (`ckpt`). The step's
+        metrics line (`step_line`) goes into meta.json: it is written after the save, so a crash in
+        between would lose it; a resume from this checkpoint puts it back (train/fault.py)."""
         meta = {"step": self.step, "sampler": self.sampler.state_dict(), "scaler": self.scaler.state_dict(),
                 "optimizer_step": self.par.optimizer.step_count(), "layout": self.layout.shape(),
                 "config": to_dict(self.cfg)}
+        if self.step_line is not None and self.step_line["step"] == self.step:
+            meta["metrics"] = dict(self.step_line)
         state, _ = self.checkpoint_state()
         out = self.checkpointer.save(self.step, state, meta)
+        self.saved_step = self.step
         if self.cfg.checkpoint.async_:
             out["async"] = True
         return out
 
     def maybe_resume(self) -> None:
-        path = ckpt.find_resume(os.path.join(self.run_dir, "checkpoints"), self.cfg.checkpoint.resume)
+        root = os.path.join(self.run_dir, "checkpoints")
+        path = ckpt.find_resume(root, fault.resume_setting(self.cfg.checkpoint.resume, root))
         if path is None:
             return
         state, shapes = self.checkpoint_state()
@@ -176,28 +196,40 @@ class Trainer:
         self.sampler.load_state_dict(meta["sampler"])
         self.scaler.load_state_dict(meta["scaler"])
         self.step = int(meta["step"])
+        self.saved_step = self.step
+        self.resumed_record = meta.get("metrics")
 
     # -- loop ---------------------------------------------------------------------------------
     def fit(self) -> dict:
         t, m = self.cfg.training, self.cfg.metrics
+        self.guard.replay()
         self.maybe_resume()
+        fault.on_start(self.run_dir, self.step, self.ctx.is_logger, self.resumed_record)
         log = MetricsLog(self.run_dir, self.ctx.is_logger, t.steps, self.step, m.progress, m.tensorboard)
         comms = self.ctx.all_comms()
         reset_stats(comms)
         last: dict = {}
         tokens_per_step = t.global_batch * self.seq_len
         window_start, window_steps = time.perf_counter(), 0
+        cadence = fault.Cadence(self.cfg.checkpoint.every, self.cfg.checkpoint.mtbf_hours, self.step,
+                                self.ctx.comm("world"), log)
         try:
             while self.step < t.steps:
                 if self.watchdog is not None:
                     self.watchdog.beat(self.step)
+                self.hooks.before_step()
                 logging = (self.step + 1) % m.every == 0 or self.step + 1 == t.steps
                 out = self.train_step(measure=logging)
                 window_steps += 1
                 log.advance()
                 rec = self._record(out, comms, window_start, window_steps, tokens_per_step) if logging else None
-                if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
+                self.step_line = rec
+                due = cadence.due(self.step, self.step == t.steps)
+                if logging or due:  # read the non-finite record: a bad state is never saved
+                    self._check_finite(rec, log)
+                if due:
                     ck = self.save()
+                    cadence.saved(self.step, ck["save_s"])
                     for done in self._saves_done():  # a synchronous save has just finished
                         if done["step"] == self.step:
                             ck.update(write_s=done["write_s"], bytes=done["bytes"])
@@ -222,7 +254,20 @@ class Trainer:
                 log.write({"step": done["step"], "ckpt": done})
         finally:
             log.close()
+            if self.watchdog is not None:
+                self.watchdog.close()
         return last
+
+    def _check_finite(self, rec: dict | None, log: MetricsLog) -> None:
+        """Stop on a non-finite loss or grad norm (train/fault.py); the step's metrics line is still
+        written and a checkpoint still being written (async, checked before it was taken) is committed."""
+        try:
+            self.guard.check(self.saved_step)
+        except fault.NonFiniteError:
+            if rec is not None:
+                log.write(rec)
+            self.checkpointer.wait()
+            raise
 
     def _saves_done(self) -> list[dict]:
         """Checkpoints committed since the last call (rank 0 measures their bytes)."""
@@ -243,6 +288,8 @@ class Trainer:
                "peak_label": self.peak_label,
                "comm": {k: {"calls": s.calls / window_steps, "bytes": s.bytes / window_steps,
                             "seconds": s.seconds / window_steps} for k, s in stats.items()}}
+        if self.par.moe is not None:
+            rec["moe"] = self.par.moe.record(self.ctx.comm("world"), self.ctx.device)
         if self.par.pipeline is not None:  # measured bubble; rank 0 writes the step's Chrome trace
             path = os.path.join(self.run_dir, "pipeline_trace.json") if self.ctx.is_logger else None
             rec["bubble"] = self.par.pipeline.record(path, self.step)

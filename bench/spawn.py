@@ -1,0 +1,48 @@
+"""The benchmarks' shared launcher: run one function on `world` fresh local gloo workers."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join_gloo(rank: int, world: int, port: int) -> None:
+    """In a spawned worker: one thread, join the gloo job on loopback."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _run(worker, world: int, args: tuple, timeout: float, results: int) -> list:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port) + tuple(args) + (q,)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = [q.get(timeout=timeout) for _ in range(results)]
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            raise SystemExit(f"worker exited with {p.exitcode}")
+    return out
+
+
+def spawn(worker, world: int, *args, timeout: float = 3600):
+    """worker(rank, world, port, *args, out_queue) on every rank; rank 0 puts the one result."""
+    return _run(worker, world, args, timeout, 1)[0]
+
+
+def spawn_gloo(worker, world: int, *args, timeout: float = 1800) -> dict:
+    """Like `spawn`, but every rank puts (rank, result): returns {rank: result}."""
+    return dict(_run(worker, world, args, timeout, world))

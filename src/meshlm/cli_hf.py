@@ -1,0 +1,88 @@
+"""`meshlm convert` and `meshlm generate` (argparse wiring; the work is in convert.py / generate.py)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def _fail(msg: str, code: int = 2) -> int:
+    print(f"meshlm: {msg}", file=sys.stderr)
+    return code
+
+
+def run_convert(args) -> int:
+    from .convert import from_hf, to_hf
+    from .train.checkpoint import CheckpointError
+    if bool(args.from_hf) == bool(args.to_hf):
+        return _fail("convert: give exactly one of --from-hf DIR or --to-hf CKPT")
+    if args.max_shard_gb <= 0:
+        return _fail(f"--max-shard-gb: must be > 0, got {args.max_shard_gb}")
+    try:
+        if args.from_hf:
+            from_hf(args.from_hf, args.out)
+            print(f"meshlm: wrote checkpoint {args.out} (weights only; train from HF weights with "
+                  f"--model.init_from hf:{args.from_hf})")
+        else:
+            files = to_hf(args.to_hf, args.out, args.dtype, int(args.max_shard_gb * 1e9))
+            print(f"meshlm: wrote {args.out} ({len(files)} safetensors file{'s' if len(files) > 1 else ''}, "
+                  f"{args.dtype})")
+    except (ValueError, FileNotFoundError, CheckpointError) as e:
+        return _fail(str(e).splitlines()[0])
+    return 0
+
+
+def _stop_token(tok, ckpt_dir: str) -> int | None:
+    """The end-of-sequence id named by a tokenizer_config.json beside the weights, if any."""
+    path = os.path.join(ckpt_dir, "tokenizer_config.json")
+    if not os.path.isfile(path) or tok.name == "bytes":
+        return None
+    with open(path) as f:
+        eos = json.load(f).get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    ids = tok._tok.token_to_id(eos) if isinstance(eos, str) else None
+    return ids
+
+
+def run_generate(args) -> int:
+    import torch
+
+    from .convert import load_model, tokenizer_of
+    from .data.tokenizer import load_tokenizer
+    from .generate import generate
+    if args.max_new_tokens < 1:
+        return _fail(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        return _fail("--temperature must be >= 0 and --top-p in (0, 1]")
+    try:
+        device = torch.device(args.device if args.device != "auto" else
+                              ("cuda" if torch.cuda.is_available() else "cpu"))
+        model, cfg, meta, path = load_model(args.checkpoint)
+        tok = load_tokenizer(tokenizer_of(path, cfg, meta, model.args.vocab_size))
+        model = model.to(device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        ids = generate(model, tok.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_p,
+                       args.seed, stop=_stop_token(tok, path))
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    print(tok.decode(ids))
+    return 0
+
+
+def add_parsers(sub) -> None:
+    c = sub.add_parser("convert", help="Hugging Face Llama directory <-> meshlm checkpoint")
+    c.add_argument("--from-hf", metavar="DIR", help="a transformers Llama directory (config.json + safetensors)")
+    c.add_argument("--to-hf", metavar="CKPT", help="a meshlm checkpoint, or a run directory (its newest)")
+    c.add_argument("--out", required=True, help="the directory to create (must not exist)")
+    c.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="export dtype (default bf16)")
+    c.add_argument("--max-shard-gb", type=float, default=5.0,
+                   help="export: safetensors files of at most this size, with an index (default 5)")
+    c.set_defaults(func=run_convert)
+    g = sub.add_parser("generate", help="continue a prompt from a checkpoint (KV cache, CPU or one GPU)")
+    g.add_argument("checkpoint", help="a meshlm checkpoint, or a run directory (its newest)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    g.set_defaults(func=run_generate)

@@ -1,0 +1,192 @@
+"""`meshlm convert`: Hugging Face Llama directories <-> meshlm checkpoints, and reading a checkpoint's
+weights into one process (for export and `meshlm generate`).
+
+A checkpoint holds single-process tensors by name (`master/<name>`) through DCP, sharded however the
+writing layout held them; one process asks for each tensor whole (train/checkpoint.py reads the
+overlapping stored chunks), exactly the tensors it needs, one group at a time. Everything is
+checked before anything is written; output goes to `OUT.tmp` and is renamed when complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+
+import torch
+
+from . import config as C
+from .model.args import ModelArgs
+from .model.hf_config import args_from_hf, config_for, hf_name, param_shapes
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+DTYPES = {"bf16": (torch.bfloat16, "bfloat16"), "fp32": (torch.float32, "float32")}
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+def find_checkpoint(path: str) -> str:
+    """A checkpoint directory, or a run directory meaning its newest complete checkpoint."""
+    from .train.checkpoint import list_checkpoints
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        return path
+    found = list_checkpoints(os.path.join(path, "checkpoints"))
+    if found:
+        return found[-1][1]
+    raise ValueError(f"{path}: not a meshlm checkpoint (no meta.json) nor a run directory with checkpoints/")
+
+
+def checkpoint_model(path: str) -> tuple[C.Config, ModelArgs, dict]:
+    """(config, model shape, meta) of checkpoint `path`."""
+    from .layout import model_args
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+        cfg = C.from_dict(meta["config"])
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{path}/meta.json: unreadable ({e})") from None
+    cfg.model.init_from = ""  # the weights are in the checkpoint; its config carries the shape
+    return cfg, model_args(cfg), meta
+
+
+def load_masters(path: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """The fp32 weights named in `shapes` from checkpoint `path` (only those are read), through the
+    training loader: its index is read without unpickling arbitrary objects, shapes and data files are
+    checked first (CheckpointError, one line), and each tensor is one whole piece in this process."""
+    from .train.checkpoint import Pieces, load
+    state = {f"master/{n}": Pieces(tuple(s), torch.float32, [((0,) * len(s), torch.empty(s))], True)
+             for n, s in shapes.items()}
+    load(path, state)
+    return {k.split("/", 1)[1]: v.parts[0][1] for k, v in state.items()}
+
+
+def load_model(path: str, device: str | torch.device = "cpu"):
+    """(Llama with the checkpoint's weights in fp32, config, meta, checkpoint dir)."""
+    from .model import Llama
+    path = find_checkpoint(path)
+    cfg, args, meta = checkpoint_model(path)
+    with torch.device("meta"):
+        model = Llama(args)
+    weights = load_masters(path, param_shapes(args))
+    model.load_state_dict({**weights, **({"output.weight": weights["tok_embeddings.weight"]}
+                                         if args.tie_embeddings else {})}, assign=True)
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    return model.to(device).eval(), cfg, meta, path
+
+
+def tokenizer_of(path: str, cfg: C.Config, meta: dict, vocab_size: int) -> str:
+    """The tokenizer a checkpoint's text goes through: a tokenizer.json beside its weights, else the
+    run's data.tokenizer; bytes for a meshlm run on bytes, or an imported model of vocabulary 256."""
+    beside = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(beside):
+        return beside
+    if cfg.data.tokenizer != "bytes":
+        if os.path.isfile(cfg.data.tokenizer):
+            return cfg.data.tokenizer
+        raise ValueError(f"{path}: the run's tokenizer {cfg.data.tokenizer} is gone (data.tokenizer)")
+    if "source" in meta and vocab_size != 256:
+        raise ValueError(f"{path}: no tokenizer.json beside the weights and the vocabulary ({vocab_size}) "
+                         f"is not bytes (256)")
+    return "bytes"
+
+
+def _fresh_out(out: str) -> str:
+    if os.path.exists(out):
+        raise ValueError(f"--out: {out} already exists (not overwriting it)")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise ValueError(f"--out: parent directory {parent} does not exist")
+    tmp = out.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    return tmp
+
+
+def _copy_tokenizer(src_dir: str | None, src_file: str | None, dst: str) -> None:
+    if src_dir:
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(src_dir, name)):
+                shutil.copy(os.path.join(src_dir, name), os.path.join(dst, name))
+    elif src_file:
+        shutil.copy(src_file, os.path.join(dst, "tokenizer.json"))
+        with open(os.path.join(dst, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+
+
+def from_hf(hf_dir: str, out: str) -> str:
+    """A weights-only meshlm checkpoint (`master/<name>` fp32 + meta.json) from a transformers Llama.
+    Its config pins the shape; train from HF weights with model.init_from instead (any layout)."""
+    import torch.distributed.checkpoint as dcp
+    from .model.hf import HFWeights
+    args = args_from_hf(hf_dir)
+    weights = HFWeights(hf_dir)
+    weights.check(args)
+    tmp = _fresh_out(out)
+    try:
+        tensors = {f"master/{n}": weights.tensor(n, args).contiguous() for n in param_shapes(args)}
+        dcp.save(tensors, checkpoint_id=tmp)
+        cfg = C.Config()
+        for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
+                    "rope_theta", "tie_embeddings", "norm_eps"):
+            setattr(cfg.model, key, getattr(args, key))
+        meta = {"step": 0, "weights_only": True, "source": f"hf:{os.path.abspath(hf_dir)}",
+                "config": C.to_dict(cfg)}
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+        _copy_tokenizer(hf_dir, None, tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def to_hf(ckpt: str, out: str, dtype: str = "bf16", max_shard_bytes: int = 5 * 10 ** 9) -> list[str]:
+    """A transformers Llama directory: config.json, safetensors (sharded with an index above
+    `max_shard_bytes`), and the run's tokenizer. Reads one shard's tensors at a time."""
+    from safetensors.torch import save_file
+    from .model.hf import to_hf as permute_to_hf
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
+    path = find_checkpoint(ckpt)
+    cfg, args, meta = checkpoint_model(path)
+    if args.moe:  # param_shapes / the name map describe the dense transformers Llama only
+        raise ValueError(f"{path}: a mixture-of-experts checkpoint (model.moe.num_experts = {args.num_experts}); "
+                         f"export to Hugging Face supports dense Llama models only")
+    tok = tokenizer_of(path, cfg, meta, args.vocab_size)
+    torch_dtype, dtype_name = DTYPES[dtype]
+    shapes = param_shapes(args)
+    size = torch.tensor([], dtype=torch_dtype).element_size()
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, shape in shapes.items():
+        n = size * int(torch.Size(shape).numel())
+        if shards[-1] and used + n > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += n
+    tmp = _fresh_out(out)
+    files, weight_map, total = [], {}, 0
+    try:
+        for i, names in enumerate(shards):
+            fname = ("model.safetensors" if len(shards) == 1
+                     else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+            got = load_masters(path, {n: shapes[n] for n in names})
+            data = {hf_name(n): permute_to_hf(n, t, args).to(torch_dtype).contiguous() for n, t in got.items()}
+            save_file(data, os.path.join(tmp, fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in data})
+            total += sum(t.numel() * t.element_size() for t in data.values())
+            files.append(fname)
+        if len(shards) > 1:
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config_for(args, dtype_name), f, indent=1)
+        beside = os.path.isfile(os.path.join(path, "tokenizer.json"))
+        _copy_tokenizer(path if beside else None, None if beside or tok == "bytes" else tok, tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return files

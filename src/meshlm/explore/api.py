@@ -1,0 +1,217 @@
+"""The explorer's JSON API: the page's inputs in, the planner's own answers out.
+
+A request is one flat JSON object. Keys with a dot are config keys (`parallel.tp`, `model.preset`,
+`training.ac`, ...) and go through `config.apply`, exactly as `--section.key value` does on the
+command line; the other keys are the `meshlm estimate` / `meshlm plan` flags (`gpu`, `gpus`,
+`peak_tflops`, `efficiency`, ...) plus `global_batch_tokens`. So the page computes what the CLI
+computes, and every error is the planner's own one-line message, whose leading key names the input
+that caused it.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from .. import config as C
+from ..plan.estimate import Options, estimate
+from ..plan.hardware import FLAG_FIELDS, PROFILES, HardwareError, get_gpu
+from ..plan.search import plan
+from ..plan.spec import AC_MODES, CP_IMPLS, PRECISIONS, SCHEDULES, PlanError, presets, shape_from_config, \
+    spec_from_config, to_config
+
+MAX_GPUS = 1 << 17           # a search over more is a typo, not a cluster
+MAX_TIMELINE_UNITS = 4096    # p·m·v above which the timeline is not simulated for drawing (~1 s)
+FLAGS = {"gpu", "gpus", "global_batch_tokens", "efficiency", "comm_efficiency", "flash", "top"} | set(FLAG_FIELDS)
+# config keys the page may set (all of them are also `meshlm estimate --section.key` overrides)
+CONFIG_KEYS = {f"model.{k}" for k in ("preset", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
+                                      "tie_embeddings", "vocab_multiple")} \
+    | {f"model.moe.{k}" for k in ("num_experts", "top_k", "capacity_factor", "shared_experts")} \
+    | {"data.seq_len"} \
+    | {f"training.{k}" for k in ("precision", "compile", "micro_batch", "ac")} \
+    | {f"parallel.{k}" for k in ("dp", "zero", "zero_group", "tp", "sp", "pp", "pp_schedule", "pp_virtual", "cp",
+                                 "cp_impl", "ep", "offload", "bucket_mb", "reduce_dtype")}
+# where an error whose leading key is not an input belongs
+KEY_ALIASES = {"training.global_batch": "global_batch_tokens", "parallel": "gpus", "parallel.microbatches":
+               "training.micro_batch", "seq_len": "data.seq_len", "model": "model.preset"}
+
+EXAMPLES = [  # seed 004's "Try these configurations", as the explorer's three buttons
+    {"label": "7B on 8 GPUs", "note": "pure DP: the model states alone outgrow 80 GB; turn on ZeRO-3 (FSDP)",
+     "inputs": {"model.preset": "llama3-8b", "gpu": "h100-sxm-80gb", "gpus": 8, "parallel.tp": 1, "parallel.pp": 1,
+                "parallel.zero": 0}},
+    {"label": "405B on 128 GPUs", "note": "TP=8 + PP=4 + FSDP: each dimension cuts memory and adds traffic",
+     "inputs": {"model.preset": "llama3-405b", "gpu": "h100-sxm-80gb", "gpus": 128, "parallel.tp": 8, "parallel.sp": True,
+                "parallel.pp": 4, "parallel.zero": 3, "training.ac": "full"}},
+    {"label": "405B on 8 GPUs", "note": "even TP=8 with FSDP does not fit: more GPUs or a smaller model",
+     "inputs": {"model.preset": "llama3-405b", "gpu": "h100-sxm-80gb", "gpus": 8, "parallel.tp": 8, "parallel.sp": True,
+                "parallel.pp": 1, "parallel.zero": 3, "training.ac": "full"}},
+]
+
+
+class BadRequest(ValueError):
+    """Bad input: HTTP 400 with this one-line message; `key` names the input it belongs to."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key if key is not None else error_key(message)
+
+
+def error_key(message: str) -> str | None:
+    """'parallel.tp: 3 does not divide ...' -> 'parallel.tp'; '--gpus: ...' -> 'gpus'."""
+    m = re.match(r"^(--)?([a-z_][\w.-]*)[: ]", message)
+    if not m:
+        return None
+    key = m.group(2).replace("-", "_") if m.group(1) else m.group(2)
+    return KEY_ALIASES.get(key, key)
+
+
+def options() -> dict:
+    """What the page needs to draw its inputs: presets with their shapes, GPU profiles, choices."""
+    models = {}
+    for name, a in presets().items():
+        models[name] = dict(a.to_dict(), params=a.num_params())
+    gpus = {k: {"name": g.name, "peak_tflops": g.peak_flops / 1e12, "hbm_gb": g.hbm_bytes / 1e9,
+                "hbm_tbps": g.hbm_bw / 1e12, "nvlink_gbps": g.nvlink_bw / 1e9, "ib_gbps": g.ib_bw / 1e9,
+                "pcie_gbps": g.pcie_bw / 1e9, "gpus_per_node": g.gpus_per_node,
+                "cpu_adam_gparams": g.cpu_adam_params_per_s / 1e9} for k, g in PROFILES.items()}
+    return {"presets": models, "gpus": gpus,
+            "choices": {"training.precision": list(PRECISIONS), "training.ac": list(AC_MODES),
+                        "parallel.pp_schedule": list(SCHEDULES), "parallel.cp_impl": list(CP_IMPLS),
+                        "parallel.offload": ["none", "optimizer"], "parallel.zero": [0, 1, 2, 3]},
+            "defaults": {"efficiency": Options.efficiency, "comm_efficiency": Options.comm_efficiency,
+                         "global_batch_tokens": 2 ** 22},
+            "examples": EXAMPLES}
+
+
+# ---------------------------------------------------------------------------------- request parsing
+
+def _number(body: dict, key: str, kind=float, default=None, low: float = 0.0):
+    v = body.get(key, default)
+    if v is None or v == "":
+        return default
+    try:
+        if isinstance(v, bool):
+            raise ValueError
+        x = kind(v)
+        if kind is int and float(v) != x:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise BadRequest(f"{key}: expected {'an integer' if kind is int else 'a number'}, got {v!r}", key) from None
+    if x < low:
+        raise BadRequest(f"{key}: must be >= {low:g}, got {x:g}", key)
+    return x
+
+
+def parse(body, layout: bool = True):
+    """(config, gpu, number of GPUs, Options, global batch tokens) from a request body."""
+    if not isinstance(body, dict):
+        raise BadRequest("request: expected a JSON object")
+    for k in body:
+        if not isinstance(k, str) or (k not in FLAGS and k not in CONFIG_KEYS):
+            raise BadRequest(f"{k}: unknown input", None)
+    cfg = C.Config()
+    searched = ("parallel.", "training.micro_batch", "training.ac")  # the search chooses these
+    for k, v in body.items():
+        if k not in CONFIG_KEYS or v is None or v == "" or (not layout and k.startswith(searched)):
+            continue
+        if not isinstance(v, (str, int, float, bool)):
+            raise BadRequest(f"{k}: expected a value, got {type(v).__name__}", k)
+        # booleans as text, so that an integer key refuses `true` as the command line does
+        C.apply(cfg, k, ("true" if v else "false") if isinstance(v, bool) else v)
+    n = _number(body, "gpus", int, 1, 1)
+    if n > MAX_GPUS:
+        raise BadRequest(f"gpus: at most {MAX_GPUS}, got {n}", "gpus")
+    hw = {k: _number(body, k, int if k == "gpus_per_node" else float) for k in FLAG_FIELDS}
+    gpu = get_gpu(str(body.get("gpu") or "h100"), **hw)
+    eff = _number(body, "efficiency", float, Options.efficiency)
+    ceff = _number(body, "comm_efficiency", float, Options.comm_efficiency)
+    if not 0 < eff <= 1 or not 0 < ceff <= 1:
+        raise BadRequest("efficiency: --efficiency / --comm-efficiency must be in (0, 1]", "efficiency")
+    flash = body.get("flash", True)
+    if not isinstance(flash, bool):
+        raise BadRequest(f"flash: expected true/false, got {flash!r}", "flash")
+    opts = Options(efficiency=eff, comm_efficiency=ceff, flash=flash, compiled=bool(cfg.training.compile))
+    seq = cfg.data.seq_len
+    if seq < 1:
+        raise BadRequest(f"data.seq_len: must be >= 1, got {seq}", "data.seq_len")
+    tokens = _number(body, "global_batch_tokens", int, 2 ** 22, 1)
+    if tokens % seq:
+        raise BadRequest(f"global_batch_tokens: {tokens} is not a multiple of data.seq_len {seq}",
+                         "global_batch_tokens")
+    cfg.training.global_batch = tokens // seq
+    return cfg, gpu, n, opts, tokens
+
+
+def _jsonable(x):
+    """The estimate exactly as `meshlm estimate --json` prints it (same float round trip)."""
+    return json.loads(json.dumps(x))
+
+
+# ---------------------------------------------------------------------------------- endpoints
+
+def run_estimate(body) -> dict:
+    """POST /api/estimate: the estimate of the layout the inputs describe, its pipeline timeline and the
+    TOML that trains it."""
+    try:
+        cfg, gpu, n, opts, _ = parse(body)
+        shape = shape_from_config(cfg)
+        spec = spec_from_config(cfg, n)
+        out = estimate(shape, spec, gpu, opts)
+    except BadRequest:
+        raise
+    except (C.ConfigError, PlanError, HardwareError) as e:
+        raise BadRequest(str(e)) from None
+    return {"estimate": _jsonable(out), "pipeline": simulated_timeline(out, spec),
+            "derived": {"dp": spec.dp, "microbatches": spec.accum, "zero_group": spec.zero_group,
+                        "global_batch": spec.global_batch},
+            "toml": C.to_toml(to_config(shape, spec, cfg))}
+
+
+def run_plan(body) -> dict:
+    """POST /api/plan: `meshlm plan` for the inputs' model and cluster (their layout keys are ignored)."""
+    try:
+        cfg, gpu, n, opts, tokens = parse(body, layout=False)
+        top = _number(body, "top", int, 10, 1)
+        shape = shape_from_config(cfg)
+        res = plan(shape, gpu, n, cfg.data.seq_len, tokens, cfg.training.precision, min(top, 50), {}, opts)
+    except BadRequest:
+        raise
+    except (C.ConfigError, PlanError, HardwareError) as e:
+        raise BadRequest(str(e)) from None
+    from ..plan.cli_cmds import _spec_fields
+    from ..plan.spec import Spec
+    rows = []
+    for r in res.ranked:
+        spec = Spec(**_spec_fields(r))
+        rows.append({"layout": r["layout"], "step_s": r["step_s"], "mfu": r["mfu"],
+                     "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"], "per_gpu_total": r["per_gpu"]["total"],
+                     "toml": C.to_toml(to_config(shape, spec, cfg))})
+    return {"ranked": rows, "counts": dict(res.counts), "reasons": dict(res.reasons.most_common(8)),
+            "elapsed_s": res.elapsed_s, "global_batch": res.global_batch}
+
+
+def timeline_json(tl, source: str) -> dict:
+    """A simulate.Timeline (simulated or measured) as drawable rows of [start, end, kind, mb, chunk]."""
+    return {"p": tl.p, "m": tl.m, "v": tl.v, "makespan": tl.makespan, "bubble": tl.bubble, "name": tl.name,
+            "source": source, "rows": [[[s, e, a.kind, a.mb, a.chunk] for s, e, a in row] for row in tl.rows]}
+
+
+def simulated_timeline(out: dict, spec) -> dict | None:
+    """The chosen schedule through the simulator, with the planner's own per-micro-batch costs (the
+    F, B, W it uses for the bubble in plan/estimate.py: exposed communication split over F and B)."""
+    if spec.pp == 1 or "time" not in out:
+        return None
+    p, m, v = spec.pp, spec.accum, spec.pp_virtual
+    if spec.pp_schedule not in ("gpipe", "1f1b", "interleaved", "zb-h1"):
+        return {"skipped": f"parallel.pp_schedule: {spec.pp_schedule} has no simulator yet (bubble from the formula)"}
+    if p * m * v > MAX_TIMELINE_UNITS:
+        return {"skipped": f"pp·microbatches·virtual = {p * m * v} actions per rank pair is too many to draw "
+                           f"(bubble from the {out['time']['bubble_source']})"}
+    from ..parallel.pipeline import build_schedule, simulate
+    t = out["time"]
+    x = t["exposed_comm_microbatch_s"] / m
+    f = t["forward_s"] / m + x / 2
+    b = (t["backward_s"] + t["recompute_s"]) / m + x / 2
+    w = min(t["backward_s"] / m / 2, b)
+    tl = simulate(build_schedule(spec.pp_schedule, p, m, v), p, m, v, cost_f=f, cost_b=b, cost_w=w,
+                  name=spec.pp_schedule)
+    return timeline_json(tl, "simulator")

@@ -1,0 +1,134 @@
+"""Expert parallelism: the experts of every MoE block sharded over the `ep` group, tokens moved to them
+with all-to-all (GShard / Switch / DeepSeek-V3 style).
+
+The ep group is a second view of the data(×cp) ranks (distributed/mesh.py: `ep`, `edp`, `edp_shard`):
+ep consecutive ranks of the flattened dp_replicate × dp_shard × cp block each hold E/ep experts. Each
+rank routes its own micro-batch exactly as one process would (capacity and dropping are decided there,
+at the source), then `ExpertParallelMoE.run_experts`:
+1. exchanges the split sizes: an all-to-all of the per-expert counts (E integers), so every rank knows
+   how many rows each peer sends for each of its local experts;
+2. sends the tokens (already sorted by global expert, hence grouped by destination rank) with an
+   all-to-all of uneven splits;
+3. regroups what arrived (source-major) into expert-major order, runs its experts as one grouped matmul,
+   puts the outputs back in arrival order;
+4. returns them with the reverse all-to-all. The caller combines them with the router weights.
+Both all-to-alls are autograd functions whose backward is the reverse exchange.
+
+Expert gradients already hold the contributions of every peer's tokens; they are summed over the
+expert-data group (the ranks holding the same experts) and divided by dp like every gradient
+(compose.reductions); ZeRO shards them over `edp_shard` (inside one HSDP shard group) and all-reduces
+over `dp_replicate`. Placements record the expert dimension as a `DimSplit` over `ep`, so sharded
+checkpoints reshard between ep degrees.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..distributed.comm import Comm
+from ..distributed.functional import copy_to, reduce_from
+from ..model.init import canonical_name
+from ..model.moe import BALANCE, CALLS, DROPPED, MoE
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm: Comm, out_splits: list[int], in_splits: list[int]):
+        ctx.comm, ctx.out_splits, ctx.in_splits = comm, out_splits, in_splits
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        comm.all_to_all(out, x.contiguous(), out_splits, in_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        out = g.new_empty((sum(ctx.in_splits),) + tuple(g.shape[1:]))
+        ctx.comm.all_to_all(out, g.contiguous(), ctx.in_splits, ctx.out_splits)
+        return out, None, None, None
+
+
+def all_to_all(x: torch.Tensor, comm: Comm, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+    """Rows `in_splits[i]` of x go to peer i; `out_splits[i]` rows arrive from peer i (with autograd)."""
+    return _AllToAll.apply(x, comm, out_splits, in_splits)
+
+
+class ExpertParallelMoE(MoE):
+    """A MoE feed-forward holding experts [r·E/ep, (r+1)·E/ep) of the ep group."""
+    ep_comm: Comm
+
+    @torch.compiler.disable  # collectives with data-dependent splits stay eager under compile
+    def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        comm = self.ep_comm
+        ep, n = comm.size, self.num_experts // comm.size
+        got = torch.empty_like(counts)
+        comm.all_to_all(got, counts)  # split sizes first: rows of each of my experts from each peer
+        got = got.view(ep, n)
+        send, recv = counts.view(ep, n).sum(1).tolist(), got.sum(1).tolist()
+        y = all_to_all(x, comm, recv, send)
+        expert = torch.repeat_interleave(torch.arange(ep * n, device=x.device) % n, got.flatten())
+        perm = torch.argsort(expert, stable=True)  # source-major -> expert-major (sources in order)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel(), device=perm.device)
+        z = self.experts(y[perm], got.sum(0).tolist())
+        return all_to_all(z[inv], comm, send, recv)
+
+
+def apply_expert_parallel(model: nn.Module, comm: Comm, plan, table) -> None:
+    """Swap every MoE feed-forward for its expert-parallel form and record the expert split (dim 0 of
+    each stacked expert weight over `comm`); materialisation then keeps only this rank's experts."""
+    for m in plan.moe_layers(model).values():
+        m.__class__ = ExpertParallelMoE
+        m.ep_comm = comm
+    for name in table.names():
+        if plan.expert_param(canonical_name(name)):
+            n = table[name].full_shape[0]
+            table.update(name, lambda pl: pl.split(0, n, n, comm.size, comm.rank, comm.name))
+
+
+def share_tokens_over_cp(model: nn.Module, comm: Comm, plan) -> None:
+    """Context parallelism: each cp rank routes its chunks of the micro-batch's sequences. The balance
+    term needs the whole micro-batch's assignment fractions and mean probabilities: summed over cp
+    (forward all-reduce, backward all-reduce: each rank's loss is the mean over its own tokens, so the
+    gradient signal of every rank is cp times its share, as for the cross-entropy). Every cp rank then
+    computes the same balance term and feeds its gradient in full; the cp-summed, (dp·cp)-divided
+    gradients come out as one process's. Capacity dropping stays per rank, so it is refused with cp."""
+    def token_sum(t: torch.Tensor) -> torch.Tensor:
+        return reduce_from(copy_to(t, comm), comm)
+
+    for m in plan.moe_layers(model).values():
+        m.token_sum, m.token_ranks = token_sum, comm.size
+
+
+class MoEStats:
+    """Routing statistics per step for metrics.jsonl `moe`, and the aux-loss gradient scale.
+
+    Every MoE module sums, over the step's training forwards, the tokens assigned to each expert
+    (before dropping), the dropped assignments, its balance term and its call count. `record` sums
+    those over the world (each TP rank routes the same tokens: divided by tp) into one row per MoE
+    block of the model, whichever stage holds it. Under cp every cp rank records the same balance
+    term once per call, so the mean over calls is unchanged."""
+
+    def __init__(self, model: nn.Module, plan, tp: int):
+        args = model.args
+        self.modules = plan.moe_layers(model)
+        self.row = {b: i for i, b in enumerate(i for i in range(args.n_layers) if args.is_moe_block(i))}
+        self.experts, self.tp = args.num_experts, tp
+
+    def begin_step(self, scale: float | torch.Tensor) -> None:
+        """`scale`: what the main loss is multiplied by before backward (1/accum, × fp16's scale)."""
+        for m in self.modules.values():
+            m.aux_grad_scale = scale
+            m.stats = None
+
+    def record(self, world: Comm, device: torch.device) -> dict:
+        E = self.experts
+        rows = torch.zeros(len(self.row), E + 3, dtype=torch.float64, device=device)
+        for b, m in self.modules.items():
+            if m.stats is not None:
+                rows[self.row[b]] = m.stats.to(rows)
+        world.all_reduce(rows)
+        rows = (rows / self.tp).cpu()
+        counts = rows[:, :E]
+        calls = rows[:, E + CALLS].sum().item()
+        return {"aux_loss": rows[:, E + BALANCE].sum().item() / max(calls, 1.0),
+                "tokens_per_expert_min": counts.min().item(), "tokens_per_expert_max": counts.max().item(),
+                "dropped": rows[:, E + DROPPED].sum().item() / max(counts.sum().item(), 1.0)}

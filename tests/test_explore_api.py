@@ -1,0 +1,305 @@
+"""`meshlm explore`'s JSON API: the same numbers as the CLI, one-line 400s, nothing outside --runs;
+and the measured CPU peak behind MFU (training.peak_tflops, best-of tries, MFU never above 100%)."""
+import json
+import os
+import re
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from meshlm import config as C
+from meshlm.cli import main
+from meshlm.explore.server import make_server, url_of
+from meshlm.train.metrics import PEAK_COMMENT, MetricsLog, device_peak
+
+TINY = ["--model.preset", "debug", "--data.seq_len", "32", "--training.global_batch", "4", "--training.micro_batch",
+        "2", "--training.steps", "6", "--training.eval_every", "3", "--training.eval_batches", "1",
+        "--metrics.progress", "false"]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(base URL, runs root, the run's name): a server over a root holding one short real training run."""
+    root = tmp_path_factory.mktemp("runs")
+    assert main(["train", "--run-dir", str(root / "tiny"), *TINY]) == 0
+    server = make_server("127.0.0.1", 0, str(root))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield url_of(server), root, "tiny"
+    server.shutdown()
+    server.server_close()
+
+
+def call(base, path, body=None, headers=None, raw=None):
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(base.rstrip("/") + path, data=data, headers=headers or {},
+                                 method="POST" if data is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read()) if "json" in r.headers["Content-Type"] else r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def cli_json(capsys, argv):
+    capsys.readouterr()
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, (json.loads(out) if code == 0 else None), err.strip()
+
+
+# ------------------------------------------------------------------------- explorer = estimate / plan
+
+LAYOUTS = [  # (API body, the same as `meshlm estimate` arguments)
+    ({"model.preset": "llama3-70b", "gpu": "h100", "gpus": 64, "data.seq_len": 8192, "global_batch_tokens": 2 ** 22,
+      "training.precision": "bf16", "training.micro_batch": 1, "parallel.tp": 8, "parallel.sp": True, "parallel.pp": 4,
+      "parallel.pp_schedule": "interleaved", "parallel.pp_virtual": 2, "parallel.zero": 1, "training.ac": "selective"},
+     ["--gpu", "h100", "--gpus", "64", "--model.preset", "llama3-70b", "--data.seq_len", "8192",
+      "--training.global_batch", "512", "--training.micro_batch", "1", "--training.precision", "bf16",
+      "--parallel.tp", "8", "--parallel.sp", "true", "--parallel.pp", "4", "--parallel.pp_schedule", "interleaved",
+      "--parallel.pp_virtual", "2", "--parallel.zero", "1", "--training.ac", "selective"]),
+    ({"model.preset": "llama3-8b", "gpu": "a100-40gb", "gpus": 16, "gpus_per_node": 4, "ib_gbps": 12.5,
+      "data.seq_len": 4096, "global_batch_tokens": 2 ** 20, "training.micro_batch": 2, "training.precision": "bf16",
+      "training.compile": True, "parallel.zero": 3, "parallel.zero_group": 4, "parallel.offload": "optimizer",
+      "efficiency": 0.5},
+     ["--gpu", "a100-40gb", "--gpus", "16", "--gpus-per-node", "4", "--ib-gbps", "12.5", "--efficiency", "0.5",
+      "--model.preset", "llama3-8b", "--data.seq_len", "4096", "--training.global_batch", "256",
+      "--training.micro_batch", "2", "--training.precision", "bf16", "--training.compile", "true",
+      "--parallel.zero", "3", "--parallel.zero_group", "4", "--parallel.offload", "optimizer"]),
+    ({"model.preset": "small", "model.dim": 512, "model.moe.num_experts": 8, "model.moe.top_k": 2, "gpu": "custom",
+      "peak_tflops": 100, "hbm_gb": 24, "nvlink_gbps": 64, "ib_gbps": 25, "gpus": 8, "data.seq_len": 512,
+      "global_batch_tokens": 512 * 64, "training.micro_batch": 1, "parallel.ep": 4, "parallel.zero": 2, "training.precision": "fp32"},
+     ["--gpu", "custom", "--peak-tflops", "100", "--hbm-gb", "24", "--nvlink-gbps", "64", "--ib-gbps", "25",
+      "--gpus", "8", "--model.preset", "small", "--model.dim", "512", "--model.moe.num_experts", "8",
+      "--model.moe.top_k", "2", "--data.seq_len", "512", "--training.global_batch", "64", "--training.micro_batch",
+      "1", "--parallel.ep", "4", "--parallel.zero", "2", "--training.precision", "fp32"]),
+]
+
+
+@pytest.mark.parametrize("body,argv", LAYOUTS, ids=["70b-tp8-pp4-interleaved", "8b-hsdp-offload", "moe-custom-gpu"])
+def test_estimate_is_the_cli_estimate(served, capsys, body, argv):
+    code, cli, err = cli_json(capsys, ["estimate", "--json", *argv])
+    assert code == 0, err
+    status, res = call(served[0], "/api/estimate", body)
+    assert status == 200, res
+    assert res["estimate"] == cli  # every number, byte for byte after the same JSON round trip
+    assert res["derived"]["dp"] == cli["layout"]["dp"]
+    if cli["layout"]["pp"] > 1:  # the simulator's timeline of this schedule, with the planner's costs
+        tl = res["pipeline"]
+        assert tl["p"] == cli["layout"]["pp"] and len(tl["rows"]) == tl["p"]
+        assert sum(len(r) for r in tl["rows"]) == 2 * tl["p"] * tl["m"] * tl["v"]  # one F and one B per chunk
+        assert tl["bubble"] > 0
+    cfg = _toml_config(res["toml"])  # the exported TOML is a train config asking for this layout
+    assert cfg.parallel.tp == cli["layout"]["tp"] and cfg.parallel.dp == cli["layout"]["dp"]
+    assert cfg.training.global_batch == cli["layout"]["global_batch"]
+
+
+def _toml_config(text):
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(text)
+    try:
+        return C.load(f.name)
+    finally:
+        os.unlink(f.name)
+
+
+def test_plan_table_and_export_match_emit_config(served, capsys, tmp_path):
+    emitted = tmp_path / "best.toml"
+    code, ranked, err = cli_json(capsys, ["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "16", "--seq-len",
+                                          "4096", "--global-batch-tokens", str(2 ** 21), "--top", "5", "--json",
+                                          "--emit-config", str(emitted)])
+    assert code == 0, err
+    body = {"model.preset": "llama3-8b", "gpu": "h100", "gpus": 16, "data.seq_len": 4096,
+            "global_batch_tokens": 2 ** 21, "training.precision": "bf16", "top": 5,
+            "parallel.tp": 3}  # layout keys are the search's business: ignored, not an error
+    status, res = call(served[0], "/api/plan", body)
+    assert status == 200, res
+    assert [r["layout"] for r in res["ranked"]] == [r["layout"] for r in ranked]
+    assert [r["step_s"] for r in res["ranked"]] == [r["step_s"] for r in ranked]
+    assert res["ranked"][0]["toml"] == emitted.read_text()
+    # clicking row 1 loads its layout into the inputs; the estimate's export is then the same file
+    L = res["ranked"][0]["layout"]
+    loaded = dict(body, **{"parallel.tp": L["tp"], "parallel.sp": L["sp"], "parallel.pp": L["pp"],
+                           "parallel.pp_schedule": L["pp_schedule"], "parallel.pp_virtual": L["pp_virtual"],
+                           "parallel.cp": L["cp"], "parallel.zero": L["zero"], "parallel.offload": L["offload"],
+                           "parallel.zero_group": L["zero_group"] if L["zero"] and L["zero_group"] != L["dp"] else 0,
+                           "training.micro_batch": L["micro_batch"], "training.ac": L["ac"]})
+    del loaded["top"]
+    status, est = call(served[0], "/api/estimate", loaded)
+    assert status == 200, est
+    assert est["toml"] == emitted.read_text()
+    assert est["estimate"]["step_s"] == pytest.approx(ranked[0]["step_s"])
+
+
+def test_options_lists_presets_profiles_and_the_three_examples(served):
+    status, o = call(served[0], "/api/options")
+    assert status == 200
+    assert {"llama3-70b", "llama3-405b", "debug"} <= set(o["presets"])
+    assert "h100-sxm-80gb" in o["gpus"] and o["gpus"]["h100-sxm-80gb"]["peak_tflops"] == pytest.approx(989)
+    assert [e["label"] for e in o["examples"]] == ["7B on 8 GPUs", "405B on 128 GPUs", "405B on 8 GPUs"]
+    fits = []
+    for ex in o["examples"]:
+        status, res = call(served[0], "/api/estimate", dict(ex["inputs"], **{"training.precision": "bf16"}))
+        assert status == 200, res
+        fits.append(res["estimate"]["fits"])
+    assert fits == [False, True, False]  # seed 004: DP alone overflows, 405B fits on 128, not on 8
+
+
+# ------------------------------------------------------------------------- bad input
+
+BAD = [  # (body, key the page shows it next to, a piece of the one-line reason)
+    ({"model.preset": "llama3-8b", "gpus": 9, "parallel.tp": 3, "global_batch_tokens": 256 * 48,
+      "training.micro_batch": 1}, "parallel.tp", "does not divide model.n_heads"),
+    ({"gpus": 8, "parallel.tp": 3}, "gpus", "does not divide the world size 8"),
+    ({"gpus": 0}, "gpus", "must be >= 1"),
+    ({"gpus": "eight"}, "gpus", "expected an integer"),
+    ({"gpu": "k80"}, "gpu", "unknown GPU 'k80'"),
+    ({"gpu": "custom", "peak_tflops": 10}, "gpu", "also give --hbm-gb"),
+    ({"global_batch_tokens": 1000}, "global_batch_tokens", "not a multiple of data.seq_len"),
+    ({"gpus": 8, "parallel.zero": 1, "parallel.zero_group": 3}, "parallel.zero_group", "does not divide dp 8"),
+    ({"gpus": 8, "parallel.offload": "optimizer"}, "parallel.offload", "needs a ZeRO stage"),
+    ({"gpus": 8, "parallel.pp": 2, "parallel.pp_virtual": 2}, "parallel.pp_virtual", "need pp_schedule = interleaved"),
+    ({"parallel.tp": True}, "parallel.tp", "expected a number"),
+    ({"parallel.ep": 2}, "parallel.ep", "needs a mixture-of-experts model"),
+    ({"model.preset": "gpt5"}, "model.preset", "unknown preset"),
+    ({"training.precision": "fp8"}, "training.precision", "is not one of"),
+    ({"efficiency": 1.5}, "efficiency", "must be in (0, 1]"),
+    ({"parallel.nonsense": 1}, "parallel.nonsense", "unknown input"),
+    ({"model.dim": {"a": 1}}, "model.dim", "expected a value"),
+]
+
+
+@pytest.mark.parametrize("body,key,reason", BAD, ids=[b[1] + "-" + str(i) for i, b in enumerate(BAD)])
+def test_bad_input_is_a_400_with_the_reason(served, body, key, reason):
+    status, res = call(served[0], "/api/estimate", body)
+    assert status == 400
+    assert reason in res["error"] and "\n" not in res["error"]
+    assert res["key"] == key
+
+
+def test_400_messages_are_the_cli_messages(served, capsys):
+    """The page shows what `meshlm estimate` prints, not a message of its own."""
+    for extra, tokens in (([], 256 * 16), (["--training.global_batch", "48", "--training.micro_batch", "1"], 256 * 48)):
+        code, _, err = cli_json(capsys, ["estimate", "--gpu", "h100", "--gpus", "9", "--model.preset", "llama3-8b",
+                                         "--parallel.tp", "3", *extra])
+        body = {"gpu": "h100", "gpus": 9, "model.preset": "llama3-8b", "parallel.tp": 3, "global_batch_tokens": tokens}
+        if extra:
+            body["training.micro_batch"] = 1
+        status, res = call(served[0], "/api/estimate", body)
+        assert code == 2 and status == 400 and err == f"meshlm: {res['error']}"
+
+
+def test_malformed_requests(served):
+    base = served[0]
+    assert call(base, "/api/estimate", raw=b"{not json")[0] == 400
+    assert call(base, "/api/estimate", raw=b"[1, 2]") == (400, {"error": "request: expected a JSON object", "key": "request"})
+    assert call(base, "/api/plan", {"gpus": 8, "global_batch_tokens": 100})[0] == 400
+    assert call(base, "/api/nothing")[0] == 404
+    status, _ = call(base, "/api/estimate", raw=b"{" + b" " * (1 << 17) + b"}")
+    assert status == 400
+
+
+# ------------------------------------------------------------------------- runs dashboard, paths
+
+def test_runs_dashboard_reads_the_run(served):
+    base, root, name = served
+    status, listing = call(base, "/api/runs")
+    assert status == 200 and [r["name"] for r in listing["runs"]] == [name]
+    status, run = call(base, f"/api/run?name={name}")
+    assert status == 200
+    lines = [json.loads(x) for x in (root / name / "metrics.jsonl").read_text().splitlines()]
+    assert len(run["steps"]) == sum("loss" in x for x in lines) == 6
+    assert [e["step"] for e in run["evals"]] == [3, 6]
+    pred, measured = run["prediction"], run["steps"][-1]["mem"]
+    assert pred["world"] == 1 and pred["stage"] == "only"
+    for k in ("params", "grads", "optim"):  # the planner's bytes are the trainer's bytes
+        assert pred["per_gpu"][k] == measured[k], k
+    assert run["pipeline"] is None
+    assert "[training]" in run["config_text"]
+
+
+@pytest.mark.parametrize("name", ["../tiny", "..", "%2e%2e", "%2e%2e%2ftiny", "/etc", "%2Fetc%2Fpasswd", "tiny/..",
+                                  "tiny%2f..%2f..", "..%5c..", ""])
+def test_no_path_outside_runs(served, name):
+    status, res = call(served[0], f"/api/run?name={name}")
+    assert status == 400 and res["key"] == "run", res
+
+
+def test_symlink_out_of_the_root_is_refused(served, tmp_path):
+    base, root, _ = served
+    outside = tmp_path / "secret"
+    outside.mkdir()
+    (outside / "config.toml").write_text("[model]\npreset = \"debug\"\n")
+    link = root / "escape"
+    link.symlink_to(outside)
+    try:
+        assert call(base, "/api/run?name=escape")[0] == 400
+        assert "escape" not in [r["name"] for r in call(base, "/api/runs")[1]["runs"]]
+    finally:
+        link.unlink()
+    assert call(base, "/api/run?name=missing")[0] == 404
+
+
+def test_static_files_and_host_check(served):
+    base = served[0]
+    status, page = call(base, "/")
+    assert status == 200 and b"meshlm explore" in page
+    assert not re.search(rb'(src|href)="(https?:)?//', page)  # no CDN: every asset is served from here
+    for path in ("/app.js", "/charts.js", "/style.css"):
+        assert call(base, path)[0] == 200
+    for path in ("/../../../etc/passwd", "/static/../api.py", "/index.html/../../server.py"):
+        assert call(base, path)[0] == 404
+    assert call(base, "/api/options", headers={"Host": "attacker.example:80"})[0] == 403
+
+
+def test_explore_command_refuses_bad_ports(capsys):
+    assert main(["explore", "--port", "70000"]) == 2
+    assert "--port" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------- the peak behind MFU
+
+def test_peak_override_measurement_and_label():
+    flops, label = device_peak(torch.device("cpu"), C.TrainingConfig(peak_tflops=0.25))
+    assert flops == 0.25e12 and label == "training.peak_tflops = 0.25"
+    flops, label = device_peak(torch.device("cpu"), C.TrainingConfig())
+    assert flops > 1e9 and f"{torch.get_num_threads()} threads" in label and "best of 7" in label
+    assert "must be >= 0" in str(pytest.raises(C.ConfigError, _resolve_negative_peak).value)
+
+
+def _resolve_negative_peak():
+    from meshlm.layout import resolve
+    resolve(C.load(None, [("training.peak_tflops", "-1")]), 1)
+
+
+def test_mfu_over_100_percent_is_impossible(tmp_path):
+    """A measured peak the run outruns was taken at a busy moment: measured again, and never below the
+    run's own rate. A configured peak is the user's number and is left alone."""
+    (tmp_path / "config.toml").write_text(C.to_toml(C.Config()))
+    log = MetricsLog(str(tmp_path), True, 3, 0, progress=False)
+    slow = 1e6  # a "measurement" far below anything a CPU does
+    for step in (1, 2):
+        log.write({"step": step, "loss": 1.0, "tokens_per_s": 1.0, "mfu": 1.5 + step, "peak_flops": slow,
+                   "peak_label": "cpu (measured: float32 matmul, best of 7 tries, 2 threads)"})
+    log.write({"step": 3, "loss": 1.0, "tokens_per_s": 1.0, "mfu": 3.0, "peak_flops": 1e9,
+               "peak_label": "training.peak_tflops = 0.001"})
+    log.close()
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < r["mfu"] <= 1 for r in recs[:2])
+    assert recs[0]["peak_flops"] > 1e9 and "measured again at step 1" in recs[0]["peak_label"]
+    assert recs[2]["mfu"] == 3.0 and recs[2]["peak_label"] == "training.peak_tflops = 0.001"
+    text = (tmp_path / "config.toml").read_text()
+    assert text.count(PEAK_COMMENT) == 1 and "training.peak_tflops = 0.001" in text.splitlines()[-1]
+    C.load(str(tmp_path / "config.toml"))  # still a valid config
+
+
+def test_trained_run_records_its_peak(served):
+    _, root, name = served
+    recs = [json.loads(x) for x in (root / name / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "loss" in r]
+    assert all(0 < r["mfu"] <= 1 and r["peak_flops"] > 0 and "measured" in r["peak_label"] for r in steps)
+    config = (root / name / "config.toml").read_text()
+    assert f"{PEAK_COMMENT} " in config and steps[-1]["peak_label"] in config
