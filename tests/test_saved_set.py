@@ -2,7 +2,7 @@
 parallelized model, against the documented per-token formula (plan/memory.py minimal_block_bytes)."""
 import pytest
 from harness import make_config
-from test_tp import activation_task
+from test_tp import _context
 
 from meshlm import config as C
 from meshlm.layout import model_args
@@ -12,12 +12,40 @@ SHAPE = {"model__dim": 128, "model__n_layers": 2, "model__n_heads": 8, "model__n
          "model__ffn_dim": 256, "model__max_seq_len": 64, "data__seq_len": 64, "training__micro_batch": 2}
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True), (4, False), (4, True)])
-def test_saved_bytes_meet_formula(pools, tp, sp, precision):
-    cfg = make_config(parallel__tp=tp, parallel__sp=sp, training__precision=precision, **SHAPE)
+def saved_task(cfg_dict: dict) -> tuple[int, bool]:
+    """Bytes block 0 saves in one forward on this rank, and whether that block is compiled."""
+    import torch
+
+    from meshlm.model import Llama
+    from meshlm.parallel import parallelize
+    from meshlm.parallel.tensor_parallel import saved_activation_bytes
+    from meshlm.train.optim import MasterOptimizer
+    cfg = C.from_dict(cfg_dict)
+    layout, ctx = _context(cfg)
+    with torch.device("meta"):
+        model = Llama(model_args(cfg))
+    par = parallelize(model, ctx, cfg, layout, MasterOptimizer)
+    tokens = torch.randint(0, 256, (cfg.training.micro_batch, cfg.data.seq_len))
+    block = par.model.layers["0"]
+    parts = saved_activation_bytes(block, lambda: par.model(tokens))
+    return sum(parts.values()), isinstance(block, torch._dynamo.eval_frame.OptimizedModule)
+
+
+LAYOUTS = [(1, False), (2, False), (2, True), (4, False), (4, True)]
+# (tp, sp, precision, compiled): every layout eager in both precisions; compiled (CPU inductor, slow to
+# build on 2 cores) every layout in bf16 and the two ends in fp32
+CASES = [(t, s, p, False) for t, s in LAYOUTS for p in ("fp32", "bf16")] + \
+    [(t, s, "bf16", True) for t, s in LAYOUTS] + [(1, False, "fp32", True), (4, True, "fp32", True)]
+
+
+@pytest.mark.parametrize("tp,sp,precision,compiled", CASES,
+                         ids=[f"tp{t}{'-sp' if s else ''}-{p}{'-compiled' if c else ''}" for t, s, p, c in CASES])
+def test_saved_bytes_meet_formula(pools, tp, sp, precision, compiled):
+    cfg = make_config(parallel__tp=tp, parallel__sp=sp, training__precision=precision,
+                      training__compile=compiled, **SHAPE)
     a, e = model_args(cfg), 4 if precision == "fp32" else 2
-    got = sum(pools(tp).run(activation_task, C.to_dict(cfg))[0].values())
+    got, is_compiled = pools(tp).run(saved_task, C.to_dict(cfg))[0]
+    assert is_compiled == compiled
     tokens, seq = cfg.training.micro_batch * cfg.data.seq_len, cfg.data.seq_len
     rope = 2 * 4 * (a.head_dim // 2) * seq  # cos and sin for the sequence, shared by every block
     want = tokens * minimal_block_bytes(a.dim, a.ffn_dim, a.n_heads, a.n_kv_heads, a.head_dim, tp, sp, e) + rope

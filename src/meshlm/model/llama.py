@@ -73,6 +73,14 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
+class SwiGLU(nn.Module):
+    """silu(gate) * up, a module so selective checkpointing can recompute it instead of saving it (MoE
+    experts; the dense FeedForward fuses it into w2 instead)."""
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+
 class FeedForward(nn.Module):
     def __init__(self, dim: int, ffn_dim: int):
         super().__init__()

@@ -100,6 +100,36 @@ class _SwiGLUDown(Function):
         return g_gate, g_up, g_w2
 
 
+@torch.library.custom_op("meshlm::swiglu_down", mutates_args=())
+def _swiglu_down_op(gate: torch.Tensor, up: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(gate) * up, w2)
+
+
+@_swiglu_down_op.register_fake
+def _(gate, up, w2):
+    return gate.new_empty(gate.shape[:-1] + (w2.shape[0],))
+
+
+def _swiglu_down_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_down_grad(ctx, g):
+    gate, up, w2 = ctx.saved_tensors
+    silu, sig = F.silu(gate), torch.sigmoid(gate)
+    gp = g @ w2
+    return gp * up * (sig * (1 + gate * (1 - sig))), gp * silu, weight_grad(g, silu * up)
+
+
+_swiglu_down_op.register_autograd(_swiglu_down_grad, setup_context=_swiglu_down_setup)
+
+
 def swiglu_down(gate: torch.Tensor, up: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """w2(silu(gate)·up), saving gate and up only (the product is rebuilt in backward)."""
+    """w2(silu(gate)·up), saving gate and up only (the product is rebuilt in backward).
+
+    Compiled, the same node is an opaque custom op: inductor's partitioner would otherwise see the
+    product feeding w2's weight-gradient matmul in backward and save it (a matmul input is never
+    "free" to recompute there), one e·ffn per token more than eager."""
+    if torch.compiler.is_compiling():
+        return _swiglu_down_op(gate, up, w2)
     return _SwiGLUDown.apply(gate, up, edge(w2))

@@ -9,6 +9,8 @@ product is never saved since model/ops.py).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -23,6 +25,11 @@ SAVED_OPS = frozenset(getattr(_aten, n).default for n in (
     if hasattr(_aten, n))
 
 
+def _op_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_OP_CONTEXTS = functools.partial(create_selective_checkpoint_contexts, _op_policy)
 
 
 class Checkpointed(nn.Module):
@@ -32,26 +39,29 @@ class Checkpointed(nn.Module):
     def __init__(self, module: nn.Module, per_op: bool = False):
         super().__init__()
         self._wrapped = module
-        self._kw = {"context_fn": self._contexts} if per_op else {}
-        self.kept_bytes = 0  # op mode: bytes the last forward kept in the op cache (not saved-tensor hooks)
+        self._per_op = per_op
+        self.kept_bytes = 0  # op mode, eager: bytes the last forward kept in the op cache (not saved-tensor hooks)
         self._kept: set[int] = set()
 
     def forward(self, *args):
+        if not self._per_op:
+            return checkpoint(self._wrapped, *args, use_reentrant=False)
+        if torch.compiler.is_compiling():  # the partitioner follows the policy; nothing to count
+            return checkpoint(self._wrapped, *args, use_reentrant=False, context_fn=_OP_CONTEXTS)
         self.kept_bytes, self._kept = 0, set()
-        return checkpoint(self._wrapped, *args, use_reentrant=False, **self._kw)
+        return checkpoint(self._wrapped, *args, use_reentrant=False, context_fn=self._contexts)
 
     def _contexts(self):
-        return create_selective_checkpoint_contexts(self._policy)
+        return create_selective_checkpoint_contexts(self._counting_policy)
 
-    def _policy(self, ctx, op, *args, **kwargs):
-        if op not in SAVED_OPS:
-            return CheckpointPolicy.PREFER_RECOMPUTE
-        if not ctx.is_recompute:
+    def _counting_policy(self, ctx, op, *args, **kwargs):
+        policy = _op_policy(ctx, op)
+        if policy == CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
             for t in (ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,)):
                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self._kept:
                     self._kept.add(t.untyped_storage().data_ptr())
                     self.kept_bytes += t.untyped_storage().nbytes()
-        return CheckpointPolicy.MUST_SAVE
+        return policy
 
 
 def apply_ac(model: nn.Module, mode: str, plan=None) -> None:

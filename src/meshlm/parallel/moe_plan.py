@@ -82,12 +82,8 @@ class MoEPlan(LlamaPlan):
         for b in model.layers.values():
             out.append((b.attention, "core"))
             ff = b.feed_forward
-            if isinstance(ff, MoE):
+            if isinstance(ff, MoE):  # dense FFNs and shared experts fuse the product into w2 (model/ops.py)
                 out.append((ff.experts, "act"))
-                if ff.shared is not None:
-                    out.append((ff.shared, "act"))
-            else:
-                out.append((ff, "act"))
         return out
 
 
