@@ -51,3 +51,22 @@ def test_saved_bytes_meet_formula(pools, tp, sp, precision, compiled):
     want = tokens * minimal_block_bytes(a.dim, a.ffn_dim, a.n_heads, a.n_kv_heads, a.head_dim, tp, sp, e) + rope
     print(f"tp{tp} sp={sp} {precision}: measured {got} B, formula {want:.0f} B ({got / want:.3f}x)")
     assert 0.95 * want <= got <= 1.1 * want, (got, want)
+
+
+@pytest.mark.parametrize("tp,sp,ac,compiled", [(2, True, "selective", True), (2, True, "op", True),
+                                               (2, False, "op", True), (2, False, "op", False)])
+def test_ac_modes_meet_planner(pools, tp, sp, ac, compiled):
+    """Recomputation modes with TP against the planner (plan/memory.py), compiled or not."""
+    from meshlm.plan.memory import block_activation_bytes
+    from meshlm.plan.spec import shape_from_config
+    cfg = make_config(parallel__tp=tp, parallel__sp=sp, training__precision="bf16", training__compile=compiled,
+                      training__ac=ac, **SHAPE)
+    got, is_compiled = pools(tp).run(saved_task, C.to_dict(cfg))[0]
+    assert is_compiled == (compiled and not (ac == "op" and tp > 1))  # parallel/compose.py
+    seq = cfg.data.seq_len
+    a = model_args(cfg)
+    rope = 2 * 4 * (a.head_dim // 2) * seq
+    want = block_activation_bytes(shape_from_config(cfg), cfg.training.micro_batch * seq, seq, 2, tp, sp, ac,
+                                  compiled=compiled) + rope
+    print(f"tp{tp} sp={sp} {ac} compiled: measured {got} B, planner {want:.0f} B ({got / want:.3f}x)")
+    assert got == pytest.approx(want, rel=0.05)

@@ -25,11 +25,27 @@ SAVED_OPS = frozenset(getattr(_aten, n).default for n in (
     if hasattr(_aten, n))
 
 
-def _op_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+class _OpPolicy:
+    """Keep matmul and attention outputs, recompute the rest; in eager runs also count the bytes kept
+    (SAC holds them in its own cache, out of reach of saved-tensor hooks). Called at trace time under
+    compile (nothing to count then: the partitioner's saved tensors are visible to the hooks)."""
 
+    def __init__(self):
+        self.kept_bytes = 0
+        self._kept: set[int] = set()
 
-_OP_CONTEXTS = functools.partial(create_selective_checkpoint_contexts, _op_policy)
+    def reset(self) -> None:
+        self.kept_bytes, self._kept = 0, set()
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        if op not in SAVED_OPS:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if not ctx.is_recompute and not torch.compiler.is_compiling():
+            for t in (ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,)):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self._kept:
+                    self._kept.add(t.untyped_storage().data_ptr())
+                    self.kept_bytes += t.untyped_storage().nbytes()
+        return CheckpointPolicy.MUST_SAVE
 
 
 class Checkpointed(nn.Module):
@@ -39,29 +55,23 @@ class Checkpointed(nn.Module):
     def __init__(self, module: nn.Module, per_op: bool = False):
         super().__init__()
         self._wrapped = module
-        self._per_op = per_op
-        self.kept_bytes = 0  # op mode, eager: bytes the last forward kept in the op cache (not saved-tensor hooks)
-        self._kept: set[int] = set()
+        self._policy = _OpPolicy() if per_op else None
+        self._kw = {"context_fn": functools.partial(create_selective_checkpoint_contexts, self._policy)} \
+            if per_op else {}
+
+    @property
+    def kept_bytes(self) -> int:
+        """op mode: bytes the last eager forward kept in the op cache."""
+        return self._policy.kept_bytes if self._policy is not None else 0
 
     def forward(self, *args):
-        if not self._per_op:
-            return checkpoint(self._wrapped, *args, use_reentrant=False)
-        if torch.compiler.is_compiling():  # the partitioner follows the policy; nothing to count
-            return checkpoint(self._wrapped, *args, use_reentrant=False, context_fn=_OP_CONTEXTS)
-        self.kept_bytes, self._kept = 0, set()
-        return checkpoint(self._wrapped, *args, use_reentrant=False, context_fn=self._contexts)
+        if self._policy is not None:
+            self._reset()
+        return checkpoint(self._wrapped, *args, use_reentrant=False, **self._kw)
 
-    def _contexts(self):
-        return create_selective_checkpoint_contexts(self._counting_policy)
-
-    def _counting_policy(self, ctx, op, *args, **kwargs):
-        policy = _op_policy(ctx, op)
-        if policy == CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
-            for t in (ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,)):
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self._kept:
-                    self._kept.add(t.untyped_storage().data_ptr())
-                    self.kept_bytes += t.untyped_storage().nbytes()
-        return policy
+    @torch.compiler.disable  # runs each step even when compiled (a region dynamo cannot trace runs eagerly)
+    def _reset(self) -> None:
+        self._policy.reset()
 
 
 def apply_ac(model: nn.Module, mode: str, plan=None) -> None:

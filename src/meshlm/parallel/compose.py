@@ -130,7 +130,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
                 full_shapes={f: pl.full_shape for f, pl in split.items()},
                 slicers={f: pl.to_local for f, pl in split.items()},
                 source=init_source(cfg.model.init_from, model.args))  # model.init_from = "hf:DIR"
-    if cfg.training.compile:
+    # op-level AC over a TP block: the region holds Comm's collectives, whose byte accounting dynamo will
+    # not trace inside a checkpoint; such blocks stay eager (the policy then counts exactly what it keeps)
+    if cfg.training.compile and not (cfg.training.ac == "op" and layout.tp > 1):
         for key, block in list(plan.blocks(model).items()):
             plan.blocks(model)[key] = torch.compile(block, dynamic=False)
     named = named_params(model)

@@ -102,8 +102,11 @@ def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes:
     log-sum-exp, gate, up, and the wo / w2 outputs before their TP reduction, e·d each) and recomputes
     the norms, RoPE and the residual adds. full keeps the block input only (e·d').
 
-    `compiled` (training.compile, fused attention, dense FFN): inductor's partitioner chooses its own
-    set from the joint graph (below; measured in tests/test_plan_compiled.py).
+    `compiled` (training.compile, fused attention, dense FFN, cp = 1): inductor's partitioner keeps the
+    same set (the SwiGLU-down node is opaque to it, model/ops.py), except that under selective the
+    recomputed core's output feeds wo directly (e·q less) and under op only one of the wo / w2 outputs
+    is needed (e·d less; at tp = 1 only: with TP an op-checkpointed block holds collectives whose byte
+    accounting dynamo will not trace inside a checkpoint, so parallelize leaves those blocks eager). Measured in tests/test_plan_compiled.py and tests/test_saved_set.py.
 
     Context parallelism (cp > 1) swaps the attention core for one that saves q, k, v, its output and
     the log-sum-exp whatever the kernel and AC mode (the ring's custom Function; Ulysses' inner fused
@@ -123,16 +126,7 @@ def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes:
     dq = hq * a.head_dim
     kvd = _ceil(a.n_kv_heads, t) * a.head_dim
     f_local = a.ffn_dim / t
-    if compiled and flash and not shape.moe and ac in ("none", "selective"):
-        # inductor's partitioner: block input, the inputs of wq/wk/wv and w1/w3 (gathered under SP),
-        # q and the wo input, k and v, gate and up, the two rstd; without AC also the attention
-        # output with its log-sum-exp and the SwiGLU product (measured: tests/test_plan_compiled.py)
-        saved = e * (dsp + 2 * d + 2 * dq + 2 * kvd + 2 * f_local) + 8 * dsp / d
-        if ac == "none":
-            saved += e * (dq + f_local) + 4 * hq
-        else:  # selective recomputes the attention core only; the product stays (inductor's choice)
-            saved += e * f_local
-        return tokens * saved
+    compiled_core = compiled and flash and not shape.moe and cp == 1
     if cp > 1:
         if cp_impl == "ulysses":  # the all-to-all back makes wo's input a tensor of its own (+e·q)
             attn = e * (3 * dq + 2 * max(_ceil(a.n_kv_heads, t), cp) * a.head_dim) + 4 * hq
@@ -146,9 +140,11 @@ def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes:
         m = attn_math_bytes or e
         attn = 3 * m * dq + m * hq * seq_len + e * dq
     if ac == "op":  # block input; the matmul outputs (wo / w2 before their TP reduction: e·d each)
-        norm, ffn = e * dsp, 2 * e * f_local + 2 * e * d
+        norm, ffn = e * dsp, 2 * e * f_local + (1 if compiled_core and t == 1 else 2) * e * d
     else:
         norm, ffn = 4 * e * dsp + 8 * dsp / d, 2 * e * f_local  # norm inputs + outputs, rstd; gate, up
+    if compiled_core and ac == "selective":
+        attn -= e * dq  # the recomputed core's output is wo's input: not saved
     if shape.moe:  # averaged over the blocks: MoE ones (moe.every, moe.first_dense) and dense ones
         x_local, frac = a.expert_dim / t, a.n_moe_blocks / a.n_layers
         n_ffn = 3 if ac == "selective" else 4
