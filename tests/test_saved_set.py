@@ -2,7 +2,7 @@
 parallelized model, against the documented per-token formula (plan/memory.py minimal_block_bytes)."""
 import pytest
 from harness import make_config
-from test_tp import _context
+from test_tp import activation_task
 
 from meshlm import config as C
 from meshlm.layout import model_args
@@ -14,21 +14,8 @@ SHAPE = {"model__dim": 128, "model__n_layers": 2, "model__n_heads": 8, "model__n
 
 def saved_task(cfg_dict: dict) -> tuple[int, bool]:
     """Bytes block 0 saves in one forward on this rank, and whether that block is compiled."""
-    import torch
-
-    from meshlm.model import Llama
-    from meshlm.parallel import parallelize
-    from meshlm.parallel.tensor_parallel import saved_activation_bytes
-    from meshlm.train.optim import MasterOptimizer
-    cfg = C.from_dict(cfg_dict)
-    layout, ctx = _context(cfg)
-    with torch.device("meta"):
-        model = Llama(model_args(cfg))
-    par = parallelize(model, ctx, cfg, layout, MasterOptimizer)
-    tokens = torch.randint(0, 256, (cfg.training.micro_batch, cfg.data.seq_len))
-    block = par.model.layers["0"]
-    parts = saved_activation_bytes(block, lambda: par.model(tokens))
-    return sum(parts.values()), isinstance(block, torch._dynamo.eval_frame.OptimizedModule)
+    parts, compiled = activation_task(cfg_dict, True)
+    return sum(parts.values()), compiled
 
 
 LAYOUTS = [(1, False), (2, False), (2, True), (4, False), (4, True)]

@@ -58,8 +58,8 @@ def comm_task(cfg_dict: dict, steps: int, group: str = "tp"):
     return {k: (s.calls, s.bytes) for k, s in ctx.comm(group).stats.items() if k != "recv_wait"}
 
 
-def activation_task(cfg_dict: dict):
-    """Saved-activation bytes of block 0 by part, forward only."""
+def activation_task(cfg_dict: dict, report_compiled: bool = False):
+    """Saved-activation bytes of block 0 by part, forward only (and whether block 0 is compiled)."""
     from meshlm.model import Llama
     from meshlm.parallel import parallelize
     from meshlm.parallel.tensor_parallel import saved_activation_bytes
@@ -70,7 +70,9 @@ def activation_task(cfg_dict: dict):
         model = Llama(model_args(cfg))
     par = parallelize(model, ctx, cfg, layout, MasterOptimizer)
     tokens = torch.randint(0, 256, (cfg.training.micro_batch, cfg.data.seq_len))
-    return saved_activation_bytes(par.model.layers["0"], lambda: par.model(tokens))
+    block = par.model.layers["0"]
+    parts = saved_activation_bytes(block, lambda: par.model(tokens))
+    return (parts, isinstance(block, torch._dynamo.eval_frame.OptimizedModule)) if report_compiled else parts
 
 
 # -- tests ------------------------------------------------------------------------------------
