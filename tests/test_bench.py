@@ -33,3 +33,36 @@ def test_ckpt_bench_smoke():
     r = out["results"]
     assert r["none"]["bytes"] == 0 and r["sync"]["bytes"] > 12 * out["params"]  # every element written once
     assert r["sync"]["save_s"] > 0 and r["async"]["write_s"] > 0
+
+
+SAVED_SET_TINY = ("--dim", "64", "--n-layers", "2", "--ffn-dim", "128", "--seq-len", "32", "--batch", "2",
+                  "--steps", "3", "--rounds", "1", "--warmup", "1")
+
+
+def _check_ab(out: dict, precision: str) -> None:
+    (r,) = out["results"]
+    assert out["mode"] == "ab" and r["precision"] == precision and r["ratio"] > 0
+    for v in ("A", "B"):
+        assert r[v]["median_s"] > 0 and r[v]["steps"] == 2 and r[v]["block"] > 0 and r[v]["step"] > r[v]["block"]
+    assert r["A"]["first_loss"] == r["B"]["first_loss"]  # same model, init and batch
+    assert r["B"]["block"] < r["A"]["block"]  # the minimal saved set keeps fewer bytes (issue 17)
+
+
+def test_saved_set_bench_smoke():
+    _check_ab(run_json("bench/saved_set.py", "--json", "--precision", "fp32", *SAVED_SET_TINY), "fp32")
+
+
+def test_saved_set_bench_tp_sp_smoke():
+    out = run_json("bench/saved_set.py", "--json", "--precision", "bf16", "--tp", "2", "--sp", *SAVED_SET_TINY)
+    assert out["tp"] == 2 and out["sp"]
+    _check_ab(out, "bf16")
+
+
+def test_saved_set_ac_table_smoke():
+    out = run_json("bench/saved_set.py", "--json", "--ac-table", "--precision", "bf16", *SAVED_SET_TINY)
+    rows = {r["ac"]: r for r in out["results"]}
+    assert out["mode"] == "ac-table" and list(rows) == ["none", "op", "selective", "full"]
+    for r in rows.values():
+        assert r["median_s"] > 0 and r["block"] > 0 and r["pred_block"] > 0 and r["step_ratio"] > 0
+    assert rows["op"]["op_cache"] > 0 and rows["none"]["op_cache"] == 0  # op mode keeps matmul outputs in its cache
+    assert rows["full"]["block"] < rows["none"]["block"]
