@@ -233,8 +233,8 @@ def _mib(n: float) -> str:
 
 def report_ab(res: list[dict], a) -> None:
     where = f"tp={a.tp}{' sp' if a.sp else ''}"
-    print(f"| precision | layout | A step ms | B step ms | B/A time | A KiB/block | B KiB/block | B/A bytes | "
-          f"A loss | B loss |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("| precision | layout | A step ms | B step ms | B/A time | A KiB/block | B KiB/block | B/A bytes | "
+          "A loss | B loss |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in res:
         A, B = r["A"], r["B"]
         print(f"| {r['precision']} | {where} | {A['median_s'] * 1e3:.1f} | {B['median_s'] * 1e3:.1f} | "
