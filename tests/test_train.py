@@ -212,9 +212,10 @@ def test_tensorboard_and_eval_are_written(tmp_path):
     assert recs[-1]["loss"] < recs[0]["loss"]
 
 
-def test_compiled_blocks_give_the_same_losses(tmp_path):
+@pytest.mark.parametrize("ac", ["none", "op"])  # op: per-op SAC traced by the compiler (issue 17)
+def test_compiled_blocks_give_the_same_losses(tmp_path, ac):
     ref = run_local(make_config(training__steps=2), str(tmp_path / "eager"))
-    got = run_local(make_config(training__steps=2, training__compile=True), str(tmp_path / "compiled"))
+    got = run_local(make_config(training__steps=2, training__compile=True, training__ac=ac), str(tmp_path / "compiled"))
     assert_same_losses(ref, got, 1e-5)
 
 

@@ -22,10 +22,17 @@ from .comm import Comm
 
 def all_gather_dim(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim`, in rank order (no autograd)."""
+    _, finish = _gather_start(x, comm, dim, async_op=False)
+    return finish()
+
+
+def _gather_start(x: torch.Tensor, comm: Comm, dim: int, async_op: bool = True):
+    """Start an all-gather of `x` along `dim`; returns (handle, finish) where finish() is the result
+    (contiguous: a strided view would be copied by every consumer)."""
     shard = x.movedim(dim, 0).contiguous()
     out = shard.new_empty((comm.size * shard.shape[0],) + tuple(shard.shape[1:]))
-    comm.all_gather(out, shard)
-    return out.movedim(0, dim).contiguous()  # a strided view would be copied by every consumer
+    handle = comm.all_gather(out, shard, async_op=async_op)
+    return handle, lambda: out.movedim(0, dim).contiguous()
 
 
 def reduce_scatter_dim(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
@@ -89,12 +96,6 @@ class _ReduceScatterSeq(Function):
         return all_gather_dim(g, ctx.comm, ctx.dim), None, None
 
 
-def _gather_start(x: torch.Tensor, comm: Comm, dim: int):
-    """Start an all-gather of `x` along `dim`; returns (handle, finish) where finish() is the result."""
-    shard = x.movedim(dim, 0).contiguous()
-    out = shard.new_empty((comm.size * shard.shape[0],) + tuple(shard.shape[1:]))
-    handle = comm.all_gather(out, shard, async_op=True)
-    return handle, lambda: out.movedim(0, dim).contiguous()
 
 
 class _GatherLinears(Function):

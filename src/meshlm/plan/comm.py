@@ -98,8 +98,11 @@ def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first:
         base = 4 * layers + (1 if first else 0) + (1 if last else 0)
         full = s.ac in ("full", "op")  # both rerun each block's forward (op keeps its matmuls)
         if sq:
-            # backward entries also re-gather the shard the column-parallel linears saved
-            add("tp", "all_gather", t, 1, (base + 2 * layers + (1 if last else 0) + (2 * layers if full else 0)) * m, act)
+            # backward entries also re-gather the shard the column-parallel linears saved (not a MoE
+            # block's FFN: its experts read routed tokens, so its entry gathers unfused)
+            moe_ffn = layers * a.n_moe_blocks / a.n_layers if shape.moe else 0
+            regather = 2 * layers - moe_ffn + (1 if last else 0)
+            add("tp", "all_gather", t, 1, (base + regather + (2 * layers if full else 0)) * m, act)
             add("tp", "reduce_scatter", t, 1, (base + (layers if full else 0)) * m, act)
         else:
             add("tp", "all_reduce", t, 1, (base + (layers if full else 0)) * m, act)
