@@ -17,7 +17,7 @@ import torch
 
 from . import config as C
 from .model.args import ModelArgs
-from .model.hf_config import args_from_hf, config_for, hf_name, param_shapes
+from .model.hf_config import args_from_hf, config_for, param_shapes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DTYPES = {"bf16": (torch.bfloat16, "bfloat16"), "fp32": (torch.float32, "float32")}
@@ -145,7 +145,7 @@ def to_hf(ckpt: str, out: str, dtype: str = "bf16", max_shard_bytes: int = 5 * 1
     """A transformers Llama directory: config.json, safetensors (sharded with an index above
     `max_shard_bytes`), and the run's tokenizer. Reads one shard's tensors at a time."""
     from safetensors.torch import save_file
-    from .model.hf import to_hf as permute_to_hf
+    from .model.hf import hf_tensors
     if dtype not in DTYPES:
         raise ValueError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
     path = find_checkpoint(ckpt)
@@ -173,7 +173,8 @@ def to_hf(ckpt: str, out: str, dtype: str = "bf16", max_shard_bytes: int = 5 * 1
             fname = ("model.safetensors" if len(shards) == 1
                      else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
             got = load_masters(path, {n: shapes[n] for n in names})
-            data = {hf_name(n): permute_to_hf(n, t, args).to(torch_dtype).contiguous() for n, t in got.items()}
+            data = {k: v.to(torch_dtype).contiguous() for n, t in got.items()
+                    for k, v in hf_tensors(n, t, args).items()}
             save_file(data, os.path.join(tmp, fname), metadata={"format": "pt"})
             weight_map.update({k: fname for k in data})
             total += sum(t.numel() * t.element_size() for t in data.values())

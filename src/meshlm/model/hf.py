@@ -39,6 +39,12 @@ def to_hf(name: str, t: torch.Tensor, args: ModelArgs) -> torch.Tensor:
     return rope_rows_to_hf(t, args.head_dim) if name.endswith(ROPE_ROWS) else t
 
 
+def hf_tensors(name: str, t: torch.Tensor, args: ModelArgs) -> dict[str, torch.Tensor]:
+    """The transformers tensors (name -> value) that meshlm parameter `name` (full, unpadded value `t`)
+    becomes on export: the one seam every exporter goes through (one meshlm tensor may be several)."""
+    return {hf_name(name): to_hf(name, t, args)}
+
+
 class HFWeights:
     """The safetensors files of a transformers model directory (one file or an index of shards)."""
 
