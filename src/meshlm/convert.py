@@ -1,4 +1,4 @@
-"""`meshlm convert`: Hugging Face Llama directories <-> meshlm checkpoints, and reading a checkpoint's
+"""`meshlm convert`: Hugging Face directories (Llama, Qwen2, Qwen3, Mixtral) <-> meshlm checkpoints, and reading a checkpoint's
 weights into one process (for export and `meshlm generate`).
 
 A checkpoint holds single-process tensors by name (`master/<name>`) through DCP, sharded however the
@@ -114,9 +114,10 @@ def _copy_tokenizer(src_dir: str | None, src_file: str | None, dst: str) -> None
 
 
 def from_hf(hf_dir: str, out: str) -> str:
-    """A weights-only meshlm checkpoint (`master/<name>` fp32 + meta.json) from a transformers Llama.
+    """A weights-only meshlm checkpoint (`master/<name>` fp32 + meta.json) from a transformers model.
     Its config pins the shape; train from HF weights with model.init_from instead (any layout)."""
     import torch.distributed.checkpoint as dcp
+    from .layout import set_model_shape
     from .model.hf import HFWeights
     args = args_from_hf(hf_dir)
     weights = HFWeights(hf_dir)
@@ -126,9 +127,7 @@ def from_hf(hf_dir: str, out: str) -> str:
         tensors = {f"master/{n}": weights.tensor(n, args).contiguous() for n in param_shapes(args)}
         dcp.save(tensors, checkpoint_id=tmp)
         cfg = C.Config()
-        for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
-                    "rope_theta", "tie_embeddings", "norm_eps"):
-            setattr(cfg.model, key, getattr(args, key))
+        set_model_shape(cfg, args)
         meta = {"step": 0, "weights_only": True, "source": f"hf:{os.path.abspath(hf_dir)}",
                 "config": C.to_dict(cfg)}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
@@ -142,7 +141,7 @@ def from_hf(hf_dir: str, out: str) -> str:
 
 
 def to_hf(ckpt: str, out: str, dtype: str = "bf16", max_shard_bytes: int = 5 * 10 ** 9) -> list[str]:
-    """A transformers Llama directory: config.json, safetensors (sharded with an index above
+    """A transformers directory (Llama, Qwen2, Qwen3 or Mixtral: model/hf_config.family_for): config.json, safetensors (sharded with an index above
     `max_shard_bytes`), and the run's tokenizer. Reads one shard's tensors at a time."""
     from safetensors.torch import save_file
     from .model.hf import hf_tensors
@@ -150,9 +149,10 @@ def to_hf(ckpt: str, out: str, dtype: str = "bf16", max_shard_bytes: int = 5 * 1
         raise ValueError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
     path = find_checkpoint(ckpt)
     cfg, args, meta = checkpoint_model(path)
-    if args.moe:  # param_shapes / the name map describe the dense transformers Llama only
-        raise ValueError(f"{path}: a mixture-of-experts checkpoint (model.moe.num_experts = {args.num_experts}); "
-                         f"export to Hugging Face supports dense Llama models only")
+    try:
+        hf_config = config_for(args, DTYPES[dtype][1])  # refuses a model no transformers architecture expresses
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     tok = tokenizer_of(path, cfg, meta, args.vocab_size)
     torch_dtype, dtype_name = DTYPES[dtype]
     shapes = param_shapes(args)
@@ -183,7 +183,7 @@ def to_hf(ckpt: str, out: str, dtype: str = "bf16", max_shard_bytes: int = 5 * 1
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config_for(args, dtype_name), f, indent=1)
+            json.dump(hf_config, f, indent=1)
         beside = os.path.isfile(os.path.join(path, "tokenizer.json"))
         _copy_tokenizer(path if beside else None, None if beside or tok == "bytes" else tok, tmp)
         os.replace(tmp, out)

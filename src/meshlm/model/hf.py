@@ -1,9 +1,13 @@
-"""Hugging Face Llama weights as meshlm tensors: the RoPE row permutation and safetensors reads of one
-parameter at a time (no distributed import: a rank asks for what it holds, nothing more).
+"""Hugging Face weights as meshlm tensors: the RoPE permutation, expert stacking and safetensors reads
+of one parameter at a time (no distributed import: a rank asks for what it holds, nothing more).
 
 RoPE: meshlm rotates interleaved pairs (d0, d1), (d2, d3), ... of each head; transformers rotates
 the halves (d_i, d_{i+hd/2}). Both use frequency i for pair i, so converting is a fixed permutation of
-the rows of wq and wk inside each head: meshlm row 2i+a is transformers row a·hd/2 + i.
+the rows of wq and wk inside each head: meshlm row 2i+a is transformers row a·hd/2 + i. The q/k biases
+(Qwen2) are permuted with their rows, the q/k norm gains (Qwen3, [head_dim]) as one head.
+
+Experts: meshlm stacks a block's experts ([E, hidden, dim] for w1/w3, [E, dim, hidden] for w2);
+Mixtral stores expert j's `w1`/`w2`/`w3` as tensors of their own, same orientation.
 """
 from __future__ import annotations
 
@@ -15,9 +19,10 @@ from typing import Callable
 import torch
 
 from .args import ModelArgs
-from .hf_config import hf_name, param_shapes
+from .hf_config import hf_names, param_shapes, stacked
 
-ROPE_ROWS = ("attention.wq.weight", "attention.wk.weight")
+ROPE_ROWS = ("attention.wq.weight", "attention.wk.weight", "attention.wq.bias", "attention.wk.bias",
+             "attention.q_norm.weight", "attention.k_norm.weight")
 
 
 def rope_rows_from_hf(w: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -41,8 +46,11 @@ def to_hf(name: str, t: torch.Tensor, args: ModelArgs) -> torch.Tensor:
 
 def hf_tensors(name: str, t: torch.Tensor, args: ModelArgs) -> dict[str, torch.Tensor]:
     """The transformers tensors (name -> value) that meshlm parameter `name` (full, unpadded value `t`)
-    becomes on export: the one seam every exporter goes through (one meshlm tensor may be several)."""
-    return {hf_name(name): to_hf(name, t, args)}
+    becomes on export: the one seam every exporter goes through (stacked experts: one per expert)."""
+    names = hf_names(name, args)
+    if stacked(name):
+        return {n: e.clone() for n, e in zip(names, t.unbind(0))}  # own storage: safetensors refuses shared
+    return {names[0]: to_hf(name, t, args)}
 
 
 class HFWeights:
@@ -88,18 +96,33 @@ class HFWeights:
     def check(self, args: ModelArgs) -> None:
         """Every parameter the config implies is present with its shape (read from the headers only)."""
         for name, shape in param_shapes(args).items():
-            hn = hf_name(name)
-            if hn not in self.files:
-                raise ValueError(f"{self.dir}: tensor {hn} is missing (config.json implies it)")
-            got = self.shape(hn)
-            if got != shape:
-                raise ValueError(f"{self.files[hn]}: {hn} has shape {list(got)}, config.json implies {list(shape)}")
+            try:
+                names = hf_names(name, args)
+            except KeyError:
+                raise ValueError(f"{self.dir}: {name} has no Hugging Face tensor") from None
+            want = tuple(shape[1:]) if stacked(name) else tuple(shape)
+            for hn in names:
+                if hn not in self.files:
+                    raise ValueError(f"{self.dir}: tensor {hn} is missing (config.json implies it)")
+                got = self.shape(hn)
+                if got != want:
+                    raise ValueError(f"{self.files[hn]}: {hn} has shape {list(got)}, config.json implies "
+                                     f"{list(want)}")
 
     def tensor(self, name: str, args: ModelArgs) -> torch.Tensor:
-        """meshlm parameter `name` (single-process, unpadded) in fp32."""
+        """meshlm parameter `name` (single-process, unpadded) in fp32; stacked experts are read one
+        expert at a time into the [E, ...] tensor."""
         if name == "output.weight" and args.tie_embeddings:
             name = "tok_embeddings.weight"
-        return to_meshlm(name, self.get(hf_name(name)).float(), args)
+        names = hf_names(name, args)
+        if stacked(name):
+            first = self.get(names[0])
+            out = torch.empty((len(names), *first.shape), dtype=torch.float32)
+            out[0] = first
+            for j, hn in enumerate(names[1:], 1):
+                out[j] = self.get(hn)
+            return out
+        return to_meshlm(name, self.get(names[0]).float(), args)
 
 
 def hf_source(hf_dir: str, args: ModelArgs) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
@@ -111,7 +134,7 @@ def hf_source(hf_dir: str, args: ModelArgs) -> Callable[[str, tuple[int, ...]], 
         t = weights.tensor(name, args)
         if tuple(full_shape) != tuple(t.shape):
             if len(full_shape) != t.dim() or full_shape[1:] != t.shape[1:] or full_shape[0] < t.shape[0]:
-                raise ValueError(f"{hf_dir}: {hf_name(name)} has shape {list(t.shape)}, the model needs "
+                raise ValueError(f"{hf_dir}: {name} has shape {list(t.shape)}, the model needs "
                                  f"{list(full_shape)}")
             t = torch.cat([t, t.new_zeros(full_shape[0] - t.shape[0], *t.shape[1:])])
         return t
