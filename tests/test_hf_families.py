@@ -95,6 +95,16 @@ def test_llama3_presets_are_the_published_models(name):
     assert sum(p.numel() for p in hf.parameters()) == count
 
 
+@pytest.mark.parametrize("name", [*PUBLISHED, "mixtral-8x7b", "small"])
+def test_preset_config_json_round_trips(tmp_path, name):
+    """`init_from` a directory with the config.json meshlm exports for a preset gives the preset back:
+    plan, explore and init_from mean the same model by "llama3-8b"."""
+    from meshlm.model.args import PRESETS
+    from meshlm.model.hf_config import args_from_hf, config_for
+    (tmp_path / "config.json").write_text(json.dumps(config_for(PRESETS[name], "bfloat16")))
+    assert args_from_hf(str(tmp_path)) == PRESETS[name]
+
+
 def test_rope_frequencies_equal_transformers():
     """llama3 and linear scaling: meshlm's frequency table is transformers' (the 8B preset's shape)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
