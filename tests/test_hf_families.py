@@ -95,6 +95,31 @@ def test_llama3_presets_are_the_published_models(name):
     assert sum(p.numel() for p in hf.parameters()) == count
 
 
+# Meta's config.json of Llama-3.1-8B and Llama-3.2-1B (older spelling: rope_scaling, top-level rope_theta)
+META = {
+    "llama3-8b": {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+                  "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+                  "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
+                  "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+                  "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+                  "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                  "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                  "use_cache": True, "vocab_size": 128256},
+}
+META["llama3-1b"] = dict(META["llama3-8b"], hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         head_dim=64, tie_word_embeddings=True,
+                         rope_scaling=dict(META["llama3-8b"]["rope_scaling"], factor=32.0))
+
+
+@pytest.mark.parametrize("name", list(META))
+def test_meta_config_json_is_the_preset(tmp_path, name):
+    from meshlm.model.args import PRESETS
+    from meshlm.model.hf_config import args_from_hf
+    (tmp_path / "config.json").write_text(json.dumps(META[name]))
+    assert args_from_hf(str(tmp_path)) == PRESETS[name]
+
+
 @pytest.mark.parametrize("name", [*PUBLISHED, "mixtral-8x7b", "small"])
 def test_preset_config_json_round_trips(tmp_path, name):
     """`init_from` a directory with the config.json meshlm exports for a preset gives the preset back:
