@@ -4,13 +4,14 @@ Plain Python/numpy/torch only (no torch.distributed): ranks are passed in explic
 """
 
 from .corpus import DEFAULT_CORPUS_NAME, default_cache_dir, default_data_dir, stdlib_files
-from .sampler import GlobalBatchSampler, eval_batches
-from .shards import TokenShards, prepare
-from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from .prepare import prepare
+from .sampler import Batch, GlobalBatchSampler, MixtureSampler, WindowOrder, apportion, eval_batches
+from .shards import TokenShards
+from .tokenizer import ByteTokenizer, HFTokenizer, framing, load_tokenizer
 
 __all__ = [
-    "ByteTokenizer", "HFTokenizer", "load_tokenizer",
+    "ByteTokenizer", "HFTokenizer", "load_tokenizer", "framing",
     "prepare", "TokenShards",
     "DEFAULT_CORPUS_NAME", "default_cache_dir", "default_data_dir", "stdlib_files",
-    "GlobalBatchSampler", "eval_batches",
+    "GlobalBatchSampler", "MixtureSampler", "WindowOrder", "Batch", "apportion", "eval_batches",
 ]
