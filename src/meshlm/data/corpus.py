@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sysconfig
 
-from .prepare import prepare
+from .build import prepare
 from .shards import INDEX_NAME
 
 __all__ = ["DEFAULT_CORPUS_NAME", "stdlib_files", "default_cache_dir", "default_data_dir"]

@@ -4,7 +4,7 @@ Raw little-endian token arrays: every rank opens the same files without loading 
 costs one positioned read; nothing here grows with the corpus (files are opened on first use, document
 starts are searched in a memory map).
 
-Index version 2 (written by data/prepare.py): one stream of `files`, `doc_starts` (int64 offsets of
+Index version 2 (written by data/build.py): one stream of `files`, `doc_starts` (int64 offsets of
 every document's first token) and `splits` as token ranges of that stream. Version 1 (per-split file
 lists, no document starts) is still read.
 """
