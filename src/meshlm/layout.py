@@ -285,6 +285,11 @@ def resolve(cfg: Config, world_size: int) -> Layout:
     check_ep(args, p.ep, dp, dp_shard, p.cp, p.zero)
     if cfg.data.seq_len < 1:
         raise ConfigError(f"data.seq_len: must be >= 1, got {cfg.data.seq_len}")
+    if cfg.data.document_mask and p.cp > 1:
+        raise ConfigError("data.document_mask: not available with context parallelism (cp > 1) yet: the ring "
+                          "and Ulysses cores take no mask")
+    if cfg.data.mix and cfg.data.path:
+        raise ConfigError("data.mix: give data.path or data.mix, not both")
     if p.pp > 1 or p.pp_virtual > 1 or p.pp_layers:
         _check_pipeline(cfg, args, microbatches)
     if t.steps < 0:
@@ -338,11 +343,11 @@ def check_data(cfg: Config) -> None:
             HFWeights(cfg.model.init_from[3:]).check(model_args(cfg))
         except ValueError as e:
             raise ConfigError(f"model.init_from: {e}") from None
-    if cfg.data.path:
-        if not os.path.exists(cfg.data.path):
-            raise ConfigError(f"data.path: no such directory: {cfg.data.path}")
-        if not os.path.isfile(os.path.join(cfg.data.path, "index.json")):
-            raise ConfigError(f"data.path: {cfg.data.path} has no index.json (run `meshlm prepare` first)")
+    for key, path in [("data.path", cfg.data.path)] * bool(cfg.data.path) + [("data.mix", p) for p, _ in cfg.data.mix]:
+        if not os.path.exists(path):
+            raise ConfigError(f"{key}: no such directory: {path}")
+        if not os.path.isfile(os.path.join(path, "index.json")):
+            raise ConfigError(f"{key}: {path} has no index.json (run `meshlm prepare` first)")
     if cfg.data.tokenizer != "bytes":
         if not os.path.isfile(cfg.data.tokenizer):
             raise ConfigError(f"data.tokenizer: cannot read tokenizer file {cfg.data.tokenizer}")
