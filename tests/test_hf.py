@@ -224,6 +224,18 @@ def test_generate_cli_prints_the_continuation(hf_models, tmp_path, capsys):
     assert capsys.readouterr().out != first
 
 
+def edited_copy(hf_dir: str, dst, **changes) -> str:
+    """A copy of HF directory `hf_dir` at `dst` with some config.json keys changed."""
+    shutil.copytree(hf_dir, dst)
+    path = os.path.join(dst, "config.json")
+    with open(path) as f:
+        c = json.load(f)
+    c.update(changes)
+    with open(path, "w") as f:
+        json.dump(c, f)
+    return str(dst)
+
+
 def _one_line_error(capsys, argv, code=2) -> str:
     assert main(argv) == code
     err = capsys.readouterr().err.strip()
@@ -243,12 +255,7 @@ def test_bad_input_is_one_line_and_writes_nothing(hf_models, tmp_path, capsys):
     assert "safetensors" in _one_line_error(capsys, ["convert", "--from-hf", str(no_weights), "--out", str(out)])
 
     def edited(name, **changes):
-        d = tmp_path / name
-        shutil.copytree(hf_dir, d)
-        c = json.loads((d / "config.json").read_text())
-        c.update(changes)
-        (d / "config.json").write_text(json.dumps(c))
-        return str(d)
+        return edited_copy(hf_dir, tmp_path / name, **changes)
     gpt2 = edited("gpt2", architectures=["GPT2LMHeadModel"], model_type="gpt2")
     assert "GPT2LMHeadModel" in _one_line_error(capsys, ["convert", "--from-hf", gpt2, "--out", str(out)])
     wrong = edited("wrong", intermediate_size=128)

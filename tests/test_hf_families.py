@@ -1,10 +1,11 @@
 """The Hugging Face families beyond plain Llama, each against transformers' own classes: Llama 3.1-style
-RoPE scaling (llama3, linear), Qwen2 (q/k/v biases), Qwen3 (q/k norm, head_dim ≠ dim/heads) and
-Mixtral (router + stacked experts). Per family: a tiny random model saved with `save_pretrained`
+RoPE scaling (llama3, linear), Qwen2 (q/k/v biases), Qwen3 (q/k norm, head_dim ≠ dim/heads), Mixtral
+and Qwen3-MoE (router + stacked experts). Per family: a tiny random model saved with `save_pretrained`
 gives transformers' fp32 logits after `convert --from-hf` (at positions beyond the pretraining
 context for llama3), generates its greedy tokens, trains from `model.init_from` in a parallel layout
 with one process's losses, and exports back to a directory transformers loads with meshlm's logits.
 The llama3-* presets are the published shapes (parameter counts checked against transformers)."""
+import dataclasses
 import json
 
 import pytest
@@ -32,12 +33,16 @@ def _build(family: str):
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON, rope_theta=30000.0))
     if family == "qwen3":  # head_dim 32 with 4 heads: q has 128 rows for a 64-wide model
         return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, head_dim=32))
+    if family == "qwen3moe":  # block 0 dense (mlp_only_layers), block 1 MoE; q/k norm, head_dim 32
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **COMMON, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+            norm_topk_prob=True, mlp_only_layers=[0]))
     assert family == "mixtral"
     return transformers.MixtralForCausalLM(transformers.MixtralConfig(**COMMON, num_local_experts=4,
                                                                       num_experts_per_tok=2))
 
 
-FAMILIES = ("llama3", "linear", "qwen2", "qwen3", "mixtral")
+FAMILIES = ("llama3", "linear", "qwen2", "qwen3", "mixtral", "qwen3moe")
 
 
 def make_hf(path, family: str, seed: int = 0):
@@ -93,6 +98,23 @@ def test_llama3_presets_are_the_published_models(name):
     with torch.device("meta"):
         hf = transformers.LlamaForCausalLM(cfg)
     assert sum(p.numel() for p in hf.parameters()) == count
+
+
+@pytest.mark.parametrize("first_dense,every", [(0, 1), (1, 1), (1, 2), (0, 3), (2, 2)])
+def test_qwen3_moe_block_pattern_round_trips(tmp_path, first_dense, every):
+    """Which blocks are MoE survives export (mlp_only_layers) and import (first_dense / every)."""
+    from meshlm.model.args import ModelArgs
+    from meshlm.model.hf_config import args_from_hf, config_for
+    a = ModelArgs(dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=256, qk_norm=True,
+                  num_experts=4, top_k=2, moe_ffn_dim=48, moe_first_dense=first_dense, moe_every=every,
+                  explicit_head_dim=32, aux_loss_coef=0.01)
+    c = config_for(a, "float32")
+    assert c["architectures"] == ["Qwen3MoeForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    b = args_from_hf(str(tmp_path))
+    assert [b.is_moe_block(i) for i in range(6)] == [a.is_moe_block(i) for i in range(6)]
+    assert b.aux_loss_coef == pytest.approx(a.aux_loss_coef)
+    assert dataclasses.replace(b, moe_every=a.moe_every, aux_loss_coef=a.aux_loss_coef) == a
 
 
 # Meta's config.json of Llama-3.1-8B and Llama-3.2-1B (older spelling: rope_scaling, top-level rope_theta)
@@ -160,7 +182,9 @@ def test_from_hf_gives_transformers_logits(hf_models, tmp_path, family):
     assert (a.rope_type, a.qkv_bias, a.qk_norm, a.num_experts) == \
         {"llama3": ("llama3", False, False, 0), "linear": ("linear", False, False, 0),
          "qwen2": ("default", True, False, 0), "qwen3": ("default", False, True, 0),
-         "mixtral": ("default", False, False, 4)}[family]
+         "mixtral": ("default", False, False, 4), "qwen3moe": ("default", False, True, 4)}[family]
+    if family == "qwen3moe":
+        assert (a.moe_first_dense, a.moe_every, a.expert_dim, a.ffn_dim) == (1, 1, 48, 96)
     if family == "qwen3":
         assert a.head_dim == 32 and model.layers["0"].attention.wq.weight.shape == (128, 64)
     x = tokens()
@@ -172,7 +196,7 @@ def test_from_hf_gives_transformers_logits(hf_models, tmp_path, family):
             assert rel(model(x), hf(x).logits) > 1e-3
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mixtral"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mixtral", "qwen3moe"])
 def test_greedy_generate_matches_transformers(hf_models, tmp_path, family):
     """Through the KV cache, past the llama3 model's 16-position pretraining context."""
     from test_hf import assert_greedy_matches
@@ -195,8 +219,12 @@ def test_export_reloads_in_transformers(hf_models, tmp_path, family):
     if family == "llama3":
         assert {k: back_cfg["rope_scaling"][k] for k in LLAMA3_ROPE} == LLAMA3_ROPE
     index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())["weight_map"]
-    assert set(index) == set(hf.state_dict()) - ({"lm_head.weight"} if hf.config.tie_word_embeddings else set()) \
-        if family != "mixtral" else "model.layers.1.block_sparse_moe.experts.3.w2.weight" in index
+    moe = {"mixtral": "model.layers.1.block_sparse_moe.experts.3.w2.weight",
+           "qwen3moe": "model.layers.1.mlp.experts.3.down_proj.weight"}
+    if family in moe:  # transformers' state dict fuses the experts; the files hold them one by one
+        assert moe[family] in index
+    else:
+        assert set(index) == set(hf.state_dict()) - ({"lm_head.weight"} if hf.config.tie_word_embeddings else set())
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
     assert type(back) is type(hf)
     model = load_model(str(tmp_path / "ck"))[0]
@@ -217,6 +245,7 @@ LAYOUTS = [
     ("qwen3", "dp2-zero3-tp2-sp", 4, {"parallel__dp": 2, "parallel__zero": 3, "parallel__tp": 2,
                                       "parallel__sp": True, "training__micro_batch": 1}),
     ("mixtral", "ep2", 2, {"parallel__dp": 2, "parallel__ep": 2}),
+    ("qwen3moe", "dp2-ep2-tp2", 4, {"parallel__dp": 2, "parallel__ep": 2, "parallel__tp": 2}),
 ]
 
 
@@ -256,21 +285,13 @@ def test_init_from_pins_the_shape_in_the_run_config(hf_models, tmp_path, family)
     assert model_args(C.load(str(tmp_path / "c.toml"))) == args_from_hf(hf_dir)
 
 
-def _edited(tmp_path, hf_dir: str, name: str, **changes) -> str:
-    import shutil
-    d = tmp_path / name
-    shutil.copytree(hf_dir, d)
-    c = json.loads((d / "config.json").read_text())
-    c.update(changes)
-    (d / "config.json").write_text(json.dumps(c))
-    return str(d)
-
-
 def test_unsupported_is_one_line_and_writes_nothing(hf_models, tmp_path, capsys):
-    from test_hf import _one_line_error
+    from test_hf import _one_line_error, edited_copy
     out = tmp_path / "out"
     cases = [
-        ("qwen3", dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe"), "Qwen3-MoE"),
+        ("qwen3", dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe"), "Qwen2-MoE"),
+        ("qwen3moe", dict(norm_topk_prob=False), "norm_topk_prob"),
+        ("qwen3moe", dict(mlp_only_layers=[2], num_hidden_layers=3), "every k-th"),  # MoE, MoE, dense
         ("qwen2", dict(use_sliding_window=True, sliding_window=16), "sliding"),
         ("qwen3", dict(layer_types=["sliding_attention", "full_attention"]), "sliding"),
         ("mixtral", dict(sliding_window=32), "sliding_window"),
@@ -280,7 +301,7 @@ def test_unsupported_is_one_line_and_writes_nothing(hf_models, tmp_path, capsys)
         ("llama3", dict(attention_bias=True), "attention_bias"),
     ]
     for i, (family, changes, needle) in enumerate(cases):
-        d = _edited(tmp_path, hf_models[family][0], f"bad{i}", **changes)
+        d = edited_copy(hf_models[family][0], tmp_path / f"bad{i}", **changes)
         assert needle in _one_line_error(capsys, ["convert", "--from-hf", d, "--out", str(out)]), changes
         err = _one_line_error(capsys, ["train", "--model.init_from", f"hf:{d}", "--run-dir", str(tmp_path / "run")])
         assert err.startswith("meshlm: model.init_from:") and needle in err

@@ -1,5 +1,5 @@
-"""`meshlm convert`: Hugging Face directories (Llama, Qwen2, Qwen3, Mixtral) <-> meshlm checkpoints, and reading a checkpoint's
-weights into one process (for export and `meshlm generate`).
+"""`meshlm convert`: Hugging Face directories (Llama, Qwen2, Qwen3, Mixtral, Qwen3-MoE) <-> meshlm
+checkpoints, and reading a checkpoint's weights into one process (for export and `meshlm generate`).
 
 A checkpoint holds single-process tensors by name (`master/<name>`) through DCP, sharded however the
 writing layout held them; one process asks for each tensor whole (train/checkpoint.py reads the
@@ -141,8 +141,9 @@ def from_hf(hf_dir: str, out: str) -> str:
 
 
 def to_hf(ckpt: str, out: str, dtype: str = "bf16", max_shard_bytes: int = 5 * 10 ** 9) -> list[str]:
-    """A transformers directory (Llama, Qwen2, Qwen3 or Mixtral: model/hf_config.family_for): config.json, safetensors (sharded with an index above
-    `max_shard_bytes`), and the run's tokenizer. Reads one shard's tensors at a time."""
+    """A transformers directory (the architecture model/hf_config.family_for picks): config.json,
+    safetensors (sharded with an index above `max_shard_bytes`), and the run's tokenizer. Reads one
+    shard's tensors at a time."""
     from safetensors.torch import save_file
     from .model.hf import hf_tensors
     if dtype not in DTYPES:

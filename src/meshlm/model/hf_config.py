@@ -1,6 +1,6 @@
 """Hugging Face `config.json` <-> ModelArgs, and parameter names between the two layouts, for the
-families meshlm's Llama can express: Llama (3.1+ RoPE scaling included), Qwen2, Qwen3 (dense) and
-Mixtral.
+families meshlm's Llama can express: Llama (3.1+ RoPE scaling included), Qwen2, Qwen3, Mixtral and
+Qwen3-MoE.
 
 Torch-free on purpose: layout checks and the planner read HF shapes without importing torch.
 Errors are ValueErrors with one line that names the file.
@@ -17,20 +17,28 @@ from .args import ModelArgs
 
 @dataclass(frozen=True)
 class Family:
-    """One transformers architecture: what its config.json implies for ModelArgs."""
+    """One transformers architecture: what its config.json implies for ModelArgs, and where a MoE
+    block's router and experts live (`experts`: expert {j}'s tensor {w}, named per meshlm w1/w2/w3)."""
     arch: str
     model_type: str
     qkv_bias: bool = False  # q/k/v biases always present (Qwen2)
     qk_norm: bool = False   # per-head q/k RMSNorm (Qwen3)
-    moe: bool = False       # Mixtral's sparse MoE feed-forward in every block
+    moe: bool = False       # sparse MoE feed-forwards (Mixtral: every block; Qwen3-MoE: as configured)
+    router: str = ""
+    experts: str = ""
+    expert_w: tuple[tuple[str, str], ...] = ()
 
 
+MIXTRAL = Family("MixtralForCausalLM", "mixtral", moe=True, router="block_sparse_moe.gate.weight",
+                 experts="block_sparse_moe.experts.{j}.{w}.weight", expert_w=(("w1", "w1"), ("w2", "w2"), ("w3", "w3")))
+QWEN3_MOE = Family("Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, moe=True, router="mlp.gate.weight",
+                   experts="mlp.experts.{j}.{w}.weight",
+                   expert_w=(("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")))
 FAMILIES = (Family("LlamaForCausalLM", "llama"), Family("Qwen2ForCausalLM", "qwen2", qkv_bias=True),
-            Family("Qwen3ForCausalLM", "qwen3", qk_norm=True), Family("MixtralForCausalLM", "mixtral", moe=True))
+            Family("Qwen3ForCausalLM", "qwen3", qk_norm=True), MIXTRAL, QWEN3_MOE)
 ARCH = FAMILIES[0].arch
 # architectures close enough to name in the refusal, with what is missing
-REFUSED = {"Qwen3MoeForCausalLM": "Qwen3-MoE (q/k norm with a MoE feed-forward) is not supported",
-           "Qwen2MoeForCausalLM": "Qwen2-MoE (sigmoid-gated shared expert) is not supported"}
+REFUSED = {"Qwen2MoeForCausalLM": "Qwen2-MoE (sigmoid-gated shared expert) is not supported"}
 ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 # meshlm single-process name -> transformers name (per block: `{i}` is the layer index)
@@ -49,10 +57,10 @@ _BLOCK = {
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.router.weight": "block_sparse_moe.gate.weight",
 }
-# stacked experts [E, ...]: expert j's slice is one transformers tensor
-_EXPERTS = {f"feed_forward.experts.{w}": f"block_sparse_moe.experts.{{j}}.{w}.weight" for w in ("w1", "w2", "w3")}
+_ROUTER = "feed_forward.router.weight"
+# stacked experts [E, ...]: expert j's slice is one transformers tensor (Family.experts)
+_EXPERTS = {f"feed_forward.experts.{w}": w for w in ("w1", "w2", "w3")}
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -65,15 +73,20 @@ def stacked(name: str) -> bool:
 
 
 def hf_names(name: str, args: ModelArgs) -> list[str]:
-    """The transformers names of meshlm parameter `name`: one, or one per expert for stacked experts."""
+    """The transformers names of meshlm parameter `name`: one, or one per expert for stacked experts
+    (a MoE block's names depend on the architecture that expresses `args`: family_for)."""
     if name in _TOP:
         return [_TOP[name]]
     m = _LAYER.match(name)
-    if m and m.group(2) in _EXPERTS:
-        return [f"model.layers.{m.group(1)}.{_EXPERTS[m.group(2)].format(j=j)}" for j in range(args.num_experts)]
-    if not m or m.group(2) not in _BLOCK:
-        raise KeyError(f"no Hugging Face name for parameter {name}")
-    return [f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}"]
+    if m and m.group(2) in _BLOCK:
+        return [f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}"]
+    if m and (m.group(2) in _EXPERTS or m.group(2) == _ROUTER):
+        fam, prefix = family_for(args), f"model.layers.{m.group(1)}"
+        if m.group(2) == _ROUTER:
+            return [f"{prefix}.{fam.router}"]
+        w = dict(fam.expert_w)[_EXPERTS[m.group(2)]]
+        return [f"{prefix}.{fam.experts.format(j=j, w=w)}" for j in range(args.num_experts)]
+    raise KeyError(f"no Hugging Face name for parameter {name}")
 
 
 def hf_name(name: str) -> str:
@@ -179,6 +192,32 @@ def _refuse_features(c: dict, fam: Family, path: str) -> None:
         raise ValueError(f"{path}: sliding_window = {window} is not supported (full causal attention only)")
 
 
+def _moe(c: dict, fam: Family, path: str) -> dict:
+    """ModelArgs' MoE fields. Which blocks are MoE (Qwen3-MoE: `mlp_only_layers`, `decoder_sparse_step`)
+    must be meshlm's pattern (first_dense dense blocks, then every `every`-th); routing must renormalise
+    the top-k (Qwen3-MoE's `norm_topk_prob`; Mixtral always does). transformers weighs one balance term
+    averaged over the blocks, meshlm sums one per block: the coefficient is divided by their count."""
+    n = int(c["num_hidden_layers"])
+    step, dense_only = int(c.get("decoder_sparse_step") or 1), set(c.get("mlp_only_layers") or [])
+    is_moe = [i not in dense_only and (i + 1) % step == 0 for i in range(n)]
+    if not any(is_moe):
+        raise ValueError(f"{path}: no MoE block (mlp_only_layers / decoder_sparse_step)")
+    first = is_moe.index(True)
+    later = [i for i in range(first + 1, n) if is_moe[i]]
+    every = later[0] - first if later else max(1, n - first)  # one MoE block: any step past the end
+    if is_moe != [i >= first and (i - first) % every == 0 for i in range(n)]:
+        raise ValueError(f"{path}: MoE blocks {[i for i in range(n) if is_moe[i]]} are not leading dense blocks "
+                         f"then every k-th (model.moe.first_dense / every)")
+    if fam is QWEN3_MOE and not c.get("norm_topk_prob", False):
+        raise ValueError(f"{path}: norm_topk_prob = false is not supported (meshlm renormalises the top-k "
+                         f"router weights)")
+    experts = c.get("num_local_experts", c.get("num_experts"))
+    return dict(num_experts=int(experts), top_k=int(c["num_experts_per_tok"]),
+                moe_ffn_dim=int(c.get("moe_intermediate_size") or c["intermediate_size"]),
+                moe_first_dense=first, moe_every=every,
+                aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)) / sum(is_moe))
+
+
 def args_from_hf(hf_dir: str, max_seq_len: int | None = None) -> ModelArgs:
     """ModelArgs of the transformers model in `hf_dir`; anything meshlm's Llama cannot express is
     refused (another architecture, o/MLP biases, a non-SiLU MLP, sliding windows, other RoPE scaling)."""
@@ -189,11 +228,7 @@ def args_from_hf(hf_dir: str, max_seq_len: int | None = None) -> ModelArgs:
     try:
         dim, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
         hd = int(c.get("head_dim") or (dim // heads))
-        moe = {}
-        if fam.moe:  # transformers weighs one balance term averaged over the blocks, meshlm sums per block
-            moe = dict(num_experts=int(c["num_local_experts"]), top_k=int(c["num_experts_per_tok"]),
-                       moe_ffn_dim=int(c["intermediate_size"]),
-                       aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)) / int(c["num_hidden_layers"]))
+        moe = _moe(c, fam, path) if fam.moe else {}
         args = ModelArgs(
             dim=dim, n_layers=int(c["num_hidden_layers"]), n_heads=heads,
             n_kv_heads=int(c.get("num_key_value_heads") or heads), ffn_dim=int(c["intermediate_size"]),
@@ -218,22 +253,35 @@ def args_from_hf(hf_dir: str, max_seq_len: int | None = None) -> ModelArgs:
 def family_for(args: ModelArgs) -> Family:
     """The transformers architecture that expresses `args`; ValueError when none does."""
     if args.moe:
-        extra = [k for k, v in (("model.moe.shared_experts", args.shared_experts), ("model.moe.first_dense",
-                 args.moe_first_dense), ("model.moe.every", args.moe_every - 1), ("model.qkv_bias", args.qkv_bias),
-                 ("model.qk_norm", args.qk_norm)) if v]
+        if args.qk_norm:  # Qwen3-MoE: dense blocks anywhere (mlp_only_layers)
+            extra = [("model.moe.shared_experts", args.shared_experts), ("model.qkv_bias", args.qkv_bias)]
+        else:  # Mixtral: every block MoE
+            extra = [("model.moe.shared_experts", args.shared_experts), ("model.moe.first_dense", args.moe_first_dense),
+                     ("model.moe.every", args.moe_every - 1), ("model.qkv_bias", args.qkv_bias)]
+        extra = [k for k, v in extra if v]
         if extra:
-            raise ValueError(f"{extra[0]}: no transformers architecture expresses this MoE model "
-                             f"(Mixtral: every block MoE, no shared experts, no q/k/v biases or q/k norm)")
-        return FAMILIES[3]
+            raise ValueError(f"{extra[0]}: no transformers architecture expresses this MoE model (Mixtral: every "
+                             f"block MoE, no shared experts or q/k/v biases; Qwen3-MoE: q/k norm, no shared experts)")
+        return QWEN3_MOE if args.qk_norm else MIXTRAL
     if args.qkv_bias and args.qk_norm:
         raise ValueError("model.qkv_bias with model.qk_norm: no transformers architecture expresses both "
                          "(Qwen2: biases, Qwen3: q/k norm)")
     return FAMILIES[1] if args.qkv_bias else FAMILIES[2] if args.qk_norm else FAMILIES[0]
 
 
+def _moe_config(args: ModelArgs, fam: Family) -> dict:
+    out = {"num_experts_per_tok": args.top_k, "router_aux_loss_coef": args.aux_loss_coef * args.n_moe_blocks,
+           "output_router_logits": False, "sliding_window": None}
+    if fam is MIXTRAL:
+        return {**out, "num_local_experts": args.num_experts, "intermediate_size": args.expert_dim,
+                "router_jitter_noise": 0.0}
+    return {**out, "num_experts": args.num_experts, "moe_intermediate_size": args.expert_dim, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": [i for i in range(args.n_layers) if not args.is_moe_block(i)]}
+
+
 def config_for(args: ModelArgs, dtype: str) -> dict:
-    """A transformers `config.json` for `args` (dtype: 'bfloat16' or 'float32'): Llama, Qwen2, Qwen3
-    or Mixtral, whichever expresses it (family_for); ValueError when none does."""
+    """A transformers `config.json` for `args` (dtype: 'bfloat16' or 'float32'): Llama, Qwen2, Qwen3,
+    Mixtral or Qwen3-MoE, whichever expresses it (family_for); ValueError when none does."""
     fam = family_for(args)
     rope: dict = {"rope_type": args.rope_type, "rope_theta": args.rope_theta}
     if args.rope_type != "default":
@@ -253,13 +301,11 @@ def config_for(args: ModelArgs, dtype: str) -> dict:
         "initializer_range": 0.02, "use_cache": True,
         "torch_dtype": dtype, "dtype": dtype,  # older and newer transformers spell it differently
     }
-    if fam.model_type in ("llama", "qwen3"):
+    if fam.model_type in ("llama", "qwen3", "qwen3_moe"):
         out.update(attention_bias=False, mlp_bias=False)
-    if fam.model_type in ("qwen2", "qwen3"):
+    if fam.model_type in ("qwen2", "qwen3", "qwen3_moe"):
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=args.n_layers,
                    layer_types=["full_attention"] * args.n_layers)
     if fam.moe:
-        out.update(num_local_experts=args.num_experts, num_experts_per_tok=args.top_k,
-                   intermediate_size=args.expert_dim, router_aux_loss_coef=args.aux_loss_coef * args.n_moe_blocks,
-                   router_jitter_noise=0.0, sliding_window=None, output_router_logits=False)
+        out.update(_moe_config(args, fam))
     return out
