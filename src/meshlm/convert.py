@@ -59,6 +59,12 @@ def load_masters(path: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, tor
     return {k.split("/", 1)[1]: v.parts[0][1] for k, v in state.items()}
 
 
+def model_shapes(model) -> dict[str, tuple[int, ...]]:
+    """Every parameter of a (meta) Llama by single-process name, a tied head once (as the embedding):
+    the checkpoint's `master/` keys for any model family, dense or mixture-of-experts."""
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
 def load_model(path: str, device: str | torch.device = "cpu"):
     """(Llama with the checkpoint's weights in fp32, config, meta, checkpoint dir)."""
     from .model import Llama
@@ -66,7 +72,7 @@ def load_model(path: str, device: str | torch.device = "cpu"):
     cfg, args, meta = checkpoint_model(path)
     with torch.device("meta"):
         model = Llama(args)
-    weights = load_masters(path, param_shapes(args))
+    weights = load_masters(path, model_shapes(model))
     model.load_state_dict({**weights, **({"output.weight": weights["tok_embeddings.weight"]}
                                          if args.tie_embeddings else {})}, assign=True)
     if args.tie_embeddings:
