@@ -8,7 +8,7 @@ resident set; after the conversion VmHWM - that baseline is the memory the conve
 means that stays about one tensor: the ratio to the largest tensor (fp32, its bytes in the checkpoint)
 is printed per direction.
 
-    python bench/convert_mem.py [--dim 2048 --n-layers 4 --ffn-dim 5632 --vocab 32000] [--json]
+    python bench/convert_mem.py [--dim 2048 --n-layers 4 --ffn-dim 5632 --vocab 32000] [--code SRC] [--json]
 """
 from __future__ import annotations
 
@@ -78,9 +78,10 @@ def make_hf(path: str, dim: int, n_layers: int, ffn_dim: int, vocab: int, heads:
     return max(4 * int(torch.Size(s).numel()) for s in shapes.values())
 
 
-def measure(kind: str, src: str, out: str, tiny: str, dtype: str = "fp32") -> dict:
-    """{baseline, peak} bytes of one conversion in a fresh process."""
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+def measure(kind: str, src: str, out: str, tiny: str, dtype: str = "fp32", code: str = "") -> dict:
+    """{baseline, peak} bytes of one conversion in a fresh process (meshlm imported from `code`,
+    default this checkout's src/)."""
+    env = dict(os.environ, PYTHONPATH=(code or os.path.join(ROOT, "src")) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", _CHILD, kind, src, out, dtype, tiny], capture_output=True,
                           text=True, timeout=1800, env=env)
@@ -89,7 +90,8 @@ def measure(kind: str, src: str, out: str, tiny: str, dtype: str = "fp32") -> di
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run(dim: int, n_layers: int, ffn_dim: int, vocab: int, heads: int, kv_heads: int, root: str) -> dict:
+def run(dim: int, n_layers: int, ffn_dim: int, vocab: int, heads: int, kv_heads: int, root: str,
+        code: str = "") -> dict:
     hf, tiny = os.path.join(root, "hf"), os.path.join(root, "tiny")
     largest = make_hf(hf, dim, n_layers, ffn_dim, vocab, heads, kv_heads)
     make_hf(tiny, 256, 1, 512, 2048, 4, 2)  # a 2 MiB embedding: the chunked dtype conversion runs once too
@@ -100,7 +102,7 @@ def run(dim: int, n_layers: int, ffn_dim: int, vocab: int, heads: int, kv_heads:
              ("to_hf_fp32", "to_hf", ck, os.path.join(root, "out32"), "fp32"),
              ("to_hf_bf16", "to_hf", ck, os.path.join(root, "out16"), "bf16")]
     for name, kind, src, out, dtype in steps:
-        m = measure(kind, src, out, tiny, dtype)
+        m = measure(kind, src, out, tiny, dtype, code)
         above = m["peak"] - m["baseline"]
         res["runs"][name] = {"baseline": m["baseline"], "peak_above": above, "ratio": above / largest}
     return res
@@ -114,11 +116,13 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--code", default="", help="the meshlm src/ to measure (default this checkout's; "
+                   "another checkout's gives a before/after)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     root = tempfile.mkdtemp(prefix="meshlm-convert-mem-")
     try:
-        res = run(a.dim, a.n_layers, a.ffn_dim, a.vocab, a.heads, a.kv_heads, root)
+        res = run(a.dim, a.n_layers, a.ffn_dim, a.vocab, a.heads, a.kv_heads, root, a.code)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if a.json:
