@@ -142,7 +142,8 @@ class _LazySavePlanner(_SavePlanner):
 def save_streaming(path: str, shapes: dict[str, tuple[int, ...]], make) -> None:
     """A one-process fp32 checkpoint of the tensors `shapes` (key -> full shape) whose values come from
     `make(key)` one at a time: one file per tensor (one file per rank would keep every tensor it has
-    written alive until the file closes), in the format `load` and `read_full` read."""
+    written alive until the file closes), in the format `load` and `read_full` read. `make` returns a
+    new tensor each time: its storage is released once written."""
     state = {k: Pieces(tuple(s), torch.float32, [((0,) * len(s), torch.empty(s, device="meta"))], True)
              for k, s in shapes.items()}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(path, single_file_per_rank=False),
