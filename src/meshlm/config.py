@@ -132,6 +132,8 @@ class CheckpointConfig:
     async_: bool = False
     resume: str = "auto"  # auto, never, or a path
     mtbf_hours: float = 0.0  # the job's mean time between failures (for every = "auto")
+    export_hf: int | str = ""  # "": off, "end": a transformers directory after the last step, N: also every N steps
+    export_dtype: str = "bf16"  # bf16 or fp32: the dtype of the exported safetensors
 
 
 @dataclass

@@ -186,6 +186,11 @@ def check_checkpoint_keys(cfg: Config) -> None:
         raise ConfigError(f"checkpoint.every: must be >= 0 or \"auto\", got {c.every}")
     if c.mtbf_hours < 0:
         raise ConfigError(f"checkpoint.mtbf_hours: must be >= 0, got {c.mtbf_hours}")
+    if isinstance(c.export_hf, str) and c.export_hf not in ("", "end") or \
+            not isinstance(c.export_hf, str) and c.export_hf < 1:
+        raise ConfigError(f"checkpoint.export_hf: expected \"\" (off), \"end\" or a step count >= 1, "
+                          f"got '{c.export_hf}'")
+    _choice(c.export_dtype, ("bf16", "fp32"), "checkpoint.export_dtype")
 
 
 def _choice(value, allowed, key: str) -> None:
@@ -297,6 +302,12 @@ def resolve(cfg: Config, world_size: int) -> Layout:
     if t.peak_tflops < 0:
         raise ConfigError(f"training.peak_tflops: must be >= 0 (0 = datasheet or measured), got {t.peak_tflops}")
     check_checkpoint_keys(cfg)
+    if cfg.checkpoint.export_hf != "":  # what convert.to_hf refuses, refused before any step
+        from .model.hf_config import family_for
+        try:
+            family_for(args)
+        except ValueError as e:
+            raise ConfigError(f"checkpoint.export_hf: {e}") from None
     for key, label in NOT_YET.items():
         value = getattr(p, key)
         if value > (0 if key == "zero" else 1):
