@@ -322,3 +322,30 @@ def test_export_refuses_a_model_no_transformers_architecture_expresses(tmp_path,
     err = _one_line_error(capsys, ["convert", "--to-hf", str(tmp_path / "run"), "--out", str(tmp_path / "hf")])
     assert "model.moe.shared_experts" in err and "Mixtral" in err
     assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.tmp").exists()
+
+
+@pytest.mark.parametrize("family,layout", [("qwen3moe", {"parallel__dp": 2, "parallel__ep": 2}),
+                                           ("qwen2", {"parallel__tp": 2})], ids=["qwen3moe-ep2", "qwen2-tp2"])
+def test_trained_in_a_layout_exports_to_transformers(hf_models, pools, tmp_path, family, layout):
+    """init_from -> 2 steps in a parallel layout -> checkpoint.export_hf: transformers loads the trained
+    weights as the family's class with the logits of meshlm's checkpoint (and not the initial ones)."""
+    import os
+
+    from harness import train_case
+    from meshlm import config as C
+    from meshlm.convert import load_model
+    from meshlm.layout import pin_model_shape
+    hf_dir, hf = hf_models[family]
+    cfg = make_config(model__init_from=f"hf:{hf_dir}", training__steps=2, data__seq_len=64,
+                      checkpoint__export_hf="end", checkpoint__export_dtype="fp32", **layout)
+    pin_model_shape(cfg)  # as `meshlm train` does: the checkpoint's config describes the imported model
+    run = str(tmp_path / "run")
+    pools(2).run(train_case, C.to_dict(cfg), run)
+    back = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(run, "hf", "step_00000002")).eval()
+    assert type(back) is type(hf)
+    model = load_model(os.path.join(run, "checkpoints", "step_00000002"))[0]
+    x = tokens()
+    with torch.no_grad():
+        ours = model(x)
+        assert rel(back(x).logits, ours) <= 1e-5
+        assert rel(hf(x).logits, ours) > 1e-4
