@@ -126,7 +126,7 @@ class Trainer:
         return x.to(self.ctx.device, non_blocking=True)
 
     def memory(self) -> dict:
-        """Live bytes on this rank just before the optimizer step (DESIGN: metrics.jsonl `mem`)."""
+        """Live bytes on this rank just before the optimizer step (README: metrics.jsonl `mem`)."""
         opt, grads = self.par.optimizer, self.par.grads
         return {"params": tensor_bytes(opt.param_tensors()),
                 "grads": tensor_bytes(grads.held_tensors()),
