@@ -19,7 +19,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_export(run: str, step: int) -> None:
-    from meshlm.convert import load_model
+    from meshlm.train.convert import load_model
     out = os.path.join(run, "hf", f"step_{step:08d}")
     hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
     assert next(hf.parameters()).dtype == torch.float32

@@ -19,7 +19,7 @@ def moe_run(tmp_path_factory):
 
 
 def test_moe_checkpoint_loads_every_expert(moe_run):
-    from meshlm.convert import load_model
+    from meshlm.train.convert import load_model
     from meshlm.model.moe import MoE
     model = load_model(moe_run)[0]
     moes = [m for m in model.modules() if isinstance(m, MoE)]
@@ -29,7 +29,7 @@ def test_moe_checkpoint_loads_every_expert(moe_run):
 
 
 def test_moe_kv_cache_equals_full_recompute(moe_run):
-    from meshlm.convert import load_model
+    from meshlm.train.convert import load_model
     from meshlm.generate import dropless
     from meshlm.model.kv_cache import KVCache
     model = load_model(moe_run)[0]
@@ -44,7 +44,7 @@ def test_moe_kv_cache_equals_full_recompute(moe_run):
 
 
 def test_moe_greedy_with_cache_equals_without(moe_run):
-    from meshlm.convert import load_model
+    from meshlm.train.convert import load_model
     from meshlm.generate import generate
     model = load_model(moe_run)[0]
     g = torch.Generator().manual_seed(0)

@@ -49,7 +49,7 @@ def tokens(n: int = 24, seed: int = 1) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", list(SHAPES))
 def test_from_hf_gives_transformers_logits(hf_models, tmp_path, kind):
-    from meshlm.convert import load_model
+    from meshlm.train.convert import load_model
     hf_dir, hf = hf_models[kind]
     assert main(["convert", "--from-hf", hf_dir, "--out", str(tmp_path / "ck")]) == 0
     model, cfg, meta, _ = load_model(str(tmp_path / "ck"))
@@ -66,7 +66,7 @@ def test_from_hf_gives_transformers_logits(hf_models, tmp_path, kind):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_trained_checkpoint_exports_to_transformers(tmp_path, tied):
-    from meshlm.convert import load_model
+    from meshlm.train.convert import load_model
     cfg = make_config(training__steps=2, checkpoint__every=2, model__tie_embeddings=tied,
                       model__n_kv_heads=2, model__rope_theta=30000.0)
     run_local(cfg, str(tmp_path / "run"))
@@ -135,7 +135,7 @@ def test_sharded_checkpoint_loads_whole_and_exports(tmp_path, pools):
     by generate/export: the loaded weights give the loss the run logged for the next step."""
     from harness import train_case
     from meshlm import config as C
-    from meshlm.convert import load_model
+    from meshlm.train.convert import load_model
     cfg = make_config(training__steps=2, checkpoint__every=1, checkpoint__keep=5, metrics__every=1,
                       parallel__dp=2, parallel__zero=3, training__micro_batch=1)
     run = str(tmp_path / "run")
@@ -177,7 +177,7 @@ def test_checkpoint_index_is_never_unpickled_unsafely(hf_models, tmp_path, capsy
 
 def assert_greedy_matches(hf_dir: str, hf, ck: str, n: int) -> None:
     """`convert --from-hf` then meshlm's greedy `generate` (KV cache) gives transformers' n tokens."""
-    from meshlm.convert import load_model
+    from meshlm.train.convert import load_model
     from meshlm.generate import generate
     assert main(["convert", "--from-hf", hf_dir, "--out", ck]) == 0
     model = load_model(ck)[0]
@@ -197,7 +197,7 @@ def test_greedy_generate_matches_transformers(hf_models, tmp_path):
 
 def test_kv_cache_equals_full_recompute(hf_models, tmp_path):
     """Prefill + one-token steps through the cache give the logits of running the whole sequence."""
-    from meshlm.convert import load_model
+    from meshlm.train.convert import load_model
     from meshlm.model.kv_cache import KVCache
     hf_dir, _ = hf_models["untied"]
     main(["convert", "--from-hf", hf_dir, "--out", str(tmp_path / "ck")])

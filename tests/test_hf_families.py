@@ -174,7 +174,7 @@ def test_rope_frequencies_equal_transformers():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_from_hf_gives_transformers_logits(hf_models, tmp_path, family):
-    from meshlm.convert import load_model
+    from meshlm.train.convert import load_model
     hf_dir, hf = hf_models[family]
     assert main(["convert", "--from-hf", hf_dir, "--out", str(tmp_path / "ck")]) == 0
     model = load_model(str(tmp_path / "ck"))[0]
@@ -210,7 +210,7 @@ def test_greedy_generate_matches_transformers(hf_models, tmp_path, family):
 def test_export_reloads_in_transformers(hf_models, tmp_path, family):
     """convert --to-hf writes the family's config (rope scaling, head_dim, experts) and tensors;
     transformers' AutoModel loads it as the same class with meshlm's logits."""
-    from meshlm.convert import load_model
+    from meshlm.train.convert import load_model
     hf_dir, hf = hf_models[family]
     assert main(["convert", "--from-hf", hf_dir, "--out", str(tmp_path / "ck")]) == 0
     assert main(["convert", "--to-hf", str(tmp_path / "ck"), "--out", str(tmp_path / "back"), "--dtype", "fp32",
@@ -333,7 +333,7 @@ def test_trained_in_a_layout_exports_to_transformers(hf_models, pools, tmp_path,
 
     from harness import train_case
     from meshlm import config as C
-    from meshlm.convert import load_model
+    from meshlm.train.convert import load_model
     from meshlm.layout import pin_model_shape
     hf_dir, hf = hf_models[family]
     cfg = make_config(model__init_from=f"hf:{hf_dir}", training__steps=2, data__seq_len=64,

@@ -1,4 +1,4 @@
-"""`meshlm convert` and `meshlm generate` (argparse wiring; the work is in convert.py / generate.py)."""
+"""`meshlm convert` and `meshlm generate` (argparse wiring; the work is in train/convert.py / generate.py)."""
 from __future__ import annotations
 
 import json
@@ -12,13 +12,13 @@ def _fail(msg: str, code: int = 2) -> int:
 
 
 def run_convert(args) -> int:
-    from .convert import from_hf, return_freed_memory, to_hf
+    from .train.convert import from_hf, return_freed_memory, to_hf
     from .train.checkpoint import CheckpointError
     if bool(args.from_hf) == bool(args.to_hf):
         return _fail("convert: give exactly one of --from-hf DIR or --to-hf CKPT")
     if args.max_shard_gb <= 0:
         return _fail(f"--max-shard-gb: must be > 0, got {args.max_shard_gb}")
-    return_freed_memory()  # one tensor at a time: resident memory follows it (convert.py)
+    return_freed_memory()  # one tensor at a time: resident memory follows it (train/convert.py)
     try:
         if args.from_hf:
             from_hf(args.from_hf, args.out)
@@ -48,7 +48,7 @@ def _stop_token(tok, ckpt_dir: str) -> int | None:
 def run_generate(args) -> int:
     import torch
 
-    from .convert import load_model, tokenizer_of
+    from .train.convert import load_model, tokenizer_of
     from .data.tokenizer import load_tokenizer
     from .generate import generate
     if args.max_new_tokens < 1:

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .args import ModelArgs
-from .ops import rms_norm, swiglu_down
+from .feed_forward import FeedForward
+from .moe import MoE
+from .ops import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -124,26 +126,6 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class SwiGLU(nn.Module):
-    """silu(gate) * up, a module so selective checkpointing can recompute it instead of saving it (MoE
-    experts; the dense FeedForward fuses it into w2 instead)."""
-
-    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return F.silu(gate) * up
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, ffn_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, ffn_dim, bias=False)  # gate
-        self.w3 = nn.Linear(dim, ffn_dim, bias=False)  # up
-        self.w2 = nn.Linear(ffn_dim, dim, bias=False)  # down
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # w2(silu(gate)·up) in one node: the product is rebuilt in backward, never saved (model/ops.py)
-        return swiglu_down(self.w1(x), self.w3(x), self.w2.weight)
-
-
 class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
@@ -151,7 +133,6 @@ class Block(nn.Module):
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         if args.is_moe_block(layer):
-            from .moe import MoE  # moe.py builds on this module's SwiGLU / FeedForward
             self.feed_forward: nn.Module = MoE(args)
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_dim)

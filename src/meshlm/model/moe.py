@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .args import ModelArgs
-from .llama import FeedForward, SwiGLU
+from .feed_forward import FeedForward, SwiGLU
 
 # stats vector layout: tokens per expert (assigned, before dropping), then these
 DROPPED, BALANCE, CALLS = 0, 1, 2

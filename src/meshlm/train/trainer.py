@@ -275,7 +275,7 @@ class Trainer:
         streams it one tensor at a time (convert.to_hf), so no rank ever holds more than one full
         tensor and the layout's shards are never gathered. A directory already there (a resumed run
         exporting the same step again) is kept. Every rank learns whether it worked."""
-        from ..convert import to_hf
+        from .convert import to_hf
         self.checkpointer.wait()  # async: the checkpoint is committed
         world = self.ctx.comm("world")
         out = os.path.join(self.run_dir, "hf", f"step_{self.step:08d}")

@@ -15,9 +15,9 @@ import warnings
 
 import torch
 
-from . import config as C
-from .model.args import ModelArgs
-from .model.hf_config import args_from_hf, config_for, param_shapes
+from .. import config as C
+from ..model.args import ModelArgs
+from ..model.hf_config import args_from_hf, config_for, param_shapes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DTYPES = {"bf16": (torch.bfloat16, "bfloat16"), "fp32": (torch.float32, "float32")}
@@ -26,7 +26,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 def find_checkpoint(path: str) -> str:
     """A checkpoint directory, or a run directory meaning its newest complete checkpoint."""
-    from .train.checkpoint import list_checkpoints
+    from .checkpoint import list_checkpoints
     if os.path.isfile(os.path.join(path, "meta.json")):
         return path
     found = list_checkpoints(os.path.join(path, "checkpoints"))
@@ -37,7 +37,7 @@ def find_checkpoint(path: str) -> str:
 
 def checkpoint_model(path: str) -> tuple[C.Config, ModelArgs, dict]:
     """(config, model shape, meta) of checkpoint `path`."""
-    from .layout import model_args
+    from ..layout import model_args
     try:
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
@@ -52,7 +52,7 @@ def load_masters(path: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, tor
     """The fp32 weights named in `shapes` from checkpoint `path` (only those are read), through the
     training loader: its index is read without unpickling arbitrary objects, shapes and data files are
     checked first (CheckpointError, one line), and each tensor is one whole piece in this process."""
-    from .train.checkpoint import Pieces, load
+    from .checkpoint import Pieces, load
     state = {f"master/{n}": Pieces(tuple(s), torch.float32, [((0,) * len(s), torch.empty(s))], True)
              for n, s in shapes.items()}
     load(path, state)
@@ -67,7 +67,7 @@ def model_shapes(model) -> dict[str, tuple[int, ...]]:
 
 def load_model(path: str, device: str | torch.device = "cpu"):
     """(Llama with the checkpoint's weights in fp32, config, meta, checkpoint dir)."""
-    from .model import Llama
+    from ..model import Llama
     path = find_checkpoint(path)
     cfg, args, meta = checkpoint_model(path)
     with torch.device("meta"):
@@ -135,9 +135,9 @@ def from_hf(hf_dir: str, out: str) -> str:
     """A weights-only meshlm checkpoint (`master/<name>` fp32 + meta.json) from a transformers model.
     Its config pins the shape; train from HF weights with model.init_from instead (any layout).
     One tensor in memory at a time: each is read when DCP writes it (train/checkpoint.save_streaming)."""
-    from .layout import set_model_shape
-    from .model.hf import HFWeights
-    from .train.checkpoint import save_streaming
+    from ..layout import set_model_shape
+    from ..model.hf import HFWeights
+    from .checkpoint import save_streaming
     args = args_from_hf(hf_dir)
     weights = HFWeights(hf_dir)
     weights.check(args)
@@ -188,7 +188,7 @@ def to_hf(ckpt: str, out: str, dtype: str = "bf16", max_shard_bytes: int = 5 * 1
 def _write_one(writer, name: str, t: torch.Tensor, args: ModelArgs) -> None:
     """Parameter `name`'s transformers tensors into `writer`; `t` and its conversions are dropped on
     return, before the next parameter is read."""
-    from .model.hf import hf_tensors
+    from ..model.hf import hf_tensors
     for k, v in hf_tensors(name, t, args).items():
         writer.write(k, v)
 
@@ -199,9 +199,9 @@ def write_hf(path: str, args: ModelArgs, out_dir: str, dtype: str = "fp32",
     `path` into the existing directory `out_dir`; returns the safetensors file names. The file
     layout comes from `hf_tensors` on meta tensors, so every byte offset is known before any
     weight is read; then each checkpoint tensor is read whole, converted and written, and dropped."""
-    from .model import safetensors_io as st
-    from .model.hf import hf_tensors
-    from .train.checkpoint import check_files, check_shapes, read_full, read_metadata
+    from ..model import safetensors_io as st
+    from ..model.hf import hf_tensors
+    from .checkpoint import check_files, check_shapes, read_full, read_metadata
     torch_dtype, dtype_name = DTYPES[dtype]
     shapes = param_shapes(args)
     md = read_metadata(path)
