@@ -13,6 +13,7 @@ from .. import config as C
 from .estimate import Options, estimate
 from .goodput import Resilience, describe as describe_goodput, goodput
 from .hardware import GIB, HardwareError, describe, get_gpu, names
+from .ops import KERNELS
 from .search import PlanError, parse_fix, plan
 from .spec import Shape, presets, shape_from_config, spec_from_config, to_config
 
@@ -37,8 +38,10 @@ def _hardware_flags(p: argparse.ArgumentParser, gpu_required: bool) -> None:
     g.add_argument("--cpu-adam-gparams", type=float,
                    help="host AdamW throughput per GPU, G params/s (optimizer offload; default 2)")
     m = p.add_argument_group("model assumptions (docs/planner.md)")
-    m.add_argument("--efficiency", type=float, default=Options.efficiency,
-                   help="achievable fraction of peak FLOP/s for the model's math (default %(default)s)")
+    m.add_argument("--efficiency", type=float, default=None,
+                   help="price all model math at this fraction of peak instead of the per-operation model")
+    m.add_argument("--attn-kernel", default=Options.attn_kernel, choices=KERNELS,
+                   help="attention kernel of the per-operation model (default %(default)s)")
     m.add_argument("--comm-efficiency", type=float, default=Options.comm_efficiency,
                    help="achieved fraction of link bandwidth (default %(default)s)")
     m.add_argument("--no-flash", action="store_true",
@@ -79,10 +82,10 @@ def add_parsers(subparsers) -> None:
 
 
 def _options(args, cfg) -> Options:
-    if not 0 < args.efficiency <= 1 or not 0 < args.comm_efficiency <= 1:
+    if (args.efficiency is not None and not 0 < args.efficiency <= 1) or not 0 < args.comm_efficiency <= 1:
         raise PlanError("--efficiency / --comm-efficiency: must be in (0, 1]")
     return Options(efficiency=args.efficiency, comm_efficiency=args.comm_efficiency, flash=not args.no_flash,
-                   compiled=bool(cfg.training.compile))
+                   compiled=bool(cfg.training.compile), attn_kernel=args.attn_kernel)
 
 
 def _gpu(args):
