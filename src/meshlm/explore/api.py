@@ -23,7 +23,7 @@ from ..plan.spec import AC_MODES, CP_IMPLS, PRECISIONS, SCHEDULES, PlanError, pr
 MAX_GPUS = 1 << 17           # a search over more is a typo, not a cluster
 MAX_TIMELINE_UNITS = 4096    # p·m·v above which the timeline is not simulated for drawing (~1 s)
 FLAGS = {"gpu", "gpus", "global_batch_tokens", "efficiency", "comm_efficiency", "flash", "top",
-         "attn_kernel"} | set(FLAG_FIELDS)
+         "attn_kernel", "calibrate"} | set(FLAG_FIELDS)
 # config keys the page may set (all of them are also `meshlm estimate --section.key` overrides)
 CONFIG_KEYS = {f"model.{k}" for k in ("preset", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
                                       "tie_embeddings", "vocab_multiple")} \
@@ -138,6 +138,12 @@ def parse(body, layout: bool = True):
         raise BadRequest(f"attn_kernel: expected one of {', '.join(KERNELS)}, got {kernel!r}", "attn_kernel")
     opts = Options(efficiency=eff, comm_efficiency=ceff, flash=flash, compiled=bool(cfg.training.compile),
                    attn_kernel=kernel)
+    if body.get("calibrate"):  # a run directory: the machine it measured replaces the GPU profile
+        from ..plan.calibrate import device_and_options, fit
+        try:
+            gpu, opts = device_and_options(fit(str(body["calibrate"])), n, bool(cfg.training.compile))
+        except PlanError as e:
+            raise BadRequest(str(e).replace("--calibrate", "calibrate", 1), "calibrate") from None
     seq = cfg.data.seq_len
     if seq < 1:
         raise BadRequest(f"data.seq_len: must be >= 1, got {seq}", "data.seq_len")
