@@ -187,10 +187,10 @@ def stage_compute(shape, t: int, sp: bool, ep: int, seq_len: int, cp: int, layer
     moe_frac = a.n_moe_blocks / a.n_layers if shape.moe else 0.0
     dense_ffn = [(T, f, d), (T, f, d), (T, d, f)]
     g_f = g_b = 0.0
-    for sh in shapes + dense_ffn:
-        x, y = gemm3(*sh)
-        w = 1.0 if sh in shapes else 1.0 - moe_frac
-        g_f, g_b = g_f + w * x, g_b + w * y
+    for w, group in ((1.0, shapes), (1.0 - moe_frac, dense_ffn)):  # MoE blocks replace the dense FFN
+        for sh in group:
+            x, y = gemm3(*sh)
+            g_f, g_b = g_f + w * x, g_b + w * y
     if moe_frac:  # balanced routing: each local expert gets tokens·top_k·ep/num_experts rows
         n_local = -(-shape.num_experts // ep)
         me, fe = T * shape.top_k * ep / shape.num_experts, a.expert_dim / t
