@@ -303,3 +303,23 @@ def test_trained_run_records_its_peak(served):
     assert all(0 < r["mfu"] <= 1 and r["peak_flops"] > 0 and "measured" in r["peak_label"] for r in steps)
     config = (root / name / "config.toml").read_text()
     assert f"{PEAK_COMMENT} " in config and steps[-1]["peak_label"] in config
+
+
+def test_per_operation_model_in_the_explorer(served, capsys, tmp_path):
+    """Issue 23: the page gets the per-operation breakdown, the attention kernel choice and a calibration."""
+    body = {"model.preset": "llama3-1b", "gpu": "h100", "gpus": 1, "data.seq_len": 2048,
+            "global_batch_tokens": 8 * 2048, "training.micro_batch": 8, "training.precision": "bf16",
+            "attn_kernel": "fa2"}
+    code, cli, err = cli_json(capsys, ["estimate", "--json", "--gpu", "h100", "--attn-kernel", "fa2",
+                                       "--model.preset", "llama3-1b", "--data.seq_len", "2048",
+                                       "--training.global_batch", "8", "--training.micro_batch", "8",
+                                       "--training.precision", "bf16"])
+    assert code == 0, err
+    status, res = call(served[0], "/api/estimate", body)
+    assert status == 200 and res["estimate"] == cli
+    ops = res["estimate"]["ops"]
+    assert ops["gemm_s"] > ops["attention_s"] > 0 and ops["elementwise_s"] > 0
+    status, res = call(served[0], "/api/estimate", dict(body, attn_kernel="fa9"))
+    assert status == 400 and "attn_kernel" in res["error"]
+    status, res = call(served[0], "/api/estimate", dict(body, calibrate=str(tmp_path)))
+    assert status == 400 and res["error"].startswith("calibrate: ") and "config.toml not found" in res["error"]

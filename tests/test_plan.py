@@ -240,9 +240,8 @@ def test_search_shortcuts_agree_with_estimate():
             fast = base + (0 if s.offload == "optimizer" else opt) + acts[s.ac]
             assert fast == pytest.approx(stage_memory(sh, s, st)["total"]), (s, st)
         stages = ("only",) if s.pp == 1 else ("first", "last")
-        rate = gpu.peak(s.precision) * o.efficiency
         lb = _lower_bound(sh, gpu, o, s.tp, s.cp, s.pp, s.pp_virtual, s.pp_schedule, s.seq_len, s.micro_batch,
-                          s.accum, s.ac, rate, stages, s.precision)
+                          s.accum, s.ac, stages, s.precision, (), s.sp, s.ep)
         assert lb <= time_model(sh, s, gpu, o, simulate=False)["step_s"] * (1 + 1e-9)
 
 

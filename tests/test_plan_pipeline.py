@@ -95,12 +95,7 @@ def test_llama3_405b_table4(gpus, dp, cp, seq, m, mfu):
     s = _meta(gpus, dp, cp, seq, m)
     assert s.world == gpus and s.global_batch * seq == 16 * 2 ** 20
     est = estimate(sh, s, get_gpu("h100"), Options(compiled=True))
-    if cp == 1:
-        assert abs(est["mfu"] - mfu) <= 0.04
-    else:
-        # documented gap (docs/planner.md): the planner hides ring-CP traffic behind attention and
-        # runs 131K-token attention at the GEMMs' efficiency; it predicts 5.4 points above Meta.
-        assert 0.04 < est["mfu"] - mfu < 0.07
+    # MFU against Table 4: tests/test_plan_validation.py holds it with the per-operation time model
     # Memory (issue 17: the minimal saved set, 3.16 bytes per token × hidden per block at TP 8 + SP):
     # at DP 128 and at CP 16 Meta's layout fits without recomputation. At DP 64 (m = 32) interleaving
     # holds 19.75 micro-batches of rank 0's blocks (83 GiB); ZB-V with Meta's lighter end stages holds
@@ -109,4 +104,4 @@ def test_llama3_405b_table4(gpus, dp, cp, seq, m, mfu):
     if dp == 64:
         zbv = dataclasses.replace(s, pp_schedule="zbv", pp_virtual=2, pp_layers=(3,) + (4,) * 30 + (3,))
         est = estimate(sh, zbv, get_gpu("h100"), Options(compiled=True))
-        assert est["fits"] and abs(est["mfu"] - mfu) <= 0.04
+        assert est["fits"]

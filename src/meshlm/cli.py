@@ -43,6 +43,10 @@ def cmd_train(args, extra: list[str]) -> int:
         resolved = os.path.join(run_dir, "config.toml")
         if not (args.config and os.path.abspath(args.config) == os.path.abspath(resolved) and not pairs):
             with open(resolved, "w") as f:
+                rec = getattr(cfg, "auto_record", None)  # parallel.auto: the planner's pick (this process's view)
+                if rec:
+                    f.write(f"# parallel.auto chose {rec['auto_layout']} (predicted {rec['predicted_step_s']:.3g} s/step, "
+                            f"MFU {rec['predicted_mfu']:.1%} on {rec['gpu']}); the trainer re-plans on its device\n")
                 f.write(C.to_toml(cfg))
     if not worker and (world > 1 or args.max_restarts):
         print(f"meshlm: {world} workers, run dir {run_dir}", file=sys.stderr)

@@ -96,6 +96,7 @@ class ParallelConfig:
     bucket_mb: float = 25.0
     reduce_dtype: str = "fp32"
     timeout_s: float = 300.0
+    auto: bool = False  # the planner picks every key above and training.micro_batch / ac (plan/auto.py)
 
 
 @dataclass

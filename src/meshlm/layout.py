@@ -256,8 +256,16 @@ def check_cp(args: ModelArgs, cp: int, impl: str, tp: int, sp: bool, seq_len: in
                               f"to divide one another")
 
 
-def resolve(cfg: Config, world_size: int) -> Layout:
-    """The layout for `world_size` ranks, or a ConfigError naming the offending key."""
+def resolve(cfg: Config, world_size: int, gpu=None) -> Layout:
+    """The layout for `world_size` ranks, or a ConfigError naming the offending key.
+
+    With parallel.auto the planner first chooses the layout for this world size and device (`gpu`, a
+    plan.hardware.GPU; None: a CPU) and writes it into `cfg` in place, so the trainer builds what was
+    chosen; the choice and its predictions are left in `cfg.auto_record`."""
+    if cfg.parallel.auto:
+        from .plan.auto import choose
+        new, cfg.auto_record = choose(cfg, world_size, gpu)
+        cfg.parallel, cfg.training = new.parallel, new.training
     p, t, tr = cfg.parallel, cfg.training, cfg.model
     args = model_args(cfg)
     _choice(t.precision, PRECISIONS, "training.precision")

@@ -15,13 +15,15 @@ import re
 from .. import config as C
 from ..plan.estimate import Options, estimate
 from ..plan.hardware import FLAG_FIELDS, PROFILES, HardwareError, get_gpu
+from ..plan.ops import KERNELS
 from ..plan.search import plan
 from ..plan.spec import AC_MODES, CP_IMPLS, PRECISIONS, SCHEDULES, PlanError, presets, shape_from_config, \
     spec_from_config, to_config
 
 MAX_GPUS = 1 << 17           # a search over more is a typo, not a cluster
 MAX_TIMELINE_UNITS = 4096    # p·m·v above which the timeline is not simulated for drawing (~1 s)
-FLAGS = {"gpu", "gpus", "global_batch_tokens", "efficiency", "comm_efficiency", "flash", "top"} | set(FLAG_FIELDS)
+FLAGS = {"gpu", "gpus", "global_batch_tokens", "efficiency", "comm_efficiency", "flash", "top",
+         "attn_kernel", "calibrate"} | set(FLAG_FIELDS)
 # config keys the page may set (all of them are also `meshlm estimate --section.key` overrides)
 CONFIG_KEYS = {f"model.{k}" for k in ("preset", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
                                       "tie_embeddings", "vocab_multiple")} \
@@ -77,7 +79,9 @@ def options() -> dict:
             "choices": {"training.precision": list(PRECISIONS), "training.ac": list(AC_MODES),
                         "parallel.pp_schedule": list(SCHEDULES), "parallel.cp_impl": list(CP_IMPLS),
                         "parallel.offload": ["none", "optimizer"], "parallel.zero": [0, 1, 2, 3]},
+            "attn_kernels": list(KERNELS),
             "defaults": {"efficiency": Options.efficiency, "comm_efficiency": Options.comm_efficiency,
+                         "attn_kernel": Options.attn_kernel,
                          "global_batch_tokens": 2 ** 22},
             "examples": EXAMPLES}
 
@@ -124,12 +128,22 @@ def parse(body, layout: bool = True):
     gpu = get_gpu(str(body.get("gpu") or "h100"), **hw)
     eff = _number(body, "efficiency", float, Options.efficiency)
     ceff = _number(body, "comm_efficiency", float, Options.comm_efficiency)
-    if not 0 < eff <= 1 or not 0 < ceff <= 1:
+    if (eff is not None and not 0 < eff <= 1) or not 0 < ceff <= 1:
         raise BadRequest("efficiency: --efficiency / --comm-efficiency must be in (0, 1]", "efficiency")
     flash = body.get("flash", True)
     if not isinstance(flash, bool):
         raise BadRequest(f"flash: expected true/false, got {flash!r}", "flash")
-    opts = Options(efficiency=eff, comm_efficiency=ceff, flash=flash, compiled=bool(cfg.training.compile))
+    kernel = str(body.get("attn_kernel") or Options.attn_kernel)
+    if kernel not in KERNELS:
+        raise BadRequest(f"attn_kernel: expected one of {', '.join(KERNELS)}, got {kernel!r}", "attn_kernel")
+    opts = Options(efficiency=eff, comm_efficiency=ceff, flash=flash, compiled=bool(cfg.training.compile),
+                   attn_kernel=kernel)
+    if body.get("calibrate"):  # a run directory: the machine it measured replaces the GPU profile
+        from ..plan.calibrate import device_and_options, fit
+        try:
+            gpu, opts = device_and_options(fit(str(body["calibrate"])), n, bool(cfg.training.compile))
+        except PlanError as e:
+            raise BadRequest(str(e).replace("--calibrate", "calibrate", 1), "calibrate") from None
     seq = cfg.data.seq_len
     if seq < 1:
         raise BadRequest(f"data.seq_len: must be >= 1, got {seq}", "data.seq_len")

@@ -13,6 +13,7 @@ from .. import config as C
 from .estimate import Options, estimate
 from .goodput import Resilience, describe as describe_goodput, goodput
 from .hardware import GIB, HardwareError, describe, get_gpu, names
+from .ops import KERNELS
 from .search import PlanError, parse_fix, plan
 from .spec import Shape, presets, shape_from_config, spec_from_config, to_config
 
@@ -23,7 +24,7 @@ def _fail(msg: str, code: int = 2) -> int:
 
 
 def _hardware_flags(p: argparse.ArgumentParser, gpu_required: bool) -> None:
-    p.add_argument("--gpu", required=gpu_required, help=f"GPU profile: {', '.join(names())}")
+    p.add_argument("--gpu", help=f"GPU profile: {', '.join(names())}" + (" (or --calibrate)" if gpu_required else ""))
     p.add_argument("--gpus", type=int, default=None if gpu_required else 1, required=gpu_required,
                    help="number of GPUs (world size)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node sharing NVLink (default: the profile's, 8)")
@@ -37,12 +38,17 @@ def _hardware_flags(p: argparse.ArgumentParser, gpu_required: bool) -> None:
     g.add_argument("--cpu-adam-gparams", type=float,
                    help="host AdamW throughput per GPU, G params/s (optimizer offload; default 2)")
     m = p.add_argument_group("model assumptions (docs/planner.md)")
-    m.add_argument("--efficiency", type=float, default=Options.efficiency,
-                   help="achievable fraction of peak FLOP/s for the model's math (default %(default)s)")
+    m.add_argument("--efficiency", type=float, default=None,
+                   help="price all model math at this fraction of peak instead of the per-operation model")
+    m.add_argument("--attn-kernel", default=Options.attn_kernel, choices=KERNELS,
+                   help="attention kernel of the per-operation model (default %(default)s)")
     m.add_argument("--comm-efficiency", type=float, default=Options.comm_efficiency,
                    help="achieved fraction of link bandwidth (default %(default)s)")
     m.add_argument("--no-flash", action="store_true",
                    help="attention without a fused kernel: the S×S scores are saved for backward")
+    m.add_argument("--calibrate", metavar="RUN_DIR",
+                   help="price compute and links with the rate and bandwidth fitted from a finished meshlm run "
+                        "(plan/calibrate.py; replaces --gpu)")
     m.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -79,16 +85,27 @@ def add_parsers(subparsers) -> None:
 
 
 def _options(args, cfg) -> Options:
-    if not 0 < args.efficiency <= 1 or not 0 < args.comm_efficiency <= 1:
+    if (args.efficiency is not None and not 0 < args.efficiency <= 1) or not 0 < args.comm_efficiency <= 1:
         raise PlanError("--efficiency / --comm-efficiency: must be in (0, 1]")
     return Options(efficiency=args.efficiency, comm_efficiency=args.comm_efficiency, flash=not args.no_flash,
-                   compiled=bool(cfg.training.compile))
+                   compiled=bool(cfg.training.compile), attn_kernel=args.attn_kernel)
 
 
 def _gpu(args):
     flags = {k: getattr(args, k, None) for k in ("peak_tflops", "hbm_gb", "hbm_tbps", "nvlink_gbps", "ib_gbps",
                                                  "pcie_gbps", "gpus_per_node", "cpu_adam_gparams")}
     return get_gpu(args.gpu, **flags)
+
+
+def _device(args, cfg, ranks: int):
+    """(GPU profile, Options): the named profile, or with --calibrate the machine a run measured."""
+    if getattr(args, "calibrate", None):
+        from .calibrate import device_and_options, fit
+        if args.gpu:
+            raise PlanError("--calibrate: leave out --gpu (the run's machine is the device)")
+        cal = fit(args.calibrate)
+        return device_and_options(cal, ranks, bool(cfg.training.compile))
+    return _gpu(args), _options(args, cfg)
 
 
 # ---------------------------------------------------------------------------------- estimate
@@ -98,11 +115,11 @@ def run_estimate(args, extra_argv: list[str] | None = None) -> int:
         pairs, rest = C.parse_overrides(list(extra_argv or []))
         if rest:
             raise PlanError(f"unrecognised argument: {rest[0]}")
-        gpu = _gpu(args)
         cfg = C.load(args.config, pairs)
+        gpu, opts = _device(args, cfg, args.gpus)
         shape = shape_from_config(cfg)
         spec = spec_from_config(cfg, args.gpus)
-        out = estimate(shape, spec, gpu, _options(args, cfg))
+        out = estimate(shape, spec, gpu, opts)
     except (C.ConfigError, PlanError, HardwareError) as e:
         return _fail(str(e))
     if args.json:
@@ -166,9 +183,10 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
         tokens = args.global_batch_tokens or (cfg.training.global_batch * seq if args.config else 2 ** 22)
         if args.top < 1:
             raise PlanError(f"--top: must be >= 1, got {args.top}")
-        gpu = _gpu(args)
-        res = plan(shape, gpu, args.gpus, seq, tokens, args.precision, args.top, parse_fix(args.fix),
-                   _options(args, cfg))
+        if not args.gpu and not args.calibrate:
+            raise PlanError("--gpu: give a GPU profile (or --calibrate RUN_DIR)")
+        gpu, opts = _device(args, cfg, args.gpus)
+        res = plan(shape, gpu, args.gpus, seq, tokens, args.precision, args.top, parse_fix(args.fix), opts)
         rates = (args.failures_per_gpu_hour, args.ckpt_node_gbps, args.storage_gbps, args.restart_min)
         if min(rates) < 0 or min(rates[1:3]) <= 0:
             raise PlanError("--failures-per-gpu-hour / --restart-min must be >= 0, --ckpt-node-gbps / "

@@ -3,7 +3,9 @@
 Time model, per step on the slowest pipeline stage:
   slot   = t_F + t_B + t_recompute + exposed per-micro-batch communication
   step   = m · slot · (1 + bubble) + exposed per-step communication + optimizer (+ offload)
-Compute time is FLOPs / (peak × efficiency). Overlap: TP and EP traffic is exposed (it sits on
+Compute time comes from the per-operation model (plan/ops.py: GEMMs by shape, attention by kernel,
+element-wise work at HBM bandwidth, launches), or with `efficiency` set from FLOPs / (peak ×
+efficiency) as before issue 23. Overlap: TP and EP traffic is exposed (it sits on
 the critical path of every block); PP sends overlap the next micro-batch except on the fill and drain
 path; ring-CP hides behind the attention kernels; ZeRO-3 gathers hide
 behind the forward/backward they prefetch for, ZeRO-2/3 reduce-scatters behind the backward, plain
@@ -24,8 +26,10 @@ from .spec import Shape, Spec, check
 
 @dataclass(frozen=True)
 class Options:
-    efficiency: float = 0.6        # achievable fraction of peak for the model's FLOPs (docs/planner.md)
-    block_overhead_s: float = 4e-4  # kernel launches etc. per block per micro-batch, forward + backward
+    efficiency: float | None = None  # None: per-operation model (plan/ops.py); a number: the flat model
+    block_overhead_s: float = 4e-4  # flat model only: launches etc. per block per micro-batch, fwd + bwd
+    attn_kernel: str = "cudnn"     # attention kernel (plan/ops.KERNELS): cudnn is what SDPA picked on H100
+    attn_dropout: bool = False     # unfused attention with dropout on the probabilities (other frameworks)
     comm_efficiency: float = 0.8   # achieved fraction of link bandwidth
     flash: bool = True             # fused attention (saves log-sum-exp, not the S×S scores)
     attn_math_bytes: int | None = None  # element size of the unfused attention path (None: activations')
@@ -131,14 +135,26 @@ def compute_times(shape: Shape, t: int, seq_len: int, layers: int, head: bool, t
     return t_f, 2 * t_f, t_rc, tokens * attn / rate * (3 + (1 if ac != "none" else 0))
 
 
+def micro_times(shape: Shape, tp: int, sp: bool, ep: int, cp: int, seq_len: int, layers: int, head: bool,
+                micro_batch: int, ac: str, precision: str, gpu: GPU, o: Options) -> dict:
+    """t_f, t_b, t_rc, t_attn (and `ops`, the per-operation breakdown) of one micro-batch on one rank."""
+    tokens = micro_batch * seq_len / cp
+    if o.efficiency is None:
+        from .ops import stage_compute
+        return stage_compute(shape, tp, sp, ep, seq_len, cp, layers, head, tokens, ac, precision, gpu,
+                             o.compiled, o.flash, o.attn_kernel, o.attn_dropout)
+    t_f, t_b, t_rc, t_attn = compute_times(shape, tp, seq_len, layers, head, tokens, ac,
+                                           gpu.peak(precision) * o.efficiency, o.block_overhead_s)
+    return {"t_f": t_f, "t_b": t_b, "t_rc": t_rc, "t_attn": t_attn, "ops": None}
+
+
 def _stage_time(shape: Shape, s: Spec, stage: str, gpu: GPU, o: Options) -> dict:
     sp = stage_params(shape, s, stage)
-    tokens = s.micro_batch * s.seq_len / s.cp
-    rate = gpu.peak(s.precision) * o.efficiency
     # a context-parallel attention core is never recomputed by selective AC (memory.block_activation_bytes)
     ac = "none" if s.ac == "selective" and s.cp > 1 else s.ac
-    t_f, t_b, t_rc, t_attn = compute_times(shape, s.tp, s.seq_len, sp.layers, sp.head, tokens, ac, rate,
-                                           o.block_overhead_s)
+    mt = micro_times(shape, s.tp, s.sp, s.ep, s.cp, s.seq_len, sp.layers, sp.head, s.micro_batch, ac,
+                     s.precision, gpu, o)
+    t_f, t_b, t_rc, t_attn = mt["t_f"], mt["t_b"], mt["t_rc"], mt["t_attn"]
     colls = C.collectives(shape, s, sp.dense, sp.expert, sp.layers, sp.embed, sp.head, gpu, o.comm_efficiency)
     m = s.accum
     windows = {"forward": m * t_f, "backward": m * (t_b + t_rc), "attention": m * t_attn}
@@ -166,7 +182,7 @@ def _stage_time(shape: Shape, s: Spec, stage: str, gpu: GPU, o: Options) -> dict
         else:
             exposed_mb += exposed
     return {"t_f": t_f, "t_b": t_b, "t_rc": t_rc, "exposed_mb": exposed_mb, "exposed_step": exposed_step,
-            "collectives": colls, "params": sp}
+            "collectives": colls, "params": sp, "ops": mt["ops"]}
 
 
 def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | None = None) -> dict:
@@ -188,7 +204,8 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
             bubble, source = sim, "simulator"
     busy = m * slot(worst)
     step_exposed = max(t["exposed_step"] for t in times)
-    # optimizer step: read master, m, v, grad; write master, m, v and the compute copy (HBM bound)
+    # optimizer step: read master, m, v, grad; write master, m, v and the compute copy (HBM bound); the
+    # per-op model also reads the gradients once more for the clipping norm (train_step clips first)
     pb, gb, ob = state_bytes_per_param(s.precision)
     sp = worst["params"]
     n = s.zero_group * s.cp if s.zero else 1  # ZeRO shards over dp_shard×cp
@@ -197,7 +214,9 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
     if s.offload == "optimizer":
         offload_s = shard * (gb + pb) / gpu.pcie_bw + shard / gpu.cpu_adam_params_per_s
     else:
-        opt_s = shard * (2 * ob + gb + (pb if s.precision != "fp32" else 0)) / gpu.hbm_bw
+        flat = o.efficiency is not None
+        opt_s = shard * (2 * ob + gb * (1 if flat else 2) + (pb if s.precision != "fp32" else 0)) / (
+            gpu.hbm_bw * (1.0 if flat else gpu.hbm_eff))
     step = busy * (1 + bubble) + step_exposed + opt_s + offload_s
     tokens = s.global_batch * s.seq_len
     model_flops = shape.flops_per_token(s.seq_len) * tokens
@@ -211,6 +230,7 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
                  "exposed_comm_microbatch_s": worst["exposed_mb"], "bubble_s": busy * bubble,
                  "bubble_fraction": bubble, "bubble_source": source, "exposed_comm_step_s": step_exposed,
                  "optimizer_s": opt_s, "offload_s": offload_s},
+        "ops": None if worst["ops"] is None else {k: m * v for k, v in worst["ops"].items()},
         "comm": comm,
         "comm_bytes_per_step": sum(c["bytes"] for c in comm),
         "flops_per_step": model_flops,

@@ -28,6 +28,16 @@ class GPU:
     # host traffic per parameter): torch's fused CPU AdamW did 4.1-4.8e9 params/s on a 16-core host that
     # served one H100 (docs/benchmarks.md); on an 8-GPU node the host's ~400 GB/s is shared 8 ways.
     cpu_adam_params_per_s: float = 2e9
+    # Per-operation time model (plan/ops.py). Defaults are the H100 SXM's:
+    sms: int = 132                 # streaming multiprocessors (NVIDIA H100 whitepaper: 132 on SXM5)
+    gemm_ceiling: float = 0.80     # large bf16 GEMM / peak: 792 of 989 TFLOP/s measured, 8192³ cuBLAS on
+    #                                the H100 of docs/benchmarks.md
+    hbm_eff: float = 0.85          # achieved / datasheet HBM bandwidth: fused AdamW moved 30 B × 1.24e9
+    #                                params in 13 ms = 2.86 of 3.35 TB/s (profiled step, docs/benchmarks.md)
+    launch_eager_s: float = 10e-6  # host dispatch per eager PyTorch op with autograd (assumed; a GPU run
+    #                                calibrates it: meshlm plan --calibrate)
+    launch_compiled_s: float = 5e-6  # per inductor-generated kernel launch (assumed, calibrated likewise)
+    arch: str = "hopper"           # which attention-kernel table applies (plan/ops.py)
 
     def peak(self, precision: str) -> float:
         return self.peak_flops * (self.fp32_ratio if precision == "fp32" else 1.0)
@@ -36,9 +46,15 @@ class GPU:
 PROFILES: dict[str, GPU] = {
     "h100-sxm-80gb": GPU("H100-SXM-80GB", 989e12, 81559 * 2 ** 20, 3.35e12, 450 * GB, 50 * GB, 8, 50 * GB),
     "h200": GPU("H200", 989e12, 143771 * 2 ** 20, 4.8e12, 450 * GB, 50 * GB, 8, 50 * GB),
-    "a100-80gb": GPU("A100-80GB", 312e12, 81920 * 2 ** 20, 2.039e12, 300 * GB, 25 * GB, 8, 25 * GB),
-    "a100-40gb": GPU("A100-40GB", 312e12, 40960 * 2 ** 20, 1.555e12, 300 * GB, 25 * GB, 8, 25 * GB),
-    "b200": GPU("B200", 2250e12, 183359 * 2 ** 20, 8.0e12, 900 * GB, 50 * GB, 8, 50 * GB),
+    # Grand Teton H100 as torchtitan benchmarks it (docs/performance.md there): 96 GB HBM2e at 2.4 TB/s,
+    # 400 Gb/s RDMA per GPU, 500 W power limit (the planner keeps the 700 W datasheet peak: no source
+    # gives the clock at 500 W; docs/planner.md names it as the assumption behind that row)
+    "h100-96gb": GPU("H100-96GB-HBM2e", 989e12, 96e9, 2.4e12, 450 * GB, 50 * GB, 8, 50 * GB),
+    # A100: 108 SMs (NVIDIA A100 whitepaper); the GEMM ceiling is the H100's measured fraction (assumed:
+    # no A100 measurement in this repository)
+    "a100-80gb": GPU("A100-80GB", 312e12, 81920 * 2 ** 20, 2.039e12, 300 * GB, 25 * GB, 8, 25 * GB, sms=108, arch="ampere"),
+    "a100-40gb": GPU("A100-40GB", 312e12, 40960 * 2 ** 20, 1.555e12, 300 * GB, 25 * GB, 8, 25 * GB, sms=108, arch="ampere"),
+    "b200": GPU("B200", 2250e12, 183359 * 2 ** 20, 8.0e12, 900 * GB, 50 * GB, 8, 50 * GB, sms=148),
 }
 ALIASES = {"h100": "h100-sxm-80gb", "h100-sxm": "h100-sxm-80gb", "a100": "a100-80gb",
            "a100-80": "a100-80gb", "a100-40": "a100-40gb"}

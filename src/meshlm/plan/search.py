@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .comm import link
-from .estimate import Options, bubble_formula, compute_times, estimate, time_model
+from .estimate import Options, bubble_formula, estimate, micro_times, time_model
 from .hardware import GIB, GPU
 from .memory import pipeline_roles, stage_totals
 from .spec import AC_MODES, PlanError, Shape, Spec, check
@@ -89,7 +89,6 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
     def want(key, value) -> bool:
         return key not in fx or fx[key] == value
 
-    rate = gpu.peak(precision) * o.efficiency
     acs = [x for x in AC_MODES if want("ac", x)]
     for tp in _divisors(n_gpus):
         if not want("tp", tp):
@@ -118,7 +117,7 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
                 if G % dp:
                     reject("dp does not divide the global batch (sequences)")
                     continue
-                tie = _layouts(shape, gpu, o, fx, want, reject, counts, heap, keep, tie, acs, rate, usable,
+                tie = _layouts(shape, gpu, o, fx, want, reject, counts, heap, keep, tie, acs, usable,
                                G, seq_len, precision, tp, cp, pp, dp)
     best = sorted(heap, key=lambda x: -x[0])
     ranked = []
@@ -175,7 +174,7 @@ def _zero_options(dp: int, tp: int, cp: int, gpn: int) -> list[tuple[int, int]]:
     return out
 
 
-def _layouts(shape, gpu, o, fx, want, reject, counts, heap, keep, tie, acs, rate, usable, G, seq_len,
+def _layouts(shape, gpu, o, fx, want, reject, counts, heap, keep, tie, acs, usable, G, seq_len,
              precision, tp, cp, pp, dp) -> int:
     """All layouts with these degrees: schedules × ZeRO × micro-batch × (AC, offload)."""
     a = shape.args
@@ -233,8 +232,8 @@ def _layouts(shape, gpu, o, fx, want, reject, counts, heap, keep, tie, acs, rate
                         counts["dominated"] += len(fits) - len(chosen)
                         for _, ac, off, _ in chosen:
                             tie += 1
-                            lb = _lower_bound(shape, gpu, o, tp, cp, pp, v, sched, seq_len, mb, m, ac, rate, stages,
-                                              precision, split)
+                            lb = _lower_bound(shape, gpu, o, tp, cp, pp, v, sched, seq_len, mb, m, ac, stages,
+                                              precision, split, sp, ep)
                             if len(heap) >= keep and lb >= -heap[0][0]:
                                 counts["bounded"] += 1
                                 continue
@@ -252,12 +251,12 @@ def _layouts(shape, gpu, o, fx, want, reject, counts, heap, keep, tie, acs, rate
     return tie
 
 
-def _lower_bound(shape, gpu, o, tp, cp, pp, v, sched, seq_len, mb, m, ac, rate, stages, precision,
-                 split: tuple = ()) -> float:
+def _lower_bound(shape, gpu, o, tp, cp, pp, v, sched, seq_len, mb, m, ac, stages, precision,
+                 split: tuple = (), sq: bool = False, ep: int = 1) -> float:
     """Compute time plus the bandwidth term of the (never hidden) TP reductions; no other communication,
     optimizer or offload: never above the full time model's step time."""
     from .memory import _stage_params_cached
-    tokens = mb * seq_len / cp
+    tokens = mb * seq_len / cp  # sq: sequence parallelism (sp below is the stage's parameters)
     tp_s = 0.0
     if tp > 1:
         e = 4 if precision == "fp32" else 2
@@ -265,8 +264,9 @@ def _lower_bound(shape, gpu, o, tp, cp, pp, v, sched, seq_len, mb, m, ac, rate, 
     full, busy = [], []
     for st in stages:  # the real worst stage is unknown here: bound with the least of the per-stage bounds
         sp = _stage_params_cached(shape, Spec(tp=tp, pp=pp, pp_virtual=v, pp_schedule=sched, pp_layers=split), st)
-        t_f, t_b, t_rc, _ = compute_times(shape, tp, seq_len, sp.layers, sp.head, tokens, ac, rate,
-                                          o.block_overhead_s)
+        mt = micro_times(shape, tp, sq, ep, cp, seq_len, sp.layers, sp.head, mb,
+                         "none" if ac == "selective" and cp > 1 else ac, precision, gpu, o)
+        t_f, t_b, t_rc = mt["t_f"], mt["t_b"], mt["t_rc"]
         x = sp.layers * 2 * (3 if ac == "full" else 2) * tp_s
         f, b = t_f + x / 2, t_b + t_rc + x / 2
         busy.append(m * (f + b))

@@ -19,6 +19,21 @@ PEAK_FLOPS = {
 }
 
 
+def device_profile(device: torch.device):
+    """The planner's GPU profile of this device (parallel.auto), or None for a CPU or an unknown GPU
+    (plan/auto.py then uses its CPU profile)."""
+    if device.type != "cuda":
+        return None
+    from ..plan.hardware import get_gpu
+    name = torch.cuda.get_device_name(device)
+    big = torch.cuda.get_device_properties(device).total_memory > 60e9
+    for key, profile in (("H200", "h200"), ("H100", "h100"), ("B200", "b200"),
+                         ("A100", "a100-80gb" if big else "a100-40gb")):
+        if key in name:
+            return get_gpu(profile)
+    return None
+
+
 def device_peak(device: torch.device, training=None) -> tuple[float, str]:
     """(peak FLOP/s per device, where the number comes from). `training` (a TrainingConfig) brings
     `peak_tflops` (> 0 overrides every device) and `precision` (the dtype a CPU peak is measured in).

@@ -17,14 +17,14 @@ from ..model import Llama
 from ..parallel import Parallelized, parallelize
 from . import checkpoint as ckpt
 from . import fault
-from .metrics import MetricsLog, device_peak, peak_bytes, tensor_bytes
+from .metrics import MetricsLog, device_peak, device_profile, peak_bytes, tensor_bytes
 from .optim import LossScaler, MasterOptimizer, clip_, grad_norm, lr_at
 
 
 def run(cfg: Config, run_dir: str) -> dict:
     """Entry point of one worker (or of the only process)."""
     device = pick_device(cfg.training.device)
-    layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")), device_profile(device))
     ctx = init_context(layout.shape(), device, cfg.parallel.timeout_s)
     try:
         return Trainer(cfg, run_dir, ctx, layout).fit()
@@ -32,11 +32,23 @@ def run(cfg: Config, run_dir: str) -> dict:
         shutdown()
 
 
+def _log_auto(record: dict, run_dir: str) -> None:
+    """parallel.auto: say what the planner chose and predicted (stdout and run_dir/auto_layout.json)."""
+    import json
+    print(f"parallel.auto: {record['auto_layout']} on {record['world']} × {record['gpu']}: predicted "
+          f"{record['predicted_step_s']:.3g} s/step, {record['predicted_tokens_per_s_per_gpu']:,.0f} tokens/s per "
+          f"device, MFU {record['predicted_mfu']:.1%}, {record['predicted_mem_gib']:.2f} GiB", flush=True)
+    with open(os.path.join(run_dir, "auto_layout.json"), "w") as f:
+        json.dump(record, f, indent=1)
+
+
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str, ctx: ParallelContext, layout: Layout):
         self.cfg, self.run_dir, self.ctx, self.layout = cfg, run_dir, ctx, layout
         t = cfg.training
         os.makedirs(run_dir, exist_ok=True)
+        if ctx.rank == 0 and getattr(cfg, "auto_record", None):
+            _log_auto(cfg.auto_record, run_dir)
         torch.manual_seed(t.seed)
         self.args = model_args(cfg)
         d = cfg.data

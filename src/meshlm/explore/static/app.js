@@ -113,6 +113,11 @@ function render(res, body) {
     { name: "forward", value: tm.forward_s }, { name: "backward", value: tm.backward_s }, { name: "recompute", value: tm.recompute_s },
     { name: "exposed comm", value: tm.exposed_comm_microbatch_s + tm.exposed_comm_step_s }, { name: "bubble", value: tm.bubble_s },
     { name: "optimizer", value: tm.optimizer_s + tm.offload_s }], { fmt: (s) => fmtNum(s, 3) + " s" });
+  // the per-operation model's breakdown of the compute (plan/ops.py); absent with a flat --efficiency
+  const ops = r.ops || {};
+  $("#ops-table").innerHTML = r.ops ? "<tr><th>compute by operation</th><th>s per step</th></tr>" +
+    ["gemm_s", "attention_s", "elementwise_s", "grad_accum_s", "head_s", "loss_s", "recompute_s"]
+      .map((k) => `<tr><td>${k.replace("_s", "").replace("_", " ")}</td><td id="ops-${k}">${fmtNum(ops[k], 3)}</td></tr>`).join("") : "";
   $("#comm-table").innerHTML = "<tr><th>group</th><th>collective</th><th>link</th><th>ranks</th><th>GB/step</th><th>time s</th><th>exposed s</th><th>hidden</th><th>behind</th></tr>" +
     (r.comm.length ? r.comm.map((c) => `<tr><td>${c.group}</td><td>${c.kind}</td><td>${c.link}</td><td>${c.group_size}</td><td>${(c.bytes / 1e9).toFixed(2)}</td>` +
       `<td>${fmtNum(c.seconds, 3)}</td><td>${fmtNum(c.exposed_s, 3)}</td><td>${c.seconds ? (100 * (1 - c.exposed_s / c.seconds)).toFixed(0) + "%" : "-"}</td><td>${c.overlaps_with}</td></tr>`).join("")

@@ -1,0 +1,70 @@
+"""`parallel.auto = true`: the trainer asks the planner for the fastest layout of the actual world
+size that fits the device, and trains with it (docs/planner.md, "parallel.auto").
+
+The planner chooses every parallel.* key and training.micro_batch / ac; the model, data.seq_len,
+training.global_batch and precision stay the user's. Layouts are tried fastest first and the first one
+`layout.resolve` accepts wins (the planner reasons about degrees whose runtime may not exist yet).
+Nothing here imports torch: the device comes in as a GPU profile (train/trainer.py builds it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from ..config import Config, ConfigError
+from .estimate import Options
+from .hardware import GB, GPU, get_gpu
+from .search import plan
+from .spec import PlanError, Shape, Spec, shape_from_config, to_config
+
+# A CPU has no profile: the host's RAM is its memory, its measured matmul peak (training.peak_tflops,
+# else 0.1 TFLOP/s, assumed) its compute, gloo over loopback its links (1 GB/s, assumed). The choice
+# depends on ratios between layouts, not on these absolutes; --calibrate replaces them with a run's.
+CPU_PEAK_TFLOPS = 0.1
+CPU_LINK_GBPS = 1.0
+CPU_EFFICIENCY = 0.5  # the flat model: the per-operation tables are GPU kernels'
+
+
+def cpu_profile(peak_tflops: float = 0.0) -> GPU:
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+    except (ValueError, OSError, AttributeError):
+        ram = 8.0
+    return get_gpu("custom", peak_tflops=peak_tflops or CPU_PEAK_TFLOPS, hbm_gb=ram, nvlink_gbps=CPU_LINK_GBPS,
+                   ib_gbps=CPU_LINK_GBPS, hbm_tbps=0.01, gpus_per_node=1024)
+
+
+def choose(cfg: Config, world: int, gpu: GPU | None = None, o: Options | None = None) -> tuple[Config, dict]:
+    """(the config with the chosen layout, a record of the choice and its predicted numbers), or a
+    one-line ConfigError when no layout of `world` ranks fits."""
+    from ..layout import resolve  # layout imports nothing of plan/; resolve is the runtime's verdict
+    if gpu is None:
+        gpu = cpu_profile(cfg.training.peak_tflops)
+        o = o or Options(efficiency=CPU_EFFICIENCY, compiled=bool(cfg.training.compile))
+    o = o or Options(compiled=bool(cfg.training.compile))
+    shape: Shape = shape_from_config(cfg)
+    seq, G = cfg.data.seq_len, cfg.training.global_batch
+    try:
+        res = plan(shape, gpu, world, seq, G * seq, cfg.training.precision, top=20,
+                   fixed={"offload": "none"} if gpu.name == "custom" else None, o=o)
+    except PlanError as e:
+        raise ConfigError(f"parallel.auto: {e}") from None
+    for r in res.ranked:
+        L = r["layout"]
+        spec = Spec(**{k: L[k] for k in ("dp", "tp", "pp", "cp", "ep", "zero", "zero_group", "sp", "pp_schedule",
+                                         "pp_virtual", "cp_impl", "offload", "micro_batch", "ac", "precision",
+                                         "seq_len")}, accum=L["microbatches"], pp_layers=tuple(L["pp_layers"]))
+        new = to_config(shape, spec, cfg)
+        new.parallel = dataclasses.replace(new.parallel, auto=False)
+        try:
+            resolve(new, world)
+        except ConfigError:
+            continue
+        new.parallel = dataclasses.replace(new.parallel, auto=True)
+        record = {"auto_layout": spec.short(), "world": world, "gpu": gpu.name,
+                  "predicted_step_s": r["step_s"], "predicted_tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"],
+                  "predicted_mfu": r["mfu"], "predicted_mem_gib": r["per_gpu"]["total"] / 2 ** 30,
+                  "layout": L}
+        return new, record
+    raise ConfigError(f"parallel.auto: no layout of {world} ranks fits {shape.name or 'the model'} on "
+                      f"{gpu.name} with global_batch {G} × seq_len {seq} (see meshlm plan --explain)")
