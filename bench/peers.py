@@ -183,7 +183,7 @@ def pp_peer(cfg, rank: int, world: int):
     def fwd_bwd(x, y):
         losses: list = []
         sched.step(x, target=y, losses=losses)
-        return torch.stack(losses).mean() if last else torch.zeros(())
+        return torch.stack(losses).detach().mean() if last else torch.zeros(())
     return torch_step(cfg, params, fwd_bwd, clip=lambda ps, mx: clip_dtensor(ps, mx, dist.group.WORLD))
 
 
@@ -285,7 +285,8 @@ def main() -> int:
         if "error" in r and r["dim"] not in worst:
             worst[r["dim"]] = {"speed": None, "memory": None, "not_comparable": r["error"]}
     print_table(report, a)
-    if a.json:
+    if a.json:  # every row, then the summary: the worst row of each dimension
+        print(json.dumps(report["rows"]))
         print(json.dumps(worst))
     return 0
 
