@@ -27,13 +27,12 @@ speed = peer step time / meshlm's (goal >= 1.0); memory = meshlm peak / peer's (
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 
 from spawn import join_gloo  # noqa: E402  (bench/spawn.py)
-from zero import compare, make_cfg, measure, meshlm_runner, plain_model, run_variant, torch_step  # noqa: E402
+from zero import (compare, make_cfg, measure, meshlm_runner, parser, plain_model, release_freed,  # noqa: E402
+                  run_variant, torch_step)
 
 # row: (dimension, meshlm's parallel.* settings)
 ROWS = {
@@ -238,27 +237,15 @@ def combine(row: str):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="small")
-    for key, default in (("dim", None), ("n_layers", 8), ("n_heads", None), ("ffn_dim", None)):
-        ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=default, help=f"override model.{key}")
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=4, help="sequences per step (pp: split into --microbatches)")
+    ap = parser(__doc__, 4, "sequences per step (pp: split into --microbatches)", 2, 6, n_layers=8)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: the debug preset, seq 32, 1 round of 2 steps")
-    ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.smoke:
         a.preset, a.n_layers, a.seq_len, a.batch, a.microbatches = "debug", 4, 32, 4, 2
         a.warmup, a.steps, a.rounds = 1, 2, 1
-    a.n_kv_heads = None
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # inherited by the workers
-    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", "131072")
+    release_freed()
     runs: dict = {(r, s): [] for r in a.rows for s in ("meshlm", "peer")}
     errors: dict[str, str] = {}
     for _ in range(a.rounds):

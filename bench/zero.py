@@ -214,21 +214,32 @@ def compare(mine: list[dict], theirs: list[dict]) -> dict:
             "meshlm_losses": la, "torch_losses": lb}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser(doc: str, batch: int, batch_help: str, warmup: int, steps: int, n_layers: int | None = None):
+    """The command line shared with bench/peers.py: model overrides, shape, world, rounds, --json."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--preset", default="small")
     for key in ("dim", "n_layers", "n_heads", "ffn_dim"):
-        ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help=f"override model.{key}")
+        ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=n_layers if key == "n_layers" else None,
+                        help=f"override model.{key}")
     ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8, help="global batch (sequences); one micro-batch per rank")
+    ap.add_argument("--batch", type=int, default=batch, help=batch_help)
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=warmup)
+    ap.add_argument("--steps", type=int, default=steps)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # inherited by the workers
+    return ap
+
+
+def release_freed() -> None:
+    """glibc: mmap blocks over 128 KiB, so freed tensors leave the RSS (inherited by the workers)."""
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
     os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", "131072")
+
+
+def main() -> None:
+    a = parser(__doc__, 8, "global batch (sequences); one micro-batch per rank", 3, 8).parse_args()
+    release_freed()
     runs: dict[str, list[dict]] = {v: [] for pair in PAIRS for v in pair}
     for _ in range(a.rounds):
         for pair in PAIRS:
