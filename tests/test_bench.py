@@ -82,3 +82,12 @@ def test_peers_bench_smoke():
     assert worst["tp"]["speed"] > 0 and worst["pp"]["memory"] > 0
     if worst["cp"]["speed"] is None:  # torch's ring attention handles only the CUDA SDPA kernels
         assert "_scaled_dot_product_flash_attention_for_cpu" in worst["cp"]["not_comparable"]
+
+
+def test_data_bench_smoke():
+    """bench/data.py end to end on 1 and 2 MB (the 2 MB row through the byte tokenizer)."""
+    out = run_json("bench/data.py", "--json", "--sizes-mb", "1,2", "--bytes-from-mb", "2", "--vocab", "400")
+    rows = out["rows"]
+    assert [r["mb"] for r in rows] == [1, 2] and [r["tokenizer"] for r in rows] == ["bpe", "bytes"]
+    assert rows[1]["tokens"] > 1_500_000 and rows[0]["documents"] > 400
+    assert out["throughput_ratio"] > 0 and all(r["rss_self_mb"] > 0 for r in rows)

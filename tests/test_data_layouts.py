@@ -1,4 +1,4 @@
-"""Issue #21 in the layouts (DESIGN invariant 1): document masking and data mixtures give one process's
+"""Issue #21 in the layouts (docs/architecture.md, invariant 1): document masking and data mixtures give one process's
 losses in dp, ZeRO-3, tp+sp and pp; a mixture resumes across layouts with its data position; a run over
 a 1-trillion-token index starts as fast and as small as one over a tiny index."""
 import json

@@ -175,19 +175,24 @@ def test_checkpoint_index_is_never_unpickled_unsafely(hf_models, tmp_path, capsy
     assert not marker.exists() and not (tmp_path / "out").exists()
 
 
-def test_greedy_generate_matches_transformers(hf_models, tmp_path):
+def assert_greedy_matches(hf_dir: str, hf, ck: str, n: int) -> None:
+    """`convert --from-hf` then meshlm's greedy `generate` (KV cache) gives transformers' n tokens."""
     from meshlm.convert import load_model
     from meshlm.generate import generate
-    hf_dir, hf = hf_models["tied"]
-    assert main(["convert", "--from-hf", hf_dir, "--out", str(tmp_path / "ck")]) == 0
-    model = load_model(str(tmp_path / "ck"))[0]
+    assert main(["convert", "--from-hf", hf_dir, "--out", ck]) == 0
+    model = load_model(ck)[0]
     prompt = [5, 17, 99, 3, 250, 64, 7]
-    ours = generate(model, prompt, 20, temperature=0.0)
+    ours = generate(model, prompt, n, temperature=0.0)
     with torch.no_grad():
-        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False,
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert ours == theirs
     assert len(set(ours)) > 1  # not a degenerate repeat of one token
+
+
+def test_greedy_generate_matches_transformers(hf_models, tmp_path):
+    hf_dir, hf = hf_models["tied"]
+    assert_greedy_matches(hf_dir, hf, str(tmp_path / "ck"), 20)
 
 
 def test_kv_cache_equals_full_recompute(hf_models, tmp_path):
@@ -219,6 +224,18 @@ def test_generate_cli_prints_the_continuation(hf_models, tmp_path, capsys):
     assert capsys.readouterr().out != first
 
 
+def edited_copy(hf_dir: str, dst, **changes) -> str:
+    """A copy of HF directory `hf_dir` at `dst` with some config.json keys changed."""
+    shutil.copytree(hf_dir, dst)
+    path = os.path.join(dst, "config.json")
+    with open(path) as f:
+        c = json.load(f)
+    c.update(changes)
+    with open(path, "w") as f:
+        json.dump(c, f)
+    return str(dst)
+
+
 def _one_line_error(capsys, argv, code=2) -> str:
     assert main(argv) == code
     err = capsys.readouterr().err.strip()
@@ -238,18 +255,13 @@ def test_bad_input_is_one_line_and_writes_nothing(hf_models, tmp_path, capsys):
     assert "safetensors" in _one_line_error(capsys, ["convert", "--from-hf", str(no_weights), "--out", str(out)])
 
     def edited(name, **changes):
-        d = tmp_path / name
-        shutil.copytree(hf_dir, d)
-        c = json.loads((d / "config.json").read_text())
-        c.update(changes)
-        (d / "config.json").write_text(json.dumps(c))
-        return str(d)
+        return edited_copy(hf_dir, tmp_path / name, **changes)
     gpt2 = edited("gpt2", architectures=["GPT2LMHeadModel"], model_type="gpt2")
     assert "GPT2LMHeadModel" in _one_line_error(capsys, ["convert", "--from-hf", gpt2, "--out", str(out)])
     wrong = edited("wrong", intermediate_size=128)
     err = _one_line_error(capsys, ["convert", "--from-hf", wrong, "--out", str(out)])
     assert "mlp" in err and "shape" in err and "safetensors" in err
-    scaled = edited("scaled", rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    scaled = edited("scaled", rope_scaling={"rope_type": "dynamic", "factor": 8.0})
     assert "rope_scaling" in _one_line_error(capsys, ["convert", "--from-hf", scaled, "--out", str(out)])
     assert not out.exists() and not (tmp_path / "out.tmp").exists()
     # an existing --out is never overwritten

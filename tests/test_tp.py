@@ -104,6 +104,11 @@ CASES = [
     ("dp2-tp2-sp-zero1", 4, {"parallel__dp": 2, "parallel__tp": 2, "parallel__sp": True, "parallel__zero": 1}),
     ("dp2-tp2-zero2-kv1-clip", 4, {"parallel__dp": 2, "parallel__tp": 2, "parallel__zero": 2,
                                    "model__n_kv_heads": 1, "training__clip": 0.05}),
+    # Qwen-style attention: q/k/v biases split with their rows (kv ones replicated over 2 ranks each),
+    # q/k norm gains replicated with summed gradients, head_dim 32 ≠ dim/heads
+    ("tp4-kv2-sp-qkv-bias-qk-norm", 4, {"parallel__tp": 4, "parallel__sp": True, "model__n_kv_heads": 2,
+                                        "model__qkv_bias": True, "model__qk_norm": True, "model__head_dim": 32,
+                                        "training__clip": 0.05}),
 ]
 TOL = {"fp32": FP32, "bf16": 1e-3, "fp16": 1e-3}
 
@@ -127,7 +132,8 @@ def test_tp_matches_one_process(pools, name, world, overrides):
     (4, {"parallel__tp": 4, "parallel__sp": True, "model__n_kv_heads": 2, "training__micro_batch": 1}),
     (2, {"parallel__tp": 2, "model__n_kv_heads": 1, "training__precision": "bf16"}),
     (2, {"parallel__tp": 2, "parallel__sp": True, "training__ac": "op"}),
-], ids=["tp2", "tp2-sp-ac-full", "tp4-sp-accum", "tp2-kv1-bf16", "tp2-sp-ac-op"])
+    (4, {"parallel__tp": 4, "model__n_kv_heads": 2, "model__qkv_bias": True, "model__qk_norm": True}),
+], ids=["tp2", "tp2-sp-ac-full", "tp4-sp-accum", "tp2-kv1-bf16", "tp2-sp-ac-op", "tp4-kv2-bias-qk-norm"])
 def test_tp_bytes_match_theory(pools, world, overrides):
     """One reduction per block half forward and backward, nothing else on the activations."""
     from meshlm.parallel.tensor_parallel import expected_bytes

@@ -36,6 +36,16 @@ class MoEConfig:
 
 
 @dataclass
+class RopeScalingConfig:
+    """RoPE frequency scaling, named as in a transformers config.json; None = the preset's value."""
+    type: str | None = None                 # default, linear, llama3
+    factor: float | None = None
+    low_freq_factor: float | None = None    # llama3 only
+    high_freq_factor: float | None = None   # llama3 only
+    original_max_position_embeddings: int | None = None  # llama3: the pretraining context
+
+
+@dataclass
 class ModelConfig:
     preset: str = "small"
     dim: int | None = None
@@ -48,9 +58,13 @@ class ModelConfig:
     rope_theta: float | None = None
     tie_embeddings: bool | None = None
     norm_eps: float | None = None
+    head_dim: int | None = None       # None / 0: dim // n_heads
+    qkv_bias: bool | None = None      # biases on q/k/v (Qwen2)
+    qk_norm: bool | None = None       # per-head q/k RMSNorm (Qwen3)
     vocab_multiple: int = 128  # embedding/head rows padded to a multiple of this × tp; 1: no padding
-    init_from: str = ""  # "hf:DIR": start from a Hugging Face Llama (shape from its config.json)
+    init_from: str = ""  # "hf:DIR": start from a Hugging Face model (shape from its config.json)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
 
 
 @dataclass
@@ -118,6 +132,8 @@ class CheckpointConfig:
     async_: bool = False
     resume: str = "auto"  # auto, never, or a path
     mtbf_hours: float = 0.0  # the job's mean time between failures (for every = "auto")
+    export_hf: int | str = ""  # "": off, "end": a transformers directory after the last step, N: also every N steps
+    export_dtype: str = "bf16"  # bf16 or fp32: the dtype of the exported safetensors
 
 
 @dataclass

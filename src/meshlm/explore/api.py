@@ -68,7 +68,7 @@ def options() -> dict:
     """What the page needs to draw its inputs: presets with their shapes, GPU profiles, choices."""
     models = {}
     for name, a in presets().items():
-        models[name] = dict(a.to_dict(), params=a.num_params())
+        models[name] = dict(a.to_dict(), params=a.num_params(), seq_len=a.pretrain_seq_len)
     gpus = {k: {"name": g.name, "peak_tflops": g.peak_flops / 1e12, "hbm_gb": g.hbm_bytes / 1e9,
                 "hbm_tbps": g.hbm_bw / 1e12, "nvlink_gbps": g.nvlink_bw / 1e9, "ib_gbps": g.ib_bw / 1e9,
                 "pcie_gbps": g.pcie_bw / 1e9, "gpus_per_node": g.gpus_per_node,

@@ -1,9 +1,13 @@
-"""Hugging Face Llama weights as meshlm tensors: the RoPE row permutation and safetensors reads of one
-parameter at a time (no distributed import: a rank asks for what it holds, nothing more).
+"""Hugging Face weights as meshlm tensors: the RoPE permutation, expert stacking and safetensors reads
+of one parameter at a time (no distributed import: a rank asks for what it holds, nothing more).
 
 RoPE: meshlm rotates interleaved pairs (d0, d1), (d2, d3), ... of each head; transformers rotates
 the halves (d_i, d_{i+hd/2}). Both use frequency i for pair i, so converting is a fixed permutation of
-the rows of wq and wk inside each head: meshlm row 2i+a is transformers row a·hd/2 + i.
+the rows of wq and wk inside each head: meshlm row 2i+a is transformers row a·hd/2 + i. The q/k biases
+(Qwen2) are permuted with their rows, the q/k norm gains (Qwen3, [head_dim]) as one head.
+
+Experts: meshlm stacks a block's experts ([E, hidden, dim] for w1/w3, [E, dim, hidden] for w2);
+Mixtral stores expert j's `w1`/`w2`/`w3` as tensors of their own, same orientation.
 """
 from __future__ import annotations
 
@@ -14,10 +18,12 @@ from typing import Callable
 
 import torch
 
+from . import safetensors_io as st
 from .args import ModelArgs
-from .hf_config import hf_name, param_shapes
+from .hf_config import hf_names, param_shapes, stacked
 
-ROPE_ROWS = ("attention.wq.weight", "attention.wk.weight")
+ROPE_ROWS = ("attention.wq.weight", "attention.wk.weight", "attention.wq.bias", "attention.wk.bias",
+             "attention.q_norm.weight", "attention.k_norm.weight")
 
 
 def rope_rows_from_hf(w: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -41,16 +47,19 @@ def to_hf(name: str, t: torch.Tensor, args: ModelArgs) -> torch.Tensor:
 
 def hf_tensors(name: str, t: torch.Tensor, args: ModelArgs) -> dict[str, torch.Tensor]:
     """The transformers tensors (name -> value) that meshlm parameter `name` (full, unpadded value `t`)
-    becomes on export: the one seam every exporter goes through (one meshlm tensor may be several)."""
-    return {hf_name(name): to_hf(name, t, args)}
+    becomes on export: the one seam every exporter goes through (stacked experts: one per expert)."""
+    names = hf_names(name, args)
+    if stacked(name):
+        return {n: e.clone() for n, e in zip(names, t.unbind(0))}  # own storage: safetensors refuses shared
+    return {names[0]: to_hf(name, t, args)}
 
 
 class HFWeights:
-    """The safetensors files of a transformers model directory (one file or an index of shards)."""
+    """The safetensors files of a transformers model directory (one file or an index of shards), read
+    one tensor at a time without mapping the files (model/safetensors_io.py: bounded memory)."""
 
     def __init__(self, hf_dir: str):
-        from safetensors import safe_open
-        self.dir, self._open, self._handles = hf_dir, safe_open, {}
+        self.dir, self._headers = hf_dir, {}
         index = os.path.join(hf_dir, "model.safetensors.index.json")
         if os.path.isfile(index):
             try:
@@ -68,38 +77,57 @@ class HFWeights:
             raise ValueError(f"{hf_dir}: no *.safetensors weights (only safetensors are read, never pickles)")
         self.files = {}
         for p in paths:
-            for k in self._handle(p).keys():
+            for k in self._header(p):
                 self.files[k] = p
 
-    def _handle(self, path: str):
-        if path not in self._handles:
-            try:
-                self._handles[path] = self._open(path, framework="pt")
-            except Exception as e:  # noqa: BLE001 - a corrupt header: name the file
-                raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
-        return self._handles[path]
+    def _header(self, path: str) -> dict[str, st.Entry]:
+        if path not in self._headers:
+            self._headers[path] = st.read_header(path)[0]
+        return self._headers[path]
+
+    def _entry(self, name: str) -> st.Entry:
+        entry = self._header(self.files[name]).get(name)
+        if entry is None:
+            raise ValueError(f"{self.files[name]}: has no tensor {name} (the index lists it there)")
+        return entry
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
+        return self._entry(name).shape
 
-    def get(self, name: str) -> torch.Tensor:
-        return self._handle(self.files[name]).get_tensor(name)
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Tensor `name` in `dtype` (default: as stored), read whole into its own storage."""
+        return st.read(self._entry(name), dtype)
 
     def check(self, args: ModelArgs) -> None:
         """Every parameter the config implies is present with its shape (read from the headers only)."""
         for name, shape in param_shapes(args).items():
-            hn = hf_name(name)
-            if hn not in self.files:
-                raise ValueError(f"{self.dir}: tensor {hn} is missing (config.json implies it)")
-            got = self.shape(hn)
-            if got != shape:
-                raise ValueError(f"{self.files[hn]}: {hn} has shape {list(got)}, config.json implies {list(shape)}")
+            try:
+                names = hf_names(name, args)
+            except KeyError:
+                raise ValueError(f"{self.dir}: {name} has no Hugging Face tensor") from None
+            want = tuple(shape[1:]) if stacked(name) else tuple(shape)
+            for hn in names:
+                if hn not in self.files:
+                    raise ValueError(f"{self.dir}: tensor {hn} is missing (config.json implies it)")
+                got = self.shape(hn)
+                if got != want:
+                    raise ValueError(f"{self.files[hn]}: {hn} has shape {list(got)}, config.json implies "
+                                     f"{list(want)}")
 
     def tensor(self, name: str, args: ModelArgs) -> torch.Tensor:
-        """meshlm parameter `name` (single-process, unpadded) in fp32."""
+        """meshlm parameter `name` (single-process, unpadded) in fp32; stacked experts are read one
+        expert at a time into the [E, ...] tensor."""
         if name == "output.weight" and args.tie_embeddings:
             name = "tok_embeddings.weight"
-        return to_meshlm(name, self.get(hf_name(name)).float(), args)
+        names = hf_names(name, args)
+        if stacked(name):
+            first = self.get(names[0], torch.float32)
+            out = torch.empty((len(names), *first.shape), dtype=torch.float32)
+            out[0] = first
+            for j, hn in enumerate(names[1:], 1):
+                out[j] = self.get(hn, torch.float32)
+            return out
+        return to_meshlm(name, self.get(names[0], torch.float32), args)
 
 
 def hf_source(hf_dir: str, args: ModelArgs) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
@@ -111,7 +139,7 @@ def hf_source(hf_dir: str, args: ModelArgs) -> Callable[[str, tuple[int, ...]], 
         t = weights.tensor(name, args)
         if tuple(full_shape) != tuple(t.shape):
             if len(full_shape) != t.dim() or full_shape[1:] != t.shape[1:] or full_shape[0] < t.shape[0]:
-                raise ValueError(f"{hf_dir}: {hf_name(name)} has shape {list(t.shape)}, the model needs "
+                raise ValueError(f"{hf_dir}: {name} has shape {list(t.shape)}, the model needs "
                                  f"{list(full_shape)}")
             t = torch.cat([t, t.new_zeros(full_shape[0] - t.shape[0], *t.shape[1:])])
         return t

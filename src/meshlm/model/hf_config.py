@@ -1,4 +1,6 @@
-"""Hugging Face Llama `config.json` <-> ModelArgs, and parameter names between the two layouts.
+"""Hugging Face `config.json` <-> ModelArgs, and parameter names between the two layouts, for the
+families meshlm's Llama can express: Llama (3.1+ RoPE scaling included), Qwen2, Qwen3, Mixtral and
+Qwen3-MoE.
 
 Torch-free on purpose: layout checks and the planner read HF shapes without importing torch.
 Errors are ValueErrors with one line that names the file.
@@ -8,11 +10,36 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 
 from .args import ModelArgs
 
-ARCH = "LlamaForCausalLM"
-ROPE_DEFAULT = ("default", None)
+
+@dataclass(frozen=True)
+class Family:
+    """One transformers architecture: what its config.json implies for ModelArgs, and where a MoE
+    block's router and experts live (`experts`: expert {j}'s tensor {w}, named per meshlm w1/w2/w3)."""
+    arch: str
+    model_type: str
+    qkv_bias: bool = False  # q/k/v biases always present (Qwen2)
+    qk_norm: bool = False   # per-head q/k RMSNorm (Qwen3)
+    moe: bool = False       # sparse MoE feed-forwards (Mixtral: every block; Qwen3-MoE: as configured)
+    router: str = ""
+    experts: str = ""
+    expert_w: tuple[tuple[str, str], ...] = ()
+
+
+MIXTRAL = Family("MixtralForCausalLM", "mixtral", moe=True, router="block_sparse_moe.gate.weight",
+                 experts="block_sparse_moe.experts.{j}.{w}.weight", expert_w=(("w1", "w1"), ("w2", "w2"), ("w3", "w3")))
+QWEN3_MOE = Family("Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, moe=True, router="mlp.gate.weight",
+                   experts="mlp.experts.{j}.{w}.weight",
+                   expert_w=(("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")))
+FAMILIES = (Family("LlamaForCausalLM", "llama"), Family("Qwen2ForCausalLM", "qwen2", qkv_bias=True),
+            Family("Qwen3ForCausalLM", "qwen3", qk_norm=True), MIXTRAL, QWEN3_MOE)
+ARCH = FAMILIES[0].arch
+# architectures close enough to name in the refusal, with what is missing
+REFUSED = {"Qwen2MoeForCausalLM": "Qwen2-MoE (sigmoid-gated shared expert) is not supported"}
+ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 # meshlm single-process name -> transformers name (per block: `{i}` is the layer index)
 _BLOCK = {
@@ -21,37 +48,76 @@ _BLOCK = {
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
 }
+_ROUTER = "feed_forward.router.weight"
+# stacked experts [E, ...]: expert j's slice is one transformers tensor (Family.experts)
+_EXPERTS = {f"feed_forward.experts.{w}": w for w in ("w1", "w2", "w3")}
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
-def hf_name(name: str) -> str:
-    """The transformers name of meshlm parameter `name`."""
-    if name in _TOP:
-        return _TOP[name]
+def stacked(name: str) -> bool:
+    """Whether meshlm parameter `name` stacks one transformers tensor per expert."""
     m = _LAYER.match(name)
-    if not m or m.group(2) not in _BLOCK:
-        raise KeyError(f"no Hugging Face name for parameter {name}")
-    return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}"
+    return bool(m) and m.group(2) in _EXPERTS
+
+
+def hf_names(name: str, args: ModelArgs) -> list[str]:
+    """The transformers names of meshlm parameter `name`: one, or one per expert for stacked experts
+    (a MoE block's names depend on the architecture that expresses `args`: family_for)."""
+    if name in _TOP:
+        return [_TOP[name]]
+    m = _LAYER.match(name)
+    if m and m.group(2) in _BLOCK:
+        return [f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}"]
+    if m and (m.group(2) in _EXPERTS or m.group(2) == _ROUTER):
+        fam, prefix = family_for(args), f"model.layers.{m.group(1)}"
+        if m.group(2) == _ROUTER:
+            return [f"{prefix}.{fam.router}"]
+        w = dict(fam.expert_w)[_EXPERTS[m.group(2)]]
+        return [f"{prefix}.{fam.experts.format(j=j, w=w)}" for j in range(args.num_experts)]
+    raise KeyError(f"no Hugging Face name for parameter {name}")
+
+
+def hf_name(name: str) -> str:
+    """The transformers name of a meshlm parameter that is one transformers tensor."""
+    if stacked(name):
+        raise KeyError(f"{name} stacks one Hugging Face tensor per expert (hf_names)")
+    return hf_names(name, None)[0]
 
 
 def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every meshlm parameter (single-process name, tied head left out) and its unpadded shape."""
     hd, d = args.head_dim, args.dim
-    block = {"attention_norm.weight": (d,), "attention.wq.weight": (args.n_heads * hd, d),
-             "attention.wk.weight": (args.n_kv_heads * hd, d), "attention.wv.weight": (args.n_kv_heads * hd, d),
-             "attention.wo.weight": (d, args.n_heads * hd), "ffn_norm.weight": (d,),
-             "feed_forward.w1.weight": (args.ffn_dim, d), "feed_forward.w3.weight": (args.ffn_dim, d),
-             "feed_forward.w2.weight": (d, args.ffn_dim)}
+    q, kv = args.n_heads * hd, args.n_kv_heads * hd
+    attn = {"attention_norm.weight": (d,), "attention.wq.weight": (q, d), "attention.wk.weight": (kv, d),
+            "attention.wv.weight": (kv, d), "attention.wo.weight": (d, q)}
+    if args.qkv_bias:
+        attn.update({"attention.wq.bias": (q,), "attention.wk.bias": (kv,), "attention.wv.bias": (kv,)})
+    if args.qk_norm:
+        attn.update({"attention.q_norm.weight": (hd,), "attention.k_norm.weight": (hd,)})
+    attn["ffn_norm.weight"] = (d,)
+    f, e, n = args.ffn_dim, args.expert_dim, args.num_experts
+    dense = {"feed_forward.w1.weight": (f, d), "feed_forward.w3.weight": (f, d), "feed_forward.w2.weight": (d, f)}
+    moe = {"feed_forward.router.weight": (n, d), "feed_forward.experts.w1": (n, e, d),
+           "feed_forward.experts.w3": (n, e, d), "feed_forward.experts.w2": (n, d, e)}
+    if args.shared_experts:
+        s = args.shared_experts * e
+        moe.update({"feed_forward.shared.w1.weight": (s, d), "feed_forward.shared.w3.weight": (s, d),
+                    "feed_forward.shared.w2.weight": (d, s)})
     out = {"tok_embeddings.weight": (args.vocab_size, d)}
     for i in range(args.n_layers):
-        out.update({f"layers.{i}.{k}": v for k, v in block.items()})
+        out.update({f"layers.{i}.{k}": v for k, v in {**attn, **(moe if args.is_moe_block(i) else dense)}.items()})
     out["norm.weight"] = (d,)
     if not args.tie_embeddings:
         out["output.weight"] = (args.vocab_size, d)
@@ -71,57 +137,175 @@ def read_config(hf_dir: str) -> dict:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
-def args_from_hf(hf_dir: str, max_seq_len: int | None = None) -> ModelArgs:
-    """ModelArgs of the transformers Llama in `hf_dir`; anything meshlm's Llama cannot express is
-    refused (another architecture, biases, a non-SiLU MLP, rope scaling, an odd head_dim)."""
-    c = read_config(hf_dir)
-    path = os.path.join(hf_dir, "config.json")
+def family_of(c: dict, path: str) -> Family:
     archs = c.get("architectures") or []
-    if ARCH not in archs and c.get("model_type") != "llama":
-        what = ", ".join(archs) or c.get("model_type", "unknown")
-        raise ValueError(f"{path}: architecture {what} is not supported (only {ARCH})")
-    for key in ("attention_bias", "mlp_bias"):
-        if c.get(key):
-            raise ValueError(f"{path}: {key} = true is not supported (meshlm's Llama has no biases)")
+    for fam in FAMILIES:
+        if fam.arch in archs or (not archs and c.get("model_type") == fam.model_type):
+            return fam
+    what = ", ".join(archs) or c.get("model_type", "unknown")
+    for arch, why in REFUSED.items():
+        if arch in archs:
+            raise ValueError(f"{path}: architecture {arch}: {why}")
+    raise ValueError(f"{path}: architecture {what} is not supported "
+                     f"(only {', '.join(f.arch for f in FAMILIES)})")
+
+
+def _rope(c: dict, path: str) -> dict:
+    """ModelArgs' RoPE fields from `rope_scaling` (Meta's and older transformers' files) or
+    `rope_parameters` (transformers 5); dynamic NTK, YaRN, LongRoPE are refused."""
+    params = dict(c.get("rope_parameters") or {})
+    params.update(c.get("rope_scaling") or {})
+    kind = params.get("rope_type", params.get("type", "default"))
+    out = {"rope_theta": float(params.get("rope_theta", c.get("rope_theta", 10000.0)))}
+    if kind == "default":
+        return out
+    if kind not in ("linear", "llama3"):
+        raise ValueError(f"{path}: rope_scaling of type {kind!r} is not supported (default, linear and llama3 "
+                         f"only; dynamic NTK and YaRN are not implemented)")
+    need = ROPE_KEYS if kind == "llama3" else ROPE_KEYS[:1]
+    missing = [k for k in need if k not in params]
+    if missing:
+        raise ValueError(f"{path}: rope_scaling of type {kind!r} lacks {missing[0]}")
+    out.update(rope_type=kind, rope_factor=float(params["factor"]))
+    if kind == "llama3":
+        out.update(rope_low_freq_factor=float(params["low_freq_factor"]),
+                   rope_high_freq_factor=float(params["high_freq_factor"]),
+                   rope_original_max_seq_len=int(params["original_max_position_embeddings"]))
+    return out
+
+
+def _refuse_features(c: dict, fam: Family, path: str) -> None:
+    """What none of the families' meshlm counterpart expresses: one line naming the key."""
+    if c.get("mlp_bias"):
+        raise ValueError(f"{path}: mlp_bias = true is not supported (meshlm's feed-forward has no biases)")
+    if c.get("attention_bias"):  # Llama and Qwen3: biases on q, k, v and o (Qwen2's o has none)
+        raise ValueError(f"{path}: attention_bias = true is not supported (an o_proj bias; only Qwen2's "
+                         f"q/k/v biases are)")
     if c.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{path}: hidden_act {c['hidden_act']!r} is not supported (SwiGLU with silu only)")
-    rope = c.get("rope_parameters") or {}
-    scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type", "?"))
-        raise ValueError(f"{path}: rope_scaling of type {kind!r} is not supported (plain RoPE only; "
-                         f"Llama 3.1+ long-context scaling is not implemented)")
+    layers = [t for t in c.get("layer_types") or [] if t != "full_attention"]
+    if c.get("use_sliding_window") or layers:
+        raise ValueError(f"{path}: sliding-window attention (use_sliding_window / layer_types) is not "
+                         f"supported (full causal attention only)")
+    window = c.get("sliding_window")
+    if fam.moe and window is not None and window < c.get("max_position_embeddings", 0):
+        raise ValueError(f"{path}: sliding_window = {window} is not supported (full causal attention only)")
+
+
+def _moe(c: dict, fam: Family, path: str) -> dict:
+    """ModelArgs' MoE fields. Which blocks are MoE (Qwen3-MoE: `mlp_only_layers`, `decoder_sparse_step`)
+    must be meshlm's pattern (first_dense dense blocks, then every `every`-th); routing must renormalise
+    the top-k (Qwen3-MoE's `norm_topk_prob`; Mixtral always does). transformers weighs one balance term
+    averaged over the blocks, meshlm sums one per block: the coefficient is divided by their count."""
+    n = int(c["num_hidden_layers"])
+    step, dense_only = int(c.get("decoder_sparse_step") or 1), set(c.get("mlp_only_layers") or [])
+    is_moe = [i not in dense_only and (i + 1) % step == 0 for i in range(n)]
+    if not any(is_moe):
+        raise ValueError(f"{path}: no MoE block (mlp_only_layers / decoder_sparse_step)")
+    first = is_moe.index(True)
+    later = [i for i in range(first + 1, n) if is_moe[i]]
+    every = later[0] - first if later else max(1, n - first)  # one MoE block: any step past the end
+    if is_moe != [i >= first and (i - first) % every == 0 for i in range(n)]:
+        raise ValueError(f"{path}: MoE blocks {[i for i in range(n) if is_moe[i]]} are not leading dense blocks "
+                         f"then every k-th (model.moe.first_dense / every)")
+    if fam is QWEN3_MOE and not c.get("norm_topk_prob", False):
+        raise ValueError(f"{path}: norm_topk_prob = false is not supported (meshlm renormalises the top-k "
+                         f"router weights)")
+    experts = c.get("num_local_experts", c.get("num_experts"))
+    return dict(num_experts=int(experts), top_k=int(c["num_experts_per_tok"]),
+                moe_ffn_dim=int(c.get("moe_intermediate_size") or c["intermediate_size"]),
+                moe_first_dense=first, moe_every=every,
+                aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)) / sum(is_moe))
+
+
+def args_from_hf(hf_dir: str, max_seq_len: int | None = None) -> ModelArgs:
+    """ModelArgs of the transformers model in `hf_dir`; anything meshlm's Llama cannot express is
+    refused (another architecture, o/MLP biases, a non-SiLU MLP, sliding windows, other RoPE scaling)."""
+    c = read_config(hf_dir)
+    path = os.path.join(hf_dir, "config.json")
+    fam = family_of(c, path)
+    _refuse_features(c, fam, path)
     try:
         dim, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+        hd = int(c.get("head_dim") or (dim // heads))
+        moe = _moe(c, fam, path) if fam.moe else {}
         args = ModelArgs(
             dim=dim, n_layers=int(c["num_hidden_layers"]), n_heads=heads,
             n_kv_heads=int(c.get("num_key_value_heads") or heads), ffn_dim=int(c["intermediate_size"]),
             vocab_size=int(c["vocab_size"]),
             max_seq_len=int(max_seq_len or c.get("max_position_embeddings", 2048)),
-            rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-            norm_eps=float(c.get("rms_norm_eps", 1e-6)))
+            norm_eps=float(c.get("rms_norm_eps", 1e-6)), qkv_bias=fam.qkv_bias, qk_norm=fam.qk_norm,
+            explicit_head_dim=0 if hd * heads == dim else hd, **_rope(c, path), **moe)
     except KeyError as e:
         raise ValueError(f"{path}: missing key {e.args[0]}") from None
     except (TypeError, ValueError) as e:
+        if str(e).startswith(path):
+            raise
         raise ValueError(f"{path}: bad value ({e})") from None
-    if dim % heads or (c.get("head_dim") not in (None, dim // heads)):
-        raise ValueError(f"{path}: head_dim {c.get('head_dim')} is not hidden_size/num_attention_heads "
-                         f"= {dim}/{heads} (meshlm needs head_dim × heads = dim)")
+    if hd % 2 or hd < 2:
+        raise ValueError(f"{path}: head_dim {hd} must be even for RoPE")
     if heads % args.n_kv_heads:
         raise ValueError(f"{path}: num_key_value_heads {args.n_kv_heads} does not divide num_attention_heads {heads}")
     return args
 
 
+def family_for(args: ModelArgs) -> Family:
+    """The transformers architecture that expresses `args`; ValueError when none does."""
+    if args.moe:
+        if args.qk_norm:  # Qwen3-MoE: dense blocks anywhere (mlp_only_layers)
+            extra = [("model.moe.shared_experts", args.shared_experts), ("model.qkv_bias", args.qkv_bias)]
+        else:  # Mixtral: every block MoE
+            extra = [("model.moe.shared_experts", args.shared_experts), ("model.moe.first_dense", args.moe_first_dense),
+                     ("model.moe.every", args.moe_every - 1), ("model.qkv_bias", args.qkv_bias)]
+        extra = [k for k, v in extra if v]
+        if extra:
+            raise ValueError(f"{extra[0]}: no transformers architecture expresses this MoE model (Mixtral: every "
+                             f"block MoE, no shared experts or q/k/v biases; Qwen3-MoE: q/k norm, no shared experts)")
+        return QWEN3_MOE if args.qk_norm else MIXTRAL
+    if args.qkv_bias and args.qk_norm:
+        raise ValueError("model.qkv_bias with model.qk_norm: no transformers architecture expresses both "
+                         "(Qwen2: biases, Qwen3: q/k norm)")
+    return FAMILIES[1] if args.qkv_bias else FAMILIES[2] if args.qk_norm else FAMILIES[0]
+
+
+def _moe_config(args: ModelArgs, fam: Family) -> dict:
+    out = {"num_experts_per_tok": args.top_k, "router_aux_loss_coef": args.aux_loss_coef * args.n_moe_blocks,
+           "output_router_logits": False, "sliding_window": None}
+    if fam is MIXTRAL:
+        return {**out, "num_local_experts": args.num_experts, "intermediate_size": args.expert_dim,
+                "router_jitter_noise": 0.0}
+    return {**out, "num_experts": args.num_experts, "moe_intermediate_size": args.expert_dim, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": [i for i in range(args.n_layers) if not args.is_moe_block(i)]}
+
+
 def config_for(args: ModelArgs, dtype: str) -> dict:
-    """A transformers `config.json` for `args` (dtype: 'bfloat16' or 'float32')."""
-    return {
-        "architectures": [ARCH], "model_type": "llama",
+    """A transformers `config.json` for `args` (dtype: 'bfloat16' or 'float32'): Llama, Qwen2, Qwen3,
+    Mixtral or Qwen3-MoE, whichever expresses it (family_for); ValueError when none does."""
+    fam = family_for(args)
+    rope: dict = {"rope_type": args.rope_type, "rope_theta": args.rope_theta}
+    if args.rope_type != "default":
+        rope["factor"] = args.rope_factor
+    if args.rope_type == "llama3":
+        rope.update(low_freq_factor=args.rope_low_freq_factor, high_freq_factor=args.rope_high_freq_factor,
+                    original_max_position_embeddings=args.rope_original_max_seq_len)
+    out = {
+        "architectures": [fam.arch], "model_type": fam.model_type,
         "hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim, "intermediate_size": args.ffn_dim,
         "vocab_size": args.vocab_size, "max_position_embeddings": args.max_seq_len,
-        "rope_theta": args.rope_theta, "rope_scaling": None, "rms_norm_eps": args.norm_eps,
-        "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-        "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+        # both spellings: transformers 5 reads rope_parameters, older versions rope_theta / rope_scaling
+        "rope_theta": args.rope_theta, "rope_scaling": None if args.rope_type == "default" else rope,
+        "rope_parameters": rope, "rms_norm_eps": args.norm_eps,
+        "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu", "attention_dropout": 0.0,
+        "initializer_range": 0.02, "use_cache": True,
         "torch_dtype": dtype, "dtype": dtype,  # older and newer transformers spell it differently
     }
+    if fam.model_type in ("llama", "qwen3", "qwen3_moe"):
+        out.update(attention_bias=False, mlp_bias=False)
+    if fam.model_type in ("qwen2", "qwen3", "qwen3_moe"):
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=args.n_layers,
+                   layer_types=["full_attention"] * args.n_layers)
+    if fam.moe:
+        out.update(_moe_config(args, fam))
+    return out

@@ -1,4 +1,4 @@
-"""Layout-independent initialisation (DESIGN invariant 2).
+"""Layout-independent initialisation (docs/architecture.md, invariant 2).
 
 Each parameter's values come from a generator seeded by (seed, parameter name) alone, so any layout
 that holds a slice of a parameter gets exactly the slice a single process would have had. Big models
@@ -32,6 +32,8 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int, n_layers: int) -> 
     """The full fp32 initial value of parameter `name` (its unsharded, single-process name)."""
     if name.endswith("norm.weight"):
         return torch.ones(shape)
+    if name.endswith(".bias"):  # q/k/v biases (model.qkv_bias) start at zero, as in Megatron and transformers
+        return torch.zeros(shape)
     stacked = _STACKED.match(name)
     if stacked:  # expert e's slice is seeded by its own name, so an EP rank's slice equals one process's
         return torch.stack([init_tensor(f"{stacked[1]}.{e}.{stacked[2]}", tuple(shape[1:]), seed, n_layers)

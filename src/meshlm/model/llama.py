@@ -6,6 +6,8 @@ their global index so parameter names stay the same when a pipeline stage keeps 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,8 +30,37 @@ class RMSNorm(nn.Module):
         return self.weight
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class HeadRMSNorm(RMSNorm):
+    """RMSNorm over each attention head (q/k norm). Not on the residual stream: sequence parallelism
+    leaves it alone, and tensor parallelism sums its gradient (each rank holds some of the heads)."""
+
+
+def rope_frequencies(args: ModelArgs) -> torch.Tensor:
+    """The rotation frequency of each pair [head_dim/2] (float64), scaled as `args.rope_type` says.
+
+    llama3 (Llama 3.1, transformers' `_compute_llama3_parameters`): wavelengths longer than
+    original/low_freq_factor are stretched by `factor`, shorter than original/high_freq_factor kept,
+    and those between interpolated smoothly. linear: every frequency divided by `factor`."""
+    hd = args.head_dim
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    if args.rope_type == "linear":
+        return freqs / args.rope_factor
+    if args.rope_type == "llama3":
+        low, high, orig = args.rope_low_freq_factor, args.rope_high_freq_factor, args.rope_original_max_seq_len
+        wavelen = 2 * math.pi / freqs
+        smooth = ((orig / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+        scaled = (1 - smooth) * freqs / args.rope_factor + smooth * freqs
+        return torch.where(wavelen > orig / low, freqs / args.rope_factor,
+                           torch.where(wavelen < orig / high, freqs, scaled))
+    if args.rope_type != "default":
+        raise ValueError(f"rope_type {args.rope_type!r} is not one of {', '.join(ROPE_TYPES)}")
+    return freqs
+
+
+def rope_tables(freqs: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), freqs)
     return angles.cos().float(), angles.sin().float()
 
@@ -63,13 +94,18 @@ class AttentionCore(nn.Module):
 
 
 class Attention(nn.Module):
+    """Grouped-query attention; `qkv_bias` adds biases to wq/wk/wv (Qwen2), `qk_norm` an RMSNorm over
+    each head of q and k before RoPE (Qwen3: q_norm / k_norm, one [head_dim] gain shared by all heads)."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.head_dim = hd = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * hd, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=False)
+        self.q_norm = HeadRMSNorm(hd, args.norm_eps) if args.qk_norm else None
+        self.k_norm = HeadRMSNorm(hd, args.norm_eps) if args.qk_norm else None
         self.core = AttentionCore()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
@@ -77,6 +113,8 @@ class Attention(nn.Module):
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         b, s = q.shape[0], q.shape[1]  # not x's: under SP the region's entry gathers x inside wq/wk/wv
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:  # a mask only with document masking (context-parallel cores take none)
             qkv = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
@@ -146,7 +184,7 @@ class Llama(nn.Module):
         # Kept out of the state dict and the parameter list: it is derived, never trained or saved.
         if self.rope_cache is None or self.rope_cache[0].device != device or self.rope_cache[0].shape[0] < seq_len:
             n = max(self.args.max_seq_len, seq_len)
-            cos, sin = rope_tables(self.args.head_dim, n, self.args.rope_theta)
+            cos, sin = rope_tables(rope_frequencies(self.args), n)
             self.rope_cache = (cos.to(device), sin.to(device))
         return self.rope_cache
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..model.llama import Attention, FeedForward, RMSNorm
+from ..model.llama import Attention, FeedForward, HeadRMSNorm, RMSNorm
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,11 @@ class LlamaPlan:
 
     def norms(self, model: nn.Module) -> list[RMSNorm]:
         """The modules that see the residual stream (split along the sequence under SP)."""
-        return [m for m in model.modules() if isinstance(m, RMSNorm)]
+        return [m for m in model.modules() if isinstance(m, RMSNorm) and not isinstance(m, HeadRMSNorm)]
+
+    def head_norms(self, model: nn.Module) -> list[RMSNorm]:
+        """Norms over each attention head (q/k norm): replicated over tp, each rank sees its heads."""
+        return [m for m in model.modules() if isinstance(m, HeadRMSNorm)]
 
     # -- experts -------------------------------------------------------------------------------
     def expert_param(self, name: str) -> bool:

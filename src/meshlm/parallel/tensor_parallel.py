@@ -34,11 +34,19 @@ from .vocab_parallel import VocabParallelEmbedding, VocabParallelLoss, vocab_ran
 
 
 class SeqParallelRMSNorm(RMSNorm):
-    """RMSNorm on a sequence shard: its gain's gradient is summed over the TP group."""
+    """RMSNorm whose rank sees only part of the data, its gain replicated: the gain's gradient is summed
+    over the TP group. A residual-stream norm on a sequence shard (SP), or a q/k norm (Qwen3) on this
+    rank's heads (any TP)."""
     tp_comm: Comm
 
     def gain(self) -> torch.Tensor:
         return sum_grad(self.weight, self.tp_comm)
+
+
+def _bias(mod: nn.Module) -> torch.Tensor | None:
+    """The bias of a column-parallel linear (q/k/v biases), its gradient summed over kv replicas."""
+    b = mod.bias
+    return None if b is None else sum_grad_over_replicas(b, mod.tp_comm, mod.tp_rep)
 
 
 class ReplicatedKVLinear(nn.Linear):
@@ -47,7 +55,7 @@ class ReplicatedKVLinear(nn.Linear):
     tp_rep: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, sum_grad_over_replicas(self.weight, self.tp_comm, self.tp_rep))
+        return F.linear(x, sum_grad_over_replicas(self.weight, self.tp_comm, self.tp_rep), _bias(self))
 
 
 class _ColumnGroup:
@@ -82,7 +90,9 @@ class GatheredLinear(nn.Linear):
     slot: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.output(x, self.slot)
+        out = self.group.output(x, self.slot)
+        b = _bias(self)
+        return out if b is None else out + b
 
 
 class SumGradLinear(nn.Linear):
@@ -144,6 +154,11 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table, c
             nd = len(table[canonical_name(name)].full_shape)  # stacked expert weights: [E, out, in]
             _split(table, name, nd - 2 if lin.style == "rows" else nd - 1, lin.size, comm, rep)
             split.add(canonical_name(name))
+            if lin.param == "weight" and lin.module.bias is not None:  # q/k/v biases: split with their rows
+                if lin.style != "rows":
+                    raise ValueError(f"{lin.fqn}: a bias on a row-parallel linear is not supported")
+                _split(table, f"{lin.fqn}.bias", 0, lin.size, comm, rep)
+                split.add(canonical_name(f"{lin.fqn}.bias"))
             if rep > 1:
                 lin.module.__class__ = ReplicatedKVLinear
                 lin.module.tp_comm, lin.module.tp_rep = comm, rep
@@ -152,10 +167,12 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table, c
         else:
             region.module.register_forward_pre_hook(enter_hook)
         region.module.register_forward_hook(leave_hook)
-    if sp:
-        for mod in plan.norms(model):
-            mod.__class__ = SeqParallelRMSNorm
-            mod.tp_comm = comm
+    for mod in plan.norms(model) if sp else []:
+        mod.__class__ = SeqParallelRMSNorm
+        mod.tp_comm = comm
+    for mod in plan.head_norms(model):  # replicated over tp (never split): gradients summed
+        mod.__class__ = SeqParallelRMSNorm
+        mod.tp_comm = comm
     plan.tp_extra(model, comm)
     split |= _vocab_parallel(model, tp, plan, table, enter_hook)
     for name in table.names():  # everything else is a copy on every TP rank
@@ -264,7 +281,12 @@ def expected_bytes(args, micro_batch: int, seq_len: int, accum: int, tp: int, sp
     add("all_reduce", 1, 2 * 4 * tokens)      # max logit
     add("all_reduce", 1, 2 * 8 * tokens)      # sum-exp and target logit
     if tp > args.n_kv_heads:
-        add("all_reduce", 2 * layers, 2 * param_bytes * args.n_kv_heads * args.head_dim * args.dim)
+        kv_rows = args.n_kv_heads * args.head_dim  # wk, wv (and their biases) summed over the replicas
+        add("all_reduce", 2 * layers, 2 * param_bytes * kv_rows * args.dim)
+        if args.qkv_bias:
+            add("all_reduce", 2 * layers, 2 * param_bytes * kv_rows)
+    if args.qk_norm:
+        add("all_reduce", 2 * layers, 2 * param_bytes * args.head_dim)  # q/k norm gains
     return {k: (v[0], v[1]) for k, v in calls.items()}
 
 

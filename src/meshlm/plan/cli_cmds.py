@@ -55,7 +55,7 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--model", help=f"preset ({', '.join(presets())}); default: --config's model")
     p.add_argument("--config", help="TOML config whose model section (and data.seq_len, global batch) to use")
     _hardware_flags(p, gpu_required=True)
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: config data.seq_len, else the model's max)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: config data.seq_len, else the model's pretraining context: max_seq_len, or rope_scaling's original_max_position_embeddings)")
     p.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (default 4Mi)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--top", type=int, default=10, help="how many layouts to print (default %(default)s)")
@@ -162,7 +162,7 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
         elif not args.config:
             raise PlanError("--model: give a preset (or --config with a model section)")
         shape = shape_from_config(cfg)
-        seq = args.seq_len or (cfg.data.seq_len if args.config else shape.args.max_seq_len)
+        seq = args.seq_len or (cfg.data.seq_len if args.config else shape.args.pretrain_seq_len)
         tokens = args.global_batch_tokens or (cfg.training.global_batch * seq if args.config else 2 ** 22)
         if args.top < 1:
             raise PlanError(f"--top: must be >= 1, got {args.top}")

@@ -126,7 +126,7 @@ class Trainer:
         return x.to(self.ctx.device, non_blocking=True)
 
     def memory(self) -> dict:
-        """Live bytes on this rank just before the optimizer step (DESIGN: metrics.jsonl `mem`)."""
+        """Live bytes on this rank just before the optimizer step (README: metrics.jsonl `mem`)."""
         opt, grads = self.par.optimizer, self.par.grads
         return {"params": tensor_bytes(opt.param_tensors()),
                 "grads": tensor_bytes(grads.held_tensors()),
@@ -229,9 +229,10 @@ class Trainer:
                 rec = self._record(out, comms, window_start, window_steps, tokens_per_step) if logging else None
                 self.step_line = rec
                 due = cadence.due(self.step, self.step == t.steps)
-                if logging or due:  # read the non-finite record: a bad state is never saved
+                export = self.export_due()
+                if logging or due or export:  # read the non-finite record: a bad state is never saved
                     self._check_finite(rec, log)
-                if due:
+                if due or export:  # an export streams this step's checkpoint
                     ck = self.save()
                     cadence.saved(self.step, ck["save_s"])
                     for done in self._saves_done():  # a synchronous save has just finished
@@ -246,6 +247,8 @@ class Trainer:
                 if rec is not None:
                     last = rec
                     log.write(rec)
+                if export:
+                    self.export_hf(log)
                 if logging:
                     window_start, window_steps = time.perf_counter(), 0
                 if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
@@ -261,6 +264,34 @@ class Trainer:
             if self.watchdog is not None:
                 self.watchdog.close()
         return last
+
+    def export_due(self) -> bool:
+        """checkpoint.export_hf: "end" on the last step; N every N steps and on the last."""
+        every, last = self.cfg.checkpoint.export_hf, self.step == self.cfg.training.steps
+        return every == "end" and last or not isinstance(every, str) and (self.step % every == 0 or last)
+
+    def export_hf(self, log: MetricsLog) -> None:
+        """RUN_DIR/hf/step_N, a transformers directory, from the sharded checkpoint just written: rank 0
+        streams it one tensor at a time (convert.to_hf), so no rank ever holds more than one full
+        tensor and the layout's shards are never gathered. A directory already there (a resumed run
+        exporting the same step again) is kept. Every rank learns whether it worked."""
+        from ..convert import to_hf
+        self.checkpointer.wait()  # async: the checkpoint is committed
+        world = self.ctx.comm("world")
+        out = os.path.join(self.run_dir, "hf", f"step_{self.step:08d}")
+        failed, t0 = 0.0, time.perf_counter()
+        if self.ctx.rank == 0 and not os.path.isdir(out):
+            try:
+                os.makedirs(os.path.dirname(out), exist_ok=True)
+                to_hf(os.path.join(self.checkpointer.root, f"step_{self.step:08d}"), out,
+                      self.cfg.checkpoint.export_dtype)
+            except (ValueError, OSError, ckpt.CheckpointError) as e:
+                failed, error = 1.0, e
+        if world.all_reduce_scalars([failed])[0]:
+            if self.ctx.rank == 0:
+                raise RuntimeError(f"checkpoint.export_hf: step {self.step}: {error}") from error
+            raise RuntimeError(f"checkpoint.export_hf: step {self.step}: failed on rank 0")
+        log.message(f"step {self.step}: exported {out} ({time.perf_counter() - t0:.1f} s)")
 
     def _check_finite(self, rec: dict | None, log: MetricsLog) -> None:
         """Stop on a non-finite loss or grad norm (train/fault.py); the step's metrics line is still

@@ -37,7 +37,7 @@ function setValue(name, v) {
 function setPreset(name) {  // the shape fields show the preset; only edits that differ are sent
   const a = OPTIONS.presets[name];
   for (const k of SHAPE) { setValue("model." + k, a[k]); input("model." + k).dataset.preset = String(a[k]); }
-  setValue("data.seq_len", a.max_seq_len);
+  setValue("data.seq_len", a.seq_len);  // the pretraining context (llama3-*: 8192, not the 131072 RoPE reaches)
 }
 
 function collect() {
