@@ -8,10 +8,12 @@ import sys
 ROOT = pathlib.Path(__file__).parents[1]
 
 
-def run_json(*argv) -> dict:
+def run_json(*argv, lines: int = 1):
+    """The bench's last JSON line (or its last `lines` lines, as a list)."""
     proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    out = [json.loads(line) for line in proc.stdout.strip().splitlines()[-lines:]]
+    return out[0] if lines == 1 else out
 
 
 def test_gpu_bench_smoke():
@@ -66,6 +68,20 @@ def test_saved_set_ac_table_smoke():
         assert r["median_s"] > 0 and r["block"] > 0 and r["pred_block"] > 0 and r["step_ratio"] > 0
     assert rows["op"]["op_cache"] > 0 and rows["none"]["op_cache"] == 0  # op mode keeps matmul outputs in its cache
     assert rows["full"]["block"] < rows["none"]["block"]
+
+
+def test_peers_bench_smoke():
+    """One row per dimension: the same work on both sides (losses agree), and the summary line."""
+    rows, worst = run_json("bench/peers.py", "--smoke", "--json", "--rows", "tp2+sp", "pp2 zbv", "cp2", lines=2)
+    for name in ("tp2+sp", "pp2 zbv"):
+        r = rows[name]
+        assert r["loss_rel_diff"] < 1e-4 and len(r["meshlm_losses"]) == 3  # warm-up + 2 timed steps
+        assert r["meshlm_losses"][0] != r["meshlm_losses"][-1]  # it trains
+        assert r["meshlm_step_s"] > 0 and r["torch_step_s"] > 0 and r["meshlm_peak_mib"] > 0
+    assert set(worst) == {"tp", "pp", "cp"}
+    assert worst["tp"]["speed"] > 0 and worst["pp"]["memory"] > 0
+    if worst["cp"]["speed"] is None:  # torch's ring attention handles only the CUDA SDPA kernels
+        assert "_scaled_dot_product_flash_attention_for_cpu" in worst["cp"]["not_comparable"]
 
 
 def test_data_bench_smoke():
