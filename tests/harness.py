@@ -154,3 +154,13 @@ def assert_same_losses(ref: list[dict], got: list[dict], rtol: float) -> None:
         worst = max(worst, rel)
         assert rel <= rtol, f"step {a['step']}: loss {b['loss']!r} vs one process {a['loss']!r} (rel {rel:.2e} > {rtol})"
     print(f"worst relative loss difference {worst:.2e}")
+
+
+def rows(cases, fast=()) -> list:
+    """pytest params of (name, ...) rows with the name as id; rows named in `fast` are marked `fast`:
+    kept in `make test-fast` although they use the worker pools (tests/conftest.py)."""
+    import pytest
+
+    unknown = set(fast) - {c[0] for c in cases}
+    assert not unknown, f"no such rows: {sorted(unknown)}"
+    return [pytest.param(*c, id=c[0], marks=[pytest.mark.fast] if c[0] in fast else []) for c in cases]
