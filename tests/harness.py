@@ -1,4 +1,4 @@
-"""Equivalence harness (DESIGN invariant 1): run one config in one process and in a layout, compare
+"""Equivalence harness (docs/architecture.md, invariant 1): run one config in one process and in a layout, compare
 per-step losses.
 
 Spawning gloo workers costs seconds on two cores, so each world size gets one pool of persistent

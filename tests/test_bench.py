@@ -69,3 +69,12 @@ def test_saved_set_ac_table_smoke():
         assert r["median_s"] > 0 and r["block"] > 0 and r["pred_block"] > 0 and r["step_ratio"] > 0
     assert rows["op"]["op_cache"] > 0 and rows["none"]["op_cache"] == 0  # op mode keeps matmul outputs in its cache
     assert rows["full"]["block"] < rows["none"]["block"]
+
+
+def test_data_bench_smoke():
+    """bench/data.py end to end on 1 and 2 MB (the 2 MB row through the byte tokenizer)."""
+    out = run_json("bench/data.py", "--json", "--sizes-mb", "1,2", "--bytes-from-mb", "2", "--vocab", "400")
+    rows = out["rows"]
+    assert [r["mb"] for r in rows] == [1, 2] and [r["tokenizer"] for r in rows] == ["bpe", "bytes"]
+    assert rows[1]["tokens"] > 1_500_000 and rows[0]["documents"] > 400
+    assert out["throughput_ratio"] > 0 and all(r["rss_self_mb"] > 0 for r in rows)

@@ -40,7 +40,7 @@ def _train_hf_tokenizer(path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(["def f(x):\n    return x * 2\n", "hello world", "héllo"] * 5,
                             trainer=trainer)
@@ -56,11 +56,14 @@ def test_hf_tokenizer_prepare_and_decode(tmp_path):
     src = tmp_path / "doc.txt"
     text = "def f(x):\n    return x * 2\nhello world héllo\n" * 40
     src.write_text(text, encoding="utf-8")
-    index = prepare([str(src)], str(tj), str(tmp_path / "out"), val_fraction=0.0)
+    index = prepare([str(src)], str(tj), str(tmp_path / "out"), val_fraction=0.0, workers=1)
     assert index["tokenizer"] == os.path.abspath(tj)
     assert index["vocab_size"] == tok.vocab_size and index["dtype"] == "uint16"
     shards = TokenShards(tmp_path / "out")
-    assert load_tokenizer(shards.tokenizer).decode(shards.get(0, len(shards)).tolist()) == text
+    ids = shards.get(0, len(shards)).tolist()
+    eos = tok._tok.token_to_id("<|endoftext|>")  # no tokenizer_config.json: the vocabulary's own EOS
+    assert ids[-1] == eos and ids.count(eos) == 1
+    assert load_tokenizer(shards.tokenizer).decode(ids[:-1]) == text
 
 
 def test_bad_tokenizer_is_one_line_value_error(tmp_path):
@@ -82,7 +85,7 @@ def test_prepare_bytes_index_and_splits(tmp_path):
     index = prepare([str(root)], "bytes", str(out), val_fraction=0.1, shard_tokens=1000)
     on_disk = json.loads((out / "index.json").read_text())
     assert on_disk == index
-    assert index["version"] == 1 and index["tokenizer"] == "bytes"
+    assert index["version"] == 2 and index["tokenizer"] == "bytes"
     assert index["vocab_size"] == 256 and index["dtype"] == "uint16"
     assert index["documents"] == 5  # 4 .py + notes.md; ignored.bin skipped
     # Expected stream: sorted files, each followed by a blank-line separator.
@@ -92,12 +95,14 @@ def test_prepare_bytes_index_and_splits(tmp_path):
     assert len(train) + len(val) == len(expected)
     assert len(val) >= 1025 or len(val) == len(expected) // 2
     assert len(val) > 0 and len(train) > 0
-    for split, shards in (("train", train), ("val", val)):
-        entries = index["splits"][split]
-        assert sum(e["tokens"] for e in entries) == len(shards)
-        for k, e in enumerate(entries):
-            assert e["file"] == f"{split}_{k:05d}.bin"
-            assert os.path.getsize(out / e["file"]) == 2 * e["tokens"]
+    assert index["splits"]["train"] == {"start": 0, "tokens": len(train)}
+    assert index["splits"]["val"] == {"start": len(train), "tokens": len(val)}
+    assert sum(e["tokens"] for e in index["files"]) == len(expected)
+    for k, e in enumerate(index["files"]):
+        assert e["file"] == f"tokens_{k:05d}.bin"
+        assert os.path.getsize(out / e["file"]) == 2 * e["tokens"]
+    starts = np.fromfile(out / "docs.bin", dtype="<i8")
+    assert starts.tolist() == list(np.cumsum([0] + [p.stat().st_size + 2 for p in files])[:-1])
     # Val is exactly the tail of the stream, disjoint from train.
     stream = np.frombuffer(expected, dtype=np.uint8).astype(np.int64)
     np.testing.assert_array_equal(train.get(0, len(train)), stream[:len(train)])
@@ -110,7 +115,7 @@ def test_token_shards_get_across_boundaries(tmp_path):
     src.write_bytes(bytes(range(32, 127)) * 3)
     out = tmp_path / "d"
     index = prepare([str(src)], "bytes", str(out), val_fraction=0.0, shard_tokens=7)
-    assert len(index["splits"]["train"]) > 5 and index["splits"]["val"] == []
+    assert len(index["files"]) > 5 and index["splits"]["val"]["tokens"] == 0
     shards = TokenShards(out)
     full = np.frombuffer(src.read_bytes() + b"\n\n", dtype=np.uint8).astype(np.int64)
     assert len(shards) == len(full)
@@ -128,7 +133,7 @@ def test_prepare_and_open_errors(tmp_path):
         prepare([str(tmp_path / "nope")], "bytes", str(tmp_path / "o"))
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "x.bin").write_bytes(b"abc")
-    with pytest.raises(ValueError, match="no text found"):
+    with pytest.raises(ValueError, match="no documents found"):
         prepare([str(tmp_path / "empty")], "bytes", str(tmp_path / "o"))
     assert not (tmp_path / "o").exists()
     with pytest.raises(FileNotFoundError, match=r"data.path: no prepared data at .*meshlm prepare"):
@@ -152,7 +157,7 @@ def test_prepare_overwrite_flag(tmp_path):
 def test_default_data_dir_prepares_once(tmp_path, monkeypatch):
     monkeypatch.setenv("MESHLM_CACHE", str(tmp_path / "cache"))
     d = default_data_dir()
-    assert d == str(tmp_path / "cache" / "stdlib-bytes-v1")
+    assert d == str(tmp_path / "cache" / "stdlib-bytes-v2")
     shards = TokenShards(d)
     assert shards.tokenizer == "bytes" and len(shards) > 100_000
     assert len(TokenShards(d, "val")) > 1024
@@ -184,15 +189,14 @@ def test_sampler_determinism_and_seeds():
     assert a.num_windows == 625
     assert [a.indices(s) for s in range(5)] == [b.indices(s) for s in range(5)]
     assert [a.indices(s) for s in range(5)] != [c.indices(s) for s in range(5)]
-    g = torch.Generator().manual_seed(1 * 1_000_003 + 0)
-    assert a.indices(0) == torch.randperm(625, generator=g)[:8].tolist()
+    assert a.indices(0) == a.epoch_permutation(0)[:8]
 
 
 def test_sampler_dp_slices_concatenate_to_global_batch():
     shards = _ArrayShards(2_000)
     s = GlobalBatchSampler(len(shards), 10, 8, seed=0)
     for step in (0, 3, 40):
-        ref_x, ref_y = s.batch(shards, step, 0, 1)
+        ref_x, ref_y, _ = s.batch(shards, step, 0, 1)
         assert ref_x.shape == (8, 10) and ref_x.dtype == torch.long
         # targets are the inputs shifted by one; windows start at multiples of seq_len
         assert torch.equal(ref_y[:, :-1], ref_x[:, 1:])
@@ -221,7 +225,7 @@ def test_sampler_epochs_cover_every_window_once():
     # A fresh sampler jumping straight to a late step agrees.
     assert GlobalBatchSampler(n_tokens, seq, B, seed=3).indices(9) == s.indices(9)
     # The last window reaches the final token exactly.
-    x, y = s.batch(_ArrayShards(n_tokens), 0)
+    x, y, _ = s.batch(_ArrayShards(n_tokens), 0)
     assert int(y.max()) <= n_tokens - 1
     with pytest.raises(ValueError, match="corpus too small for seq_len 8"):
         GlobalBatchSampler(8, 8, 1, seed=0)
@@ -239,7 +243,7 @@ def test_sampler_state_dict_resume():
     s3 = GlobalBatchSampler(len(shards), 8, 4, seed=5)
     s3.load_state_dict(state)
     for k in range(5, 12):
-        x, y = s3.next_batch(shards, 0, 1)
+        x, y, _ = s3.next_batch(shards, 0, 1)
         assert torch.equal(x, ref[k][0]) and torch.equal(y, ref[k][1])
     assert s3.state_dict() == {"step": 12}
 
@@ -248,8 +252,8 @@ def test_eval_batches_deterministic(tmp_path):
     shards = _ArrayShards(101)
     batches = eval_batches(shards, 10, 3, n_batches=5)
     assert len(batches) == 3  # 10 windows -> 3 full batches of 3
-    assert [int(v) for x, _ in batches for v in x[:, 0]] == list(range(0, 90, 10))
-    assert all(torch.equal(y[:, :-1], x[:, 1:]) for x, y in batches)
+    assert [int(v) for x, _, _ in batches for v in x[:, 0]] == list(range(0, 90, 10))
+    assert all(torch.equal(y[:, :-1], x[:, 1:]) for x, y, _ in batches)
     assert len(eval_batches(shards, 10, 32, n_batches=2)[0][0]) == 10  # partial batch
     with pytest.raises(ValueError, match="val split too small"):
         eval_batches(_ArrayShards(5), 10, 2, 1)

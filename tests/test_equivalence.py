@@ -1,4 +1,4 @@
-"""DESIGN invariant 1: every layout gives the losses of one process. Later dimensions add rows here."""
+"""docs/architecture.md invariant 1: every layout gives the losses of one process. Later dimensions add rows here."""
 import functools
 
 import pytest

@@ -107,7 +107,7 @@ def batch_loss(logits_of, cfg, step: int = 1) -> float:
     data = TokenShards(default_data_dir(), "train")
     s = GlobalBatchSampler.for_shards(data, cfg.data.seq_len, cfg.training.global_batch, cfg.training.seed)
     for _ in range(step):
-        x, y = s.next_batch(data, 0, 1)
+        x, y, _ = s.next_batch(data, 0, 1)
     with torch.no_grad():
         logits = logits_of(x)
     return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))

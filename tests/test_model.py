@@ -104,7 +104,7 @@ def test_gqa_and_causality():
 
 
 def test_model_code_imports_nothing_distributed():
-    """DESIGN invariant 5."""
+    """docs/architecture.md invariant 5."""
     root = pathlib.Path(__file__).parents[1] / "src" / "meshlm" / "model"
     for f in root.glob("*.py"):
         assert not re.search(r"torch\.distributed|from torch import distributed", f.read_text()), f

@@ -43,7 +43,7 @@ def test_resume_gives_identical_losses(tmp_path, precision):
 
 
 def test_checkpoint_from_dp2_resumes_in_one_process(pools):
-    """DESIGN invariant 3 for data parallelism, through an atomic rename with pruning of old ones."""
+    """docs/architecture.md invariant 3 for data parallelism, through an atomic rename with pruning of old ones."""
     from harness import train_case
     cfg = make_config(parallel__dp=2, checkpoint__every=3, checkpoint__keep=2, training__micro_batch=1)
     run_dir = tempfile.mkdtemp(prefix="meshlm-ckpt-")
@@ -133,7 +133,7 @@ def test_bucketed_allreduce_matches_torch_ddp(pools, bucket_mb):
     assert max(diffs) < 1e-6, diffs
 
 
-# --- no silent hang (DESIGN invariant 4) ------------------------------------------------------------
+# --- no silent hang (docs/architecture.md, invariant 4) ------------------------------------------------------------
 
 def hang_case() -> str:
     """Rank 1 stops answering at step 3; rank 0's all-reduce must fail naming rank 1 and the collective."""

@@ -196,7 +196,7 @@ def _saved_bytes_after_forward(zero: int) -> tuple[int, object]:
     layout = resolve(cfg, 1)
     tr = Trainer(cfg, tempfile.mkdtemp(prefix="meshlm-saved-"), init_context(layout.shape(), pick_device("cpu")),
                  layout)
-    x, y = tr.sampler.next_batch(tr.train_data, 0, 1)
+    x, y, _ = tr.data.next_batch(0, 1)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         loss = tr._loss(x[:2], y[:2])

@@ -68,15 +68,24 @@ def cmd_train(args, extra: list[str]) -> int:
 
 
 def cmd_prepare(args, extra: list[str]) -> int:
+    import signal
+
     from .data import prepare
     if extra:
         return _fail(f"unrecognised argument: {extra[0]}")
+    # SIGTERM (a scheduler's kill) unwinds like Ctrl-C, so the temp output is removed.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        index = prepare(args.input, args.tokenizer, args.out, val_fraction=args.val_fraction)
+        index = prepare(args.input, args.tokenizer, args.out, val_fraction=args.val_fraction,
+                        text_field=args.text_field, workers=args.workers, eos=args.eos,
+                        progress=sys.stderr.isatty())
     except (ValueError, FileNotFoundError) as e:
-        return _fail(str(e))
-    n = {k: sum(s["tokens"] for s in v) for k, v in index["splits"].items()}
-    print(f"meshlm: prepared {n} tokens ({index['dtype']}, vocab {index['vocab_size']}) into {args.out}")
+        return _fail(str(e).splitlines()[0])
+    except KeyboardInterrupt:
+        return _fail(f"prepare interrupted; nothing written to {args.out}", 130)
+    n = {k: v["tokens"] for k, v in index["splits"].items()}
+    print(f"meshlm: prepared {index['documents']} documents, {n} tokens ({index['dtype']}, "
+          f"vocab {index['vocab_size']}) into {args.out}")
     return 0
 
 
@@ -104,11 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint (torchrun's elastic agent; also with one worker)")
     t.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     t.set_defaults(func=cmd_train)
-    pr = sub.add_parser("prepare", help="tokenise text files into memory-mapped shards")
-    pr.add_argument("--input", nargs="+", required=True, help="files or directories")
+    pr = sub.add_parser("prepare", help="tokenise a corpus (text, JSON Lines, Parquet, save_to_disk) into "
+                                        "memory-mapped shards")
+    pr.add_argument("--input", nargs="+", required=True, help="files or directories (docs/data.md)")
     pr.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizer.json")
     pr.add_argument("--out", required=True)
     pr.add_argument("--val-fraction", type=float, default=0.01)
+    pr.add_argument("--text-field", default="text", help="JSON Lines / Parquet / datasets column (default text)")
+    pr.add_argument("--workers", type=int, default=None, help="tokenising processes (default: all cores)")
+    pr.add_argument("--eos", default=None, help="end-of-document token (default: tokenizer_config.json's)")
     pr.set_defaults(func=cmd_prepare)
     r = sub.add_parser("report", help="draw a run's loss, throughput and memory curves to a PNG")
     r.add_argument("run_dir")

@@ -12,12 +12,13 @@ def _fail(msg: str, code: int = 2) -> int:
 
 
 def run_convert(args) -> int:
-    from .convert import from_hf, to_hf
+    from .convert import from_hf, return_freed_memory, to_hf
     from .train.checkpoint import CheckpointError
     if bool(args.from_hf) == bool(args.to_hf):
         return _fail("convert: give exactly one of --from-hf DIR or --to-hf CKPT")
     if args.max_shard_gb <= 0:
         return _fail(f"--max-shard-gb: must be > 0, got {args.max_shard_gb}")
+    return_freed_memory()  # one tensor at a time: resident memory follows it (convert.py)
     try:
         if args.from_hf:
             from_hf(args.from_hf, args.out)

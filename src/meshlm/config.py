@@ -6,6 +6,7 @@ fails in the parent process with one line naming the key and the reason.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -55,8 +56,11 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     path: str = ""  # empty: the embedded corpus (stdlib sources, byte tokenizer)
+    # several prepared sets with weights instead of `path`: [["web/", 0.7], ["code/", 0.3]] (docs/data.md)
+    mix: list[list] = field(default_factory=list)
     tokenizer: str = "bytes"
     seq_len: int = 256
+    document_mask: bool = False  # attention never crosses a document boundary inside a window
 
 
 @dataclass
@@ -114,6 +118,8 @@ class CheckpointConfig:
     async_: bool = False
     resume: str = "auto"  # auto, never, or a path
     mtbf_hours: float = 0.0  # the job's mean time between failures (for every = "auto")
+    export_hf: int | str = ""  # "": off, "end": a transformers directory after the last step, N: also every N steps
+    export_dtype: str = "bf16"  # bf16 or fp32: the dtype of the exported safetensors
 
 
 @dataclass
@@ -153,6 +159,8 @@ def _coerce(value: Any, current: Any, typ: Any, where: str) -> Any:
             return int(value) if not isinstance(value, bool) else value
         except (TypeError, ValueError):
             return str(value).strip()
+    if t.startswith("list[list"):
+        return _coerce_mix(value, where)
     if t.startswith("list"):
         return _coerce_int_list(value, where)
     if isinstance(value, str) and "str" not in t.split("|")[0]:
@@ -198,6 +206,33 @@ def _coerce_int_list(value: Any, where: str) -> list[int]:
             out.append(int(x))
         except (TypeError, ValueError):
             raise ConfigError(f"{where}: expected a list of integers, got {value!r}") from None
+    return out
+
+
+def _coerce_mix(value: Any, where: str) -> list[list]:
+    """[[path, weight], ...] from TOML, or on the command line as JSON or 'web/=0.7,code/=0.3'."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                value = json.loads(text)
+            except ValueError:
+                raise ConfigError(f"{where}: not a list of [path, weight] pairs: {value!r}") from None
+        else:
+            value = [item.rsplit("=", 1) for item in text.split(",") if item.strip()]
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{where}: expected a list of [path, weight] pairs, got {value!r}")
+    out = []
+    for item in value:
+        if not isinstance(item, (list, tuple)) or len(item) != 2 or not isinstance(item[0], str):
+            raise ConfigError(f"{where}: expected [path, weight] pairs, got {item!r}")
+        try:
+            weight = float(item[1])
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: weight of {item[0]} is not a number: {item[1]!r}") from None
+        if not weight > 0:
+            raise ConfigError(f"{where}: weight of {item[0]} must be > 0, got {weight}")
+        out.append([item[0].strip(), weight])
     return out
 
 

@@ -59,6 +59,12 @@ def load_masters(path: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, tor
     return {k.split("/", 1)[1]: v.parts[0][1] for k, v in state.items()}
 
 
+def model_shapes(model) -> dict[str, tuple[int, ...]]:
+    """Every parameter of a (meta) Llama by single-process name, a tied head once (as the embedding):
+    the checkpoint's `master/` keys for any model family, dense or mixture-of-experts."""
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
 def load_model(path: str, device: str | torch.device = "cpu"):
     """(Llama with the checkpoint's weights in fp32, config, meta, checkpoint dir)."""
     from .model import Llama
@@ -66,7 +72,7 @@ def load_model(path: str, device: str | torch.device = "cpu"):
     cfg, args, meta = checkpoint_model(path)
     with torch.device("meta"):
         model = Llama(args)
-    weights = load_masters(path, param_shapes(args))
+    weights = load_masters(path, model_shapes(model))
     model.load_state_dict({**weights, **({"output.weight": weights["tok_embeddings.weight"]}
                                          if args.tie_embeddings else {})}, assign=True)
     if args.tie_embeddings:
@@ -88,6 +94,18 @@ def tokenizer_of(path: str, cfg: C.Config, meta: dict, vocab_size: int) -> str:
         raise ValueError(f"{path}: no tokenizer.json beside the weights and the vocabulary ({vocab_size}) "
                          f"is not bytes (256)")
     return "bytes"
+
+
+def return_freed_memory() -> None:
+    """Make every allocation of 1 MiB or more its own mapping, given back to the OS when freed (glibc;
+    elsewhere nothing). glibc otherwise raises that threshold to the largest block freed so far (up
+    to 32 MiB) and keeps freed heap blocks: a streaming conversion's resident set would then grow by
+    blocks it no longer uses. Called by `meshlm convert` (its own process) only."""
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
 
 
 def _fresh_out(out: str) -> str:
@@ -115,16 +133,17 @@ def _copy_tokenizer(src_dir: str | None, src_file: str | None, dst: str) -> None
 
 def from_hf(hf_dir: str, out: str) -> str:
     """A weights-only meshlm checkpoint (`master/<name>` fp32 + meta.json) from a transformers Llama.
-    Its config pins the shape; train from HF weights with model.init_from instead (any layout)."""
-    import torch.distributed.checkpoint as dcp
+    Its config pins the shape; train from HF weights with model.init_from instead (any layout).
+    One tensor in memory at a time: each is read when DCP writes it (train/checkpoint.save_streaming)."""
     from .model.hf import HFWeights
+    from .train.checkpoint import save_streaming
     args = args_from_hf(hf_dir)
     weights = HFWeights(hf_dir)
     weights.check(args)
     tmp = _fresh_out(out)
     try:
-        tensors = {f"master/{n}": weights.tensor(n, args).contiguous() for n in param_shapes(args)}
-        dcp.save(tensors, checkpoint_id=tmp)
+        save_streaming(tmp, {f"master/{n}": s for n, s in param_shapes(args).items()},
+                       lambda key: weights.tensor(key.split("/", 1)[1], args).contiguous())
         cfg = C.Config()
         for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
                     "rope_theta", "tie_embeddings", "norm_eps"):
@@ -143,9 +162,9 @@ def from_hf(hf_dir: str, out: str) -> str:
 
 def to_hf(ckpt: str, out: str, dtype: str = "bf16", max_shard_bytes: int = 5 * 10 ** 9) -> list[str]:
     """A transformers Llama directory: config.json, safetensors (sharded with an index above
-    `max_shard_bytes`), and the run's tokenizer. Reads one shard's tensors at a time."""
-    from safetensors.torch import save_file
-    from .model.hf import hf_tensors
+    `max_shard_bytes`), and the run's tokenizer. Streams: one checkpoint tensor in memory at a time
+    (read whole from its stored chunks, written into the safetensors file whose header is known up
+    front; model/safetensors_io.py)."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
     path = find_checkpoint(ckpt)
@@ -154,40 +173,65 @@ def to_hf(ckpt: str, out: str, dtype: str = "bf16", max_shard_bytes: int = 5 * 1
         raise ValueError(f"{path}: a mixture-of-experts checkpoint (model.moe.num_experts = {args.num_experts}); "
                          f"export to Hugging Face supports dense Llama models only")
     tok = tokenizer_of(path, cfg, meta, args.vocab_size)
-    torch_dtype, dtype_name = DTYPES[dtype]
-    shapes = param_shapes(args)
-    size = torch.tensor([], dtype=torch_dtype).element_size()
-    shards: list[list[str]] = [[]]
-    used = 0
-    for name, shape in shapes.items():
-        n = size * int(torch.Size(shape).numel())
-        if shards[-1] and used + n > max_shard_bytes:
-            shards.append([])
-            used = 0
-        shards[-1].append(name)
-        used += n
     tmp = _fresh_out(out)
-    files, weight_map, total = [], {}, 0
     try:
-        for i, names in enumerate(shards):
-            fname = ("model.safetensors" if len(shards) == 1
-                     else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
-            got = load_masters(path, {n: shapes[n] for n in names})
-            data = {k: v.to(torch_dtype).contiguous() for n, t in got.items()
-                    for k, v in hf_tensors(n, t, args).items()}
-            save_file(data, os.path.join(tmp, fname), metadata={"format": "pt"})
-            weight_map.update({k: fname for k in data})
-            total += sum(t.numel() * t.element_size() for t in data.values())
-            files.append(fname)
-        if len(shards) > 1:
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config_for(args, dtype_name), f, indent=1)
+        files = write_hf(path, args, tmp, dtype, max_shard_bytes)
         beside = os.path.isfile(os.path.join(path, "tokenizer.json"))
         _copy_tokenizer(path if beside else None, None if beside or tok == "bytes" else tok, tmp)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return files
+
+
+def _write_one(writer, name: str, t: torch.Tensor, args: ModelArgs) -> None:
+    """Parameter `name`'s transformers tensors into `writer`; `t` and its conversions are dropped on
+    return, before the next parameter is read."""
+    from .model.hf import hf_tensors
+    for k, v in hf_tensors(name, t, args).items():
+        writer.write(k, v)
+
+
+def write_hf(path: str, args: ModelArgs, out_dir: str, dtype: str = "fp32",
+             max_shard_bytes: int = 5 * 10 ** 9) -> list[str]:
+    """config.json and the safetensors files (with an index when there are several) of checkpoint
+    `path` into the existing directory `out_dir`; returns the safetensors file names. The file
+    layout comes from `hf_tensors` on meta tensors, so every byte offset is known before any
+    weight is read; then each checkpoint tensor is read whole, converted and written, and dropped."""
+    from .model import safetensors_io as st
+    from .model.hf import hf_tensors
+    from .train.checkpoint import check_files, check_shapes, read_full, read_metadata
+    torch_dtype, dtype_name = DTYPES[dtype]
+    shapes = param_shapes(args)
+    md = read_metadata(path)
+    check_shapes(path, md, {f"master/{n}": s for n, s in shapes.items()})
+    check_files(path, md)
+    entries = {n: [(k, torch_dtype, tuple(v.shape)) for k, v in
+                   hf_tensors(n, torch.empty(s, device="meta"), args).items()] for n, s in shapes.items()}
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, ents in entries.items():
+        n = sum(torch_dtype.itemsize * int(torch.Size(e[2]).numel()) for e in ents)
+        if shards[-1] and used + n > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += n
+    files, weight_map, total = [], {}, 0
+    for i, names in enumerate(shards):
+        fname = ("model.safetensors" if len(shards) == 1
+                 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+        with st.Writer(os.path.join(out_dir, fname), [e for n in names for e in entries[n]],
+                       {"format": "pt"}) as writer:
+            for n in names:
+                _write_one(writer, n, read_full(path, md, f"master/{n}"), args)
+        weight_map.update({e[0]: fname for n in names for e in entries[n]})
+        total += writer.nbytes
+        files.append(fname)
+    if len(shards) > 1:
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config_for(args, dtype_name), f, indent=1)
     return files

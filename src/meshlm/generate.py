@@ -3,8 +3,14 @@
 The prompt runs through the model once (prefill); then each new token is one position through every
 block, attending over the cached keys and values. `temperature 0` is greedy; otherwise tokens are
 sampled from softmax(logits / T) cut to the smallest set of probability ≥ top_p (nucleus sampling).
+
+Mixture-of-experts blocks route dropless while generating: a capacity limit is a training device
+whose drops depend on how many tokens share a call, so with it the cached one-token steps and a
+full recompute would route the same token differently.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -23,22 +29,42 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Ge
     return int(torch.multinomial(probs.cpu(), 1, generator=gen))
 
 
+@contextmanager
+def dropless(model):
+    """Every MoE block of `model` without its capacity limit for the duration (restored after)."""
+    from .model.moe import MoE
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    saved = [m.capacity_factor for m in moes]
+    for m in moes:
+        m.capacity_factor = 0.0
+    try:
+        yield
+    finally:
+        for m, cf in zip(moes, saved):
+            m.capacity_factor = cf
+
+
 @torch.no_grad()
 def generate(model, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0, stop: int | None = None) -> list[int]:
-    """New token ids after `prompt` (at most `max_new_tokens`; ends early at `stop`)."""
+             seed: int = 0, stop: int | None = None, use_cache: bool = True) -> list[int]:
+    """New token ids after `prompt` (at most `max_new_tokens`; ends early at `stop`). `use_cache=False`
+    runs the whole sequence again for every token: the reference the cache is checked against."""
     if not prompt:
         raise ValueError("--prompt: empty after tokenisation")
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    cache = KVCache(model.args, 1, len(prompt) + max_new_tokens, device, dtype)
+    cache = KVCache(model.args, 1, len(prompt) + max_new_tokens, device, dtype) if use_cache else None
     gen = torch.Generator().manual_seed(seed)
-    logits = model(torch.tensor([prompt], device=device), cache=cache)[0, -1]
+    seq = list(prompt)
     out: list[int] = []
-    for _ in range(max_new_tokens):
-        tok = sample(logits[: model.args.vocab_size], temperature, top_p, gen)
-        out.append(tok)
-        if tok == stop or len(out) == max_new_tokens:
-            break
-        logits = model(torch.tensor([[tok]], device=device), cache=cache)[0, -1]
+    with dropless(model):
+        logits = model(torch.tensor([seq], device=device), cache=cache)[0, -1]
+        for _ in range(max_new_tokens):
+            tok = sample(logits[: model.args.vocab_size], temperature, top_p, gen)
+            out.append(tok)
+            seq.append(tok)
+            if tok == stop or len(out) == max_new_tokens:
+                break
+            step = [[tok]] if use_cache else [seq]
+            logits = model(torch.tensor(step, device=device), cache=cache)[0, -1]
     return out

@@ -138,6 +138,11 @@ def check_checkpoint_keys(cfg: Config) -> None:
         raise ConfigError(f"checkpoint.every: must be >= 0 or \"auto\", got {c.every}")
     if c.mtbf_hours < 0:
         raise ConfigError(f"checkpoint.mtbf_hours: must be >= 0, got {c.mtbf_hours}")
+    if isinstance(c.export_hf, str) and c.export_hf not in ("", "end") or \
+            not isinstance(c.export_hf, str) and c.export_hf < 1:
+        raise ConfigError(f"checkpoint.export_hf: expected \"\" (off), \"end\" or a step count >= 1, "
+                          f"got '{c.export_hf}'")
+    _choice(c.export_dtype, ("bf16", "fp32"), "checkpoint.export_dtype")
 
 
 def _choice(value, allowed, key: str) -> None:
@@ -237,6 +242,11 @@ def resolve(cfg: Config, world_size: int) -> Layout:
     check_ep(args, p.ep, dp, dp_shard, p.cp, p.zero)
     if cfg.data.seq_len < 1:
         raise ConfigError(f"data.seq_len: must be >= 1, got {cfg.data.seq_len}")
+    if cfg.data.document_mask and p.cp > 1:
+        raise ConfigError("data.document_mask: not available with context parallelism (cp > 1) yet: the ring "
+                          "and Ulysses cores take no mask")
+    if cfg.data.mix and cfg.data.path:
+        raise ConfigError("data.mix: give data.path or data.mix, not both")
     if p.pp > 1 or p.pp_virtual > 1 or p.pp_layers:
         _check_pipeline(cfg, args, microbatches)
     if t.steps < 0:
@@ -244,6 +254,9 @@ def resolve(cfg: Config, world_size: int) -> Layout:
     if t.peak_tflops < 0:
         raise ConfigError(f"training.peak_tflops: must be >= 0 (0 = datasheet or measured), got {t.peak_tflops}")
     check_checkpoint_keys(cfg)
+    if cfg.checkpoint.export_hf != "" and args.moe:  # what convert.to_hf refuses, refused before any step
+        raise ConfigError(f"checkpoint.export_hf: export to Hugging Face supports dense Llama models only "
+                          f"(model.moe.num_experts = {args.num_experts})")
     for key, label in NOT_YET.items():
         value = getattr(p, key)
         if value > (0 if key == "zero" else 1):
@@ -290,11 +303,11 @@ def check_data(cfg: Config) -> None:
             HFWeights(cfg.model.init_from[3:]).check(model_args(cfg))
         except ValueError as e:
             raise ConfigError(f"model.init_from: {e}") from None
-    if cfg.data.path:
-        if not os.path.exists(cfg.data.path):
-            raise ConfigError(f"data.path: no such directory: {cfg.data.path}")
-        if not os.path.isfile(os.path.join(cfg.data.path, "index.json")):
-            raise ConfigError(f"data.path: {cfg.data.path} has no index.json (run `meshlm prepare` first)")
+    for key, path in [("data.path", cfg.data.path)] * bool(cfg.data.path) + [("data.mix", p) for p, _ in cfg.data.mix]:
+        if not os.path.exists(path):
+            raise ConfigError(f"{key}: no such directory: {path}")
+        if not os.path.isfile(os.path.join(path, "index.json")):
+            raise ConfigError(f"{key}: {path} has no index.json (run `meshlm prepare` first)")
     if cfg.data.tokenizer != "bytes":
         if not os.path.isfile(cfg.data.tokenizer):
             raise ConfigError(f"data.tokenizer: cannot read tokenizer file {cfg.data.tokenizer}")

@@ -1,16 +1,24 @@
 """Data layer: tokenizers, on-disk token shards, the default corpus, batch sampling.
 
-Plain Python/numpy/torch only (no torch.distributed): ranks are passed in explicitly.
+Plain Python/numpy/torch only (no torch.distributed): ranks are passed in explicitly. Names are
+imported on first use, so `meshlm prepare`'s tokenising workers start without importing torch.
 """
+from __future__ import annotations
 
-from .corpus import DEFAULT_CORPUS_NAME, default_cache_dir, default_data_dir, stdlib_files
-from .sampler import GlobalBatchSampler, eval_batches
-from .shards import TokenShards, prepare
-from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+import importlib
 
-__all__ = [
-    "ByteTokenizer", "HFTokenizer", "load_tokenizer",
-    "prepare", "TokenShards",
-    "DEFAULT_CORPUS_NAME", "default_cache_dir", "default_data_dir", "stdlib_files",
-    "GlobalBatchSampler", "eval_batches",
-]
+_WHERE = {
+    "ByteTokenizer": "tokenizer", "HFTokenizer": "tokenizer", "load_tokenizer": "tokenizer", "framing": "tokenizer",
+    "prepare": "build", "TokenShards": "shards",
+    "DEFAULT_CORPUS_NAME": "corpus", "default_cache_dir": "corpus", "default_data_dir": "corpus",
+    "stdlib_files": "corpus",
+    "GlobalBatchSampler": "sampler", "MixtureSampler": "sampler", "WindowOrder": "sampler", "Batch": "sampler",
+    "apportion": "sampler", "eval_batches": "sampler",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)

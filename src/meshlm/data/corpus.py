@@ -9,11 +9,12 @@ from __future__ import annotations
 import os
 import sysconfig
 
-from .shards import INDEX_NAME, prepare
+from .build import prepare
+from .shards import INDEX_NAME
 
 __all__ = ["DEFAULT_CORPUS_NAME", "stdlib_files", "default_cache_dir", "default_data_dir"]
 
-DEFAULT_CORPUS_NAME = "stdlib-bytes-v1"
+DEFAULT_CORPUS_NAME = "stdlib-bytes-v2"  # v2: index with document starts (docs/data.md)
 # Cap keeps first-use preparation to a few seconds.
 STDLIB_MAX_BYTES = 6 * 1024 * 1024
 

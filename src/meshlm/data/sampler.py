@@ -1,63 +1,139 @@
 """Deterministic global batches, independent of how they are split across ranks.
 
-The global batch for a step depends only on (seed, step, seq_len, global_batch,
-number of windows); each data-parallel rank takes a contiguous slice of it. So a
-run on 1 process and on any DP/TP/PP layout sees exactly the same samples per
-step, which is what lets different layouts be compared loss-for-loss.
-"""
+The global batch of a step depends only on (seed, step, seq_len, global_batch, number of windows);
+each data-parallel rank takes a contiguous slice of it. So a run on 1 process and on any layout sees
+exactly the same samples per step, which is what lets layouts be compared loss-for-loss.
 
+The per-epoch shuffle is a stateless bijection (`WindowOrder`: a Feistel network with cycle walking),
+computed per index: O(1) memory and start-up whatever the corpus size (docs/data.md).
+"""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-__all__ = ["GlobalBatchSampler", "eval_batches", "EPOCH_SEED_STRIDE"]
+__all__ = ["WindowOrder", "GlobalBatchSampler", "MixtureSampler", "Batch", "apportion", "eval_batches"]
 
-EPOCH_SEED_STRIDE = 1_000_003
-_SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF  # torch.Generator.manual_seed accepts 64-bit seeds
+_M64 = (1 << 64) - 1
+_ROUNDS = 4
 
 
-def _windows(shards, ids, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack windows [i*L, i*L+L+1) into (inputs, targets) shifted by one."""
-    rows = np.stack([shards.get(i * seq_len, seq_len + 1) for i in ids]) if len(ids) else \
-        np.empty((0, seq_len + 1), dtype=np.int64)
-    x = torch.from_numpy(rows)
-    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+def _splitmix(x: int) -> int:
+    """A 64-bit mixer (splitmix64's finaliser) on Python ints: round keys from (seed, epoch, round)."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _key(*parts: int) -> int:
+    k = 0
+    for p in parts:
+        k = _splitmix(k ^ (int(p) & _M64))
+    return k
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """The same mixer on a uint64 array (wrapping arithmetic)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+class WindowOrder:
+    """Epoch e's order of windows 0..n-1: a pseudo-random permutation evaluated index by index.
+
+    A balanced Feistel network over 2·h bits (2^(2h) >= n) is a bijection of [0, 2^(2h)); values that
+    land at or above n are encrypted again (cycle walking) until they fall inside, which keeps it a
+    bijection of [0, n). Expected walks per index < 4; nothing is stored."""
+
+    def __init__(self, n: int, seed: int):
+        if n < 1:
+            raise ValueError(f"data: need at least one window, got {n}")
+        self.n, self.seed = int(n), int(seed)
+        self.half = max(1, ((self.n - 1).bit_length() + 1) // 2)
+        self._mask = np.uint64((1 << self.half) - 1)
+
+    def _encrypt(self, x: np.ndarray, keys: list[np.uint64]) -> np.ndarray:
+        h = np.uint64(self.half)
+        left, right = x >> h, x & self._mask
+        for k in keys:
+            left, right = right, left ^ (_mix(right ^ k) & self._mask)
+        return (left << h) | right
+
+    def permute(self, epoch: int, idx: np.ndarray) -> np.ndarray:
+        """Window ids at positions `idx` (each in [0, n)) of epoch `epoch`'s order."""
+        keys = [np.uint64(_key(self.seed, epoch, r)) for r in range(_ROUNDS)]
+        y = self._encrypt(np.asarray(idx, dtype=np.uint64), keys)
+        out = y >= np.uint64(self.n)
+        while out.any():
+            y[out] = self._encrypt(y[out], keys)
+            out = y >= np.uint64(self.n)
+        return y.astype(np.int64)
+
+    def take(self, pos: int, count: int) -> np.ndarray:
+        """Window ids at stream positions [pos, pos+count) of the endless sequence of epochs."""
+        parts, pos, end = [], int(pos), int(pos) + int(count)
+        while pos < end:
+            epoch, k = divmod(pos, self.n)
+            step = min(end - pos, self.n - k)
+            parts.append(self.permute(epoch, np.arange(k, k + step, dtype=np.uint64)))
+            pos += step
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+class Batch(NamedTuple):
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    docs: torch.Tensor | None  # per input token: its document within the sequence (document masking)
+
+
+def _windows(reads: list[tuple[object, int]], seq_len: int, docs: bool) -> Batch:
+    """(shards, window id) pairs -> inputs/targets shifted by one (and per-token document ids)."""
+    if not reads:
+        empty = torch.empty((0, seq_len), dtype=torch.int64)
+        return Batch(empty, empty.clone(), empty.clone() if docs else None)
+    rows = torch.from_numpy(np.stack([s.get(i * seq_len, seq_len + 1) for s, i in reads]))
+    ids = torch.from_numpy(np.stack([s.doc_ids(i * seq_len, seq_len) for s, i in reads])) if docs else None
+    return Batch(rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), ids)
+
+
+def _dp_slice(global_batch: int, dp_rank: int, dp_size: int) -> slice:
+    if dp_size < 1 or global_batch % dp_size != 0:
+        raise ValueError(f"data: global_batch {global_batch} is not divisible by data-parallel size {dp_size}")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"data: dp_rank {dp_rank} out of range for dp_size {dp_size}")
+    local = global_batch // dp_size
+    return slice(dp_rank * local, (dp_rank + 1) * local)
 
 
 class GlobalBatchSampler:
-    """Endless sequence of per-epoch permutations of the token windows."""
+    """Endless sequence of per-epoch permutations of one split's windows; `step` is the data position."""
 
     def __init__(self, num_tokens: int, seq_len: int, global_batch: int, seed: int):
         if seq_len < 1:
             raise ValueError(f"data: seq_len must be >= 1, got {seq_len}")
         if global_batch < 1:
             raise ValueError(f"data: global_batch must be >= 1, got {global_batch}")
-        self.num_tokens = int(num_tokens)
-        self.seq_len = int(seq_len)
-        self.global_batch = int(global_batch)
-        self.seed = int(seed)
+        self.num_tokens, self.seq_len = int(num_tokens), int(seq_len)
+        self.global_batch, self.seed = int(global_batch), int(seed)
         self.num_windows = (self.num_tokens - 1) // self.seq_len
         if self.num_windows < 1:
-            raise ValueError(f"data: corpus too small for seq_len {seq_len} "
-                             f"({num_tokens} tokens)")
+            raise ValueError(f"data: corpus too small for seq_len {seq_len} ({num_tokens} tokens)")
+        self.order = WindowOrder(self.num_windows, self.seed)
         self.step = 0
-        self._perms: dict[int, list[int]] = {}
 
     @classmethod
     def for_shards(cls, shards, seq_len: int, global_batch: int, seed: int) -> "GlobalBatchSampler":
         return cls(len(shards), seq_len, global_batch, seed)
 
     def epoch_permutation(self, epoch: int) -> list[int]:
-        """Window order of `epoch` (cached: consecutive steps reuse it)."""
-        perm = self._perms.get(epoch)
-        if perm is None:
-            g = torch.Generator().manual_seed((self.seed * EPOCH_SEED_STRIDE + epoch) & _SEED_MASK)
-            perm = torch.randperm(self.num_windows, generator=g).tolist()
-            if len(self._perms) >= 2:  # a batch spans at most a few epochs; keep it small
-                self._perms.pop(min(self._perms))
-            self._perms[epoch] = perm
-        return perm
+        """The whole order of `epoch` (small corpora and tests only: it is n ints)."""
+        return self.order.permute(epoch, np.arange(self.num_windows, dtype=np.uint64)).tolist()
 
     def epoch_of(self, step: int) -> int:
         return (int(step) * self.global_batch) // self.num_windows
@@ -66,38 +142,23 @@ class GlobalBatchSampler:
         """Window ids of global batch `step` (may cross an epoch boundary)."""
         if step < 0:
             raise ValueError(f"data: step must be >= 0, got {step}")
-        n, out = self.num_windows, []
-        pos, end = int(step) * self.global_batch, (int(step) + 1) * self.global_batch
-        while pos < end:
-            epoch, k = divmod(pos, n)
-            take = min(end - pos, n - k)
-            out.extend(self.epoch_permutation(epoch)[k:k + take])
-            pos += take
-        return out
+        return self.order.take(int(step) * self.global_batch, self.global_batch).tolist()
 
-    def _check_dp(self, dp_rank: int, dp_size: int) -> int:
-        if dp_size < 1 or self.global_batch % dp_size != 0:
-            raise ValueError(f"data: global_batch {self.global_batch} is not divisible "
-                             f"by data-parallel size {dp_size}")
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"data: dp_rank {dp_rank} out of range for dp_size {dp_size}")
-        return self.global_batch // dp_size
-
-    def batch(self, shards, step: int, dp_rank: int = 0, dp_size: int = 1
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's contiguous slice of global batch `step` as (inputs, targets)."""
-        local = self._check_dp(dp_rank, dp_size)
+    def batch(self, shards, step: int, dp_rank: int = 0, dp_size: int = 1, docs: bool = False) -> Batch:
+        """This rank's contiguous slice of global batch `step`."""
+        part = _dp_slice(self.global_batch, dp_rank, dp_size)
         if len(shards) < self.num_windows * self.seq_len + 1:
-            raise ValueError(f"data: shards hold {len(shards)} tokens but the sampler "
-                             f"was built for {self.num_tokens}")
-        ids = self.indices(step)[dp_rank * local:(dp_rank + 1) * local]
-        return _windows(shards, ids, self.seq_len)
+            raise ValueError(f"data: shards hold {len(shards)} tokens but the sampler was built for "
+                             f"{self.num_tokens}")
+        return _windows([(shards, i) for i in self.indices(step)[part]], self.seq_len, docs)
 
-    def next_batch(self, shards, dp_rank: int = 0, dp_size: int = 1
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.batch(shards, self.step, dp_rank, dp_size)
+    def next_batch(self, shards, dp_rank: int = 0, dp_size: int = 1, docs: bool = False) -> Batch:
+        out = self.batch(shards, self.step, dp_rank, dp_size, docs)
         self.step += 1
         return out
+
+    def drawn(self) -> dict[str, int] | None:
+        return None
 
     def state_dict(self) -> dict:
         """`step` is the next step to be consumed."""
@@ -110,21 +171,73 @@ class GlobalBatchSampler:
         self.step = step
 
 
-def eval_batches(val_shards, seq_len: int, batch: int, n_batches: int
-                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The first windows of the val split, in order: identical on every rank.
+def apportion(total: int, weights: list[float]) -> list[int]:
+    """`total` seats by weight (largest remainder, ties to the earlier source): the fixed number of
+    sequences each source gives every global batch."""
+    w = np.asarray(weights, dtype=np.float64)
+    quota = total * w / w.sum()
+    seats = np.floor(quota).astype(np.int64)
+    order = sorted(range(len(w)), key=lambda k: (-(quota[k] - seats[k]), k))
+    for k in order[:total - int(seats.sum())]:
+        seats[k] += 1
+    return seats.tolist()
 
-    Returns up to `n_batches` full batches; if the split holds fewer than `batch`
-    windows, one smaller batch with all of them.
-    """
+
+class MixtureSampler:
+    """Several prepared sets with weights: every global batch holds `counts[k]` sequences of source k
+    (apportion), each source walking its own epochs; a per-step shuffle of the slots spreads the
+    sources over the data-parallel ranks. Deterministic per step, so identical in every layout and
+    resumable across layouts from the step alone."""
+
+    def __init__(self, sizes: list[int], names: list[str], weights: list[float], seq_len: int,
+                 global_batch: int, seed: int):
+        self.counts = apportion(global_batch, weights)
+        empty = [n for n, c in zip(names, self.counts) if c == 0]
+        if empty:
+            raise ValueError(f"data.mix: source {empty[0]} gets 0 of {global_batch} sequences per step at its "
+                             f"weight (raise its weight or training.global_batch)")
+        self.names, self.seq_len, self.global_batch = list(names), int(seq_len), int(global_batch)
+        self.parts = [GlobalBatchSampler(n, seq_len, c, _key(seed, k) >> 1)
+                      for k, (n, c) in enumerate(zip(sizes, self.counts))]
+        self.slots = WindowOrder(global_batch, _key(seed, len(sizes), 1) >> 1)
+        self.step = 0
+
+    def batch(self, shards: list, step: int, dp_rank: int = 0, dp_size: int = 1, docs: bool = False) -> Batch:
+        part = _dp_slice(self.global_batch, dp_rank, dp_size)
+        reads = [(shards[k], i) for k, p in enumerate(self.parts) for i in p.indices(step)]
+        order = self.slots.permute(step, np.arange(self.global_batch, dtype=np.uint64))
+        return _windows([reads[j] for j in order[part]], self.seq_len, docs)
+
+    def next_batch(self, shards: list, dp_rank: int = 0, dp_size: int = 1, docs: bool = False) -> Batch:
+        out = self.batch(shards, self.step, dp_rank, dp_size, docs)
+        self.step += 1
+        return out
+
+    def drawn(self) -> dict[str, int]:
+        """Tokens drawn from each source so far (inputs of every consumed step)."""
+        return {n: self.step * c * self.seq_len for n, c in zip(self.names, self.counts)}
+
+    state_dict = GlobalBatchSampler.state_dict
+    load_state_dict = GlobalBatchSampler.load_state_dict
+
+
+def eval_batches(val, seq_len: int, batch: int, n_batches: int, weights: list[float] | None = None,
+                 docs: bool = False) -> list[Batch]:
+    """The first windows of the val split(s), in order: identical on every rank. `val` is one split, or
+    a list of them with `weights` (a mixture: each batch apportioned like a training batch).
+
+    Returns up to `n_batches` full batches; if a split holds fewer windows than it is asked for, one
+    smaller batch with all the windows there are."""
     if seq_len < 1 or batch < 1 or n_batches < 1:
         raise ValueError("data: eval seq_len, batch and n_batches must be >= 1")
-    n_windows = (len(val_shards) - 1) // seq_len
-    if n_windows < 1:
-        raise ValueError(f"data: val split too small for seq_len {seq_len} "
-                         f"({len(val_shards)} tokens)")
-    if n_windows < batch:
-        return [_windows(val_shards, list(range(n_windows)), seq_len)]
-    count = min(n_batches, n_windows // batch)
-    return [_windows(val_shards, list(range(b * batch, (b + 1) * batch)), seq_len)
-            for b in range(count)]
+    splits = list(val) if isinstance(val, (list, tuple)) else [val]
+    counts = apportion(batch, weights) if weights else [batch]
+    have = [(len(s) - 1) // seq_len for s in splits]
+    for s, h in zip(splits, have):
+        if h < 1:
+            raise ValueError(f"data: val split too small for seq_len {seq_len} ({len(s)} tokens)")
+    full = min(h // c for h, c in zip(have, counts) if c) if any(counts) else 0
+    if full < 1:
+        return [_windows([(s, i) for s, h in zip(splits, have) for i in range(h)], seq_len, docs)]
+    return [_windows([(s, b * c + i) for s, c in zip(splits, counts) for i in range(c)], seq_len, docs)
+            for b in range(min(n_batches, full))]

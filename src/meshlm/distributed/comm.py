@@ -1,5 +1,5 @@
 """Every collective goes through a `Comm`: one process group plus byte/time accounting and errors
-that say which collective on which group stopped, instead of a silent hang (DESIGN invariant 4).
+that say which collective on which group stopped, instead of a silent hang (docs/architecture.md, invariant 4).
 
 Bytes are the logical payload per rank: all-reduce counts 2× the tensor (a reduce-scatter plus an
 all-gather), all-gather its output, reduce-scatter its input, send/recv the tensor. That is the

@@ -1,4 +1,4 @@
-"""Plain PyTorch Llama. Nothing here knows it may be distributed (DESIGN invariant 5).
+"""Plain PyTorch Llama. Nothing here knows it may be distributed (docs/architecture.md, invariant 5).
 
 The modules that need torch load on first use (PEP 562), so torch-free code (the planner, layout
 checks) can import the shapes in `model.args` without paying for torch.

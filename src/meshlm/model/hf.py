@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from . import safetensors_io as st
 from .args import ModelArgs
 from .hf_config import hf_name, param_shapes
 
@@ -46,11 +47,11 @@ def hf_tensors(name: str, t: torch.Tensor, args: ModelArgs) -> dict[str, torch.T
 
 
 class HFWeights:
-    """The safetensors files of a transformers model directory (one file or an index of shards)."""
+    """The safetensors files of a transformers model directory (one file or an index of shards), read
+    one tensor at a time without mapping the files (model/safetensors_io.py: bounded memory)."""
 
     def __init__(self, hf_dir: str):
-        from safetensors import safe_open
-        self.dir, self._open, self._handles = hf_dir, safe_open, {}
+        self.dir, self._headers = hf_dir, {}
         index = os.path.join(hf_dir, "model.safetensors.index.json")
         if os.path.isfile(index):
             try:
@@ -68,22 +69,26 @@ class HFWeights:
             raise ValueError(f"{hf_dir}: no *.safetensors weights (only safetensors are read, never pickles)")
         self.files = {}
         for p in paths:
-            for k in self._handle(p).keys():
+            for k in self._header(p):
                 self.files[k] = p
 
-    def _handle(self, path: str):
-        if path not in self._handles:
-            try:
-                self._handles[path] = self._open(path, framework="pt")
-            except Exception as e:  # noqa: BLE001 - a corrupt header: name the file
-                raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
-        return self._handles[path]
+    def _header(self, path: str) -> dict[str, st.Entry]:
+        if path not in self._headers:
+            self._headers[path] = st.read_header(path)[0]
+        return self._headers[path]
+
+    def _entry(self, name: str) -> st.Entry:
+        entry = self._header(self.files[name]).get(name)
+        if entry is None:
+            raise ValueError(f"{self.files[name]}: has no tensor {name} (the index lists it there)")
+        return entry
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
+        return self._entry(name).shape
 
-    def get(self, name: str) -> torch.Tensor:
-        return self._handle(self.files[name]).get_tensor(name)
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Tensor `name` in `dtype` (default: as stored), read whole into its own storage."""
+        return st.read(self._entry(name), dtype)
 
     def check(self, args: ModelArgs) -> None:
         """Every parameter the config implies is present with its shape (read from the headers only)."""
@@ -99,7 +104,7 @@ class HFWeights:
         """meshlm parameter `name` (single-process, unpadded) in fp32."""
         if name == "output.weight" and args.tie_embeddings:
             name = "tok_embeddings.weight"
-        return to_meshlm(name, self.get(hf_name(name)).float(), args)
+        return to_meshlm(name, self.get(hf_name(name), torch.float32), args)
 
 
 def hf_source(hf_dir: str, args: ModelArgs) -> Callable[[str, tuple[int, ...]], torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Layout-independent initialisation (DESIGN invariant 2).
+"""Layout-independent initialisation (docs/architecture.md, invariant 2).
 
 Each parameter's values come from a generator seeded by (seed, parameter name) alone, so any layout
 that holds a slice of a parameter gets exactly the slice a single process would have had. Big models

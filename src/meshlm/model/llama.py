@@ -43,12 +43,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
+def document_mask(docs: torch.Tensor) -> torch.Tensor:
+    """[B, S] document ids -> [B, 1, S, S] boolean mask: causal, and never across documents (data.
+    document_mask). Positions are not restarted per document: RoPE scores depend only on the distance
+    between two tokens of one document, so a restart would change nothing (docs/data.md)."""
+    s = docs.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=docs.device).tril()
+    return (docs[:, None, :, None] == docs[:, None, None, :]) & causal
+
+
 class AttentionCore(nn.Module):
     """The softmax(QK^T)V part alone, a module so selective checkpointing can wrap just it."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         # Grouped-query attention: SDPA shares each kv head across its q heads without copying them.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              enable_gqa=k.shape[1] != q.shape[1])
 
 
 class Attention(nn.Module):
@@ -61,13 +72,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.core = AttentionCore()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         b, s = q.shape[0], q.shape[1]  # not x's: under SP the region's entry gathers x inside wq/wk/wv
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is None:
-            out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        if cache is None:  # a mask only with document masking (context-parallel cores take none)
+            qkv = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            out = self.core(*qkv) if mask is None else self.core(*qkv, mask)
         else:  # generation: a kv_cache.LayerKV
             out = cache.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
@@ -105,8 +118,9 @@ class Block(nn.Module):
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, cache)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -137,10 +151,12 @@ class Llama(nn.Module):
         return self.rope_cache
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None, *,
-                blocks: list[str] | None = None, embed: bool | None = None, head: bool | None = None) -> torch.Tensor:
+                blocks: list[str] | None = None, embed: bool | None = None, head: bool | None = None,
+                docs: torch.Tensor | None = None) -> torch.Tensor:
         """`blocks`, `embed`, `head`: run only these blocks (keys of `layers`) and the embedding / head
         or not (default: whatever the model holds). A pipeline stage runs its chunk this way.
-        `cache`: a kv_cache.KVCache (generation only); the tokens continue at its position."""
+        `cache`: a kv_cache.KVCache (generation only); the tokens continue at its position.
+        `docs`: [B, S] document id per token: attention stays inside each document."""
         embed = self.tok_embeddings is not None if embed is None else embed
         head = self.output is not None if head is None else head
         h = self.tok_embeddings(x) if embed else x
@@ -151,8 +167,12 @@ class Llama(nn.Module):
             cos, sin = cos[: h.shape[1]], sin[: h.shape[1]]
         else:
             cos, sin = cos[positions], sin[positions]
+        mask = None if docs is None else document_mask(docs)
         for key in self.layers if blocks is None else blocks:
-            h = self.layers[key](h, cos, sin) if cache is None else self.layers[key](h, cos, sin, cache.layers[key])
+            if cache is not None:
+                h = self.layers[key](h, cos, sin, cache.layers[key])
+            else:
+                h = self.layers[key](h, cos, sin) if mask is None else self.layers[key](h, cos, sin, None, mask)
         if cache is not None:
             cache.advance(x.shape[1])
         if head:

@@ -139,12 +139,12 @@ class LlamaPlan:
         return (model.tok_embeddings if first else model.output).weight
 
     def run_stage(self, model: nn.Module, x: torch.Tensor, keys: list[str], first: bool, last: bool,
-                  seq_len: int) -> torch.Tensor:
+                  seq_len: int, docs: torch.Tensor | None = None) -> torch.Tensor:
         """The model's own forward over one chunk. Positions: the model's default (0 … local length)
         unless a positions hook (SP, CP: tensor_parallel.positions_hook) passes the true ones; `x` and
-        `seq_len` are this rank's (CP: its chunks of each sequence)."""
+        `seq_len` are this rank's (CP: its chunks of each sequence); `docs`: document masking."""
         del seq_len
-        return model(x, blocks=keys, embed=first, head=last)
+        return model(x, blocks=keys, embed=first, head=last, docs=docs)
 
     def stage_modules(self, model: nn.Module, keys: list[str], first: bool, last: bool) -> list[nn.Module]:
         mods = [model.tok_embeddings] if first else []

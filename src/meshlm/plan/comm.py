@@ -1,6 +1,6 @@
 """Bytes per step per collective kind, the link that carries them, and their time.
 
-Mesh order (DESIGN.md): pp, dp_replicate, dp_shard, cp, tp with tp innermost, so a group of `size`
+Mesh order (docs/architecture.md): pp, dp_replicate, dp_shard, cp, tp with tp innermost, so a group of `size`
 ranks that are `stride` apart stays inside one node when size × stride <= GPUs per node (NVLink).
 A group that spans nodes is limited by the NICs: its members on one node (k of them) drive k NICs in
 parallel, so it gets min(NVLink, k × IB) per rank. Ring algorithms: an all-reduce puts 2(n-1)/n of

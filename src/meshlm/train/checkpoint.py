@@ -122,6 +122,34 @@ class _LoadPlanner(DefaultLoadPlanner):
         return tensor
 
 
+class _LazySavePlanner(_SavePlanner):
+    """Asks `make(key)` for each tensor only when DCP writes it, so one tensor is in memory at a time.
+    DCP's writer (one file per tensor, written before the next is asked for) keeps a reference to the
+    tensor it wrote last until it has the next one: that tensor's storage is released here first."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make, self.last = make, None
+
+    def lookup_object(self, index: MetadataIndex):
+        if self.last is not None:
+            self.last.untyped_storage().resize_(0)
+        self.last = None  # cleared first: a failing `make` must not leave a released tensor behind
+        self.last = self.make(index.fqn)
+        return self.last
+
+
+def save_streaming(path: str, shapes: dict[str, tuple[int, ...]], make) -> None:
+    """A one-process fp32 checkpoint of the tensors `shapes` (key -> full shape) whose values come from
+    `make(key)` one at a time: one file per tensor (one file per rank would keep every tensor it has
+    written alive until the file closes), in the format `load` and `read_full` read. `make` returns a
+    new tensor each time: its storage is released once written."""
+    state = {k: Pieces(tuple(s), torch.float32, [((0,) * len(s), torch.empty(s, device="meta"))], True)
+             for k, s in shapes.items()}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, single_file_per_rank=False),
+             planner=_LazySavePlanner(make))
+
+
 # -- reading the index without unpickling arbitrary objects ----------------------------------------
 _SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
                  "torch.distributed.checkpoint.planner", "torch.distributed.checkpoint._extension",
@@ -188,6 +216,66 @@ def check_shapes(path: str, md: Metadata, shapes: dict[str, tuple[int, ...]]) ->
         if not isinstance(got, TensorStorageMetadata) or tuple(got.size) != tuple(shape):
             have = tuple(got.size) if isinstance(got, TensorStorageMetadata) else "not a tensor"
             raise CheckpointError(f"checkpoint {path}: {key} has shape {have}, this model's is {tuple(shape)}")
+
+
+class _Window(io.RawIOBase):
+    """Bytes [start, start + length) of an open file as a seekable stream of their own (one stored
+    chunk, for torch.load), read without copying them first."""
+
+    def __init__(self, f, start: int, length: int):
+        super().__init__()
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = max(0, min(self.length, pos + (0, self.pos, self.length)[whence]))
+        return self.pos
+
+    def readinto(self, b) -> int:
+        n = min(len(b), self.length - self.pos)
+        self.f.seek(self.start + self.pos)
+        got = self.f.readinto(memoryview(b)[:n]) if n > 0 else 0
+        self.pos += got
+        return got
+
+
+def read_full(path: str, md: Metadata, key: str) -> torch.Tensor:
+    """The whole tensor `key` of checkpoint `path` (index `md`, checked by the caller) in one process,
+    chunk by chunk: a chunk that is the whole tensor is returned as loaded (no second copy), else the
+    chunks are copied into one tensor, one chunk in memory at a time."""
+    tmd = md.state_dict_metadata[key]
+    out = None
+    for chunk in tmd.chunks:
+        info = md.storage_data[MetadataIndex(key, chunk.offsets)]
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"checkpoint {path}: {key} is stored transformed ({info.transform_descriptors})")
+        with open(os.path.join(path, info.relative_path), "rb") as f:
+            try:
+                t = torch.load(_Window(f, info.offset, info.length), map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 - a corrupt chunk: one line naming it
+                raise CheckpointError(f"checkpoint {path}: cannot read {key} from {info.relative_path} "
+                                      f"({type(e).__name__})") from None
+        if tuple(t.shape) != tuple(chunk.sizes):
+            raise CheckpointError(f"checkpoint {path}: {key} chunk at {tuple(chunk.offsets)} has shape "
+                                  f"{tuple(t.shape)}, the index says {tuple(chunk.sizes)}")
+        if len(tmd.chunks) == 1 and tuple(t.shape) == tuple(tmd.size):
+            return t
+        if out is None:
+            out = torch.empty(tuple(tmd.size), dtype=t.dtype)
+        region = out
+        for d, (o, n) in enumerate(zip(chunk.offsets, chunk.sizes)):
+            region = region.narrow(d, o, n)
+        region.copy_(t)
+        del t
+    return out
 
 
 # -- finding checkpoints ---------------------------------------------------------------------------

@@ -8,7 +8,8 @@ import time
 import torch
 
 from ..config import Config, to_dict
-from ..data import GlobalBatchSampler, TokenShards, default_data_dir, eval_batches
+from ..data import default_data_dir
+from ..data.dataset import open_data
 from ..distributed.comm import Watchdog, merge_stats, reset_stats
 from ..distributed.mesh import ParallelContext, init_context, pick_device, shutdown
 from ..layout import Layout, model_args, resolve
@@ -38,14 +39,14 @@ class Trainer:
         os.makedirs(run_dir, exist_ok=True)
         torch.manual_seed(t.seed)
         self.args = model_args(cfg)
-        data_dir = cfg.data.path or default_data_dir()
-        self.train_data = TokenShards(data_dir, "train")
-        self.val_data = TokenShards(data_dir, "val")
-        if self.train_data.vocab_size > self.args.vocab_size:
+        d = cfg.data
+        self.data = open_data("" if d.mix else (d.path or default_data_dir()), d.mix, d.seq_len,
+                              t.global_batch, t.seed, d.document_mask)
+        if self.data.vocab_size > self.args.vocab_size:
             raise ValueError(f"model.vocab_size: {self.args.vocab_size} is smaller than the tokenizer's "
-                             f"{self.train_data.vocab_size}")
-        self.seq_len = cfg.data.seq_len
-        self.sampler = GlobalBatchSampler.for_shards(self.train_data, self.seq_len, t.global_batch, t.seed)
+                             f"{self.data.vocab_size}")
+        self.seq_len = d.seq_len
+        self.sampler = self.data.sampler  # its step is the data position (checkpointed)
         with torch.device("meta"):
             model = Llama(self.args)
         self.par: Parallelized = parallelize(model, ctx, cfg, layout, MasterOptimizer)
@@ -69,8 +70,8 @@ class Trainer:
         self.flops_per_step = self.args.flops_per_token(self.seq_len) * t.global_batch * self.seq_len
 
     # -- one step -----------------------------------------------------------------------------
-    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.par.loss_fn(self.model(inputs), targets)
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+        return self.par.loss_fn(self.model(inputs) if docs is None else self.model(inputs, docs=docs), targets)
 
     def train_step(self, measure: bool = True) -> dict:
         """One optimizer step. `measure`: count live memory before the optimizer step (log steps only).
@@ -79,12 +80,8 @@ class Trainer:
         and the skip all stay on the device (the fused optimizer skips itself, see optim.adamw_step).
         The returned tensors (`loss_sum`, `norm`, `skipped`) are read by `_record` on log steps only."""
         t, par, scaler = self.cfg.training, self.par, self.scaler
-        inputs, targets = self.sampler.next_batch(self.train_data, self.ctx.index("dp"), self.layout.dp)
-        inputs, targets = par.local_tokens(inputs), par.local_tokens(targets)  # CP: this rank's chunks
-        if self.ctx.device.type == "cuda":  # async host-to-device copies from pinned memory
-            inputs, targets = inputs.pin_memory(), targets.pin_memory()
-        inputs = inputs.to(self.ctx.device, non_blocking=True)
-        targets = targets.to(self.ctx.device, non_blocking=True)
+        batch = self.data.next_batch(self.ctx.index("dp"), self.layout.dp)
+        inputs, targets, docs = (None if x is None else self._to_device(par.local_tokens(x)) for x in batch)
         lr = lr_at(self.step, self.cfg.optim, t.steps)
         par.grads.begin_step()
         loss_sum = torch.zeros((), device=self.ctx.device)
@@ -95,11 +92,12 @@ class Trainer:
             par.moe.begin_step(scale)
         if par.forward_backward is not None:  # pipeline: the schedule runs every micro-batch
             par.pipeline.timed = measure  # its timeline (bubble metric) is read on logged steps only
-            loss_sum = par.forward_backward(inputs, targets, scale)
+            loss_sum = par.forward_backward(inputs, targets, scale, docs)
         else:
             for i in range(accum):
                 par.grads.set_sync(i == accum - 1)
-                loss = self._loss(inputs[i * mb:(i + 1) * mb], targets[i * mb:(i + 1) * mb])
+                part = slice(i * mb, (i + 1) * mb)
+                loss = self._loss(inputs[part], targets[part], None if docs is None else docs[part])
                 (loss * scale).backward()
                 loss_sum += loss.detach()
         loss_sum = self.hooks.loss(self.step + 1, loss_sum)
@@ -121,8 +119,14 @@ class Trainer:
         return {"loss_sum": loss_sum, "norm": norm, "lr": lr,
                 "skipped": found_inf if found_inf is not None else False, "mem": mem}
 
+    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
+        """CUDA: an async host-to-device copy from pinned memory."""
+        if self.ctx.device.type == "cuda":
+            x = x.pin_memory()
+        return x.to(self.ctx.device, non_blocking=True)
+
     def memory(self) -> dict:
-        """Live bytes on this rank just before the optimizer step (DESIGN: metrics.jsonl `mem`)."""
+        """Live bytes on this rank just before the optimizer step (README: metrics.jsonl `mem`)."""
         opt, grads = self.par.optimizer, self.par.grads
         return {"params": tensor_bytes(opt.param_tensors()),
                 "grads": tensor_bytes(grads.held_tensors()),
@@ -139,14 +143,14 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         dp, r = self.layout.dp, self.ctx.index("dp")
-        batches = eval_batches(self.val_data, self.seq_len, self.layout.micro_batch * dp,
-                               self.cfg.training.eval_batches)
+        batches = self.data.eval_batches(self.layout.micro_batch * dp, self.cfg.training.eval_batches)
         total, count = 0.0, 0
-        for inputs, targets in batches:
+        for inputs, targets, docs in batches:
             n = inputs.shape[0] // dp
-            x, y = (self.par.local_tokens(t[r * n:(r + 1) * n]) for t in (inputs, targets))
+            x, y, d = (None if t is None else self.par.local_tokens(t[r * n:(r + 1) * n]).to(self.ctx.device)
+                       for t in (inputs, targets, docs))
             if n:
-                total += float((self.par.eval_loss or self._loss)(x.to(self.ctx.device), y.to(self.ctx.device))) * n
+                total += float((self.par.eval_loss or self._loss)(x, y, d)) * n
             count += inputs.shape[0] - inputs.shape[0] % dp
         total = self.dp_comm.all_reduce_scalars([total])[0]
         total = self.ctx.comm("pp").all_reduce_scalars([total])[0]
@@ -225,9 +229,10 @@ class Trainer:
                 rec = self._record(out, comms, window_start, window_steps, tokens_per_step) if logging else None
                 self.step_line = rec
                 due = cadence.due(self.step, self.step == t.steps)
-                if logging or due:  # read the non-finite record: a bad state is never saved
+                export = self.export_due()
+                if logging or due or export:  # read the non-finite record: a bad state is never saved
                     self._check_finite(rec, log)
-                if due:
+                if due or export:  # an export streams this step's checkpoint
                     ck = self.save()
                     cadence.saved(self.step, ck["save_s"])
                     for done in self._saves_done():  # a synchronous save has just finished
@@ -242,6 +247,8 @@ class Trainer:
                 if rec is not None:
                     last = rec
                     log.write(rec)
+                if export:
+                    self.export_hf(log)
                 if logging:
                     window_start, window_steps = time.perf_counter(), 0
                 if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
@@ -257,6 +264,34 @@ class Trainer:
             if self.watchdog is not None:
                 self.watchdog.close()
         return last
+
+    def export_due(self) -> bool:
+        """checkpoint.export_hf: "end" on the last step; N every N steps and on the last."""
+        every, last = self.cfg.checkpoint.export_hf, self.step == self.cfg.training.steps
+        return every == "end" and last or not isinstance(every, str) and (self.step % every == 0 or last)
+
+    def export_hf(self, log: MetricsLog) -> None:
+        """RUN_DIR/hf/step_N, a transformers directory, from the sharded checkpoint just written: rank 0
+        streams it one tensor at a time (convert.to_hf), so no rank ever holds more than one full
+        tensor and the layout's shards are never gathered. A directory already there (a resumed run
+        exporting the same step again) is kept. Every rank learns whether it worked."""
+        from ..convert import to_hf
+        self.checkpointer.wait()  # async: the checkpoint is committed
+        world = self.ctx.comm("world")
+        out = os.path.join(self.run_dir, "hf", f"step_{self.step:08d}")
+        failed, t0 = 0.0, time.perf_counter()
+        if self.ctx.rank == 0 and not os.path.isdir(out):
+            try:
+                os.makedirs(os.path.dirname(out), exist_ok=True)
+                to_hf(os.path.join(self.checkpointer.root, f"step_{self.step:08d}"), out,
+                      self.cfg.checkpoint.export_dtype)
+            except (ValueError, OSError, ckpt.CheckpointError) as e:
+                failed, error = 1.0, e
+        if world.all_reduce_scalars([failed])[0]:
+            if self.ctx.rank == 0:
+                raise RuntimeError(f"checkpoint.export_hf: step {self.step}: {error}") from error
+            raise RuntimeError(f"checkpoint.export_hf: step {self.step}: failed on rank 0")
+        log.message(f"step {self.step}: exported {out} ({time.perf_counter() - t0:.1f} s)")
 
     def _check_finite(self, rec: dict | None, log: MetricsLog) -> None:
         """Stop on a non-finite loss or grad norm (train/fault.py); the step's metrics line is still
@@ -288,6 +323,8 @@ class Trainer:
                "peak_label": self.peak_label,
                "comm": {k: {"calls": s.calls / window_steps, "bytes": s.bytes / window_steps,
                             "seconds": s.seconds / window_steps} for k, s in stats.items()}}
+        if self.sampler.drawn() is not None:  # data.mix: tokens drawn per source so far
+            rec["data"] = self.sampler.drawn()
         if self.par.moe is not None:
             rec["moe"] = self.par.moe.record(self.ctx.comm("world"), self.ctx.device)
         if self.par.pipeline is not None:  # measured bubble; rank 0 writes the step's Chrome trace

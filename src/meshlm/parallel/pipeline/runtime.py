@@ -36,8 +36,8 @@ class Stage:
     def __init__(self, model: nn.Module, plan, keys: list[str], index: int, first: bool, last: bool):
         self.model, self.plan, self.keys, self.index, self.first, self.last = model, plan, keys, index, first, last
 
-    def __call__(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:
-        return self.plan.run_stage(self.model, x, self.keys, self.first, self.last, seq_len)
+    def __call__(self, x: torch.Tensor, seq_len: int, docs: torch.Tensor | None = None) -> torch.Tensor:
+        return self.plan.run_stage(self.model, x, self.keys, self.first, self.last, seq_len, docs)
 
     def parameters(self) -> list[nn.Parameter]:
         seen, out = set(), []
@@ -81,13 +81,15 @@ class PipelineRuntime:
 
     # -- one training step ----------------------------------------------------------------------
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
-                         scale: float | torch.Tensor) -> torch.Tensor:
+                         scale: float | torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
         """All micro-batches of one step on this rank; returns the sum of the micro-batch losses
-        (zero on every stage but the last). Gradients of `scale`·loss accumulate in the params."""
+        (zero on every stage but the last). Gradients of `scale`·loss accumulate in the params.
+        `docs`: per-token document ids (document masking), split like the inputs."""
         if inputs.shape[0] % self.m:
             raise ValueError(f"pipeline: {inputs.shape[0]} sequences do not split into {self.m} micro-batches")
         n, seq = inputs.shape[0] // self.m, inputs.shape[1]
         xs, ys = inputs.split(n), targets.split(n)
+        ds = docs.split(n) if docs is not None else [None] * self.m
         shape = self.act_shape(n, seq)
         loss_sum = torch.zeros((), device=self.device)
         clock = _Clock(self.device) if self.timed else None
@@ -102,7 +104,7 @@ class PipelineRuntime:
                     sync = i in self.sync_items
                     if sync:
                         self.grads.set_sync(True)
-                    loss = self._compute(it, xs, ys, seq, scale)
+                    loss = self._compute(it, xs, ys, ds, seq, scale)
                     if sync:
                         self.grads.set_sync(False)
                     if loss is not None:
@@ -117,14 +119,14 @@ class PipelineRuntime:
         self._clock = clock
         return loss_sum
 
-    def _compute(self, a: Action, xs, ys, seq: int, scale: float | torch.Tensor):
+    def _compute(self, a: Action, xs, ys, ds, seq: int, scale: float | torch.Tensor):
         st, key = self.stages[a.chunk], (a.mb, a.chunk)
         if a.kind == "F":
             if st.first:
                 x = xs[a.mb]
             else:
                 x = self.inbox.pop(("F",) + key).requires_grad_(True)
-            out = st(x, seq)
+            out = st(x, seq, ds[a.mb])
             loss = None
             if st.last:
                 loss = self.loss_fn(out, ys[a.mb])
@@ -172,7 +174,7 @@ class PipelineRuntime:
 
     # -- evaluation -----------------------------------------------------------------------------
     @torch.no_grad()
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
         """Forward of one micro-batch through every stage in order (blocking p2p: stage s waits for
         s-1, a chain that cannot deadlock: each rank's chunks hold increasing stages in both placements).
         The mean loss on the last stage, zero elsewhere."""
@@ -191,7 +193,7 @@ class PipelineRuntime:
                 h = torch.empty(shape, dtype=self.dtype, device=self.device)
                 src = source_of(fwd, self.rank, self.p, self.v, self.vshape)[0]
                 self.comm.wait_p2p(self.comm.batch_p2p([("recv", h, src)]))
-            out = st(h, seq)
+            out = st(h, seq, docs)
             if st.last:
                 loss = self.loss_fn(out, y).detach()
                 continue
