@@ -1,4 +1,4 @@
-# Two commands: `make train` and `make test`. Both create the virtual environment when missing.
+# Commands: `make train`, `make test` and `make test-fast` (the edit loop); all create the virtual environment when missing.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # CPU machines get the CPU build on disk; GPU users install their CUDA torch into the venv first
@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.meshlm-installed
 
-.PHONY: train test setup clean
+.PHONY: train test test-fast setup clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,11 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# the edit loop: no worker pools but one equivalence row per dimension, no compile, no launches (marker
+# `slow` in pyproject.toml, tests/conftest.py); `make test` before pushing
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -82,7 +82,9 @@ def make_cfg(a, precision: str, ac: str = "none"):
     over = {"model.preset": a.preset, "data.seq_len": a.seq_len, "training.global_batch": a.batch,
             "training.micro_batch": a.batch, "training.steps": total, "training.eval_every": 0,
             "training.precision": precision, "training.ac": ac, "metrics.progress": False,
-            "checkpoint.resume": "never", "training.device": "cpu", "parallel.tp": a.tp, "parallel.sp": a.sp}
+            "checkpoint.resume": "never", "training.device": "cpu", "parallel.tp": a.tp, "parallel.sp": a.sp,
+            # no MFU here: a stated peak spares each Trainer the CPU peak measurement (~20 s in bf16)
+            "training.peak_tflops": 1.0}
     over.update({f"model.{k}": v for k, v in (("dim", a.dim), ("n_layers", a.n_layers), ("ffn_dim", a.ffn_dim))
                  if v is not None})
     if a.dim is not None or a.n_layers is not None:

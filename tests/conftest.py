@@ -3,6 +3,14 @@ import pytest
 from harness import Pool
 
 
+def pytest_collection_modifyitems(items):
+    """`make test-fast` (-m "not slow") is the edit loop: a test that needs gloo worker pools is slow
+    unless it is marked `fast` (one equivalence row per dimension is); others say `slow` themselves."""
+    for item in items:
+        if "pools" in item.fixturenames and item.get_closest_marker("fast") is None:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def pools():
     """pools(world) -> a persistent Pool of that many gloo ranks, shared by the whole session."""

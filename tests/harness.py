@@ -28,6 +28,11 @@ TINY = {
     "optim.lr": 3e-3,
     "metrics.progress": False,
     "checkpoint.resume": "never",
+    # A stated peak behind MFU: without one every Trainer measures the CPU's (best of 7 bursts of
+    # 1024² matmuls, metrics.device_peak): ~0.5 s in fp32, but 20 s in bf16 and 45 s in fp16, whose
+    # matmuls the CPU emulates; that was most of each bf16/fp16 row. test_explore_api tests the
+    # measurement itself. One TFLOP/s is above any CPU this runs on, so MFU stays in [0, 1).
+    "training.peak_tflops": 1.0,
 }
 
 
@@ -149,3 +154,13 @@ def assert_same_losses(ref: list[dict], got: list[dict], rtol: float) -> None:
         worst = max(worst, rel)
         assert rel <= rtol, f"step {a['step']}: loss {b['loss']!r} vs one process {a['loss']!r} (rel {rel:.2e} > {rtol})"
     print(f"worst relative loss difference {worst:.2e}")
+
+
+def rows(cases, fast=()) -> list:
+    """pytest params of (name, ...) rows with the name as id; rows named in `fast` are marked `fast`:
+    kept in `make test-fast` although they use the worker pools (tests/conftest.py)."""
+    import pytest
+
+    unknown = set(fast) - {c[0] for c in cases}
+    assert not unknown, f"no such rows: {sorted(unknown)}"
+    return [pytest.param(*c, id=c[0], marks=[pytest.mark.fast] if c[0] in fast else []) for c in cases]

@@ -5,7 +5,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).parents[1]
+pytestmark = pytest.mark.slow  # each starts a bench script in a fresh interpreter
 
 
 def run_json(*argv, lines: int = 1):

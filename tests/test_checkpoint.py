@@ -179,6 +179,7 @@ MEM = {"model__dim": 512, "model__n_layers": 8, "model__ffn_dim": 2048, "model__
        "parallel__dp": 4, "parallel__zero": 3, "training__eval_every": 0, "optim__warmup": 1}
 
 
+@pytest.mark.slow
 def test_save_memory_stays_within_own_shard(tmp_path):
     """~34M parameters on dp4 zero3, a synchronous checkpoint every step: rank 0's peak host memory
     grows by less than 0.2 × the full state (12 B/param) against the same run without checkpoints."""
@@ -200,6 +201,7 @@ def test_save_memory_stays_within_own_shard(tmp_path):
 
 
 # -- async -----------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_async_write_overlaps_training(tmp_path, monkeypatch):
     """The background write of step 2 cannot finish until the main thread has trained step 3: if
     saving blocked training, this would time out instead."""
@@ -254,6 +256,7 @@ def _die_before_rename(run_dir: str) -> None:
     run_local(make_config(checkpoint__every=2, checkpoint__async=True, checkpoint__keep=5, training__steps=8), run_dir)
 
 
+@pytest.mark.slow
 def test_kill_between_write_and_rename_keeps_previous(tmp_path):
     import multiprocessing as mp
 
@@ -302,6 +305,7 @@ def _train_args(run: str, resume: str, *extra: str) -> list[str]:
             "--training.seed", "1", "--checkpoint.resume", resume, *extra]
 
 
+@pytest.mark.slow  # each row starts `meshlm train` in a fresh interpreter
 @pytest.mark.parametrize("damage,match", [
     ("dim", r"checkpoint .*: master/tok_embeddings.weight has shape \(256, 64\), this model's is \(256, 32\)"),
     ("truncate", r"checkpoint .*__0_0.distcp is truncated"),

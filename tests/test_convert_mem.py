@@ -24,6 +24,7 @@ def measured(tmp_path_factory):
                root=str(tmp_path_factory.mktemp("mem")))
 
 
+@pytest.mark.slow  # the fixture converts a 1024-wide model in fresh processes
 @pytest.mark.parametrize("direction", ["from_hf", "to_hf_fp32", "to_hf_bf16"])
 def test_conversion_holds_one_tensor(measured, direction):
     largest = measured["largest_bytes"]

@@ -89,6 +89,7 @@ def test_data_layout_matches_one_process(pools, corpora, name, world, overrides)
                                    os.path.normpath(corpora["code"]): n * 2 * 32}
 
 
+@pytest.mark.slow
 def test_document_mask_changes_the_loss_and_isolates_documents(corpora):
     """Masking is not a no-op on this corpus, and a masked token sees only its own document: the logits
     of document B inside [A B] equal B's logits alone (RoPE is relative, positions need no restart)."""
@@ -171,6 +172,7 @@ def _sparse_index(root, tokens: int) -> str:
     return root
 
 
+@pytest.mark.slow
 def test_trillion_token_index_starts_fast_and_small(tmp_path):
     """The sampler's memory and start-up do not grow with the corpus: 1e12 tokens (488M windows of 2048)
     vs 1e7, each in a fresh interpreter; first two batches of a dp rank within 2 s, RSS within 100 MiB."""

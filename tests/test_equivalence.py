@@ -3,7 +3,7 @@ import functools
 
 import pytest
 
-from harness import assert_same_losses, make_config, run_layout, run_local
+from harness import assert_same_losses, make_config, rows, run_layout, run_local
 
 FP32 = 1e-5
 # bf16 compute: data parallelism reduces gradients in fp32, so per-micro-batch compute is identical and
@@ -93,7 +93,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,world,overrides", CASES, ids=[c[0] for c in CASES])
+# `make test-fast` keeps one row per dimension (two ranks each); `make test` runs them all
+FAST = {"dp2", "zero3-dp2", "tp2-sp", "pp2-1f1b", "cp2-ring"}
+
+
+@pytest.mark.parametrize("name,world,overrides", rows(CASES, FAST))
 def test_layout_matches_one_process(pools, name, world, overrides):
     single = {k: v for k, v in overrides.items() if not k.startswith("parallel__")}
     ref = reference(tuple(sorted(single.items())))

@@ -22,10 +22,10 @@ try:
 except ImportError:  # pragma: no cover - the dev extra installs it
     sync_playwright = None
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     CHROMIUM is None or sync_playwright is None,
     reason="no browser could be installed here: needs Debian's chromium (apt-get install -y chromium; .ci/run "
-           "does it) and the playwright package (the dev extra)")
+           "does it) and the playwright package (the dev extra)")]
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 
 

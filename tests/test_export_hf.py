@@ -54,6 +54,7 @@ def test_export_at_the_end_of_a_sharded_run(pools, tmp_path, layout):
     check_export(run, 3)
 
 
+@pytest.mark.slow
 def test_export_every_n_steps(tmp_path):
     cfg = make_config(training__steps=3, checkpoint__export_hf=2, checkpoint__export_dtype="fp32")
     run = str(tmp_path / "run")

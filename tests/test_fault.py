@@ -79,6 +79,7 @@ def test_sigkilled_worker_restarts_and_resumes(tmp_path, pools):
     assert_same_as(ref, str(run))
 
 
+@pytest.mark.slow
 def test_kill_during_checkpoint_write_uses_the_previous_one(tmp_path):
     ref = run_local(make_config(training__steps=8, **{k.replace(".", "__"): v for k, v in CASE.items()}))
     run = tmp_path / "run"
@@ -91,6 +92,7 @@ def test_kill_during_checkpoint_write_uses_the_previous_one(tmp_path):
     assert_same_as(ref, str(run))
 
 
+@pytest.mark.slow
 def test_saving_steps_line_survives_a_crash_after_the_save(tmp_path):
     """A saving step's metrics line is written after its save (it carries `ckpt`); a crash in between
     loses it, and the resume from that checkpoint puts it back from meta.json, once."""
@@ -109,6 +111,7 @@ def test_saving_steps_line_survives_a_crash_after_the_save(tmp_path):
     assert got[3]["loss"] == step4["loss"]
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_bf16_with_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MESHLM_TEST_NAN_STEP", "7")
     run = tmp_path / "run"
@@ -141,6 +144,7 @@ def test_fp16_keeps_skipping_instead(tmp_path, monkeypatch):
             g.check(None)
 
 
+@pytest.mark.slow
 def test_auto_cadence_is_young_daly(tmp_path):
     run = str(tmp_path / "run")
     run_local(make_config(training__steps=14, checkpoint__every="auto", checkpoint__mtbf_hours=0.002,
@@ -197,6 +201,7 @@ def test_flight_recorder_names_the_rank_that_never_entered(pools):
     assert "rank 1 never entered all_reduce #3 on group 'dp' (last reported: all_reduce #2 on 'dp' at step 3" in msg, msg
 
 
+@pytest.mark.slow
 def test_frozen_worker_is_named_by_the_launcher(tmp_path):
     run = tmp_path / "run"
     owner = str(os.getpid())

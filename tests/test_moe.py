@@ -144,6 +144,7 @@ def test_moe_keys_override_the_preset():
     assert args.num_experts == 4 and args.moe_every == 2 and args.top_k == 2
 
 
+@pytest.mark.slow
 def test_compiled_moe_matches_eager():
     """training.compile: routing and combining compile, the grouped experts run eagerly (data-dependent
     row counts); outputs and gradients equal eager's."""

@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 
-from harness import assert_same_losses, make_config, run_layout, run_local
+from harness import assert_same_losses, make_config, rows, run_layout, run_local
 from test_checkpoint import RESHARD, _layout, _train
 
 FP32 = 1e-5
@@ -44,7 +44,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,world,overrides", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name,world,overrides", rows(CASES, {"ep2"}))  # ep2 also in `make test-fast`
 def test_moe_layout_matches_one_process(pools, name, world, overrides):
     single = {**MOE, **{k: v for k, v in overrides.items() if not k.startswith("parallel__")}}
     ref = reference(tuple(sorted(single.items())))

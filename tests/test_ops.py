@@ -25,7 +25,7 @@ def _leaves(dtype):
             .requires_grad_() for i, s in enumerate(shapes)]
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gradients_equal_autograd(dtype, compiled):
     ref_in, our_in = _leaves(dtype), _leaves(dtype)

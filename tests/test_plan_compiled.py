@@ -44,6 +44,7 @@ def _compiled_block_bytes(torch, ac, dtype, b, s, d, h, kv, ffn) -> int:
     return sum(seen.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ac", ["none", "selective", "op", "full"])
 def test_compiled_block_activations_match_saved_tensors(ac):
     torch = pytest.importorskip("torch")

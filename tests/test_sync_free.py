@@ -62,7 +62,8 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [n if n in ("fp16", "bf16", "fp32") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in LAYOUTS])
 def test_train_step_reads_nothing_on_the_host(monkeypatch, name):
     tr = _trainer(**LAYOUTS[name])
     with monkeypatch.context() as m:
@@ -99,7 +100,8 @@ def _snapshot(tr) -> dict:
     return snap
 
 
-@pytest.mark.parametrize("name", ["fp16", "fp16-zero2", "fp16-zero1-offload"])
+@pytest.mark.parametrize("name", ["fp16", pytest.param("fp16-zero2", marks=pytest.mark.slow),
+                                  pytest.param("fp16-zero1-offload", marks=pytest.mark.slow)])
 def test_overflow_skips_the_step_exactly(name):
     tr = _trainer(**LAYOUTS[name])
     tr.scaler.scale = 1024.0
@@ -123,6 +125,7 @@ def test_overflow_skips_the_step_exactly(name):
     assert not torch.equal(before["param/0"], _snapshot(tr)["param/0"])
 
 
+@pytest.mark.slow
 def test_clean_run_doubles_after_growth_interval():
     tr = _trainer(training__precision="fp16")
     tr.scaler.scale, tr.scaler.growth_interval = 256.0, 3

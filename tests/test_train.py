@@ -28,6 +28,7 @@ def truncate_run(run_dir: str, keep_step: int) -> None:
     open(path, "w").writelines(lines)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_resume_gives_identical_losses(tmp_path, precision):
     cfg = make_config(checkpoint__every=5, checkpoint__keep=5, training__precision=precision)
@@ -175,6 +176,7 @@ TRAIN_ARGS = ["--model.preset", "debug", "--data.seq_len", "32", "--training.glo
               "--training.seed", "1", "--optim.warmup", "2", "--metrics.progress", "false"]
 
 
+@pytest.mark.slow
 def test_nproc_launch(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "meshlm.cli", "train", "--nproc", "2", "--run-dir", str(run_dir),
@@ -185,6 +187,7 @@ def test_nproc_launch(tmp_path):
     assert_same_losses(ref, got, 1e-5)
 
 
+@pytest.mark.slow
 def test_two_torchrun_agents_as_two_nodes(tmp_path):
     """Two torchrun agents on loopback, --nnodes 2, one worker each, train together."""
     run_dir = tmp_path / "run"
@@ -203,6 +206,7 @@ def test_two_torchrun_agents_as_two_nodes(tmp_path):
     assert_same_losses(ref, got, 1e-5)
 
 
+@pytest.mark.slow
 def test_tensorboard_and_eval_are_written(tmp_path):
     recs = run_local(make_config(metrics__tensorboard=True, training__eval_every=5), str(tmp_path))
     events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
@@ -212,6 +216,7 @@ def test_tensorboard_and_eval_are_written(tmp_path):
     assert recs[-1]["loss"] < recs[0]["loss"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ac", ["none", "op"])  # op: per-op SAC traced by the compiler (issue 17)
 def test_compiled_blocks_give_the_same_losses(tmp_path, ac):
     ref = run_local(make_config(training__steps=2), str(tmp_path / "eager"))

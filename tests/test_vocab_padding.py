@@ -65,6 +65,7 @@ def unpadded(tied: bool) -> list:
     return recs, _checkpoint_shapes(run_dir, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_padding_at_tp1_never_changes_the_loss(tied):
     ref, ref_shapes = unpadded(tied)
