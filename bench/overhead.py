@@ -55,7 +55,7 @@ def bare_loop(cfg: C.Config, steps: int) -> list[float]:
     times = []
     for step in range(steps):
         t0 = time.perf_counter()
-        x, y = sampler.next_batch(data)
+        x, y, _ = sampler.next_batch(data)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, o, steps)
         loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
