@@ -269,3 +269,18 @@ def test_no_torch_distributed_in_data():
         if name.endswith(".py"):
             with open(os.path.join(root, name)) as f:
                 assert not pat.search(f.read()), name
+
+
+def test_version1_index_still_reads_but_refuses_document_masking(tmp_path):
+    """Sets prepared before document starts were recorded train as before; masking says to re-prepare."""
+    from meshlm.data.dataset import open_data
+    np.arange(100, dtype="<u2").tofile(tmp_path / "train_00000.bin")
+    np.arange(50, dtype="<u2").tofile(tmp_path / "val_00000.bin")
+    (tmp_path / "index.json").write_text(json.dumps({
+        "version": 1, "tokenizer": "bytes", "vocab_size": 256, "dtype": "uint16", "documents": 1,
+        "splits": {"train": [{"file": "train_00000.bin", "tokens": 100}],
+                   "val": [{"file": "val_00000.bin", "tokens": 50}]}}))
+    assert TokenShards(tmp_path, "val").get(10, 3).tolist() == [10, 11, 12]
+    assert open_data(str(tmp_path), [], 8, 2, seed=0).next_batch(0, 1).inputs.shape == (2, 8)
+    with pytest.raises(ValueError, match="prepared without document starts .* run `meshlm prepare` again"):
+        open_data(str(tmp_path), [], 8, 2, seed=0, document_mask=True)

@@ -43,10 +43,8 @@ def open_data(path: str, mix: list, seq_len: int, global_batch: int, seed: int,
             raise ValueError(f"data.mix: {d} was tokenised with {s.tokenizer} (vocab {s.vocab_size}), "
                              f"{dirs[0]} with {train[0].tokenizer} (vocab {train[0].vocab_size})")
     if document_mask:
-        for d, s in zip(dirs, train):
-            if not s.has_documents:
-                raise ValueError(f"data.document_mask: {d} was prepared without document starts (index "
-                                 f"version 1); run `meshlm prepare` again")
+        for s in train:
+            s.require_documents()
     if not mix:
         sampler = GlobalBatchSampler.for_shards(train[0], seq_len, global_batch, seed)
         return TrainingData(train, val, None, sampler, document_mask)

@@ -99,16 +99,16 @@ class TokenShards:
             k += 1
         return out
 
-    @property
-    def has_documents(self) -> bool:
-        return self._docs_path is not None
+    def require_documents(self) -> None:
+        """Document masking needs the starts that only index version 2 records."""
+        if self._docs_path is None:
+            raise ValueError(f"data.document_mask: {self.dir} was prepared without document starts "
+                             f"(index version 1); run `meshlm prepare` again")
 
     def doc_ids(self, start: int, length: int) -> np.ndarray:
         """Per token of [start, start+length): which document it belongs to, counted from 0 at the
         window's first token (what a document mask compares). Two searches in the on-disk starts."""
-        if self._docs_path is None:
-            raise ValueError(f"data.document_mask: {self.dir} was prepared without document starts "
-                             f"(index version 1); run `meshlm prepare` again")
+        self.require_documents()
         if self._docs is None:
             n = os.path.getsize(self._docs_path) // 8
             self._docs = np.memmap(self._docs_path, dtype="<i8", mode="r", shape=(n,)) if n else \
