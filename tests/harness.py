@@ -7,6 +7,7 @@ builds its (cheap) sub-groups.
 """
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -86,7 +87,24 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
             results.put((rank, "ok", fn(*payload)))
         except BaseException as e:  # noqa: BLE001 - report, keep the pool alive
             results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        _drop_sub_groups(dist)
     dist.destroy_process_group()
+
+
+def _drop_sub_groups(dist) -> None:
+    """Destroy the groups this case built: gloo keeps ~3 threads per group alive, and a pool worker
+    that served a few hundred cases ran ~760 threads per rank (load average 80+ on two cores). The
+    barrier first: no rank may close a connection a peer still reads from."""
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        dist.barrier()
+    except Exception:  # noqa: BLE001 - a broken case; its groups are dropped all the same
+        pass
+    for pg in list(c10d._world.pg_map):
+        if pg is not c10d.GroupMember.WORLD:
+            dist.destroy_process_group(pg)
+    gc.collect()  # a group's threads end with its last reference (the case's objects, in cycles)
 
 
 def train_case(cfg_dict: dict, run_dir: str) -> dict | None:
