@@ -158,9 +158,9 @@ def pp_peer(cfg, rank: int, world: int):
     from meshlm.model import Llama, materialize
     from meshlm.parallel import cross_entropy
     from meshlm.parallel.llama_plan import LLAMA
-    from meshlm.parallel.pipeline.actions import stage_index
-    from meshlm.parallel.pipeline.build import plan_stages
-    from meshlm.parallel.pipeline.schedules import V_SHAPED
+    from meshlm.schedule.actions import stage_index
+    from meshlm.schedule.stage import plan_stages
+    from meshlm.schedule.schedules import V_SHAPED
 
     p, name = cfg.parallel, cfg.parallel.pp_schedule
     v, m = p.pp_virtual, cfg.training.global_batch // cfg.training.micro_batch

@@ -36,7 +36,7 @@ def _worker(rank: int, world: int, port: int, tasks, out) -> None:
     from meshlm import config as C
     from meshlm.distributed.mesh import init_context, pick_device
     from meshlm.layout import resolve
-    from meshlm.parallel.pipeline.p2p import p2p_batches
+    from meshlm.schedule.p2p import p2p_batches
     from meshlm.parallel.pipeline.trace import gather_spans, measured_bubble
     from meshlm.train.trainer import Trainer
 
@@ -96,7 +96,7 @@ class Workers:
 
 
 def simulated(name: str, p: int, m: int, v: int, costs: dict | None = None):
-    from meshlm.parallel.pipeline import build_schedule, simulate
+    from meshlm.schedule import build_schedule, simulate
 
     c = costs or {"cost_f": 1.0, "cost_b": 2.0}
     return simulate(build_schedule(name, p, m, v), p, m, v, **c)

@@ -53,7 +53,7 @@ def read_metrics(run_dir: str) -> list[dict]:
 def run_local(cfg: C.Config, run_dir: str | None = None) -> list[dict]:
     """Train `cfg` in this process, world size 1."""
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.layout import resolve
+    from meshlm.plan.auto import resolve  # the trainer's entry: parallel.auto chooses first
     from meshlm.train.trainer import Trainer
 
     run_dir = run_dir or tempfile.mkdtemp(prefix="meshlm-ref-")
@@ -110,7 +110,7 @@ def _drop_sub_groups(dist) -> None:
 def train_case(cfg_dict: dict, run_dir: str) -> dict | None:
     """Runs inside a pool worker: train the config; rank 0 returns nothing (metrics are on disk)."""
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.layout import resolve
+    from meshlm.plan.auto import resolve  # the trainer's entry: parallel.auto chooses first
     from meshlm.train.trainer import Trainer
 
     cfg = C.from_dict(cfg_dict)

@@ -83,9 +83,9 @@ def test_parameter_split_over_stages_and_tp():
     assert stage_params(sh, Spec(), "only").dense == psi
     first, last = (stage_params(sh, Spec(pp=4), st) for st in ("first", "last"))
     a = sh.args
-    # the runtime's split (parallel/pipeline/stage.py): the 128k-row head is worth ~2.4 blocks, so the
+    # the runtime's split (schedule/stage.py): the 128k-row head is worth ~2.4 blocks, so the
     # last stage gets fewer blocks than the first
-    from meshlm.parallel.pipeline.stage import estimate_costs, partition
+    from meshlm.schedule.stage import estimate_costs, partition
     runtime = partition(a.n_layers, 4, estimate_costs(a.dim, a.n_heads, a.n_kv_heads, a.ffn_dim, a.vocab_size))
     assert (first.layers, last.layers) == (len(runtime[0]), len(runtime[-1])) == (9, 6)
     assert first.embed and last.head and not first.head and not last.embed
@@ -108,7 +108,7 @@ def test_parameter_split_over_stages_and_tp():
 
 
 def test_pipeline_formulas_match_the_simulator():
-    from meshlm.parallel.pipeline import build_schedule as build, simulate
+    from meshlm.schedule import build_schedule as build, simulate
     for name, p, m, v in [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 8, 32, 1), ("interleaved", 4, 8, 2),
                           ("interleaved", 4, 8, 3), ("zb-h1", 4, 8, 1), ("zb-h1", 6, 3, 1), ("1f1b", 6, 3, 1)]:
         for f, b, w in ((1.0, 2.0, 1.0), (1.2, 2.5, 1.1)):

@@ -10,8 +10,7 @@ import pytest
 
 from harness import make_config, read_metrics, train_case
 from meshlm import config as C
-from meshlm.layout import resolve
-from meshlm.plan.auto import choose
+from meshlm.plan.auto import choose, resolve
 from meshlm.plan.hardware import get_gpu
 
 

@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 
 from meshlm.model.args import PRESETS
-from meshlm.parallel.pipeline import build_schedule
-from meshlm.parallel.pipeline.check import inflight_by_chunk
+from meshlm.schedule import build_schedule
+from meshlm.schedule.check import inflight_by_chunk
 from meshlm.plan.estimate import Options, bubble_formula, bubble_simulated, estimate
 from meshlm.plan.hardware import get_gpu
 from meshlm.plan.memory import held_layers, stage_chunks, stage_params

@@ -9,8 +9,8 @@ import pytest
 from harness import make_config, read_metrics, run_layout, run_local
 from meshlm import config as C
 from meshlm.layout import resolve
-from meshlm.parallel.pipeline import build_schedule, p2p_batches
-from meshlm.parallel.pipeline.stage import StageCosts, estimate_costs, partition
+from meshlm.schedule import build_schedule, p2p_batches
+from meshlm.schedule.stage import StageCosts, estimate_costs, partition
 from meshlm.parallel.pipeline.trace import load_timeline
 
 

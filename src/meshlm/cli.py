@@ -14,7 +14,8 @@ def _fail(msg: str, code: int = 2) -> int:
 
 def cmd_train(args, extra: list[str]) -> int:
     from . import config as C
-    from .layout import check_data, pin_model_shape, resolve
+    from .layout import check_data, pin_model_shape
+    from .plan.auto import resolve
     from .train.launch import record_error, spawn, under_launcher, worker_errors
 
     try:
@@ -131,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("run_dir")
     r.add_argument("--out", help="PNG path (default RUN_DIR/report.png)")
     r.set_defaults(func=cmd_report)
-    for mod, fn in (("meshlm.plan.cli_cmds", "add_parsers"), ("meshlm.parallel.pipeline.schedule_cmd", "add_parser"),
+    for mod, fn in (("meshlm.plan.cli_cmds", "add_parsers"), ("meshlm.schedule.command", "add_parser"),
                     ("meshlm.explore.server", "add_parser"), ("meshlm.cli_hf", "add_parsers")):
         try:
             module = __import__(mod, fromlist=[fn])

@@ -256,16 +256,11 @@ def check_cp(args: ModelArgs, cp: int, impl: str, tp: int, sp: bool, seq_len: in
                               f"to divide one another")
 
 
-def resolve(cfg: Config, world_size: int, gpu=None) -> Layout:
+def resolve(cfg: Config, world_size: int) -> Layout:
     """The layout for `world_size` ranks, or a ConfigError naming the offending key.
 
-    With parallel.auto the planner first chooses the layout for this world size and device (`gpu`, a
-    plan.hardware.GPU; None: a CPU) and writes it into `cfg` in place, so the trainer builds what was
-    chosen; the choice and its predictions are left in `cfg.auto_record`."""
-    if cfg.parallel.auto:
-        from .plan.auto import choose
-        new, cfg.auto_record = choose(cfg, world_size, gpu)
-        cfg.parallel, cfg.training = new.parallel, new.training
+    With parallel.auto the planner chooses the layout first: callers go through plan.auto.resolve,
+    which writes the choice into `cfg` and then calls this (layout sits below plan: docs/architecture.md)."""
     p, t, tr = cfg.parallel, cfg.training, cfg.model
     args = model_args(cfg)
     _choice(t.precision, PRECISIONS, "training.precision")
@@ -345,8 +340,8 @@ def check_ep(args: ModelArgs, ep: int, dp: int, dp_shard: int, cp: int, zero: in
 
 
 def _check_pipeline(cfg: Config, args: ModelArgs, microbatches: int) -> None:
-    """Schedule, chunks and the stage split (parallel/pipeline/stage.py), as one-line ConfigErrors."""
-    from .parallel.pipeline.build import plan_stages
+    """Schedule, chunks and the stage split (schedule/stage.py), as one-line ConfigErrors."""
+    from .schedule.stage import plan_stages
     try:
         plan_stages(args, cfg, microbatches)
     except ValueError as e:

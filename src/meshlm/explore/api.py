@@ -220,7 +220,7 @@ def simulated_timeline(out: dict, spec) -> dict | None:
     if p * m * v > MAX_TIMELINE_UNITS:
         return {"skipped": f"pp·microbatches·virtual = {p * m * v} actions per rank pair is too many to draw "
                            f"(bubble from the {out['time']['bubble_source']})"}
-    from ..parallel.pipeline import build_schedule, simulate
+    from ..schedule import build_schedule, simulate
     t = out["time"]
     x = t["exposed_comm_microbatch_s"] / m
     f = t["forward_s"] / m + x / 2

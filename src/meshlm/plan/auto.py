@@ -12,6 +12,8 @@ import dataclasses
 import os
 
 from ..config import Config, ConfigError
+from ..layout import Layout
+from ..layout import resolve as resolve_layout
 from .estimate import Options
 from .hardware import GB, GPU, get_gpu
 from .search import plan
@@ -37,7 +39,6 @@ def cpu_profile(peak_tflops: float = 0.0) -> GPU:
 def choose(cfg: Config, world: int, gpu: GPU | None = None, o: Options | None = None) -> tuple[Config, dict]:
     """(the config with the chosen layout, a record of the choice and its predicted numbers), or a
     one-line ConfigError when no layout of `world` ranks fits."""
-    from ..layout import resolve  # layout imports nothing of plan/; resolve is the runtime's verdict
     if gpu is None:
         gpu = cpu_profile(cfg.training.peak_tflops)
         o = o or Options(efficiency=CPU_EFFICIENCY, compiled=bool(cfg.training.compile))
@@ -57,7 +58,7 @@ def choose(cfg: Config, world: int, gpu: GPU | None = None, o: Options | None = 
         new = to_config(shape, spec, cfg)
         new.parallel = dataclasses.replace(new.parallel, auto=False)
         try:
-            resolve(new, world)
+            resolve_layout(new, world)
         except ConfigError:
             continue
         new.parallel = dataclasses.replace(new.parallel, auto=True)
@@ -68,3 +69,13 @@ def choose(cfg: Config, world: int, gpu: GPU | None = None, o: Options | None = 
         return new, record
     raise ConfigError(f"parallel.auto: no layout of {world} ranks fits {shape.name or 'the model'} on "
                       f"{gpu.name} with global_batch {G} × seq_len {seq} (see meshlm plan --explain)")
+
+
+def resolve(cfg: Config, world: int, gpu: GPU | None = None) -> Layout:
+    """`layout.resolve`, with parallel.auto's choice for this world size and device (`gpu`; None: a
+    CPU) written into `cfg` first, so the trainer builds what was chosen; the choice and its
+    predictions are left in `cfg.auto_record`."""
+    if cfg.parallel.auto:
+        new, cfg.auto_record = choose(cfg, world, gpu)
+        cfg.parallel, cfg.training = new.parallel, new.training
+    return resolve_layout(cfg, world)

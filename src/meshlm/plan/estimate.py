@@ -60,7 +60,7 @@ def bubble_formula(schedule: str, p: int, m: int, v: int, f: float = 1.0, b: flo
 
 def _simulator():
     """The pipeline package's schedules and simulator: plain Python, importable without torch."""
-    from ..parallel.pipeline import build_schedule, simulate
+    from ..schedule import build_schedule, simulate
     return build_schedule, simulate
 
 
@@ -73,12 +73,12 @@ def _built(schedule: str, p: int, m: int, v: int, fbw: tuple | None = None):
     depends on the costs (ZB-V's list scheduling)."""
     if fbw is None:
         return _simulator()[0](schedule, p, m, v)
-    from ..parallel.pipeline.simulate import action_costs
+    from ..schedule.simulate import action_costs
     return _simulator()[0](schedule, p, m, v, costs=action_costs(v, *fbw))
 
 
 def _sim_placement(schedule: str) -> bool:
-    from ..parallel.pipeline.schedules import V_SHAPED
+    from ..schedule.schedules import V_SHAPED
     return schedule in V_SHAPED
 
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..model.args import padded_vocab
-from ..parallel.pipeline.actions import stage_index
-from ..parallel.pipeline.stage import estimate_costs, partition
+from ..schedule.actions import stage_index
+from ..schedule.stage import estimate_costs, partition
 from ..choices import AC_MODES
 from .spec import ACT_BYTES, Shape, Spec
 
@@ -195,7 +195,7 @@ def pipeline_roles(pp: int) -> tuple[str, ...]:
 def stage_chunks(a, pp: int, v: int, stage: str, schedule: str = "1f1b",
                  pp_layers: tuple = ()) -> tuple[int, tuple[int, ...], bool, bool]:
     """(rank, blocks per local chunk, holds the embedding, holds the head) for a planner role, split
-    exactly as the runtime splits the blocks (parallel/pipeline/stage.py: the head costs vocab·dim,
+    exactly as the runtime splits the blocks (schedule/stage.py: the head costs vocab·dim,
     so the last stage gets fewer blocks; `pp_layers` overrides) and placed as the schedule places
     them (ZB-V's V puts the first and the last stage on rank 0). Layer counts that cannot be split
     fall back to ceil(L/(pp·v)) per chunk; check() reports them."""

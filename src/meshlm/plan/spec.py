@@ -167,7 +167,7 @@ def check(shape: Shape, s: Spec) -> None:
         raise PlanError(f"parallel.zero_group: {s.zero_group} does not divide dp {s.dp}")
     check_shape(a, s.tp, s.pp, s.pp_virtual)
     if s.pp_layers:
-        from ..parallel.pipeline.stage import partition
+        from ..schedule.stage import partition
         try:
             partition(a.n_layers, s.pp * s.pp_virtual, override=list(s.pp_layers))
         except ValueError as e:

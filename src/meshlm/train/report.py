@@ -56,7 +56,7 @@ def write_pipeline_png(run_dir: str) -> str | None:
     trace = os.path.join(run_dir, "pipeline_trace.json")
     if not os.path.isfile(trace):
         return None
-    from ..parallel.pipeline.draw import render_png
+    from ..schedule.draw import render_png
     from ..parallel.pipeline.trace import load_timeline
 
     timeline, blocked = load_timeline(trace)

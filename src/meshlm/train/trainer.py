@@ -12,9 +12,10 @@ from ..data import default_data_dir
 from ..data.dataset import open_data
 from ..distributed.comm import Watchdog, merge_stats, reset_stats
 from ..distributed.mesh import ParallelContext, init_context, pick_device, shutdown
-from ..layout import Layout, model_args, resolve
+from ..layout import Layout, model_args
 from ..model import Llama
 from ..parallel import Parallelized, parallelize
+from ..plan.auto import resolve
 from . import checkpoint as ckpt
 from . import fault
 from .metrics import MetricsLog, device_peak, device_profile, peak_bytes, tensor_bytes

@@ -12,36 +12,12 @@ ZB-V rank 0 holds both ends, so the weight is one parameter there and nothing is
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from torch import nn
 
-from .actions import stage_index, stage_owner
-from .check import check_schedule
-from .schedules import V_SHAPED, build_schedule
-from .stage import check_pipeline, estimate_costs
-
-
-@dataclass
-class PipelinePlan:
-    blocks: list[list[int]]  # global block indices of every stage
-    rank: int
-    p: int
-    v: int
-    tied: bool  # a tied weight held by two ranks (the two ends), summed over them; not under ZB-V
-    vshape: bool = False
-
-    def stage(self, chunk: int) -> int:
-        return stage_index(self.rank, chunk, self.p, self.vshape)
-
-    def holds(self, stage: int) -> bool:
-        return any(self.stage(c) == stage for c in range(self.v))
-
-
-def plan_stages(args, cfg, m: int) -> list[list[int]]:
-    p = cfg.parallel
-    costs = estimate_costs(args.dim, args.n_heads, args.n_kv_heads, args.ffn_dim, args.vocab_size)
-    return check_pipeline(args.n_layers, p.pp, p.pp_virtual, p.pp_schedule, m, list(p.pp_layers), costs)
+from ...schedule.actions import stage_owner
+from ...schedule.check import check_schedule
+from ...schedule.schedules import V_SHAPED, build_schedule
+from ...schedule.stage import PipelinePlan, plan_stages
 
 
 def split_model(model: nn.Module, ctx, cfg, layout, plan) -> PipelinePlan:

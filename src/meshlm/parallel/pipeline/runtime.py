@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from ...distributed.comm import Comm
-from .actions import Action, local_target, message_of, source_of
+from ...schedule.actions import Action, local_target, message_of, source_of
+from ...schedule.p2p import p2p_batches
 from .backward import input_backward
-from .p2p import p2p_batches
 
 
 class Stage:

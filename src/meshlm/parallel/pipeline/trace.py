@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import os
 
-from .actions import Action, stage_index
-from .p2p import p2p_batches
+from ...schedule.actions import Action, stage_index
+from ...schedule.p2p import p2p_batches
 
 Spans = list[list[tuple[float, float]]]
 

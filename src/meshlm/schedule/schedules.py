@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
-from ...choices import PP_SCHEDULES, PP_TAKES_VIRTUAL, PP_V_SHAPED
+from ..choices import PP_SCHEDULES, PP_TAKES_VIRTUAL, PP_V_SHAPED
 from .actions import Action, stage_index, stage_owner
 from .p2p import PLACEMENT_COSTS, add_p2p, p2p_batches
 

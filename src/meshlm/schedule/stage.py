@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ...choices import choose
+from ..choices import choose
+from .actions import stage_index
 from .schedules import SCHEDULES, TAKES_VIRTUAL, V_SHAPED
 
 
@@ -113,3 +114,28 @@ def check_pipeline(n_layers: int, pp: int, virtual: int, schedule: str, microbat
         raise ValueError(f"parallel.pp_virtual: schedule '{schedule}' runs one chunk per rank, got {virtual} "
                          f"(use 'interleaved')")
     return partition(n_layers, pp * virtual, costs, pp_layers)
+
+
+@dataclass
+class PipelinePlan:
+    """This rank's part of the pipeline: which blocks every stage holds and which stages are its."""
+    blocks: list[list[int]]  # global block indices of every stage
+    rank: int
+    p: int
+    v: int
+    tied: bool  # a tied weight held by two ranks (the two ends), summed over them; not under ZB-V
+    vshape: bool = False
+
+    def stage(self, chunk: int) -> int:
+        return stage_index(self.rank, chunk, self.p, self.vshape)
+
+    def holds(self, stage: int) -> bool:
+        return any(self.stage(c) == stage for c in range(self.v))
+
+
+def plan_stages(args, cfg, m: int) -> list[list[int]]:
+    """The blocks of every stage for model `args` under `cfg`'s pipeline keys and `m` micro-batches
+    (ValueError naming the key when they do not fit); layout.py checks with it, the runtime cuts by it."""
+    p = cfg.parallel
+    costs = estimate_costs(args.dim, args.n_heads, args.n_kv_heads, args.ffn_dim, args.vocab_size)
+    return check_pipeline(args.n_layers, p.pp, p.pp_virtual, p.pp_schedule, m, list(p.pp_layers), costs)

@@ -2,7 +2,7 @@
 
 Lets a user pick pp / micro-batches / schedule from numbers before paying for
 GPUs. The main CLI wires it in with `add_parser(subparsers)` and dispatches
-to `run(args)`; ``python -m meshlm.parallel.pipeline.schedule_cmd`` also works.
+to `run(args)`; ``python -m meshlm.schedule.command`` also works.
 """
 from __future__ import annotations
 
