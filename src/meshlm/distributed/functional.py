@@ -146,6 +146,35 @@ class _SumGradOverReplicas(Function):
         return buf[slot].clone(), None, None
 
 
+class _AllToAll(Function):
+    """The exchange forward, its transpose (the splits swapped) backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm, out_splits, in_splits):
+        ctx.comm, ctx.out_splits, ctx.in_splits = comm, out_splits, in_splits
+        return _exchange(x, comm, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _exchange(g, ctx.comm, ctx.in_splits, ctx.out_splits), None, None, None
+
+
+def _exchange(x: torch.Tensor, comm: Comm, out_splits, in_splits) -> torch.Tensor:
+    x = x.contiguous()
+    rows = sum(out_splits) if out_splits is not None else x.shape[0]
+    out = x.new_empty((rows,) + tuple(x.shape[1:]))
+    comm.all_to_all(out, x, out_splits, in_splits)
+    return out
+
+
+def all_to_all(x: torch.Tensor, comm: Comm, out_splits: list[int] | None = None,
+               in_splits: list[int] | None = None) -> torch.Tensor:
+    """Rows `in_splits[i]` of x (dim 0) go to peer i and `out_splits[i]` rows arrive from peer i, in rank
+    order (None: equal blocks), with autograd. Expert dispatch and Ulysses' head/sequence swaps both
+    use it."""
+    return _AllToAll.apply(x, comm, out_splits, in_splits)
+
+
 def copy_to(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """Enter a tensor-parallel region: identity forward, all-reduce of the gradient backward."""
     return x if comm.size == 1 else _CopyTo.apply(x, comm)

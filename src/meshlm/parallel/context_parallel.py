@@ -30,6 +30,7 @@ from torch import nn
 from torch.autograd import Function
 
 from ..distributed.comm import Comm
+from ..distributed.functional import all_to_all
 
 # ---------------------------------------------------------------------------------- the split
 
@@ -253,12 +254,11 @@ class RingAttentionCore(nn.Module):
 # ---------------------------------------------------------------------------------- ulysses
 
 def _seq_to_heads(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """[B, H, S/c, D] sequence-split → [B, H/c, S, D] head-split (rank j gets heads j·H/c…)."""
+    """[B, H, S/c, D] sequence-split → [B, H/c, S, D] head-split (rank j gets heads j·H/c…). With
+    autograd: its backward is `_heads_to_seq` (all_to_all's transpose and the reshapes' inverses)."""
     b, h, s, d = x.shape
     c = comm.size
-    inp = x.reshape(b, c, h // c, s, d).transpose(0, 1).contiguous()
-    out = torch.empty_like(inp)
-    comm.all_to_all(out, inp)
+    out = all_to_all(x.reshape(b, c, h // c, s, d).transpose(0, 1), comm)
     return out.permute(1, 2, 0, 3, 4).reshape(b, h // c, c * s, d)
 
 
@@ -266,24 +266,9 @@ def _heads_to_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """[B, H/c, S, D] head-split → [B, H, S/c, D] sequence-split: the inverse of `_seq_to_heads`."""
     b, h, s, d = x.shape
     c = comm.size
-    inp = x.reshape(b, h, c, s // c, d).permute(2, 0, 1, 3, 4).contiguous()
-    out = torch.empty_like(inp)
-    comm.all_to_all(out, inp)
+    out = all_to_all(x.reshape(b, h, c, s // c, d).permute(2, 0, 1, 3, 4), comm)
     # laid out [B, S/c, H, D]: the model's transpose + reshape for wo is then a view, not a copy
     return out.permute(1, 3, 0, 2, 4).reshape(b, s // c, c * h, d).transpose(1, 2)
-
-
-class _AllToAll(Function):
-    """One of the two all-to-alls, with the other as its backward (each is the other's transpose)."""
-
-    @staticmethod
-    def forward(ctx, x, comm, to_heads: bool):
-        ctx.comm, ctx.to_heads = comm, to_heads
-        return (_seq_to_heads if to_heads else _heads_to_seq)(x, comm)
-
-    @staticmethod
-    def backward(ctx, g):
-        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(g.contiguous(), ctx.comm), None, None
 
 
 class UlyssesAttentionCore(nn.Module):
@@ -299,8 +284,8 @@ class UlyssesAttentionCore(nn.Module):
         c = self.comm.size
         if k.shape[1] < c:
             k, v = k.repeat_interleave(c // k.shape[1], 1), v.repeat_interleave(c // v.shape[1], 1)
-        q, k, v = (_AllToAll.apply(t.contiguous(), self.comm, True) for t in (q, k, v))
-        return _AllToAll.apply(self.inner(q, k, v).contiguous(), self.comm, False)
+        q, k, v = (_seq_to_heads(t, self.comm) for t in (q, k, v))
+        return _heads_to_seq(self.inner(q, k, v), self.comm)
 
 
 # ---------------------------------------------------------------------------------- apply

@@ -26,29 +26,9 @@ import torch
 from torch import nn
 
 from ..distributed.comm import Comm
-from ..distributed.functional import copy_to, reduce_from
+from ..distributed.functional import all_to_all, copy_to, reduce_from
 from ..model.init import canonical_name
 from ..model.moe import BALANCE, CALLS, DROPPED, MoE
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm: Comm, out_splits: list[int], in_splits: list[int]):
-        ctx.comm, ctx.out_splits, ctx.in_splits = comm, out_splits, in_splits
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        comm.all_to_all(out, x.contiguous(), out_splits, in_splits)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        out = g.new_empty((sum(ctx.in_splits),) + tuple(g.shape[1:]))
-        ctx.comm.all_to_all(out, g.contiguous(), ctx.in_splits, ctx.out_splits)
-        return out, None, None, None
-
-
-def all_to_all(x: torch.Tensor, comm: Comm, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
-    """Rows `in_splits[i]` of x go to peer i; `out_splits[i]` rows arrive from peer i (with autograd)."""
-    return _AllToAll.apply(x, comm, out_splits, in_splits)
 
 
 class ExpertParallelMoE(MoE):
