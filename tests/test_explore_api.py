@@ -321,5 +321,24 @@ def test_per_operation_model_in_the_explorer(served, capsys, tmp_path):
     assert ops["gemm_s"] > ops["attention_s"] > 0 and ops["elementwise_s"] > 0
     status, res = call(served[0], "/api/estimate", dict(body, attn_kernel="fa9"))
     assert status == 400 and "attn_kernel" in res["error"]
-    status, res = call(served[0], "/api/estimate", dict(body, calibrate=str(tmp_path)))
-    assert status == 400 and res["error"].startswith("calibrate: ") and "config.toml not found" in res["error"]
+    # calibrate: a run under --runs (its measured machine replaces the GPU profile), never a path
+    for bad in (str(tmp_path), "../tiny", "no-such-run"):
+        status, res = call(served[0], "/api/estimate", dict(body, calibrate=bad))
+        assert status == 400 and res["error"].startswith("calibrate: ") and res["key"] == "calibrate", (bad, res)
+
+
+def test_explorer_loads_a_calibration(served, capsys):
+    """Issue 23: the explorer prices a layout on the machine a run under --runs measured, with the
+    numbers `meshlm estimate --calibrate RUN_DIR` gives (the short real run of the fixture)."""
+    base, root, name = served
+    tiny = {"model.preset": "debug", "data.seq_len": 32, "training.micro_batch": 2}
+    code, cli, err = cli_json(capsys, ["estimate", "--json", "--calibrate", str(root / name), "--gpus", "2",
+                                       "--model.preset", "debug", "--data.seq_len", "32", "--training.global_batch",
+                                       "8", "--training.micro_batch", "2"])
+    assert code == 0, err
+    status, res = call(base, "/api/estimate", dict(tiny, gpus=2, global_batch_tokens=8 * 32, calibrate=name))
+    assert status == 200 and res["estimate"] == cli and cli["gpu"] == "custom" and cli["step_s"] > 0
+    status, plan = call(base, "/api/plan", dict(tiny, gpus=2, global_batch_tokens=8 * 32, calibrate=name))
+    assert status == 200 and plan["ranked"] and all(r["step_s"] > 0 for r in plan["ranked"])
+    page = call(base, "/app.js")[1].decode()
+    assert '"/api/runs"' in page and 'input("calibrate")' in page

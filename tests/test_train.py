@@ -185,6 +185,9 @@ def test_nproc_launch(tmp_path):
     got = read_metrics(str(run_dir))
     ref = run_local(C.load(str(run_dir / "config.toml")), str(tmp_path / "ref"))
     assert_same_losses(ref, got, 1e-5)
+    # what --calibrate reads (docs/planner.md): the world, and on a CPU the threads, cores and schedstat seconds
+    assert all(r["world"] == 2 and r["threads"] >= 1 and r["cores"] >= 1 and r["cpu_s"] > 0 and r["wait_s"] >= 0
+               for r in got)
 
 
 @pytest.mark.slow

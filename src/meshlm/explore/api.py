@@ -10,6 +10,7 @@ that caused it.
 from __future__ import annotations
 
 import json
+import os
 import re
 
 from .. import config as C
@@ -105,8 +106,9 @@ def _number(body: dict, key: str, kind=float, default=None, low: float = 0.0):
     return x
 
 
-def parse(body, layout: bool = True):
-    """(config, gpu, number of GPUs, Options, global batch tokens) from a request body."""
+def parse(body, layout: bool = True, runs_root: str | None = None):
+    """(config, gpu, number of GPUs, Options, global batch tokens) from a request body. `calibrate`
+    names a run under `runs_root` (--runs), never a path: nothing else on disk is read."""
     if not isinstance(body, dict):
         raise BadRequest("request: expected a JSON object")
     for k in body:
@@ -138,12 +140,19 @@ def parse(body, layout: bool = True):
         raise BadRequest(f"attn_kernel: expected one of {', '.join(KERNELS)}, got {kernel!r}", "attn_kernel")
     opts = Options(efficiency=eff, comm_efficiency=ceff, flash=flash, compiled=bool(cfg.training.compile),
                    attn_kernel=kernel)
-    if body.get("calibrate"):  # a run directory: the machine it measured replaces the GPU profile
+    if body.get("calibrate"):  # a run under --runs: the machine it measured replaces the GPU profile
         from ..plan.calibrate import device_and_options, fit
+        from .runs import NotFound, run_path
         try:
-            gpu, opts = device_and_options(fit(str(body["calibrate"])), n, bool(cfg.training.compile))
+            if runs_root is None:
+                raise BadRequest("calibrate: no runs root to read runs from", "calibrate")
+            path = run_path(runs_root, body["calibrate"])
+            gpu, opts = device_and_options(fit(path), n, bool(cfg.training.compile))
+        except (BadRequest, NotFound) as e:
+            raise BadRequest("calibrate: " + str(e).removeprefix("run: "), "calibrate") from None
         except PlanError as e:
-            raise BadRequest(str(e).replace("--calibrate", "calibrate", 1), "calibrate") from None
+            raise BadRequest(str(e).replace(os.path.dirname(path) + os.sep, "").replace("--calibrate", "calibrate", 1),
+                             "calibrate") from None
     seq = cfg.data.seq_len
     if seq < 1:
         raise BadRequest(f"data.seq_len: must be >= 1, got {seq}", "data.seq_len")
@@ -162,11 +171,11 @@ def _jsonable(x):
 
 # ---------------------------------------------------------------------------------- endpoints
 
-def run_estimate(body) -> dict:
+def run_estimate(body, runs_root: str | None = None) -> dict:
     """POST /api/estimate: the estimate of the layout the inputs describe, its pipeline timeline and the
     TOML that trains it."""
     try:
-        cfg, gpu, n, opts, _ = parse(body)
+        cfg, gpu, n, opts, _ = parse(body, runs_root=runs_root)
         shape = shape_from_config(cfg)
         spec = spec_from_config(cfg, n)
         out = estimate(shape, spec, gpu, opts)
@@ -180,10 +189,10 @@ def run_estimate(body) -> dict:
             "toml": C.to_toml(to_config(shape, spec, cfg))}
 
 
-def run_plan(body) -> dict:
+def run_plan(body, runs_root: str | None = None) -> dict:
     """POST /api/plan: `meshlm plan` for the inputs' model and cluster (their layout keys are ignored)."""
     try:
-        cfg, gpu, n, opts, tokens = parse(body, layout=False)
+        cfg, gpu, n, opts, tokens = parse(body, layout=False, runs_root=runs_root)
         top = _number(body, "top", int, 10, 1)
         shape = shape_from_config(cfg)
         res = plan(shape, gpu, n, cfg.data.seq_len, tokens, cfg.training.precision, min(top, 50), {}, opts)

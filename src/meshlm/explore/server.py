@@ -84,7 +84,7 @@ class Handler(BaseHTTPRequestHandler):
                 return ok(runs.read_run(self.runs_root, (parse_qs(url.query).get("name") or [None])[0]))
             if method == "POST" and url.path in ("/api/estimate", "/api/plan"):
                 body = self._body()
-                return ok((api.run_estimate if url.path == "/api/estimate" else api.run_plan)(body))
+                return ok((api.run_estimate if url.path == "/api/estimate" else api.run_plan)(body, self.runs_root))
             return error(404, f"request: no such page or endpoint: {method} {url.path}")
         except api.BadRequest as e:
             return error(400, str(e), e.key)

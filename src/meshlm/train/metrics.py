@@ -114,6 +114,26 @@ def tensor_bytes(tensors) -> int:
     return total
 
 
+def sched_seconds() -> tuple[float, float] | None:
+    """(seconds on a core, seconds runnable but waiting for one) summed over this process's threads, from
+    Linux's /proc/self/task/*/schedstat; None where it does not exist. On a shared CPU their ratio is the
+    share of a core the ranks got, which `--calibrate` needs (docs/planner.md, "Calibration from a run")."""
+    base = "/proc/self/task"
+    try:
+        tids = os.listdir(base)
+    except OSError:
+        return None
+    on = wait = 0
+    for tid in tids:
+        try:
+            with open(f"{base}/{tid}/schedstat") as f:
+                fields = f.read().split()
+        except OSError:  # a thread that just ended
+            continue
+        on, wait = on + int(fields[0]), wait + int(fields[1])
+    return on / 1e9, wait / 1e9
+
+
 def peak_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))

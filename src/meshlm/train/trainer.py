@@ -18,7 +18,7 @@ from ..parallel import Parallelized, parallelize
 from ..plan.auto import resolve
 from . import checkpoint as ckpt
 from . import fault
-from .metrics import MetricsLog, device_peak, device_profile, peak_bytes, tensor_bytes
+from .metrics import MetricsLog, device_peak, device_profile, peak_bytes, sched_seconds, tensor_bytes
 from .optim import LossScaler, MasterOptimizer, clip_, grad_norm, lr_at
 
 
@@ -228,6 +228,7 @@ class Trainer:
         last: dict = {}
         tokens_per_step = t.global_batch * self.seq_len
         window_start, window_steps = time.perf_counter(), 0
+        self._sched = sched_seconds()
         cadence = fault.Cadence(self.cfg.checkpoint.every, self.cfg.checkpoint.mtbf_hours, self.step,
                                 self.ctx.comm("world"), log)
         try:
@@ -333,9 +334,16 @@ class Trainer:
         rec = {"step": self.step, "loss": self.global_loss(out["loss_sum"]), "grad_norm": float(out["norm"]),
                "lr": out["lr"], "tokens": self.step * tokens_per_step, "tokens_per_s": tps, "mfu": mfu,
                "step_s": step_s, "mem": out["mem"] or self.memory(), "peak_flops": self.peak_flops,
-               "peak_label": self.peak_label,
+               "peak_label": self.peak_label, "world": self.ctx.world_size,
                "comm": {k: {"calls": s.calls / window_steps, "bytes": s.bytes / window_steps,
                             "seconds": s.seconds / window_steps} for k, s in stats.items()}}
+        if self.ctx.device.type == "cpu":  # ranks share the cores: --calibrate prices that (docs/planner.md)
+            rec["threads"] = torch.get_num_threads()
+            rec["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+            now, before = sched_seconds(), self._sched
+            if now is not None and before is not None:  # on a core / waiting for one, per step
+                rec["cpu_s"], rec["wait_s"] = ((a - b) / window_steps for a, b in zip(now, before))
+            self._sched = now
         if self.sampler.drawn() is not None:  # data.mix: tokens drawn per source so far
             rec["data"] = self.sampler.drawn()
         if self.par.moe is not None:

@@ -256,6 +256,9 @@ async function start() {
   setValue("gpu", "h100-sxm-80gb");
   setValue("training.precision", "bf16");
   setValue("global_batch_tokens", OPTIONS.defaults.global_batch_tokens);
+  api("/api/runs").then((res) => {  // runs to calibrate from (docs/planner.md, "Calibration from a run")
+    for (const r of res.runs) input("calibrate").add(new Option(r.name, r.name));
+  }).catch(() => {});
   input("efficiency").placeholder = OPTIONS.defaults.efficiency;
   input("comm_efficiency").placeholder = OPTIONS.defaults.comm_efficiency;
   for (const ex of OPTIONS.examples) {

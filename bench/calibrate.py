@@ -1,0 +1,120 @@
+"""The CPU calibration demo of issue 23: calibrate on a 2-rank run, predict a 4-rank run in another layout.
+
+    python bench/calibrate.py [--rounds 3] [--steps 14] [--json] [--keep DIR]
+
+Each round trains the calibration run (2 ranks, dp 2) and then the target run (4 ranks, tp 2 × dp 2)
+with `meshlm train --nproc` (one thread per rank), back to back so that the machine's load hits both
+alike, fits the machine on the first (`plan/calibrate.py`: nothing of the target run is used) and
+prints the target's predicted step against its measured one; the summary is the median ratio. On a
+2-core machine the target's 4 ranks oversubscribe the cores. Beside the model's prediction the table
+prints what two other assumptions predict (docs/planner.md, "Calibration from a run"): `per-thread
+load` (other programs' load, measured in the calibration run, competes with each of our threads, so
+4 ranks win more of a loaded machine than 2) and `own core` (every rank a core to itself); then the
+core share the per-thread model predicts for the target against the one it measured (schedstat:
+seconds on a core / seconds runnable), and both runs' CPU seconds per step per rank.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
+sys.path.insert(0, SRC)
+
+from meshlm.plan import calibrate as K  # noqa: E402
+from meshlm.plan.estimate import estimate  # noqa: E402
+from meshlm.plan.spec import shape_from_config, spec_from_config  # noqa: E402
+
+
+def _median(run_dir: str, key: str) -> float:
+    recs = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl")) if '"step_s"' in x]
+    return statistics.median(r.get(key, float("nan")) for r in recs[K.WARMUP_RECORDS:])
+
+
+def train(run_dir: str, nproc: int, common: list[str], extra: list[str]) -> float:
+    """`meshlm train --nproc N` into run_dir; returns its wall seconds."""
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("OMP_NUM_THREADS", None)  # the launcher's own rule: cores // ranks (K.threads_per_rank)
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "meshlm.cli", "train", "--nproc", str(nproc), "--run-dir", run_dir,
+                        *common, *extra], env=env, capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"training {run_dir} failed:\n{r.stderr[-2000:]}")
+    return time.perf_counter() - t0
+
+
+def variants(calib: str, cfg, ranks: int, threads: int) -> dict:
+    """Step seconds predicted under the model and under the assumptions it replaces."""
+    shape, spec = shape_from_config(cfg), spec_from_config(cfg, ranks)
+    cal, per_thread = K.fit(calib), K.fit(calib, load=None)
+    q, o = K.device_and_options(cal, ranks, False, threads)
+    gpu, _ = K.device_and_options(per_thread, ranks, False, threads)
+    share = K.core_share(ranks, quiet.cores, threads)
+    own_core = dataclasses.replace(q, peak_flops=q.peak_flops / share)  # each rank a whole core
+    return {name: estimate(shape, spec, g, o)["step_s"]
+            for name, g in (("model", q), ("per_thread_load", gpu), ("own_core", own_core))}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--keep", help="write the runs here (default: a temporary directory, removed)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    common = ["--model.preset", a.preset, "--data.seq_len", str(a.seq_len), "--training.global_batch",
+              str(a.global_batch), "--training.micro_batch", str(a.micro_batch), "--training.steps", str(a.steps),
+              "--training.eval_every", "0", "--training.peak_tflops", "1", "--metrics.progress", "false",
+              "--checkpoint.resume", "never"]
+    root = a.keep or tempfile.mkdtemp(prefix="meshlm-calib-")
+    rows = []
+    try:
+        for i in range(a.rounds):
+            calib, target = os.path.join(root, f"r{i}-dp2"), os.path.join(root, f"r{i}-tp2dp2")
+            load = os.getloadavg()[0]
+            train(calib, 2, common, [])
+            train(target, 4, common, ["--parallel.tp", "2"])
+            cal, got, base = K.fit(calib, load=None), K.measured(target), K.measured(calib)
+            pred = variants(calib, K.run_config(target), got.world, got.threads)
+            rows.append({"round": i, "load": load, "calib_step_s": base.step_s, "calib_comm_s": base.comm_s,
+                         "calib_available": base.available, "fitted_load": cal.load,
+                         "predicted_available": K.core_share(got.world, cal.cores, got.threads, cal.load),
+                         "target_available": got.available, "target_comm_s": got.comm_s,
+                         "rate_gflops_per_core": cal.rate_flops / 1e9, "link_mb_s_per_core": cal.link_bytes_s / 1e6,
+                         "measured_s": got.step_s, **{f"pred_{k}_s": v for k, v in pred.items()},
+                         **{f"ratio_{k}": v / got.step_s for k, v in pred.items()},
+                         "calib_cpu_s": _median(calib, "cpu_s"), "target_cpu_s": _median(target, "cpu_s")})
+            r = rows[-1]
+            if not a.json:
+                print(f"round {i}: loadavg {load:.1f}; dp2 {r['calib_step_s']:.3f} s/step, a core "
+                      f"{r['calib_available']:.0%} of the time -> {r['fitted_load']:.1f} other threads; "
+                      f"tp2×dp2 predicted {r['pred_model_s']:.3f} s, measured {r['measured_s']:.3f} s, "
+                      f"ratio {r['ratio_model']:.3f} (per-thread load {r['ratio_per_thread_load']:.3f}, own core "
+                      f"{r['ratio_own_core']:.3f}); core share predicted {r['predicted_available']:.2f} "
+                      f"measured {r['target_available']:.2f}; cpu s/step/rank {r['calib_cpu_s']:.3f} -> "
+                      f"{r['target_cpu_s']:.3f}", flush=True)
+    finally:
+        if not a.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    summary = {k: statistics.median(r[k] for r in rows) for k in ("ratio_model", "ratio_per_thread_load", "ratio_own_core")}
+    if a.json:
+        print(json.dumps({"rows": rows, "median": summary}, indent=1))
+    else:
+        print("median ratio predicted / measured: " + ", ".join(f"{k[6:]} {v:.3f}" for k, v in summary.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
