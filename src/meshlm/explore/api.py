@@ -58,6 +58,30 @@ class BadRequest(ValueError):
         self.key = key if key is not None else error_key(message)
 
 
+NAME = re.compile(r"^[A-Za-z0-9_.+=@-][A-Za-z0-9_.+=@ -]{0,254}$")
+
+
+class NotFound(LookupError):
+    """HTTP 404 with this one-line message."""
+
+
+def is_run(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "metrics.jsonl")) or os.path.isfile(os.path.join(path, "config.toml"))
+
+
+def run_path(root: str, name) -> str:
+    """The directory of run `name`, or BadRequest (not a plain name / outside the root) / NotFound."""
+    if not isinstance(name, str) or not NAME.match(name) or name in (".", "..") or ".." in name:
+        raise BadRequest(f"run: {name!r} is not a run name (a directory directly under the runs root)", "run")
+    base = os.path.realpath(root)
+    path = os.path.realpath(os.path.join(base, name))
+    if os.path.dirname(path) != base:
+        raise BadRequest(f"run: {name!r} resolves outside the runs root", "run")
+    if not os.path.isdir(path) or not is_run(path):
+        raise NotFound(f"run: no run directory {name!r} under the runs root")
+    return path
+
+
 def error_key(message: str) -> str | None:
     """'parallel.tp: 3 does not divide ...' -> 'parallel.tp'; '--gpus: ...' -> 'gpus'."""
     m = re.match(r"^(--)?([a-z_][\w.-]*)[: ]", message)
@@ -142,7 +166,6 @@ def parse(body, layout: bool = True, runs_root: str | None = None):
                    attn_kernel=kernel)
     if body.get("calibrate"):  # a run under --runs: the machine it measured replaces the GPU profile
         from ..plan.calibrate import device_and_options, fit
-        from .runs import NotFound, run_path
         try:
             if runs_root is None:
                 raise BadRequest("calibrate: no runs root to read runs from", "calibrate")

@@ -9,34 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 from .. import config as C
-from .api import BadRequest, timeline_json
-
-NAME = re.compile(r"^[A-Za-z0-9_.+=@-][A-Za-z0-9_.+=@ -]{0,254}$")
-
-
-class NotFound(LookupError):
-    """HTTP 404 with this one-line message."""
-
-
-def _is_run(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "metrics.jsonl")) or os.path.isfile(os.path.join(path, "config.toml"))
-
-
-def run_path(root: str, name) -> str:
-    """The directory of run `name`, or BadRequest (not a plain name / outside the root) / NotFound."""
-    if not isinstance(name, str) or not NAME.match(name) or name in (".", "..") or ".." in name:
-        raise BadRequest(f"run: {name!r} is not a run name (a directory directly under the runs root)", "run")
-    base = os.path.realpath(root)
-    path = os.path.realpath(os.path.join(base, name))
-    if os.path.dirname(path) != base:
-        raise BadRequest(f"run: {name!r} resolves outside the runs root", "run")
-    if not os.path.isdir(path) or not _is_run(path):
-        raise NotFound(f"run: no run directory {name!r} under the runs root")
-    return path
-
+from .api import NAME, BadRequest, NotFound, is_run, run_path, timeline_json
 
 def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
     """(step records, eval records). A line being written while we read is skipped, not an error."""
@@ -65,7 +40,7 @@ def list_runs(root: str) -> dict:
     if os.path.isdir(root):
         for name in os.listdir(root):
             path = os.path.join(root, name)
-            if not NAME.match(name) or not os.path.isdir(path) or not _is_run(path):
+            if not NAME.match(name) or not os.path.isdir(path) or not is_run(path):
                 continue
             try:
                 run_path(root, name)

@@ -88,7 +88,7 @@ class Handler(BaseHTTPRequestHandler):
             return error(404, f"request: no such page or endpoint: {method} {url.path}")
         except api.BadRequest as e:
             return error(400, str(e), e.key)
-        except runs.NotFound as e:
+        except api.NotFound as e:
             return error(404, str(e), "run")
         except Exception as e:  # noqa: BLE001 - one line to the page, the traceback to the terminal
             traceback.print_exc(file=sys.stderr)
