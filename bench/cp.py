@@ -5,7 +5,7 @@
 For cp = 1, 2, 4 and each of ring / Ulysses this trains a few steps on gloo workers (one sequence of
 `--seq-len` tokens per step, split over the CP group) and prints, for rank 0:
 - activation bytes: what autograd saves for backward in one micro-batch's forward + loss (distinct
-  storages, no parameters; `context_parallel.saved_bytes`), in total and for one block (the
+  storages, no parameters; `train.saved.saved_bytes`), in total and for one block (the
   attention + block activations that CP divides), next to the planner's prediction;
 - peak RSS of the worker (CPU: includes the model, optimizer, allocator slack);
 - step time (CPU, 2 shared cores: relative only);
@@ -40,7 +40,7 @@ def _worker(rank: int, world: int, port: int, overrides: dict, steps: int, out) 
     from meshlm.distributed.comm import reset_stats
     from meshlm.distributed.mesh import init_context, pick_device, shutdown
     from meshlm.layout import resolve
-    from meshlm.parallel.context_parallel import saved_bytes
+    from meshlm.train.saved import saved_bytes
     from meshlm.train.trainer import Trainer
 
     torch.set_num_threads(max(1, 2 // world))
@@ -60,12 +60,12 @@ def _worker(rank: int, world: int, port: int, overrides: dict, steps: int, out) 
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, 256, (layout.micro_batch, cfg.data.seq_len + 1), generator=g)
         x, y = (par.local_tokens(t) for t in (tokens[:, :-1], tokens[:, 1:]))
-        total = saved_bytes(par.model, lambda: par.loss_fn(par.model(x), y))
+        total = saved_bytes(lambda: par.loss_fn(par.model(x), y), skip=par.model.parameters()).total
         block = par.model.layers["0"]
         h = par.model.tok_embeddings(x).detach()
         pos = par.cp.split.positions(x.shape[1]) if par.cp is not None else torch.arange(x.shape[1])
         cos, sin = par.model.rope(cfg.data.seq_len, x.device)
-        blk = saved_bytes(block, lambda: block(h, cos[pos], sin[pos]))
+        blk = saved_bytes(lambda: block(h, cos[pos], sin[pos]), skip=block.parameters()).total
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         if rank == 0:
             out.put({"stats": stats, "total": total, "block": blk, "rss": rss, "step_s": step_s})

@@ -35,6 +35,8 @@ from spawn import join_gloo, spawn_gloo  # noqa: E402  (bench/spawn.py)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from meshlm.train.saved import saved_bytes  # noqa: E402
+
 AC_ORDER = ("none", "op", "selective", "full")
 
 
@@ -103,7 +105,7 @@ def build(cfg, ctx, layout, legacy: bool):
     return tr
 
 
-def saved_bytes(tr, seed: int = 0) -> dict:
+def saved_by_part(tr, seed: int = 0) -> dict:
     """Bytes one forward + loss keeps for backward on this rank: per block (saved-tensor hooks + the op
     cache), outside the blocks (embedding ids, final norm, head, loss) and the RoPE tables apart."""
     model, cfg = tr.model, tr.cfg
@@ -111,36 +113,11 @@ def saved_bytes(tr, seed: int = 0) -> dict:
     x, y = (torch.randint(0, model.args.vocab_size, (cfg.training.micro_batch, cfg.data.seq_len), generator=g)
             for _ in range(2))
     model.rope(cfg.data.seq_len, x.device)
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    rope = {t.untyped_storage().data_ptr() for t in model.rope_cache}
     blocks = list(model.layers.values())
-    where: list[int] = []
-    per_block, seen, other = [0] * len(blocks), set(), {"rest": 0, "rope": 0}
-    handles = []
-    for i, b in enumerate(blocks):
-        handles.append(b.register_forward_pre_hook(lambda m, a, i=i: where.append(i)))
-        handles.append(b.register_forward_hook(lambda m, a, o: [where.pop()] and None))
-
-    def pack(t: torch.Tensor):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip and ptr not in seen:
-            seen.add(ptr)
-            n = t.untyped_storage().nbytes()
-            if ptr in rope:
-                other["rope"] += n
-            elif where:
-                per_block[where[-1]] += n
-            else:
-                other["rest"] += n
-        return t
-
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = tr._loss(x, y)
-    finally:
-        for h in handles:
-            h.remove()
-    del loss
+    saved = saved_bytes(lambda: tr._loss(x, y), skip=model.parameters(), parts={b: str(i) for i, b in enumerate(blocks)},
+                        named={"rope": model.rope_cache}, outside="rest")
+    per_block = [saved[str(i)] for i in range(len(blocks))]
+    other = {"rest": saved["rest"], "rope": saved["rope"]}
     kept = [sum(getattr(m, "kept_bytes", 0) for m in b.modules()) for b in blocks]
     hooks = sum(per_block)
     return {"block": (hooks + sum(kept)) / len(blocks), "block0": per_block[0] + kept[0], "op_cache": sum(kept),
@@ -183,7 +160,7 @@ def ab_run(a, ctx=None) -> list[dict]:
         layout = resolve(cfg, a.tp)
         ctx = ctx or init_context(layout.shape(), pick_device("cpu"))
         trainers = {"A": build(cfg, ctx, layout, True), "B": build(cfg, ctx, layout, False)}
-        saved = {name: saved_bytes(tr) for name, tr in trainers.items()}
+        saved = {name: saved_by_part(tr) for name, tr in trainers.items()}
         t = alternate(trainers, a)
         out.append({"precision": precision, "ratio": t["B"]["median_s"] / t["A"]["median_s"],
                     "A": {**t["A"], **saved["A"]}, "B": {**t["B"], **saved["B"]},
@@ -208,7 +185,7 @@ def ac_table(a) -> list[dict]:
             e = 4 if precision == "fp32" else 2
             pred[ac] = {"block": block_activation_bytes(shape, a.batch * a.seq_len, a.seq_len, e, ac=ac),
                         "step": stage_memory(shape, spec, "only")["activations"]}
-        saved = {ac: saved_bytes(tr) for ac, tr in trainers.items()}
+        saved = {ac: saved_by_part(tr) for ac, tr in trainers.items()}
         t = alternate(trainers, a)
         for ac in AC_ORDER:
             m, p = saved[ac], pred[ac]

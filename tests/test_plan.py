@@ -315,23 +315,15 @@ def _measure_block(torch, ac, dtype, b, s, d, h, kv, ffn, math):
     apply_ac(model, ac, LLAMA)
     cos, sin = model.rope(s, torch.device("cpu"))
     cos, sin = cos[:s], sin[:s]
-    skip = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + [cos, sin]}
-    seen = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
+    from meshlm.train.saved import saved_bytes
     x = torch.randn(b, s, d, dtype=dtype, requires_grad=True)
+    out = []
     ctx = torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]) if math else _null()
     with ctx:  # the backward recomputes under the same SDPA backend
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = model.layers["0"](x, cos, sin)
-        y.float().sum().backward()
-    scores_saved = any(n == b * h * s * s * (4 if dtype == torch.float32 or math else 2) for n in seen.values())
-    return sum(seen.values()), scores_saved
+        saved = saved_bytes(lambda: out.append(model.layers["0"](x, cos, sin)), skip=list(model.parameters()) + [cos, sin])
+        out[0].float().sum().backward()
+    scores_saved = any(n == b * h * s * s * (4 if dtype == torch.float32 or math else 2) for n in saved.sizes)
+    return saved.total, scores_saved
 
 
 class _null:
@@ -380,24 +372,17 @@ def test_whole_model_activations_match_saved_tensors(precision):
     from meshlm.model.llama import Llama
     from meshlm.parallel.activation_checkpoint import apply_ac
     from meshlm.parallel.llama_plan import LLAMA
+    from meshlm.train.saved import saved_bytes
     b, s = 2, 64
     args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=300, max_seq_len=s)
     for ac in ("none", "selective", "full"):
         model = Llama(args).to(torch.float32 if precision == "fp32" else torch.bfloat16)
         apply_ac(model, ac, LLAMA)
         model.rope(s, torch.device("cpu"))
-        skip = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.rope_cache)}
-        seen = {}
-
-        def pack(t, skip=skip, seen=seen):
-            if t.untyped_storage().data_ptr() not in skip:
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
         x, y = torch.randint(0, 300, (b, s)), torch.randint(0, 300, (b, s))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())  # as the trainer computes it
+        saved = saved_bytes(lambda: F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()),  # as the trainer
+                            skip=list(model.parameters()) + list(model.rope_cache))
         predicted = stage_memory(Shape(args), Spec(micro_batch=b, seq_len=s, precision=precision, ac=ac),
                                  "only")["activations"]
-        measured = sum(seen.values())
+        measured = saved.total
         assert abs(predicted - measured) / measured < 0.01, (ac, predicted, measured)

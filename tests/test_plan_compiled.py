@@ -27,21 +27,14 @@ def _compiled_block_bytes(torch, ac, dtype, b, s, d, h, kv, ffn) -> int:
     block = torch.compile(model.layers["0"], dynamic=False)
     cos, sin = model.rope(s, torch.device("cpu"))
     cos, sin = cos[:s], sin[:s]
-    skip = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + [cos, sin]}
+    from meshlm.train.saved import saved_bytes
     x = torch.randn(b, s, d, dtype=dtype, requires_grad=True)
     block(x, cos, sin)  # compile outside the measurement
-    seen = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip and t.dtype != torch.uint8:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = block(x, cos, sin)
-    y.float().sum().backward()
-    return sum(seen.values())
+    out = []
+    saved = saved_bytes(lambda: out.append(block(x, cos, sin)), skip=list(model.parameters()) + [cos, sin],
+                        keep=lambda t: t.dtype != torch.uint8)
+    out[0].float().sum().backward()
+    return saved.total
 
 
 @pytest.mark.slow

@@ -62,7 +62,7 @@ def activation_task(cfg_dict: dict, report_compiled: bool = False):
     """Saved-activation bytes of block 0 by part, forward only (and whether block 0 is compiled)."""
     from meshlm.model import Llama
     from meshlm.parallel import parallelize
-    from meshlm.parallel.tensor_parallel import saved_activation_bytes
+    from meshlm.train.saved import block_saved_bytes
     from meshlm.train.optim import MasterOptimizer
     cfg = C.from_dict(cfg_dict)
     layout, ctx = _context(cfg)
@@ -71,7 +71,7 @@ def activation_task(cfg_dict: dict, report_compiled: bool = False):
     par = parallelize(model, ctx, cfg, layout, MasterOptimizer)
     tokens = torch.randint(0, 256, (cfg.training.micro_batch, cfg.data.seq_len))
     block = par.model.layers["0"]
-    parts = saved_activation_bytes(block, lambda: par.model(tokens))
+    parts = block_saved_bytes(block, lambda: par.model(tokens))
     return (parts, isinstance(block, torch._dynamo.eval_frame.OptimizedModule)) if report_compiled else parts
 
 

@@ -197,12 +197,11 @@ def _saved_bytes_after_forward(zero: int) -> tuple[int, object]:
     tr = Trainer(cfg, tempfile.mkdtemp(prefix="meshlm-saved-"), init_context(layout.shape(), pick_device("cpu")),
                  layout)
     x, y, _ = tr.data.next_batch(0, 1)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        loss = tr._loss(x[:2], y[:2])
-    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in saved}
-    loss.backward()
-    return sum(storages.values()), tr
+    from meshlm.train.saved import saved_bytes
+    out = []
+    saved = saved_bytes(lambda: out.append(tr._loss(x[:2], y[:2])))
+    out[0].backward()
+    return saved.total, tr
 
 
 def test_zero3_saved_tensors_do_not_pin_gathered_blocks():

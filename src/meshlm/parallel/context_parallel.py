@@ -348,20 +348,3 @@ def expected_bytes(args, micro_batch: int, seq_len: int, accum: int, cp: int, im
     hkv = max(hkv, cp)
     per = act_bytes * tokens * args.head_dim * (2 * hq + 2 * hkv)
     return {"all_to_all": (n * 4 * (fwd + 1), n * (fwd + 1) * per)}
-
-
-def saved_bytes(model: nn.Module, run) -> int:
-    """Bytes of distinct storages autograd saves for backward while `run()` does a forward (parameters
-    and their views not counted): the activation memory at the end of the forward."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params and st.nbytes():
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
-    return sum(seen.values())

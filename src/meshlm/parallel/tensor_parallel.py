@@ -288,38 +288,3 @@ def expected_bytes(args, micro_batch: int, seq_len: int, accum: int, tp: int, sp
     if args.qk_norm:
         add("all_reduce", 2 * layers, 2 * param_bytes * args.head_dim)  # q/k norm gains
     return {k: (v[0], v[1]) for k, v in calls.items()}
-
-
-def saved_activation_bytes(block: nn.Module, run) -> dict[str, int]:
-    """Bytes `block` saves for backward while `run()` does a forward through it, split into
-    `norm` (the RMSNorms, i.e. the residual stream they read), `attention`, `feed_forward` and
-    `other`. Distinct storages are counted once, parameters not at all. Op-level checkpointing keeps
-    its matmul outputs in its own cache, not through saved-tensor hooks: those count as `other`."""
-    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    where: list[str] = []
-    seen: set[int] = set()
-    out = {"norm": 0, "attention": 0, "feed_forward": 0, "other": 0}
-    handles = []
-    for name, mod in block.named_children():
-        part = "norm" if isinstance(mod, RMSNorm) else name if name in out else "other"
-        handles.append(mod.register_forward_pre_hook(lambda m, a, part=part: where.append(part)))
-        handles.append(mod.register_forward_hook(lambda m, a, o: where.pop() and None))
-    inside = []
-    handles.append(block.register_forward_pre_hook(lambda m, a: inside.append(1)))
-    handles.append(block.register_forward_hook(lambda m, a, o: inside.pop() and None))
-
-    def pack(t: torch.Tensor):
-        ptr = t.untyped_storage().data_ptr()
-        if inside and ptr not in params and ptr not in seen:
-            seen.add(ptr)
-            out[where[-1] if where else "other"] += t.untyped_storage().nbytes()
-        return t
-
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            run()
-    finally:
-        for h in handles:
-            h.remove()
-    out["other"] += sum(getattr(m, "kept_bytes", 0) for m in block.modules())
-    return out
