@@ -9,7 +9,7 @@ For cp = 1, 2, 4 and each of ring / Ulysses this trains a few steps on gloo work
   attention + block activations that CP divides), next to the planner's prediction;
 - peak RSS of the worker (CPU: includes the model, optimizer, allocator slack);
 - step time (CPU, 2 shared cores: relative only);
-- bytes per step the cp group's `Comm` booked next to `context_parallel.expected_bytes`.
+- bytes per step the cp group's `Comm` booked next to `plan/volume.py` (`cp_step_bytes`).
 Output is markdown (docs/benchmarks.md).
 """
 from __future__ import annotations
@@ -89,7 +89,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from meshlm.layout import model_args
-    from meshlm.parallel.context_parallel import expected_bytes
+    from meshlm.plan.volume import cp_step_bytes as expected_bytes
     from meshlm.plan.estimate import estimate
     from meshlm.plan.spec import shape_from_config, spec_from_config
 

@@ -5,7 +5,7 @@
 For each TP degree, with and without sequence parallelism, this trains a few steps on gloo workers,
 reads the bytes the tp group's `Comm` booked (logical payload per rank: all-reduce 2× its buffer,
 all-gather its output, reduce-scatter its input) and prints them next to
-`tensor_parallel.expected_bytes` for the same shape. It also prints the saved-activation bytes of one
+`plan/volume.py` (`tp_step_bytes`) for the same shape. It also prints the saved-activation bytes of one
 block by part, to show what SP buys. Output is a markdown table (docs/benchmarks.md).
 """
 from __future__ import annotations
@@ -85,7 +85,7 @@ def main() -> None:
 
     from meshlm import config as C
     from meshlm.layout import model_args, resolve
-    from meshlm.parallel.tensor_parallel import expected_bytes
+    from meshlm.plan.volume import tp_step_bytes as expected_bytes
 
     base = {"model.preset": a.preset, "data.seq_len": a.seq_len, "training.micro_batch": a.micro_batch,
             "training.global_batch": a.global_batch, "training.precision": a.precision, "training.ac": a.ac,

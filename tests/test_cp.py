@@ -17,7 +17,8 @@ from test_tp import comm_task
 from meshlm import config as C
 from meshlm.config import ConfigError
 from meshlm.layout import model_args, resolve
-from meshlm.parallel.context_parallel import CPSplit, PlainKernel, RingCounter, expected_bytes
+from meshlm.parallel.context_parallel import CPSplit, PlainKernel, RingCounter
+from meshlm.plan.volume import cp_step_bytes as expected_bytes
 
 FP32 = 1e-5
 BF16 = 1e-3  # test_equivalence.py: bf16 rows agree within a stated 1e-3

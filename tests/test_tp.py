@@ -136,7 +136,7 @@ def test_tp_matches_one_process(pools, name, world, overrides):
 ], ids=["tp2", "tp2-sp-ac-full", "tp4-sp-accum", "tp2-kv1-bf16", "tp2-sp-ac-op", "tp4-kv2-bias-qk-norm"])
 def test_tp_bytes_match_theory(pools, world, overrides):
     """One reduction per block half forward and backward, nothing else on the activations."""
-    from meshlm.parallel.tensor_parallel import expected_bytes
+    from meshlm.plan.volume import tp_step_bytes as expected_bytes
     cfg = make_config(**overrides)
     layout = resolve(cfg, world)
     e = 4 if cfg.training.precision == "fp32" else 2

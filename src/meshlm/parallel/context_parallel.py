@@ -19,7 +19,7 @@ Per-block attention goes through a kernel that returns its log-sum-exp: on CUDA 
 (bf16/fp16) or memory-efficient (fp32) ops, on CPU a plain implementation. Positions: each rank applies
 RoPE at the true positions of its tokens (`CPSplit.positions`, through the model's `positions`
 argument, composed with SP's hook). Parameters are replicated over cp, so gradients are reduced over
-dp×cp (compose.reductions). docs/context_parallel.md has the byte formulas of `expected_bytes`.
+dp×cp (compose.reductions). docs/context_parallel.md and plan/volume.py have the byte formulas.
 """
 from __future__ import annotations
 
@@ -319,32 +319,3 @@ def apply_context_parallel(model: nn.Module, comm: Comm, impl: str, plan, sp: bo
     if not sp:
         model.register_forward_pre_hook(positions_hook(1, plan, cp.split), with_kwargs=True)
     return cp
-
-
-# ---------------------------------------------------------------------------------- accounting
-
-def expected_bytes(args, micro_batch: int, seq_len: int, accum: int, cp: int, impl: str, tp: int = 1,
-                   ac: str = "none", act_bytes: int = 4) -> dict[str, tuple[int, int]]:
-    """{kind: (calls, bytes)} the CP group moves per optimizer step, as `Comm` books them (a send its
-    tensor, an all-to-all the whole input). Per layer and micro-batch, with T = micro_batch·seq/cp local
-    tokens, kv = kv heads per TP rank × head_dim, q = heads per TP rank × head_dim, e = act_bytes:
-      ring: forward (c-1) sends of k,v (2·e·T·kv each); backward (c-1) again and c sends of the fp32
-            gradient accumulators dk,dv (2·4·T·kv); full AC runs the forward again.
-      ulysses: forward all-to-alls of q, k, v and the output (e·T·(2q + 2kv'), kv' = max(kv heads, c)
-            × head_dim: kv heads are repeated up to c); backward the same again; full AC adds a forward.
-    Sends and receives are booked separately (equal bytes)."""
-    if cp == 1:
-        return {}
-    tokens = micro_batch * seq_len // cp
-    hq = args.n_heads // tp
-    hkv = max(1, args.n_kv_heads // tp)
-    fwd = 2 if ac == "full" else 1
-    n = args.n_layers * accum
-    if impl == "ring":
-        kv = 2 * tokens * hkv * args.head_dim
-        calls = n * (cp - 1) * (fwd + 1) + n * cp
-        nbytes = n * (cp - 1) * (fwd + 1) * kv * act_bytes + n * cp * kv * 4
-        return {"send": (calls, nbytes), "recv": (calls, nbytes)}
-    hkv = max(hkv, cp)
-    per = act_bytes * tokens * args.head_dim * (2 * hq + 2 * hkv)
-    return {"all_to_all": (n * 4 * (fwd + 1), n * (fwd + 1) * per)}

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .hardware import GPU
+from .volume import cp_traffic, tp_traffic, tp_weight_traffic
 
 LATENCY_S = {"nvlink": 10e-6, "ib": 25e-6}
 WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -69,6 +70,16 @@ def make(gpu: GPU | None, group: str, kind: str, size: int, stride: int, calls: 
     return c
 
 
+def by_kind(traffic) -> list[tuple[str, float, float]]:
+    """(kind, calls, total bytes) per kind: one row a kind, its buffer the mean (latency counts calls)."""
+    out: dict[str, list[float]] = {}
+    for kind, calls, buf in traffic:
+        row = out.setdefault(kind, [0.0, 0.0])
+        row[0] += calls
+        row[1] += calls * buf
+    return [(k, c, b) for k, (c, b) in out.items() if c]
+
+
 def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first: bool, last: bool,
                 gpu: GPU | None, comm_efficiency: float = 0.8) -> list[Collective]:
     """Every collective one rank of a stage runs in one step (before overlap is applied).
@@ -82,39 +93,19 @@ def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first:
     t, cp, dp, p, m = s.tp, s.cp, s.dp, s.pp, s.accum
     tokens = s.micro_batch * s.seq_len / cp
     sq = s.sp and t > 1
-    act = e * a.dim * tokens
     out: list[Collective] = []
 
     def add(*args, **kw):
         out.append(make(gpu, *args, comm_efficiency=comm_efficiency, **kw))
 
     fwd_passes = 2 if s.ac == "full" else 1  # full AC runs each block's forward again in backward
-    if t > 1:
-        # Entering a TP region (each block half, the head) reduces in backward, leaving one (each block
-        # half, the embedding) in forward: 4 per layer + first + last stage extras. Full AC recomputes
-        # the forward, entering both halves again but leaving only the attention half (torch's checkpoint
-        # stops once w2's input is rebuilt). SP turns each into an all-gather / reduce-scatter of the
-        # same volume. Verified byte for byte against the runtime (parallel.tensor_parallel.expected_bytes).
-        base = 4 * layers + (1 if first else 0) + (1 if last else 0)
-        full = s.ac in ("full", "op")  # both rerun each block's forward (op keeps its matmuls)
-        if sq:
-            # backward entries also re-gather the shard the column-parallel linears saved (not a MoE
-            # block's FFN: its experts read routed tokens, so its entry gathers unfused)
-            moe_ffn = layers * a.n_moe_blocks / a.n_layers if shape.moe else 0
-            regather = 2 * layers - moe_ffn + (1 if last else 0)
-            add("tp", "all_gather", t, 1, (base + regather + (2 * layers if full else 0)) * m, act)
-            add("tp", "reduce_scatter", t, 1, (base + (layers if full else 0)) * m, act)
-        else:
-            add("tp", "all_reduce", t, 1, (base + (layers if full else 0)) * m, act)
-    if cp > 1:  # per layer and micro-batch; the runtime's formula: context_parallel.expected_bytes
-        kv_heads = -(-a.n_kv_heads // t)
-        if s.cp_impl == "ring":  # k,v round the ring, forward (again under full AC) and backward; the
-            kv = 2 * e * kv_heads * a.head_dim * tokens  # fp32 dk,dv accumulators go all the way round
-            add("cp", "p2p", cp, t, layers * (cp - 1) * (fwd_passes + 1) * m, kv, window="attention")
-            add("cp", "p2p", cp, t, layers * cp * m, kv * 4 / e, window="attention")
-        else:  # ulysses: q,k,v scattered over heads and the output back (4 all-to-alls), fwd and bwd
-            qkvo = e * tokens * a.head_dim * (2 * (a.n_heads // t) + 2 * max(kv_heads, cp))
-            add("cp", "all_to_all", cp, t, 4 * layers * (fwd_passes + 1) * m, qkvo / 4)
+    if t > 1:  # plan/volume.py: the runtime's own formulas, checked byte for byte against Comm's books
+        moe_ffn = layers * a.n_moe_blocks / a.n_layers if shape.moe else 0
+        for kind, calls, nbytes in by_kind(tp_traffic(a, tokens, layers, first, last, sq, s.ac, e, pb, moe_ffn)
+                                           + tp_weight_traffic(a, t, layers, pb)):
+            add("tp", kind, t, 1, calls * m, nbytes / calls)
+    for kind, calls, nbytes in by_kind(cp_traffic(a, tokens, layers, cp, s.cp_impl, t, s.ac, e)):
+        add("cp", kind, cp, t, calls * m, nbytes / calls, window="attention" if kind == "p2p" else "none")
     if s.ep > 1:  # per MoE block: tokens out and back in forward (again under full AC), both in backward;
         # every TP rank dispatches the full (gathered) tokens itself. Split sizes (E int64) not counted.
         routed = e * a.dim * tokens * shape.top_k * shape.capacity_factor
