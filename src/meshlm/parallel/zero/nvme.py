@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch.optim.adam import adam as adam_fn
 
-from ...config import OptimConfig
+from ...config import ConfigError, OptimConfig
 from ..adamw import fused_adamw_supported
 from .sync import Zero
 from .units import Unit
@@ -38,7 +38,7 @@ SLOTS = 3  # one being read ahead, one being stepped, one being written behind
 ALIGN = 1024  # elements per chunk are a multiple of this (4 KiB of fp32)
 
 
-class OffloadError(ValueError):
+class OffloadError(ConfigError):
     """The offload directory cannot hold the state; one line naming it."""
 
 
@@ -54,7 +54,7 @@ def chunk_elements(buffer_bytes: int, staging: bool) -> int:
     return max(ALIGN, buffer_bytes // per // ALIGN * ALIGN)
 
 
-def check_dir(path: str, need: int, who: str = "") -> None:
+def check_dir(path: str, need: int, what: str) -> None:
     """`path` (created if missing) is a writable directory with `need` bytes free, or one line why not."""
     try:
         os.makedirs(path, exist_ok=True)
@@ -64,8 +64,21 @@ def check_dir(path: str, need: int, who: str = "") -> None:
         raise OffloadError(f"parallel.offload_dir: {path} is not a writable directory")
     free = shutil.disk_usage(path).free
     if free < need:
-        raise OffloadError(f"parallel.offload_dir: {path} has {free / 2**30:.2f} GiB free, {who or 'the'} "
-                           f"optimizer state needs {need / 2**30:.2f} GiB")
+        raise OffloadError(f"parallel.offload_dir: {path} has {free / 2**30:.2f} GiB free, {what} needs "
+                           f"{need / 2**30:.2f} GiB")
+
+
+def preflight(cfg, layout, local_ranks: int) -> None:
+    """Before any worker starts (offload = "nvme"): offload_dir is writable and holds this node's ranks'
+    state, 12 B per parameter each holds (Ψ·dp_replicate/world on average; each rank checks its exact
+    size again when it reserves its files)."""
+    if cfg.parallel.offload != "nvme":
+        return
+    from ...layout import model_args
+
+    per_rank = model_args(cfg).num_params() * layout.dp_replicate / layout.world_size
+    check_dir(cfg.parallel.offload_dir, state_bytes(int(per_rank * local_ranks)),
+              f"the optimizer state of {local_ranks} rank{'s' if local_ranks > 1 else ''}")
 
 
 class StateFiles:
@@ -76,7 +89,7 @@ class StateFiles:
     def __init__(self, root: str, rank: int, numel: int):
         self.dir = os.path.join(root, f"rank{rank}")
         self.numel = numel
-        check_dir(root, state_bytes(numel), f"rank {rank}'s")
+        check_dir(root, state_bytes(numel), f"rank {rank}'s optimizer state")
         self.lock = os.open(os.path.join(root, f"rank{rank}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
