@@ -98,7 +98,7 @@ def test_nvme_async_checkpoint_is_written_in_place(pools):
     """checkpoint.async_ with nvme saves synchronously from the files (a host snapshot would hold the
     whole state): the checkpoint resumes to the same losses."""
     a = tempfile.mkdtemp(prefix="meshlm-nvme-async-")
-    _train_in(pools, make_config(checkpoint__every=5, checkpoint__async_=True, **nvme(parallel__dp=2, parallel__zero=3)),
+    _train_in(pools, make_config(checkpoint__every=5, checkpoint__async=True, **nvme(parallel__dp=2, parallel__zero=3)),
               2, a)
     resumed = run_local(make_config(checkpoint__resume=os.path.join(a, "checkpoints", "step_00000005")))
     assert_same_losses(reference()[5:], resumed, FP32)
@@ -186,3 +186,41 @@ def test_offload_dir_without_room_is_refused_before_training(tmp_path, capsys, m
     err = capsys.readouterr().err.strip()
     assert err.startswith("meshlm: parallel.offload_dir: ") and "GiB free, the optimizer state of 1 rank needs" in err
     assert "\n" not in err and not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- the planner
+
+def test_planner_counts_host_disk_bytes_and_io_time(capsys):
+    """`meshlm estimate --json` (which the explorer mirrors, tests/test_explore_api.py) with offload = nvme:
+    no optimizer bytes on the GPU, the buffer on the host, 12 B per sharded parameter on disk, and
+    disk I/O time = 12·shard/read + 12·shard/write, overlapped with the host's PCIe staging and AdamW."""
+    import json
+
+    from meshlm.plan.hardware import GB
+    from meshlm.plan.memory import MIB
+
+    base = ["estimate", "--json", "--gpu", "h100", "--gpus", "8", "--model.preset", "llama3-1b",
+            "--data.seq_len", "2048", "--training.global_batch", "8", "--training.micro_batch", "1",
+            "--training.precision", "bf16", "--parallel.zero", "3", "--disk-read-gbps", "4", "--disk-write-gbps", "2"]
+    got = {}
+    for off in ("none", "optimizer", "nvme"):
+        capsys.readouterr()
+        assert main(base + ["--parallel.offload", off, "--parallel.offload_buffer_mb", "128"]) == 0
+        got[off] = json.loads(capsys.readouterr().out)
+    psi = got["none"]["params"]
+    shard = psi / 8  # ZeRO-3 over 8 ranks, no tp/pp (the debug shapes' padding is not modelled)
+    pg = got["nvme"]["per_gpu"]
+    assert pg["optim"] == 0 and got["none"]["per_gpu"]["optim"] == pytest.approx(12 * shard)
+    assert pg["disk_optim"] == pytest.approx(12 * shard)
+    assert pg["cpu_optim"] == 128 * MIB < got["optimizer"]["per_gpu"]["cpu_optim"] == pytest.approx(16 * shard)
+    assert pg["total"] == pytest.approx(got["optimizer"]["per_gpu"]["total"])  # the same GPU bytes as CPU offload
+    t = got["nvme"]["time"]
+    io = 12 * shard / (4 * GB) + 12 * shard / (2 * GB)
+    assert t["offload_io_s"] == pytest.approx(io)
+    host = got["optimizer"]["time"]["offload_s"]  # PCIe staging + host AdamW, as CPU offload pays them
+    assert t["offload_s"] == pytest.approx(max(io, host))
+    assert got["optimizer"]["time"]["offload_io_s"] == 0
+    # a buffer larger than the state: the host holds three slots of 16 B per element at most
+    capsys.readouterr()
+    assert main(base + ["--parallel.offload", "nvme", "--parallel.offload_buffer_mb", "1e9"]) == 0
+    assert json.loads(capsys.readouterr().out)["per_gpu"]["cpu_optim"] == pytest.approx(48 * shard)
