@@ -224,3 +224,26 @@ def test_planner_counts_host_disk_bytes_and_io_time(capsys):
     capsys.readouterr()
     assert main(base + ["--parallel.offload", "nvme", "--parallel.offload_buffer_mb", "1e9"]) == 0
     assert json.loads(capsys.readouterr().out)["per_gpu"]["cpu_optim"] == pytest.approx(48 * shard)
+
+
+# ---------------------------------------------------------------- a killed run
+
+@pytest.mark.slow
+def test_kill_during_checkpoint_write_resumes_from_the_last_committed(tmp_path):
+    """Rank 1 SIGKILLs itself while checkpoint 6 is half written (nvme dp2 zero3, under --max-restarts):
+    the restart resumes from step 4 (the offload files are scratch, rebuilt from the checkpoint) and
+    ends with the uninterrupted losses; the killed attempt's scratch is gone at the clean exit."""
+    from test_fault import CASE, assert_same_as, launch, lines
+
+    off = tmp_path / "offload"
+    over = {**CASE, "training.steps": 8, "parallel.dp": 2, "parallel.zero": 3, "parallel.offload": "nvme",
+            "parallel.offload_dir": str(off), "parallel.offload_buffer_mb": 0.05}
+    ref = run_local(make_config(training__steps=8, **{k.replace(".", "__"): v for k, v in CASE.items()}))
+    run = tmp_path / "run"
+    proc = launch(run, 2, over, {"MESHLM_TEST_KILL_IN_SAVE": "6:1"})
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert [r["resumed_from"] for r in lines(run) if "restart" in r] == [4]
+    assert sorted(os.listdir(run / "checkpoints")) == [f"step_{s:08d}" for s in (2, 4, 6, 8)]
+    assert_same_as(ref, str(run))
+    assert os.listdir(off) == []
