@@ -75,16 +75,26 @@ LAYOUTS = [  # (API body, the same as `meshlm estimate` arguments)
       "--gpus", "8", "--model.preset", "small", "--model.dim", "512", "--model.moe.num_experts", "8",
       "--model.moe.top_k", "2", "--data.seq_len", "512", "--training.global_batch", "64", "--training.micro_batch",
       "1", "--parallel.ep", "4", "--parallel.zero", "2", "--training.precision", "fp32"]),
+    ({"model.preset": "llama3-8b", "gpu": "h100", "gpus": 8, "disk_read_gbps": 3, "disk_write_gbps": 2,
+      "data.seq_len": 4096, "global_batch_tokens": 2 ** 20, "training.micro_batch": 1, "training.precision": "bf16",
+      "parallel.zero": 3, "parallel.offload": "nvme", "parallel.offload_buffer_mb": 256},
+     ["--gpu", "h100", "--gpus", "8", "--disk-read-gbps", "3", "--disk-write-gbps", "2", "--model.preset", "llama3-8b",
+      "--data.seq_len", "4096", "--training.global_batch", "256", "--training.micro_batch", "1",
+      "--training.precision", "bf16", "--parallel.zero", "3", "--parallel.offload", "nvme",
+      "--parallel.offload_buffer_mb", "256"]),
 ]
 
 
-@pytest.mark.parametrize("body,argv", LAYOUTS, ids=["70b-tp8-pp4-interleaved", "8b-hsdp-offload", "moe-custom-gpu"])
+@pytest.mark.parametrize("body,argv", LAYOUTS, ids=["70b-tp8-pp4-interleaved", "8b-hsdp-offload", "moe-custom-gpu",
+                                                    "8b-zero3-nvme"])
 def test_estimate_is_the_cli_estimate(served, capsys, body, argv):
     code, cli, err = cli_json(capsys, ["estimate", "--json", *argv])
     assert code == 0, err
     status, res = call(served[0], "/api/estimate", body)
     assert status == 200, res
     assert res["estimate"] == cli  # every number, byte for byte after the same JSON round trip
+    if body.get("parallel.offload") == "nvme":  # the page gets the host, disk and I/O numbers too
+        assert res["estimate"]["per_gpu"]["disk_optim"] > 0 and res["estimate"]["time"]["offload_io_s"] > 0
     assert res["derived"]["dp"] == cli["layout"]["dp"]
     if cli["layout"]["pp"] > 1:  # the simulator's timeline of this schedule, with the planner's costs
         tl = res["pipeline"]

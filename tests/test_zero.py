@@ -39,7 +39,7 @@ def reference(key: tuple) -> list:
     ({"parallel__offload": "optimizer"}, 2,
      "parallel.offload: optimizer offload needs a ZeRO stage that shards the optimizer (zero >= 1)"),
     ({"parallel__zero": 3, "parallel__offload": "params"}, 2,
-     "parallel.offload: 'params' is not one of none, optimizer"),
+     "parallel.offload: 'params' is not one of none, optimizer, nvme"),
 ])
 def test_bad_zero_config_is_one_clear_line(overrides, world, message):
     with pytest.raises(ConfigError) as e:

@@ -32,8 +32,10 @@ def cmd_train(args, extra: list[str]) -> int:
             raise C.ConfigError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
         if worker and args.max_restarts and not args.worker:
             raise C.ConfigError("--max-restarts: under torchrun pass torchrun's own --max-restarts")
-        resolve(cfg, world)
+        layout = resolve(cfg, world)
         check_data(cfg)
+        from .parallel.zero.nvme import preflight as offload_preflight
+        offload_preflight(cfg, layout, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if worker else world)
         run_dir = args.run_dir or os.path.join("runs", f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
         from .train.checkpoint import preflight
         preflight(cfg, run_dir)

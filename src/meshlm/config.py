@@ -92,7 +92,9 @@ class ParallelConfig:
     cp: int = 1
     cp_impl: str = "ring"
     ep: int = 1
-    offload: str = "none"
+    offload: str = "none"  # optimizer: state in host memory; nvme: in files under offload_dir (docs/zero.md)
+    offload_dir: str = ""  # offload = "nvme": per-rank state files go to offload_dir/rank{r} (scratch)
+    offload_buffer_mb: float = 64.0  # offload = "nvme": host buffer the step streams the state through
     bucket_mb: float = 25.0
     reduce_dtype: str = "fp32"
     timeout_s: float = 300.0

@@ -274,7 +274,11 @@ def resolve(cfg: Config, world_size: int) -> Layout:
             raise ConfigError(f"parallel.{key}: must be >= 1, got {getattr(p, key)}")
     _choice(p.zero, ZERO_STAGES, "parallel.zero")
     if p.offload != "none" and p.zero < 1:
-        raise ConfigError("parallel.offload: optimizer offload needs a ZeRO stage that shards the optimizer (zero >= 1)")
+        raise ConfigError(f"parallel.offload: {p.offload} offload needs a ZeRO stage that shards the optimizer (zero >= 1)")
+    if p.offload == "nvme" and not p.offload_dir:
+        raise ConfigError('parallel.offload_dir: offload = "nvme" needs a directory for the optimizer state files')
+    if p.offload == "nvme" and not p.offload_buffer_mb > 0:
+        raise ConfigError(f"parallel.offload_buffer_mb: must be > 0, got {p.offload_buffer_mb}")
     if world_size < 1:
         raise ConfigError(f"--nproc: must be >= 1, got {world_size}")
     dp, accum = batch_split(p, t, world_size)

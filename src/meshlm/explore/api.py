@@ -32,7 +32,7 @@ CONFIG_KEYS = {f"model.{k}" for k in ("preset", "dim", "n_layers", "n_heads", "n
     | {"data.seq_len"} \
     | {f"training.{k}" for k in ("precision", "compile", "micro_batch", "ac")} \
     | {f"parallel.{k}" for k in ("dp", "zero", "zero_group", "tp", "sp", "pp", "pp_schedule", "pp_virtual", "cp",
-                                 "cp_impl", "ep", "offload", "bucket_mb", "reduce_dtype")}
+                                 "cp_impl", "ep", "offload", "offload_buffer_mb", "bucket_mb", "reduce_dtype")}
 # where an error whose leading key is not an input belongs
 KEY_ALIASES = {"training.global_batch": "global_batch_tokens", "parallel": "gpus", "parallel.microbatches":
                "training.micro_batch", "seq_len": "data.seq_len", "model": "model.preset"}
@@ -99,11 +99,12 @@ def options() -> dict:
     gpus = {k: {"name": g.name, "peak_tflops": g.peak_flops / 1e12, "hbm_gb": g.hbm_bytes / 1e9,
                 "hbm_tbps": g.hbm_bw / 1e12, "nvlink_gbps": g.nvlink_bw / 1e9, "ib_gbps": g.ib_bw / 1e9,
                 "pcie_gbps": g.pcie_bw / 1e9, "gpus_per_node": g.gpus_per_node,
-                "cpu_adam_gparams": g.cpu_adam_params_per_s / 1e9} for k, g in PROFILES.items()}
+                "cpu_adam_gparams": g.cpu_adam_params_per_s / 1e9, "disk_read_gbps": g.disk_read_bw / 1e9,
+                "disk_write_gbps": g.disk_write_bw / 1e9} for k, g in PROFILES.items()}
     return {"presets": models, "gpus": gpus,
             "choices": {"training.precision": list(PRECISIONS), "training.ac": list(AC_MODES),
                         "parallel.pp_schedule": list(SCHEDULES), "parallel.cp_impl": list(CP_IMPLS),
-                        "parallel.offload": ["none", "optimizer"], "parallel.zero": [0, 1, 2, 3]},
+                        "parallel.offload": ["none", "optimizer", "nvme"], "parallel.zero": [0, 1, 2, 3]},
             "attn_kernels": list(KERNELS),
             "defaults": {"efficiency": Options.efficiency, "comm_efficiency": Options.comm_efficiency,
                          "attn_kernel": Options.attn_kernel,

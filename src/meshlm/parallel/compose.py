@@ -34,6 +34,7 @@ from .pipeline.build import attach as attach_pipeline, split_model
 from .placement import PlacementTable
 from .tensor_parallel import apply_tensor_parallel, pad_vocab
 from .zero import ZeroOptimizer, shard_model
+from .zero.nvme import NvmeOptimizer
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
@@ -141,7 +142,10 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
     reduce_dtype = torch_dtype(cfg.parallel.reduce_dtype)
     if cfg.parallel.zero:  # ZeRO-1/2/3, HSDP
         grads = shard_model(model, named, cfg, plan, bool(tied_split), reduction_of, reduce_dtype)
-        opt = ZeroOptimizer(grads, cfg.optim, cfg.parallel.offload == "optimizer")
+        if cfg.parallel.offload == "nvme":
+            opt = NvmeOptimizer(grads, cfg.optim, cfg.parallel.offload_dir, cfg.parallel.offload_buffer_mb, ctx.rank)
+        else:
+            opt = ZeroOptimizer(grads, cfg.optim, cfg.parallel.offload == "optimizer")
         for u in grads.units:
             held = {i: (p0, p0 + s1 - s0) for i, s0, s1, p0 in u.segments}
             for i, name in enumerate(u.names):

@@ -37,6 +37,10 @@ def _hardware_flags(p: argparse.ArgumentParser, gpu_required: bool) -> None:
     g.add_argument("--pcie-gbps", type=float, help="host link per GPU, GB/s (optimizer offload)")
     g.add_argument("--cpu-adam-gparams", type=float,
                    help="host AdamW throughput per GPU, G params/s (optimizer offload; default 2)")
+    g.add_argument("--disk-read-gbps", type=float,
+                   help="sequential disk read per GPU's share of the node's drives, GB/s (nvme offload; default 6.5)")
+    g.add_argument("--disk-write-gbps", type=float,
+                   help="sequential disk write per GPU's share, GB/s (nvme offload; default 3.5)")
     m = p.add_argument_group("model assumptions (docs/planner.md)")
     m.add_argument("--efficiency", type=float, default=None,
                    help="price all model math at this fraction of peak instead of the per-operation model")
@@ -93,7 +97,8 @@ def _options(args, cfg) -> Options:
 
 def _gpu(args):
     flags = {k: getattr(args, k, None) for k in ("peak_tflops", "hbm_gb", "hbm_tbps", "nvlink_gbps", "ib_gbps",
-                                                 "pcie_gbps", "gpus_per_node", "cpu_adam_gparams")}
+                                                 "pcie_gbps", "gpus_per_node", "cpu_adam_gparams",
+                                                 "disk_read_gbps", "disk_write_gbps")}
     return get_gpu(args.gpu, **flags)
 
 
@@ -144,7 +149,10 @@ def format_estimate(r: dict, gpu=None) -> str:
     for k in ("params", "grads", "optim", "activations", "buffers", "total"):
         lines.append(f"  {k:<12}{_gib(pg[k]):>14}")
     if pg["cpu_optim"]:
-        lines.append(f"  {'cpu optim':<12}{_gib(pg['cpu_optim']):>14}  (offloaded to host memory)")
+        where = "streaming buffer in host memory" if L["offload"] == "nvme" else "offloaded to host memory"
+        lines.append(f"  {'cpu optim':<12}{_gib(pg['cpu_optim']):>14}  ({where})")
+    if pg["disk_optim"]:
+        lines.append(f"  {'disk optim':<12}{_gib(pg['disk_optim']):>14}  (fp32 master, m, v in offload_dir files)")
     lines.append("  buffers: " + ", ".join(f"{k} {_gib(v)}" for k, v in d["buffers"].items()))
     if r["fits"] is None:
         lines.append("fits: unknown (give --gpu or --hbm-gb)")
@@ -156,7 +164,8 @@ def format_estimate(r: dict, gpu=None) -> str:
         lines.append(f"  forward {t['forward_s']:.3f} s, backward {t['backward_s']:.3f} s, recompute "
                      f"{t['recompute_s']:.3f} s, exposed comm {t['exposed_comm_microbatch_s'] + t['exposed_comm_step_s']:.3f} s, "
                      f"bubble {t['bubble_s']:.3f} s ({t['bubble_fraction']:.1%}, {t['bubble_source']}), "
-                     f"optimizer {t['optimizer_s'] + t['offload_s']:.3f} s")
+                     f"optimizer {t['optimizer_s'] + t['offload_s']:.3f} s"
+                     + (f" (disk I/O {t['offload_io_s']:.3f} s)" if t["offload_io_s"] else ""))
         if r["comm"]:
             lines.append(f"  {'group':<13}{'kind':<15}{'link':<7}{'n':>6}{'GB/step':>10}{'time s':>9}{'exposed':>9}  overlaps")
             for c in r["comm"]:

@@ -210,9 +210,14 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
     sp = worst["params"]
     n = s.zero_group * s.cp if s.zero else 1  # ZeRO shards over dp_shard×cp
     shard = sp.dense / n + sp.expert / (max(1, n // s.ep) if s.zero else 1)
-    offload_s = opt_s = 0.0
+    offload_s = opt_s = io_s = 0.0
     if s.offload == "optimizer":
         offload_s = shard * (gb + pb) / gpu.pcie_bw + shard / gpu.cpu_adam_params_per_s
+    elif s.offload == "nvme":
+        # read master, m, v (12 B) and write them back (12 B) per parameter; the read-ahead and
+        # write-behind threads overlap that with the host's staging and AdamW (docs/zero.md)
+        io_s = 12 * shard / gpu.disk_read_bw + 12 * shard / gpu.disk_write_bw
+        offload_s = max(io_s, shard * (gb + pb) / gpu.pcie_bw + shard / gpu.cpu_adam_params_per_s)
     else:
         flat = o.efficiency is not None
         opt_s = shard * (2 * ob + gb * (1 if flat else 2) + (pb if s.precision != "fp32" else 0)) / (
@@ -229,7 +234,7 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
         "time": {"forward_s": m * worst["t_f"], "backward_s": m * worst["t_b"], "recompute_s": m * worst["t_rc"],
                  "exposed_comm_microbatch_s": worst["exposed_mb"], "bubble_s": busy * bubble,
                  "bubble_fraction": bubble, "bubble_source": source, "exposed_comm_step_s": step_exposed,
-                 "optimizer_s": opt_s, "offload_s": offload_s},
+                 "optimizer_s": opt_s, "offload_s": offload_s, "offload_io_s": io_s},
         "ops": None if worst["ops"] is None else {k: m * v for k, v in worst["ops"].items()},
         "comm": comm,
         "comm_bytes_per_step": sum(c["bytes"] for c in comm),
@@ -254,7 +259,7 @@ def estimate(shape: Shape, s: Spec, gpu: GPU | None = None, o: Options | None = 
         "gpu": gpu.name if gpu else None,
         "layout": s.layout_dict(),
         "per_gpu": {k: worst[k] for k in ("params", "grads", "optim", "activations", "buffers", "total",
-                                          "cpu_optim")},
+                                          "cpu_optim", "disk_optim")},
         "memory_detail": worst["detail"],
         "flash": o.flash,
         "compiled": o.compiled,

@@ -28,6 +28,13 @@ class GPU:
     # host traffic per parameter): torch's fused CPU AdamW did 4.1-4.8e9 params/s on a 16-core host that
     # served one H100 (docs/benchmarks.md); on an 8-GPU node the host's ~400 GB/s is shared 8 ways.
     cpu_adam_params_per_s: float = 2e9
+    # NVMe offload (parallel.offload = "nvme"): sequential disk bandwidth per GPU's share of the node's
+    # drives, bytes/s (--disk-read-gbps / --disk-write-gbps). Default: a DGX H100/H200/B200, whose user
+    # guides list 8 NVMe U.2/E1.S data drives of 3.84 TB for 8 GPUs, i.e. one drive per GPU; a PCIe 4.0
+    # data-centre drive of that size reads ~6.5 GB/s and writes ~3.5 GB/s sequentially (Samsung PM1733,
+    # KIOXIA CM6 datasheets). Assumed, not measured here: bench/offload.py measures a machine's own.
+    disk_read_bw: float = 6.5 * GB
+    disk_write_bw: float = 3.5 * GB
     # Per-operation time model (plan/ops.py). Defaults are the H100 SXM's:
     sms: int = 132                 # streaming multiprocessors (NVIDIA H100 whitepaper: 132 on SXM5)
     gemm_ceiling: float = 0.80     # large bf16 GEMM / peak: 792 of 989 TFLOP/s measured, 8192³ cuBLAS on
@@ -52,8 +59,11 @@ PROFILES: dict[str, GPU] = {
     "h100-96gb": GPU("H100-96GB-HBM2e", 989e12, 96e9, 2.4e12, 450 * GB, 50 * GB, 8, 50 * GB),
     # A100: 108 SMs (NVIDIA A100 whitepaper); the GEMM ceiling is the H100's measured fraction (assumed:
     # no A100 measurement in this repository)
-    "a100-80gb": GPU("A100-80GB", 312e12, 81920 * 2 ** 20, 2.039e12, 300 * GB, 25 * GB, 8, 25 * GB, sms=108, arch="ampere"),
-    "a100-40gb": GPU("A100-40GB", 312e12, 40960 * 2 ** 20, 1.555e12, 300 * GB, 25 * GB, 8, 25 * GB, sms=108, arch="ampere"),
+    # DGX A100: 4 × 3.84 TB U.2 data drives for 8 GPUs (DGX A100 user guide), half a drive per GPU
+    "a100-80gb": GPU("A100-80GB", 312e12, 81920 * 2 ** 20, 2.039e12, 300 * GB, 25 * GB, 8, 25 * GB, sms=108, arch="ampere",
+                     disk_read_bw=3.25 * GB, disk_write_bw=1.75 * GB),
+    "a100-40gb": GPU("A100-40GB", 312e12, 40960 * 2 ** 20, 1.555e12, 300 * GB, 25 * GB, 8, 25 * GB, sms=108, arch="ampere",
+                     disk_read_bw=3.25 * GB, disk_write_bw=1.75 * GB),
     "b200": GPU("B200", 2250e12, 183359 * 2 ** 20, 8.0e12, 900 * GB, 50 * GB, 8, 50 * GB, sms=148),
 }
 ALIASES = {"h100": "h100-sxm-80gb", "h100-sxm": "h100-sxm-80gb", "a100": "a100-80gb",
@@ -69,6 +79,8 @@ FLAG_FIELDS = {
     "pcie_gbps": ("pcie_bw", GB),
     "gpus_per_node": ("gpus_per_node", 1),
     "cpu_adam_gparams": ("cpu_adam_params_per_s", 1e9),
+    "disk_read_gbps": ("disk_read_bw", GB),
+    "disk_write_gbps": ("disk_write_bw", GB),
 }
 
 

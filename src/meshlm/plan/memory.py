@@ -339,11 +339,14 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
     a = shape.args
     e = ACT_BYTES[s.precision]
     sp, params, grads, optim, fixed_buf = _stage_static(shape, s, stage)
-    cpu_optim = 0.0
+    cpu_optim = disk_optim = 0.0
     if s.offload == "optimizer":
         # Host memory holds a separate fp32 master (the device keeps the compute copy), Adam's m and v,
         # and an fp32 staging buffer for the gradient shard: 16 bytes per sharded parameter.
         cpu_optim, optim = optim * 16 / state_bytes_per_param(s.precision)[2], 0.0
+    elif s.offload == "nvme":
+        cpu_optim, disk_optim = nvme_bytes(optim / state_bytes_per_param(s.precision)[2], s.offload_buffer_mb)
+        optim = 0.0
 
     tokens = s.micro_batch * s.seq_len / s.cp
     t, sq = s.tp, (s.sp and s.tp > 1)
@@ -380,12 +383,19 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
     buf = sum(buffers.values())
     total = params + grads + optim + acts + buf
     out = {"params": params, "grads": grads, "optim": optim, "activations": acts, "buffers": buf,
-           "total": total, "cpu_optim": cpu_optim}
+           "total": total, "cpu_optim": cpu_optim, "disk_optim": disk_optim}
     if detail:
         out["detail"] = {"stage": stage, "layers": sp.layers, "params_local": sp.dense + sp.expert,
                          "block_activation_bytes": blk, "inflight_microbatches": units, "buffers": buffers,
                          "shard_group": s.zero_group * s.cp if s.zero else 1}
     return out
+
+
+def nvme_bytes(shard_params: float, buffer_mb: float) -> tuple[float, float]:
+    """offload = "nvme" (parallel/zero/nvme.py): (host, disk) bytes for `shard_params` sharded parameters.
+    Disk: fp32 master, m and v, 12 B each. Host: the streaming buffer, three slots of master, m, v and an
+    fp32 gradient staging chunk (16 B per element), never more than the state needs."""
+    return min(buffer_mb * MIB, 3 * 16 * shard_params), 12 * shard_params
 
 
 def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, v: int, ep: int, zero: int,

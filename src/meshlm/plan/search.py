@@ -185,7 +185,8 @@ def _layouts(shape, gpu, o, fx, want, reject, counts, heap, keep, tie, acs, usab
              if want("zero", z) and want("zero_group", g)]
     eps = [1] if not shape.moe else [e for e in _divisors(shape.num_experts) if want("ep", e)]
     mbs = [mb for mb in _divisors(b_local) if want("micro_batch", mb)]
-    offs = [x for x in ("none", "optimizer") if want("offload", x)]
+    # nvme offload frees the same GPU memory as optimizer offload, only slower: searched only when fixed
+    offs = [x for x in ("none", "optimizer", "nvme") if want("offload", x) and (x != "nvme" or fx.get("offload") == "nvme")]
     cp_impl = fx.get("cp_impl", "ring")
     for (sched, v), split in ((sv, x) for sv in _schedules(pp, a.n_layers, fx)
                               for x in (_splits(a.n_layers, pp * sv[1], fx) if pp > 1 else [()])):
@@ -206,10 +207,10 @@ def _layouts(shape, gpu, o, fx, want, reject, counts, heap, keep, tie, acs, usab
                                  for st in stages]
                         variants = []
                         for off in offs:
-                            if off == "optimizer" and zero == 0:
+                            if off != "none" and zero == 0:
                                 continue
                             for ac in acs:
-                                total = max(b + (0.0 if off == "optimizer" else opt) + acts[ac]
+                                total = max(b + (0.0 if off != "none" else opt) + acts[ac]
                                             for b, opt, acts in parts)
                                 variants.append((total <= usable, ac, off, total))
                         fits = [x for x in variants if x[0]]
@@ -228,7 +229,7 @@ def _layouts(shape, gpu, o, fx, want, reject, counts, heap, keep, tie, acs, usab
                         plain = [x for x in fits if x[2] == "none"]
                         chosen = plain[:1]
                         limit = order[plain[0][1]] if plain else len(AC_MODES)
-                        chosen += [x for x in fits if x[2] == "optimizer" and order[x[1]] < limit][:1]
+                        chosen += [x for x in fits if x[2] != "none" and order[x[1]] < limit][:1]
                         counts["dominated"] += len(fits) - len(chosen)
                         for _, ac, off, _ in chosen:
                             tie += 1

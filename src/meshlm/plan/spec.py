@@ -91,6 +91,7 @@ class Spec:
     accum: int = 1             # micro-batches per step per dp rank = pipeline micro-batches
     ac: str = "none"
     offload: str = "none"
+    offload_buffer_mb: float = 64.0  # offload = "nvme": the host buffer the state streams through
     precision: str = "bf16"
     seq_len: int = 2048
     cp_impl: str = "ring"
@@ -142,6 +143,7 @@ def spec_from_config(cfg: Config, world: int) -> Spec:
     return Spec(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, zero_group=p.zero_group or dp,
                 sp=bool(p.sp), pp_schedule=p.pp_schedule, pp_virtual=p.pp_virtual,
                 micro_batch=t.micro_batch, accum=accum, ac=t.ac, offload=p.offload, precision=t.precision,
+                offload_buffer_mb=p.offload_buffer_mb,
                 seq_len=cfg.data.seq_len, cp_impl=p.cp_impl, bucket_mb=p.bucket_mb, reduce_dtype=p.reduce_dtype,
                 pp_layers=tuple(p.pp_layers))
 
@@ -162,7 +164,7 @@ def check(shape: Shape, s: Spec) -> None:
     if s.seq_len < 1:
         raise PlanError(f"data.seq_len: must be >= 1, got {s.seq_len}")
     if s.offload != "none" and s.zero < 1:
-        raise PlanError("parallel.offload: optimizer offload needs a ZeRO stage that shards the optimizer (zero >= 1)")
+        raise PlanError(f"parallel.offload: {s.offload} offload needs a ZeRO stage that shards the optimizer (zero >= 1)")
     if s.zero_group < 1 or s.dp % s.zero_group:
         raise PlanError(f"parallel.zero_group: {s.zero_group} does not divide dp {s.dp}")
     check_shape(a, s.tp, s.pp, s.pp_virtual)

@@ -53,12 +53,17 @@ class Pieces:
     dtype: torch.dtype
     parts: list[tuple[tuple[int, ...], torch.Tensor]]
     write: bool
+    # Where the parts are meta tensors (offload = "nvme"): what reads and writes their values, one part
+    # at a time (parallel/zero/nvme.FileRange: `read(view) -> tensor`, `write(view, tensor)`)
+    backing: object | None = None
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for _, t in self.parts) if self.write else 0
 
     def to_host(self) -> "Pieces":
         """A snapshot in host memory (pinned on CUDA) for a background write."""
+        if self.backing is not None:
+            raise ValueError("pieces kept in files are written synchronously (Checkpointer.save)")
         pin = torch.cuda.is_available()
         return Pieces(self.shape, self.dtype, [(o, t.detach().to("cpu", copy=True).pin_memory() if pin else
                                                t.detach().to("cpu", copy=True)) for o, t in self.parts], self.write)
@@ -92,7 +97,8 @@ class _SavePlanner(DefaultSavePlanner):
         return self.plan
 
     def lookup_object(self, index: MetadataIndex):
-        return _find(self.state_dict, index)
+        t = _find(self.state_dict, index)
+        return self.state_dict[index.fqn].backing.read(t) if t.is_meta else t
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -120,6 +126,16 @@ class _LoadPlanner(DefaultLoadPlanner):
         for d, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
             tensor = tensor.narrow(d, o, n)
         return tensor
+
+    def resolve_tensor(self, read_item) -> torch.Tensor:
+        """A piece kept in a file (meta): DCP reads into a fresh tensor, `commit_tensor` writes it."""
+        t = super().resolve_tensor(read_item)
+        return torch.empty(t.shape, dtype=t.dtype) if t.is_meta else t
+
+    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
+        dest = self.transform_tensor(read_item, self.lookup_tensor(read_item.dest_index))
+        if dest.is_meta:
+            self.state_dict[read_item.dest_index.fqn].backing.write(dest, tensor)
 
 
 class _LazySavePlanner(_SavePlanner):
@@ -356,7 +372,10 @@ class Checkpointer:
         self.done: list[dict] = []  # finished saves not yet reported: {step, write_s, bytes}
 
     def save(self, step: int, state: dict[str, Pieces], meta: dict) -> dict:
-        """Write `state`; returns {save_s: wall time this call blocked, bytes of this rank's pieces}."""
+        """Write `state`; returns {save_s: wall time this call blocked, bytes of this rank's pieces}.
+        Pieces kept in files (offload = "nvme") are written synchronously, one file per piece, so one
+        piece is in memory at a time: a host snapshot would hold the whole state the offload keeps out
+        of memory (docs/zero.md "NVMe offload")."""
         t0 = time.perf_counter()
         self.wait()
         final = os.path.join(self.root, f"step_{step:08d}")
@@ -365,22 +384,26 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp, exist_ok=True)
         self.world.barrier()
-        if self.use_async:
+        lazy = any(p.backing is not None for p in state.values())
+        if self.use_async and not lazy:
             snap = {k: v.to_host() for k, v in state.items()}
             if torch.cuda.is_available():
                 torch.cuda.current_stream().synchronize()
             fut = self.pool.submit(self._write, snap, tmp, self.dcp_group)
             self.pending = (fut, tmp, final, meta, step)
         else:
-            write_s = self._write(state, tmp, None)
+            write_s = self._write(state, tmp, None, one_file_per_piece=lazy)
             self._written(step)
             self._commit(tmp, final, meta, step, write_s)
         return {"save_s": time.perf_counter() - t0}
 
     @staticmethod
-    def _write(state: dict[str, Pieces], tmp: str, group) -> float:
+    def _write(state: dict[str, Pieces], tmp: str, group, one_file_per_piece: bool = False) -> float:
+        """DCP's writer keeps every tensor of a file alive until the file closes: pieces read from
+        files one at a time therefore get a file each."""
         t0 = time.perf_counter()
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=_SavePlanner(), process_group=group)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=not one_file_per_piece),
+                 planner=_SavePlanner(), process_group=group)
         return time.perf_counter() - t0
 
     def _written(self, step: int) -> None:

@@ -175,11 +175,14 @@ class Trainer:
         the placement records), and the full shape of every key, in model order."""
         state, shapes = {}, {}
         places = self.par.placements
-        for name, kind, t in self.par.optimizer.state_storage():
+        opt = self.par.optimizer
+        for name, kind, t in opt.state_storage():
             pl = places[name]
             key = f"{kind}/{name}"
+            # offload = "nvme": `t` stands for a stretch of a state file, read and written through it
             state[key] = ckpt.Pieces(pl.full_shape, torch.float32,
-                                     [(b.offsets, v) for b, v in pl.pieces(t)], pl.owner)
+                                     [(b.offsets, v) for b, v in pl.pieces(t)], pl.owner,
+                                     opt.backing(name, kind) if t.is_meta else None)
             shapes[key] = pl.full_shape
         rng = torch.get_rng_state()
         state["rng/cpu"] = ckpt.Pieces(tuple(rng.shape), rng.dtype, [((0,), rng)], self.ctx.rank == 0)
@@ -277,6 +280,8 @@ class Trainer:
             log.close()
             if self.watchdog is not None:
                 self.watchdog.close()
+            if hasattr(self.par.optimizer, "close"):  # offload = "nvme": its scratch files go
+                self.par.optimizer.close()
         return last
 
     def export_due(self) -> bool:

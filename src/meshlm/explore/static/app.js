@@ -92,14 +92,16 @@ async function update() {
   }
 }
 
+const MEM_LABELS = { cpu_optim: "host (offloaded optimizer)", disk_optim: "disk (nvme offload files)" };
+
 function render(res, body) {
   const r = res.estimate, pg = r.per_gpu, d = r.memory_detail;
   const parts = ["params", "grads", "optim", "activations", "buffers"].map((k) => ({ name: k, value: pg[k] }));
   stackedBar($("#mem-bar"), parts, { limit: r.usable_bytes, fmt: fmtBytes, bad: r.fits === false,
     limitLabel: `usable ${fmtBytes(r.usable_bytes)} of ${fmtBytes(r.hbm_bytes)}` });
   const t = $("#mem-table");
-  t.innerHTML = "<tr><th></th><th>per GPU</th></tr>" + ["params", "grads", "optim", "activations", "buffers", "total", "cpu_optim"]
-    .map((k) => `<tr><td>${k === "cpu_optim" ? "host (offloaded optimizer)" : k}</td><td id="mem-${k}" data-bytes="${pg[k]}">${fmtBytes(pg[k])}</td></tr>`).join("");
+  t.innerHTML = "<tr><th></th><th>per GPU</th></tr>" + ["params", "grads", "optim", "activations", "buffers", "total", "cpu_optim", "disk_optim"]
+    .map((k) => `<tr><td>${MEM_LABELS[k] || k}</td><td id="mem-${k}" data-bytes="${pg[k]}">${fmtBytes(pg[k])}</td></tr>`).join("");
   Object.assign(t.dataset, { model: body["model.preset"], gpus: body.gpus, tp: body["parallel.tp"] || 1 });
   $("#mem-caption").innerHTML = `worst rank: ${d.stage} stage, ${d.layers} layers, ${fmtNum(d.inflight_microbatches)} micro-batches in flight — ` +
     (r.fits ? `<span class="fit">fits</span>` : `<span class="nofit">does not fit</span>`);
@@ -113,6 +115,7 @@ function render(res, body) {
     { name: "forward", value: tm.forward_s }, { name: "backward", value: tm.backward_s }, { name: "recompute", value: tm.recompute_s },
     { name: "exposed comm", value: tm.exposed_comm_microbatch_s + tm.exposed_comm_step_s }, { name: "bubble", value: tm.bubble_s },
     { name: "optimizer", value: tm.optimizer_s + tm.offload_s }], { fmt: (s) => fmtNum(s, 3) + " s" });
+  $("#time-caption").textContent += tm.offload_io_s ? ` · nvme offload disk I/O ${fmtNum(tm.offload_io_s, 3)} s of the optimizer's ${fmtNum(tm.offload_s, 3)} s` : "";
   // the per-operation model's breakdown of the compute (plan/ops.py); absent with a flat --efficiency
   const ops = r.ops || {};
   $("#ops-table").innerHTML = r.ops ? "<tr><th>compute by operation</th><th>s per step</th></tr>" +
