@@ -163,6 +163,14 @@ def run_layout(pools, cfg: C.Config, world: int) -> list[dict]:
     return read_metrics(run_dir)
 
 
+def train_in(pools, cfg: C.Config, world: int, run_dir: str) -> list[dict]:
+    """Train `cfg` into `run_dir` on `world` ranks (1: in this process); its losses."""
+    if world == 1:
+        return run_local(cfg, run_dir)
+    pools(world).run(train_case, C.to_dict(cfg), run_dir)
+    return read_metrics(run_dir)
+
+
 def assert_same_losses(ref: list[dict], got: list[dict], rtol: float) -> None:
     assert len(ref) == len(got) and len(ref) > 0, (len(ref), len(got))
     worst = 0.0

@@ -8,9 +8,8 @@ import tempfile
 
 import pytest
 import torch
-from harness import assert_same_losses, make_config, read_metrics, rows, run_layout, run_local, train_case
+from harness import assert_same_losses, make_config, rows, run_layout, run_local, train_in
 
-from meshlm import config as C
 from meshlm.cli import main
 from meshlm.config import ConfigError
 from meshlm.layout import resolve
@@ -67,13 +66,6 @@ def test_nvme_equals_zero3_without_offload_bitwise(pools):
 
 # ---------------------------------------------------------------- checkpoints through the files
 
-def _train_in(pools, cfg, world: int, run_dir: str) -> list[dict]:
-    if world == 1:
-        return run_local(cfg, run_dir)
-    pools(world).run(train_case, C.to_dict(cfg), run_dir)
-    return read_metrics(run_dir)
-
-
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("first,second", [
     ((2, nvme(parallel__dp=2, parallel__zero=3)), (1, {})),
@@ -86,9 +78,9 @@ def test_nvme_checkpoint_moves_between_layouts(pools, first, second):
     ref = reference()
     a = tempfile.mkdtemp(prefix="meshlm-nvme-ckpt-")
     (w1, o1), (w2, o2) = first, second
-    _train_in(pools, make_config(checkpoint__every=5, **o1), w1, a)
+    train_in(pools, make_config(checkpoint__every=5, **o1), w1, a)
     b = tempfile.mkdtemp(prefix="meshlm-nvme-resume-")
-    resumed = _train_in(pools, make_config(checkpoint__resume=os.path.join(a, "checkpoints", "step_00000005"),
+    resumed = train_in(pools, make_config(checkpoint__resume=os.path.join(a, "checkpoints", "step_00000005"),
                                            **o2), w2, b)
     assert [r["step"] for r in resumed] == list(range(6, 11))
     assert_same_losses(ref[5:], resumed, FP32)
@@ -98,7 +90,7 @@ def test_nvme_async_checkpoint_is_written_in_place(pools):
     """checkpoint.async_ with nvme saves synchronously from the files (a host snapshot would hold the
     whole state): the checkpoint resumes to the same losses."""
     a = tempfile.mkdtemp(prefix="meshlm-nvme-async-")
-    _train_in(pools, make_config(checkpoint__every=5, checkpoint__async=True, **nvme(parallel__dp=2, parallel__zero=3)),
+    train_in(pools, make_config(checkpoint__every=5, checkpoint__async=True, **nvme(parallel__dp=2, parallel__zero=3)),
               2, a)
     resumed = run_local(make_config(checkpoint__resume=os.path.join(a, "checkpoints", "step_00000005")))
     assert_same_losses(reference()[5:], resumed, FP32)

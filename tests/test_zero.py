@@ -13,7 +13,7 @@ from harness import (
     read_metrics,
     run_layout,
     run_local,
-    train_case,
+    train_in,
 )
 
 from meshlm import config as C
@@ -104,13 +104,6 @@ def test_comm_bytes_ddp_2psi_zero3_3psi(pools):
 
 # ---------------------------------------------------------------- checkpoints across layouts
 
-def _train_in(pools, cfg, world: int, run_dir: str) -> list[dict]:
-    if world == 1:
-        return run_local(cfg, run_dir)
-    pools(world).run(train_case, C.to_dict(cfg), run_dir)
-    return read_metrics(run_dir)
-
-
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("first,second", [
     ((2, {"parallel__dp": 2, "parallel__zero": 3}), (1, {})),
@@ -123,10 +116,10 @@ def test_checkpoint_moves_between_layouts(pools, first, second):
     ref = reference(())
     a = tempfile.mkdtemp(prefix="meshlm-zero-ckpt-")
     w1, o1 = first
-    _train_in(pools, make_config(checkpoint__every=5, **o1), w1, a)
+    train_in(pools, make_config(checkpoint__every=5, **o1), w1, a)
     b = tempfile.mkdtemp(prefix="meshlm-zero-resume-")
     w2, o2 = second
-    resumed = _train_in(pools, make_config(checkpoint__resume=os.path.join(a, "checkpoints", "step_00000005"),
+    resumed = train_in(pools, make_config(checkpoint__resume=os.path.join(a, "checkpoints", "step_00000005"),
                                            **o2), w2, b)
     assert [r["step"] for r in resumed] == list(range(6, 11))
     assert_same_losses(ref[5:], resumed, FP32)
@@ -187,8 +180,6 @@ def test_fp16_overflow_skips_on_every_shard(pools):
 
 def _saved_bytes_after_forward(zero: int) -> tuple[int, object]:
     """Bytes of distinct storages autograd holds for backward at the end of one forward (one process)."""
-    import torch
-
     from meshlm.distributed.mesh import init_context, pick_device
     from meshlm.train.trainer import Trainer
 

@@ -79,8 +79,8 @@ def write_chrome_trace(path: str, actions: list[list[Action]], spans: Spans, met
 def load_timeline(path: str):
     """A written trace as a simulate.Timeline (times in ms), so draw.render_png can draw it, plus
     the per-rank milliseconds blocked in p2p."""
-    from .check import inflight_profile
-    from .simulate import Timeline
+    from ...schedule.check import inflight_profile
+    from ...schedule.simulate import Timeline
 
     with open(path) as f:
         data = json.load(f)
