@@ -141,7 +141,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
     reduction_of = reductions(ctx, layout, cfg.parallel.zero, tied_split, plan.expert_param)
     reduce_dtype = torch_dtype(cfg.parallel.reduce_dtype)
     if cfg.parallel.zero:  # ZeRO-1/2/3, HSDP
-        grads = shard_model(model, named, cfg, plan, bool(tied_split), reduction_of, reduce_dtype)
+        grads = shard_model(model, named, cfg, plan, bool(tied_split), reduction_of, reduce_dtype, ctx)
         if cfg.parallel.offload == "nvme":
             opt = NvmeOptimizer(grads, cfg.optim, cfg.parallel.offload_dir, cfg.parallel.offload_buffer_mb, ctx.rank)
         else:

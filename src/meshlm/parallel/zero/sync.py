@@ -45,8 +45,9 @@ class Zero:
     """The ZeRO gradient synchroniser (`grad_sync.GradSync`) and owner of the units."""
 
     def __init__(self, model: nn.Module, named: list[tuple[str, nn.Parameter]], switches, plan,
-                 split_tied: bool, reduction_of, reduce_dtype: torch.dtype):
+                 split_tied: bool, reduction_of, reduce_dtype: torch.dtype, zpp=None):
         self.sw = switches
+        self.zpp = zpp  # ZeRO++ (zeropp.py): its gathers and gradient reductions replace the plain ones
         self.reduce_dtype = reduce_dtype
         entry, exit_ = build_units(model, named, plan, split_tied, reduction_of)
         self.units = entry
@@ -111,7 +112,8 @@ class Zero:
         if u.state != SHARDED:
             return
         u.full.untyped_storage().resize_(u.padded * u.full.element_size())
-        u.handle = u.comm.all_gather(u.full, u.shard, async_op=True)
+        u.handle = (self.zpp.gather(u) if self.zpp is not None
+                    else u.comm.all_gather(u.full, u.shard, async_op=True))
         u.state = GATHERING
 
     def _unshard(self, u: Unit) -> None:
@@ -239,7 +241,8 @@ class Zero:
             out = u.grad_shard  # in place: NCCL and gloo allow the rank's own slice as output
         else:
             out = torch.empty(u.shard_size, dtype=self.reduce_dtype, device=u.device)
-        h = u.comm.reduce_scatter(out, send, async_op=True)
+        h = (self.zpp.reduce_scatter(u, out, send) if self.zpp is not None and self.zpp.quantize_grads
+             else u.comm.reduce_scatter(out, send, async_op=True))
         self.rs_queue.append((u, h, out, send))
         self._progress(keep=self.inflight)
 
@@ -273,6 +276,8 @@ class Zero:
 
     # -- the interface the trainer drives (as GradBuckets / DataParallel) ----------------------
     def begin_step(self) -> None:
+        if self.zpp is not None:
+            self.zpp.drop()
         for u in self.units:
             if not self.sw.shard_grads:
                 u.grad_full.zero_()
@@ -281,7 +286,10 @@ class Zero:
             u.pending, u.reduced = len(u.params), False
 
     def release_grads(self) -> None:
-        """After the optimizer step: zero 2-3 drop the gradient shards until the next backward."""
+        """After the optimizer step: zero 2-3 drop the gradient shards until the next backward (and
+        hpZ its secondary shards, now stale)."""
+        if self.zpp is not None:
+            self.zpp.drop()
         if self.sw.shard_grads:
             for u in self.units:
                 u.grad_shard = None
