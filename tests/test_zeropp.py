@@ -177,3 +177,57 @@ def test_quantized_runs_stay_close(pools, name, world, over):
     got = read_metrics(run_dir)
     assert_same_losses(ref, got, CLOSE)
     assert any(a["loss"] != b["loss"] for a, b in zip(ref, got)), "quantized run identical to exact: not quantized?"
+
+
+# ---------------------------------------------------------------- the planner and the explorer know them
+
+def test_planner_prices_zeropp():
+    """Spec carries the keys both ways; hpZ's secondary shard is Ψ·p/K of memory; qwZ's forward gather
+    and qgZ's all-to-alls are priced with the int8 formula (plan/volume.py, the runtime's); the search
+    keeps them when fixed."""
+    import dataclasses
+
+    from meshlm.plan.comm import collectives  # noqa: F401  (what estimate prices with)
+    from meshlm.plan.estimate import estimate
+    from meshlm.plan.hardware import get_gpu
+    from meshlm.plan.search import plan
+    from meshlm.plan.spec import Spec, shape_from_config, spec_from_config, to_config
+    from meshlm.plan.volume import QUANT_BLOCK
+
+    cfg = make_config(model__preset="llama3-8b", parallel__dp=16, parallel__zero=3, training__global_batch=64,
+                      **ALL3)
+    shape = shape_from_config(cfg)
+    s = spec_from_config(cfg, 16)
+    assert (s.quantize_weights, s.hpz_group, s.quantize_grads) == (True, 2, True)
+    back = to_config(shape, s).parallel
+    assert (back.quantize_weights, back.hpz_group, back.quantize_grads) == (True, 2, True)
+    gpu = get_gpu("h100")
+    base = dataclasses.replace(s, quantize_weights=False, hpz_group=0, quantize_grads=False, precision="bf16")
+    e0 = estimate(shape, base, gpu)
+    eq = estimate(shape, dataclasses.replace(base, quantize_weights=True), gpu)
+    eh = estimate(shape, dataclasses.replace(base, hpz_group=8), gpu)
+    eg = estimate(shape, dataclasses.replace(base, hpz_group=8, quantize_grads=True), gpu)
+    psi = shape.num_params()
+    sec = eh["memory_detail"]["buffers"]["hpz_secondary"]
+    assert abs(sec - 2 * psi / 8) / sec < 0.01, (sec, psi)
+
+    def row(e, kind, size):
+        return sum(c["bytes"] for c in e["comm"] if c["kind"] == kind and c["group_size"] == size)
+    q = (QUANT_BLOCK + 4) / QUANT_BLOCK
+    assert abs(row(eq, "all_gather", 16) / row(e0, "all_gather", 16) - q / 2) < 1e-9
+    assert row(eh, "all_gather", 8) > 0  # backward's re-gathers inside the group
+    assert row(eg, "reduce_scatter", 16) == 0 and row(eg, "all_to_all", 8) > 0 and row(eg, "all_to_all", 2) > 0
+    best = plan(shape, gpu, 16, 2048, 2048 * 64, fixed={"zero": 3, "hpz_group": 8, "quantize_weights": True},
+                top=2).ranked
+    assert best and all(r["layout"]["hpz_group"] == 8 and r["layout"]["quantize_weights"] for r in best)
+
+
+def test_explorer_takes_zeropp_keys():
+    from meshlm.explore.api import BadRequest, run_estimate
+
+    body = {"model.preset": "llama3-8b", "gpu": "h100-sxm-80gb", "gpus": 16, "parallel.zero": 3}
+    lay = run_estimate(dict(body, **{"parallel.quantize_weights": True, "parallel.hpz_group": 8}))["estimate"]["layout"]
+    assert lay["quantize_weights"] and lay["hpz_group"] == 8
+    with pytest.raises(BadRequest) as e:
+        run_estimate(dict(body, **{"parallel.hpz_group": 3}))
+    assert e.value.key == "parallel.hpz_group"
