@@ -154,10 +154,11 @@ def test_quantized_bytes_ratios(pools):
 
 # ---------------------------------------------------------------- quantized runs stay close
 
-# int8 blockwise rows carry ≤ 1/254 of their block's absmax in rounding error per element: after 10 steps
-# of the tiny model the loss moves by < 1e-3 relative (measured worst below); 1% is the bar for
-# 200 steps of `small` (bench/zeropp.py), used here too.
-CLOSE = 1e-2
+# int8 blockwise rows carry ≤ 1/254 of their block's absmax in rounding error per element. Over 10 steps of
+# the tiny model the loss moved by ≤ 1.3e-3 relative (dp4 qwZ 6.7e-4, qgZ 2.3e-4, all three 1.2e-3; tp2 /
+# pp2 / HSDP with all three ≤ 9e-4): 5e-3 leaves about 4× of that (the 1% bar is for 200 steps of
+# `small`: bench/zeropp.py). A loss equal to the exact one fails too: nothing was quantized then.
+CLOSE = 5e-3
 Q_ROWS = [
     ("dp4-qwz", 4, {"parallel__dp": 4, "parallel__quantize_weights": True}),
     ("dp4-qgz", 4, {"parallel__dp": 4, "parallel__quantize_grads": True}),
