@@ -121,7 +121,7 @@ def main() -> int:
     plot(curves, a.plot, f"{a.preset} (layers: {layers}), dp{a.world} ZeRO-3, seq {a.seq_len}, batch {a.batch}: "
                          f"exact vs qwZ+hpZ{a.hpz}+qgZ")
     if a.json:
-        print(json.dumps(summary, indent=1))
+        print(json.dumps(summary))
     else:
         for name, v in out.items():
             print(f"{name:7s} final loss {v['final_loss']:.4f} (last 10: {v['last10_loss']:.4f}), "
