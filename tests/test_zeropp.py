@@ -78,13 +78,14 @@ HPZ_ROWS = [
     ("hsdp-dp8-g4-hpz2", 8, {"parallel__dp": 8, "parallel__zero_group": 4, "training__micro_batch": 1}),
     ("tp2-dp4-hpz2", 8, {"parallel__dp": 4, "parallel__tp": 2}),
     ("pp2-dp4-hpz2", 8, {"parallel__dp": 4, "parallel__pp": 2, "training__micro_batch": 1}),
+    ("cp2-dp2-hpz2", 4, {"parallel__dp": 2, "parallel__cp": 2}),  # the shard group is dp_shard × cp
 ]
 
 
 @pytest.mark.parametrize("name,world,over", rows(HPZ_ROWS))
 def test_hpz_equals_one_process(pools, name, world, over):
     """hpZ changes only where backward's gathers come from (the group's secondary copies): fp32 losses
-    equal one process within 1e-5, with HSDP, tp and pp too."""
+    equal one process within 1e-5, with HSDP, tp, pp and cp too."""
     keep = {k: v for k, v in over.items() if k == "training__micro_batch"}
     ref = reference(tuple(sorted(keep.items())))
     got = run_layout(pools, make_config(parallel__zero=3, parallel__hpz_group=2, **over), world)
