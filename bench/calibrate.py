@@ -37,8 +37,9 @@ from meshlm.plan.spec import shape_from_config, spec_from_config  # noqa: E402
 
 
 def _median(run_dir: str, key: str) -> float:
-    recs = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl")) if '"step_s"' in x]
-    return statistics.median(r.get(key, float("nan")) for r in recs[K.WARMUP_RECORDS:])
+    """A metrics key's median over the steps --calibrate reads (after warm-up, not the profiled one)."""
+    prof = K.read_profile(run_dir)
+    return statistics.median(r.get(key, float("nan")) for r in K._records(run_dir, prof["step"] if prof else 0))
 
 
 def train(run_dir: str, nproc: int, common: list[str], extra: list[str]) -> float:
@@ -63,6 +64,17 @@ def variants(calib: str, cfg, ranks: int, threads: int) -> tuple[dict, dict]:
             for name, c in (("model", cal), ("flat", K.fit(calib, trace=False)),
                             ("per_thread_load", K.fit(calib, load=None)), ("own_core", own))}
     return {k: v["step_s"] for k, v in pred.items()}, categories(pred["model"])
+
+
+def core_seconds(calib: str, cfg, ranks: int, threads: int) -> dict:
+    """Seconds on a core per step of one target rank, the quantity other programs' load does not
+    change: the calibration fitted per core actually held (its schedstat share, `load=None`), priced
+    at one whole core (`cores=0`), with and without the trace. Compared with the target's `cpu_s`."""
+    out = {}
+    for name, trace in (("model", True), ("flat", False)):
+        cal = dataclasses.replace(K.fit(calib, load=None, trace=trace), cores=0)
+        out[name] = K.predict(cal, cfg, ranks, threads)["step_s"]
+    return out
 
 
 def categories(est: dict) -> dict:
@@ -108,6 +120,7 @@ def main() -> int:
             cal, got, base = K.fit(calib), K.measured(target), K.measured(calib)
             pred, cats = variants(calib, K.run_config(target), got.world, got.threads)
             meas = traced(target, got.step_s)
+            cpu = core_seconds(calib, K.run_config(target), got.world, got.threads)
             rows.append({"round": i, "load": load, "uptime_after": os.getloadavg(), "calib_step_s": base.step_s,
                          "calib_comm_s": base.comm_s, "calib_available": base.available,
                          "target_available": got.available, "target_comm_s": got.comm_s,
@@ -116,8 +129,10 @@ def main() -> int:
                          "calib_split": cal.split, "target_pred": cats, "target_traced": meas,
                          "measured_s": got.step_s, **{f"pred_{k}_s": v for k, v in pred.items()},
                          **{f"ratio_{k}": v / got.step_s for k, v in pred.items()},
-                         "calib_cpu_s": _median(calib, "cpu_s"), "target_cpu_s": _median(target, "cpu_s")})
+                         "calib_cpu_s": _median(calib, "cpu_s"), "target_cpu_s": _median(target, "cpu_s"),
+                         **{f"cpu_pred_{k}_s": v for k, v in cpu.items()}})
             r = rows[-1]
+            r.update({f"cpu_ratio_{k}": r[f"cpu_pred_{k}_s"] / r["target_cpu_s"] for k in cpu})
             if not a.json:
                 print(f"round {i}: loadavg {load:.1f}; dp2 {r['calib_step_s']:.3f} s/step (a core "
                       f"{r['calib_available']:.0%} of the time); tp2×dp2 predicted {r['pred_model_s']:.3f} s, "
@@ -125,13 +140,17 @@ def main() -> int:
                       f"{r['ratio_model']:.3f} (flat {r['ratio_flat']:.3f}, per-thread load "
                       f"{r['ratio_per_thread_load']:.3f}, own core {r['ratio_own_core']:.3f}); cpu s/step/rank "
                       f"{r['calib_cpu_s']:.3f} -> {r['target_cpu_s']:.3f}", flush=True)
+                print(f"    tp2×dp2 seconds on a core per step per rank: predicted {r['cpu_pred_model_s']:.3f} "
+                      f"(flat {r['cpu_pred_flat_s']:.3f}), measured {r['target_cpu_s']:.3f}: ratio "
+                      f"{r['cpu_ratio_model']:.3f} (flat {r['cpu_ratio_flat']:.3f})", flush=True)
                 print("    tp2×dp2 s/step predicted / traced: " + ", ".join(
                     f"{k} {cats[k]:.3f}/{meas[k]:.3f}" for k in cats), flush=True)
     finally:
         if not a.keep:
             shutil.rmtree(root, ignore_errors=True)
     summary = {k: statistics.median(r[k] for r in rows)
-               for k in ("ratio_model", "ratio_flat", "ratio_per_thread_load", "ratio_own_core")}
+               for k in ("ratio_model", "ratio_flat", "ratio_per_thread_load", "ratio_own_core", "cpu_ratio_model",
+                         "cpu_ratio_flat")}
     if a.json:
         print(json.dumps({"rows": rows, "median": summary}, indent=1))
     else:
