@@ -39,6 +39,9 @@ class Options:
     reserve_gib: float = 2.0       # CUDA context, cuBLAS / NCCL workspaces
     simulate: bool = True          # pipeline bubble from the schedule simulator when it is available
     rates: Rates | None = None     # a calibrated machine's per-category rates (plan/calibrate.py)
+    # ac = "op" under another framework's policy: the block matmuls (wq wk wv wo w1 w3 w2) whose outputs
+    # it does not keep, so the recompute runs them again (meshlm's own "op" keeps every one)
+    recompute_gemms: tuple = ()
 
     def usable(self, gpu: GPU | None) -> float | None:
         return None if gpu is None else gpu.hbm_bytes * self.mem_fraction - self.reserve_gib * GIB
@@ -144,7 +147,7 @@ def micro_times(shape: Shape, tp: int, sp: bool, ep: int, cp: int, seq_len: int,
     if o.efficiency is None:
         from .ops import stage_compute
         return stage_compute(shape, tp, sp, ep, seq_len, cp, layers, head, tokens, ac, precision, gpu,
-                             o.compiled, o.flash, o.attn_kernel, o.attn_dropout, o.rates)
+                             o.compiled, o.flash, o.attn_kernel, o.attn_dropout, o.rates, o.recompute_gemms)
     t_f, t_b, t_rc, t_attn = compute_times(shape, tp, seq_len, layers, head, tokens, ac,
                                            gpu.peak(precision) * o.efficiency, o.block_overhead_s)
     return {"t_f": t_f, "t_b": t_b, "t_rc": t_rc, "t_attn": t_attn, "ops": None}

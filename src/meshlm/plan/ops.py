@@ -196,7 +196,8 @@ def _sum(seconds: float, kernels: float, launch: float) -> float:
 @lru_cache(maxsize=65536)
 def stage_compute(shape, t: int, sp: bool, ep: int, seq_len: int, cp: int, layers: int, head: bool,
                   tokens: float, ac: str, precision: str, gpu: GPU, compiled: bool, flash: bool,
-                  kernel: str, attn_dropout: bool = False, rates: Rates | None = None) -> dict:
+                  kernel: str, attn_dropout: bool = False, rates: Rates | None = None,
+                  recompute_gemms: tuple = ()) -> dict:
     """Seconds of one micro-batch on one rank of a stage: forward, backward, recompute and the
     attention kernels alone (the window ring-CP transfers hide behind), plus the per-op breakdown."""
     a = shape.args
@@ -217,14 +218,15 @@ def stage_compute(shape, t: int, sp: bool, ep: int, seq_len: int, cp: int, layer
     def gemm3(m, n, k):  # forward, and backward's input-gradient and weight-gradient GEMMs
         return gemm(m, n, k), gemm(m, k, n) + gemm(k, n, m)
 
-    shapes = [(T, q, d), (T, kv, d), (T, kv, d), (T, d, q)]
+    shapes = [("wq", T, q, d), ("wk", T, kv, d), ("wv", T, kv, d), ("wo", T, d, q)]
     moe_frac = a.n_moe_blocks / a.n_layers if shape.moe else 0.0
-    dense_ffn = [(T, f, d), (T, f, d), (T, d, f)]
-    g_f = g_b = 0.0
+    dense_ffn = [("w1", T, f, d), ("w3", T, f, d), ("w2", T, d, f)]
+    g_f = g_b = g_rc = 0.0
     for w, group in ((1.0, shapes), (1.0 - moe_frac, dense_ffn)):  # MoE blocks replace the dense FFN
-        for sh in group:
+        for name, *sh in group:
             x, y = gemm3(*sh)
             g_f, g_b = g_f + w * x, g_b + w * y
+            g_rc += w * x if name in recompute_gemms else 0.0
     if moe_frac:  # balanced routing: each local expert gets tokens·top_k·ep/num_experts rows
         n_local = -(-shape.num_experts // ep)
         me, fe = T * shape.top_k * ep / shape.num_experts, a.expert_dim / t
@@ -283,8 +285,8 @@ def stage_compute(shape, t: int, sp: bool, ep: int, seq_len: int, cp: int, layer
         t_rc = layers * block_f
     elif ac == "selective":
         t_rc = layers * a_f
-    elif ac == "op":  # matmul and attention outputs kept: the element-wise forward runs again
-        t_rc = layers * e_f
+    elif ac == "op":  # matmul and attention outputs kept: the element-wise forward runs again (and
+        t_rc = layers * (e_f + g_rc)  # the matmuls a policy does not keep: Options.recompute_gemms)
     else:
         t_rc = 0.0
     out["recompute_s"] = t_rc
