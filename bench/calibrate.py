@@ -154,7 +154,7 @@ def main() -> int:
     if a.json:
         print(json.dumps({"rows": rows, "median": summary}, indent=1))
     else:
-        print("median ratio predicted / measured: " + ", ".join(f"{k[6:]} {v:.3f}" for k, v in summary.items()))
+        print("median ratio predicted / measured: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()))
     return 0
 
 
