@@ -144,7 +144,8 @@ def _write_traced_run(path, cfg, world, c=1e-5, beta=2e-9, profiled=4):
     comm = est["step_s"] - sum(secs.values()) - overhead  # the model's exposed communication
     assert comm > -1e-12
     comm = max(comm, 0.0)
-    for name, s in (("aten::mm", secs["gemm"]), ("aten::_scaled_dot_product_flash_attention_for_cpu", secs["attention"]),
+    sdpa = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    for name, s in (("aten::mm", secs["gemm"]), (sdpa, secs["attention"]),
                     ("c10d::allreduce_", comm)):
         ops[name] = {"calls": 10, "self_s": s, "device_s": 0.0, "elems": 1000, "flops": 0}
     with open(os.path.join(path, "metrics.jsonl"), "a") as f:  # the profiled step ran slower: not in the median

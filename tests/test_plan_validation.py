@@ -176,5 +176,6 @@ def test_torchtitan_op_ac_recomputes_its_matmuls():
     own, tt = (estimate(sh, spec, g, Options(recompute_gemms=r))["time"]["recompute_s"] for r in ((), TORCHTITAN_OP_AC))
     a, T, e = sh.args, 2 * 8192, 2
     kv = a.n_kv_heads * a.head_dim
-    gemms = sum(gemm_seconds(T, n, k, g, e, g.peak("bf16")) for n, k in ((kv, a.dim), (a.dim, a.dim), (a.ffn_dim, a.dim)))
+    wk_wo_w3 = ((kv, a.dim), (a.dim, a.dim), (a.ffn_dim, a.dim))
+    gemms = sum(gemm_seconds(T, n, k, g, e, g.peak("bf16")) for n, k in wk_wo_w3)
     assert tt - own == pytest.approx(a.n_layers * gemms, rel=1e-9)

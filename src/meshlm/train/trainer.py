@@ -225,8 +225,8 @@ class Trainer:
         self.guard.replay()
         self.maybe_resume()
         fault.on_start(self.run_dir, self.step, self.ctx.is_logger, self.resumed_record)
-        profiled = StepProfiler(self.run_dir, m.profile_step, self.ctx.is_logger, self.ctx.device, t.steps)
         log = MetricsLog(self.run_dir, self.ctx.is_logger, t.steps, self.step, m.progress, m.tensorboard)
+        profiled = StepProfiler(self.run_dir, m.profile_step, self.ctx.is_logger, self.ctx.device)
         comms = self.ctx.all_comms()
         reset_stats(comms)
         last: dict = {}
