@@ -64,7 +64,7 @@ class Parallelized:
     forward_backward: Callable[[torch.Tensor, torch.Tensor, float | torch.Tensor], torch.Tensor] | None = None
     eval_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     pipeline: object | None = None
-    owned: set[int] = field(default_factory=set)  # id() of parameters whose placement is the owner copy
+    names: dict[int, str] = field(default_factory=dict)  # id() of each parameter -> its placement's name
     moe: MoEStats | None = None  # MoE models: routing metrics and the aux-loss gradient scale
     cp: ContextParallel | None = None  # cp > 1: which tokens of each sequence this rank holds
 
@@ -78,7 +78,7 @@ class Parallelized:
 
     def norm_grads(self) -> list[torch.Tensor]:
         """The gradient pieces this rank counts in the global norm: each element once over the world."""
-        return [g for p, g in self.grads.param_grads() if id(p) in self.owned and g.numel()]
+        return [g for p, g in self.grads.param_grads() if self.placements[self.names[id(p)]].owner and g.numel()]
 
 
 def named_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -114,8 +114,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
     table = PlacementTable()
     for name, p in named_params(model):
         table.add(name, tuple(p.shape))
+    experts = plan.expert_params(model)
     if layout.ep > 1:
-        apply_expert_parallel(model, ctx.comm("ep"), plan, table)
+        apply_expert_parallel(model, ctx.comm("ep"), plan, table, experts)
     if layout.cp > 1 and model.args.moe:
         share_tokens_over_cp(model, ctx.comm("cp"), plan)
     apply_ac(model, cfg.training.ac, plan)
@@ -138,7 +139,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
             plan.blocks(model)[key] = torch.compile(block, dynamic=False)
     named = named_params(model)
     tied_split = {plan.tied_name()} & set(table.names()) if pipe is not None and pipe.tied else set()
-    reduction_of = reductions(ctx, layout, cfg.parallel.zero, tied_split, plan.expert_param)
+    reduction_of = reductions(ctx, layout, cfg.parallel.zero, tied_split, experts.__contains__)
     reduce_dtype = torch_dtype(cfg.parallel.reduce_dtype)
     if cfg.parallel.zero:  # ZeRO-1/2/3, HSDP
         grads = shard_model(model, named, cfg, plan, bool(tied_split), reduction_of, reduce_dtype)
@@ -161,7 +162,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
             if c.size > 1:
                 table.update(name, lambda pl: pl.replicate(c.name, c.rank))
     par = Parallelized(model=model, optimizer=opt, grads=grads, placements=table, world=ctx.comm("world"), cp=cp)
-    par.owned = {id(p) for name, p in named if table[name].owner}
+    par.names = {id(p): name for name, p in named}
     if model.args.moe:
         par.moe = MoEStats(model, plan, layout.tp)
     if layout.tp > 1:

@@ -109,9 +109,9 @@ class LlamaPlan:
         return [m for m in model.modules() if isinstance(m, HeadRMSNorm)]
 
     # -- experts -------------------------------------------------------------------------------
-    def expert_param(self, name: str) -> bool:
-        """Whether parameter `name` is split over expert parallelism (none in a dense Llama)."""
-        return False
+    def expert_params(self, model: nn.Module) -> set[str]:
+        """Single-process names of the parameters split over expert parallelism (none in a dense Llama)."""
+        return set()
 
     def moe_layers(self, model: nn.Module) -> dict[int, nn.Module]:
         """MoE feed-forwards by global block index (none in a dense Llama)."""

@@ -13,15 +13,13 @@
 """
 from __future__ import annotations
 
-import re
-
 from torch import nn
 
+from ..model.init import canonical_name
 from ..model.moe import MoE
+from .expert_parallel import parallel_moe
 from .llama_plan import LlamaPlan, TPLinear, TPRegion, UnitSpec
 from .tensor_parallel import SumGradLinear
-
-_EXPERT = re.compile(r"\.feed_forward\.experts\.w[123]$")
 
 
 class MoEPlan(LlamaPlan):
@@ -29,8 +27,9 @@ class MoEPlan(LlamaPlan):
         return {int(k): _inner(b).feed_forward for k, b in model.layers.items()
                 if isinstance(_inner(b).feed_forward, MoE)}
 
-    def expert_param(self, name: str) -> bool:
-        return bool(_EXPERT.search(name))
+    def expert_params(self, model: nn.Module) -> set[str]:
+        return {canonical_name(f"{fqn}.experts.{p}") for fqn, m in model.named_modules() if isinstance(m, MoE)
+                for p, _ in m.experts.named_parameters()}
 
     # -- tensor parallelism --------------------------------------------------------------------
     def tp_regions(self, model: nn.Module) -> list[TPRegion]:
@@ -53,7 +52,7 @@ class MoEPlan(LlamaPlan):
             if isinstance(m, MoE) and comm.size > 1:
                 m.router.__class__ = SumGradLinear
                 m.router.tp_comm = comm
-                m.aux_share = 1.0 / comm.size
+                parallel_moe(m).aux_share = 1.0 / comm.size
 
     # -- ZeRO ----------------------------------------------------------------------------------
     def zero_units(self, model: nn.Module, split_tied: bool) -> tuple[list[UnitSpec], list[UnitSpec]]:
