@@ -29,7 +29,7 @@ from .context_parallel import ContextParallel, apply_context_parallel
 from .data_parallel import GradBuckets
 from .expert_parallel import MoEStats, apply_expert_parallel, share_tokens_over_cp
 from .grad_sync import GradSync, Reduction
-from .moe_plan import plan_for
+from .moe_plan import model_plan_for
 from .pipeline.build import attach as attach_pipeline, split_model
 from .placement import PlacementTable
 from .tensor_parallel import apply_tensor_parallel, pad_vocab
@@ -109,7 +109,7 @@ def reductions(ctx: ParallelContext, layout: Layout, zero: int, tied_split: set[
 def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Layout,
                 make_optimizer: Callable, plan=None) -> Parallelized:
     """`model` was built on the meta device; materialise and wrap it for this rank."""
-    plan = plan or plan_for(model)
+    plan = plan or model_plan_for(model)
     pipe = split_model(model, ctx, cfg, layout, plan) if layout.pp > 1 else None  # keep this rank's stages
     table = PlacementTable()
     for name, p in named_params(model):
@@ -123,7 +123,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
     sp = cfg.parallel.sp and layout.tp > 1
     cp = (apply_context_parallel(model, ctx.comm("cp"), cfg.parallel.cp_impl, plan, sp) if layout.cp > 1
           else None)
-    # tp > 1: the full TP plan (vocab-parallel, padded); tp = 1: only the vocabulary padding, if any
+    # tp > 1: every tensor-parallel split (vocab-parallel, padded); tp = 1: only the vocabulary padding, if any
     tp = (apply_tensor_parallel(model, ctx.comm("tp"), cfg.parallel.sp, plan, table, cp and cp.split)
           if layout.tp > 1 else pad_vocab(model, ctx.comm("tp"), plan, table))
     split = {fqn: table[canonical_name(fqn)] for fqn, _ in model.named_parameters()

@@ -3,7 +3,7 @@
 The machinery of each dimension is generic: tensor parallelism splits linears it is told about and
 hooks the regions it is given, ZeRO groups the parameters of the units it is given, activation
 checkpointing wraps the modules it is given, the pipeline keeps the pieces it is told to keep and runs
-a stage through the model's own forward. `LlamaPlan` answers those questions for `model.llama.Llama`;
+a stage through the model's own forward. `LlamaModelPlan` answers those questions for `model.llama.Llama`;
 a second architecture (the MoE model) gets a plan of its own instead of special cases in each module.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ class UnitSpec:
     last: nn.Module
 
 
-class LlamaPlan:
+class LlamaModelPlan:
     # -- pieces --------------------------------------------------------------------------------
     def blocks(self, model: nn.Module) -> nn.ModuleDict:
         return model.layers
@@ -189,4 +189,4 @@ class LlamaPlan:
         return []
 
 
-LLAMA = LlamaPlan()
+LLAMA_PLAN = LlamaModelPlan()

@@ -1,4 +1,4 @@
-"""The model plan of a mixture-of-experts Llama (model/moe.py): LlamaPlan plus the MoE feed-forwards.
+"""The model plan of a mixture-of-experts Llama (model/moe.py): LlamaModelPlan plus the MoE feed-forwards.
 
 - tensor parallelism: the whole MoE feed-forward is one TP region. Experts are sharded over tp like
   the dense FFN (w1/w3 by hidden rows, w2 by hidden columns of every expert; Megatron's expert tensor
@@ -18,11 +18,11 @@ from torch import nn
 from ..model.init import canonical_name
 from ..model.moe import MoE
 from .expert_parallel import parallel_moe
-from .llama_plan import LlamaPlan, TPLinear, TPRegion, UnitSpec
+from .llama_plan import LlamaModelPlan, TPLinear, TPRegion, UnitSpec
 from .tensor_parallel import SumGradLinear
 
 
-class MoEPlan(LlamaPlan):
+class MoEModelPlan(LlamaModelPlan):
     def moe_layers(self, model: nn.Module) -> dict[int, MoE]:
         return {int(k): _inner(b).feed_forward for k, b in model.layers.items()
                 if isinstance(_inner(b).feed_forward, MoE)}
@@ -56,7 +56,7 @@ class MoEPlan(LlamaPlan):
 
     # -- ZeRO ----------------------------------------------------------------------------------
     def zero_units(self, model: nn.Module, split_tied: bool) -> tuple[list[UnitSpec], list[UnitSpec]]:
-        """LlamaPlan's units, each MoE block's experts split off as a unit entered after its block
+        """LlamaModelPlan's units, each MoE block's experts split off as a unit entered after its block
         (and left before it: the exit order takes the experts' parameters first)."""
         entry, exit_ = super().zero_units(model, split_tied)
         experts = {}
@@ -94,11 +94,11 @@ def _inner(block: nn.Module) -> nn.Module:
     return block
 
 
-MOE = MoEPlan()
+MOE_PLAN = MoEModelPlan()
 
 
-def plan_for(model: nn.Module) -> LlamaPlan:
+def model_plan_for(model: nn.Module) -> LlamaModelPlan:
     """The plan of a model: MoE when it has experts."""
-    from .llama_plan import LLAMA
+    from .llama_plan import LLAMA_PLAN
 
-    return MOE if model.args.moe else LLAMA
+    return MOE_PLAN if model.args.moe else LLAMA_PLAN
