@@ -6,8 +6,8 @@ record of every parameter. Each dimension adds to the records as it is applied (
 model-specific questions (which linears TP splits, what a ZeRO unit is, what AC wraps, what a pipeline
 stage keeps) go to the model plan (llama_plan.py).
 The optimizer class comes from the trainer (train/ sits above parallel/); it must accept
-`(named_params, optim_cfg, device)` and expose `.params`, `.names`, `.masters` (fp32, one per param)
-and `state_storage()`.
+`(named_params, optim_cfg, device)`, implement `adamw.Optimizer` (as ZeRO's optimizers do) and expose
+`.params`, `.names`, `.masters` (fp32, one per param) for the DP gradient buckets.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from ..distributed.mesh import ParallelContext
 from ..layout import Layout
 from ..model.init import canonical_name, init_source, materialize
 from .activation_checkpoint import apply_ac
+from .adamw import Optimizer
 from .context_parallel import ContextParallel, apply_context_parallel
 from .data_parallel import GradBuckets
 from .expert_parallel import MoEStats, apply_expert_parallel, share_tokens_over_cp
@@ -56,7 +57,7 @@ class Parallelized:
       eval micro-batch on this rank; the loss is the last stage's (zero elsewhere).
     """
     model: nn.Module
-    optimizer: object
+    optimizer: Optimizer
     grads: GradSync
     placements: PlacementTable
     world: object  # Comm over every rank: the gradient norm sums each owner's squares over it
