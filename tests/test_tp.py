@@ -64,6 +64,7 @@ def activation_task(cfg_dict: dict, report_compiled: bool = False):
     """Saved-activation bytes of block 0 by part, forward only (and whether block 0 is compiled)."""
     from meshlm.model import Llama
     from meshlm.parallel import parallelize
+    from meshlm.parallel.moe_plan import model_plan_for
     from meshlm.train.saved import block_saved_bytes
     from meshlm.train.optim import MasterOptimizer
     cfg = C.from_dict(cfg_dict)
@@ -73,7 +74,7 @@ def activation_task(cfg_dict: dict, report_compiled: bool = False):
     par = parallelize(model, ctx, cfg, layout, MasterOptimizer)
     tokens = torch.randint(0, 256, (cfg.training.micro_batch, cfg.data.seq_len))
     block = par.model.layers["0"]
-    parts = block_saved_bytes(block, lambda: par.model(tokens))
+    parts = block_saved_bytes(block, lambda: par.model(tokens), model_plan_for(par.model))
     return (parts, isinstance(block, torch._dynamo.eval_frame.OptimizedModule)) if report_compiled else parts
 
 

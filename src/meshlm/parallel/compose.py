@@ -87,24 +87,25 @@ def named_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(canonical_name(n), p) for n, p in model.named_parameters()]
 
 
-def reductions(ctx: ParallelContext, layout: Layout, zero: int, tied_split: set[str],
+def reductions(ctx: ParallelContext, layout: Layout, zero: int, split_tied: set[str],
                expert: Callable[[str], bool] = lambda name: False) -> Callable[[str], Reduction]:
     """Every parameter's gradient reduction: averaged over the data-parallel and context-parallel ranks
     (each holds the same weights and other tokens: reduce-scattered over the ZeRO shard group
     dp_shard×cp and all-reduced over HSDP replicas, or all-reduced over dp×cp); a tied weight held by
-    both pipeline ends is also summed over the two. Under expert parallelism, expert weights
-    (`expert(name)`) already hold every ep peer's tokens: summed over the ranks holding the same experts
-    (`edp`; ZeRO: scattered over `edp_shard`, all-reduced over the HSDP replicas), divided by dp×cp too."""
+    both pipeline ends (`split_tied`: its name, or empty) is also summed over the two. Under expert
+    parallelism, expert weights (`expert(name)`) already hold every ep peer's tokens: summed over the
+    ranks holding the same experts (`edp`; ZeRO: scattered over `edp_shard`, all-reduced over the HSDP
+    replicas), divided by dp×cp too."""
     if zero:
         base = Reduction(ctx.comm("dp_shard_cp"), (ctx.comm("dp_replicate"),), (), layout.dp * layout.cp)
     else:
         base = Reduction(None, (ctx.comm("dp_cp"),), (), layout.dp * layout.cp)
     tied = Reduction(base.scatter, base.over, (ctx.comm("pp_ends"),), base.divisor)
     if layout.ep == 1:
-        return lambda name: tied if name in tied_split else base
+        return lambda name: tied if name in split_tied else base
     experts = (Reduction(ctx.comm("edp_shard"), (ctx.comm("dp_replicate"),), (), base.divisor) if zero
                else Reduction(None, (ctx.comm("edp"),), (), base.divisor))
-    return lambda name: experts if expert(name) else tied if name in tied_split else base
+    return lambda name: experts if expert(name) else tied if name in split_tied else base
 
 
 def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Layout,
@@ -139,11 +140,11 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
         for key, block in list(plan.blocks(model).items()):
             plan.blocks(model)[key] = torch.compile(block, dynamic=False)
     named = named_params(model)
-    tied_split = {plan.tied_name()} & set(table.names()) if pipe is not None and pipe.tied else set()
-    reduction_of = reductions(ctx, layout, cfg.parallel.zero, tied_split, experts.__contains__)
+    split_tied = {plan.tied_name()} & set(table.names()) if pipe is not None and pipe.tied else set()
+    reduction_of = reductions(ctx, layout, cfg.parallel.zero, split_tied, experts.__contains__)
     reduce_dtype = torch_dtype(cfg.parallel.reduce_dtype)
     if cfg.parallel.zero:  # ZeRO-1/2/3, HSDP
-        grads = shard_model(model, named, cfg, plan, bool(tied_split), reduction_of, reduce_dtype)
+        grads = shard_model(model, named, cfg, plan, bool(split_tied), reduction_of, reduce_dtype)
         if cfg.parallel.offload == "nvme":
             opt = NvmeOptimizer(grads, cfg.optim, cfg.parallel.offload_dir, cfg.parallel.offload_buffer_mb, ctx.rank)
         else:

@@ -77,6 +77,12 @@ class LlamaModelPlan:
     def tied(self, model: nn.Module) -> bool:
         return bool(model.args.tie_embeddings)
 
+    def block_parts(self, block: nn.Module) -> dict[nn.Module, str]:
+        """A block's children by the part they belong to, for measuring tools (train/saved.py):
+        `norm` (they read the residual stream), `attention`, `feed_forward`, `other`."""
+        return {m: "norm" if isinstance(m, RMSNorm) else name if name in ("attention", "feed_forward") else "other"
+                for name, m in block.named_children()}
+
     # -- tensor parallelism --------------------------------------------------------------------
     def tp_regions(self, model: nn.Module) -> list[TPRegion]:
         """Attention split by heads (wq, wk, wv by rows, wo by columns), SwiGLU by hidden units (w1, w3
