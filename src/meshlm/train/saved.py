@@ -77,6 +77,6 @@ def block_saved_bytes(block: nn.Module, run: Callable[[], object], plan) -> dict
     parts = {block: "other", **plan.block_parts(block)}
     labels = tuple(dict.fromkeys(parts.values()))
     got = saved_bytes(run, skip=block.parameters(), parts=parts, outside="outside")
-    out = {k: got.get(k, 0) for k in labels}
+    out = {k: got[k] for k in labels}
     out["other"] += sum(getattr(m, "kept_bytes", 0) for m in block.modules())
     return out
