@@ -4,6 +4,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import sys
 
 
 def free_port() -> int:
@@ -23,11 +24,33 @@ def join_gloo(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
+def _call_and_exit(worker, *args) -> None:
+    """Run `worker`, flush its result queue, then leave without interpreter teardown: a gloo worker
+    thread still joinable when C++ static destructors run aborts the process ("terminate called
+    without an active exception") after the results are already out, which made a finished bench
+    exit non-zero. Exceptions still exit 1 with their traceback."""
+    q = args[-1]
+    try:
+        worker(*args)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        code = 1
+    else:
+        code = 0
+    q.close()
+    q.join_thread()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
 def _run(worker, world: int, args: tuple, timeout: float, results: int) -> list:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port) + tuple(args) + (q,)) for r in range(world)]
+    procs = [ctx.Process(target=_call_and_exit, args=(worker, r, world, port) + tuple(args) + (q,))
+             for r in range(world)]
     for p in procs:
         p.start()
     out = [q.get(timeout=timeout) for _ in range(results)]

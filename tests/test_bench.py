@@ -73,6 +73,20 @@ def test_saved_set_ac_table_smoke():
     assert rows["full"]["block"] < rows["none"]["block"]
 
 
+def test_peers_bench_smoke():
+    """One row per dimension: the same work on both sides (losses agree), and the summary line."""
+    rows, worst = run_json("bench/peers.py", "--smoke", "--json", "--rows", "tp2+sp", "pp2 zbv", "cp2", lines=2)
+    for name in ("tp2+sp", "pp2 zbv"):
+        r = rows[name]
+        assert r["loss_rel_diff"] < 1e-4 and len(r["meshlm_losses"]) == 3  # warm-up + 2 timed steps
+        assert r["meshlm_losses"][0] != r["meshlm_losses"][-1]  # it trains
+        assert r["meshlm_step_s"] > 0 and r["torch_step_s"] > 0 and r["meshlm_peak_mib"] > 0
+    assert set(worst) == {"tp", "pp", "cp"}
+    assert worst["tp"]["speed"] > 0 and worst["pp"]["memory"] > 0
+    if worst["cp"]["speed"] is None:  # torch's ring attention handles only the CUDA SDPA kernels
+        assert "_scaled_dot_product_flash_attention_for_cpu" in worst["cp"]["not_comparable"]
+
+
 def test_data_bench_smoke():
     """bench/data.py end to end on 1 and 2 MB (the 2 MB row through the byte tokenizer)."""
     out = run_json("bench/data.py", "--json", "--sizes-mb", "1,2", "--bytes-from-mb", "2", "--vocab", "400")
