@@ -348,9 +348,9 @@ def check_ep(args: ModelArgs, ep: int, dp: int, dp_shard: int, cp: int, zero: in
 
 def _check_pipeline(cfg: Config, args: ModelArgs, microbatches: int) -> None:
     """Schedule, chunks and the stage split (schedule/stage.py), as one-line ConfigErrors."""
-    from .schedule.stage import plan_stages
+    from .schedule.stage import stage_blocks
     try:
-        plan_stages(args, cfg, microbatches)
+        stage_blocks(args, cfg, microbatches)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

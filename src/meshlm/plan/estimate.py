@@ -82,7 +82,7 @@ def _built(schedule: str, p: int, m: int, v: int, fbw: tuple | None = None):
     return _simulator()[0](schedule, p, m, v, costs=action_costs(v, *fbw))
 
 
-def _sim_placement(schedule: str) -> bool:
+def _v_shaped(schedule: str) -> bool:
     from ..schedule.schedules import V_SHAPED
     return schedule in V_SHAPED
 
@@ -97,7 +97,7 @@ def bubble_simulated(schedule: str, p: int, m: int, v: int, f: float, b: float, 
             or p * m * v > SIM_MAX_UNITS):
         return None
     try:
-        vs = _sim_placement(schedule)
+        vs = _v_shaped(schedule)
         tl = sim[1](_built(schedule, p, m, v, (f, b, w) if vs else None), p, m, v, cost_f=f, cost_b=b,
                     cost_w=w, vshape=vs)
     except Exception:  # noqa: BLE001 - a simulator bug must not break the planner; fall back
