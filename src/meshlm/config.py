@@ -149,6 +149,7 @@ class MetricsConfig:
     every: int = 1
     tensorboard: bool = False
     progress: bool = True
+    profile_step: int = 0  # N > 0: rank 0 profiles step N into RUN_DIR/profile.json (--calibrate reads it)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from ..parallel import Parallelized, parallelize
 from ..plan.auto import resolve
 from . import checkpoint as ckpt
 from . import fault
-from .metrics import MetricsLog, device_peak, device_profile, peak_bytes, sched_seconds, tensor_bytes
+from .metrics import MetricsLog, StepProfiler, device_peak, device_profile, peak_bytes, sched_seconds, tensor_bytes
 from .optim import LossScaler, MasterOptimizer, clip_, grad_norm, lr_at
 
 
@@ -226,6 +226,7 @@ class Trainer:
         self.maybe_resume()
         fault.on_start(self.run_dir, self.step, self.ctx.is_logger, self.resumed_record)
         log = MetricsLog(self.run_dir, self.ctx.is_logger, t.steps, self.step, m.progress, m.tensorboard)
+        profiled = StepProfiler(self.run_dir, m.profile_step, self.ctx.is_logger, self.ctx.device)
         comms = self.ctx.all_comms()
         reset_stats(comms)
         last: dict = {}
@@ -240,7 +241,8 @@ class Trainer:
                     self.watchdog.beat(self.step)
                 self.hooks.before_step()
                 logging = (self.step + 1) % m.every == 0 or self.step + 1 == t.steps
-                out = self.train_step(measure=logging)
+                with profiled(self.step + 1):
+                    out = self.train_step(measure=logging)
                 window_steps += 1
                 log.advance()
                 rec = self._record(out, comms, window_start, window_steps, tokens_per_step) if logging else None
