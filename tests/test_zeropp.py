@@ -153,6 +153,43 @@ def test_quantized_bytes_ratios(pools):
     assert cross >= 4
 
 
+def secondary_bytes(cfg_dict: dict) -> tuple:
+    """In a pool worker: after one forward + backward with hpZ, the bytes of this rank's secondary
+    shards and of its units (padded), and the model's parameter count; after the step, what is left."""
+    from meshlm.distributed.mesh import init_context, pick_device
+    from meshlm.train.trainer import Trainer
+
+    cfg = C.from_dict(cfg_dict)
+    layout = resolve(cfg, int(os.environ["WORLD_SIZE"]))
+    tr = Trainer(cfg, tempfile.mkdtemp(prefix="meshlm-hpz-mem-"), init_context(layout.shape(), pick_device("cpu"),
+                                                                              timeout_s=120), layout)
+    zero = tr.par.grads
+    zero.begin_step()
+    x, y, _ = tr.data.next_batch(0, 1)
+    tr._loss(x[:2], y[:2]).backward()
+    zero.finish()
+    held = sum(t.numel() * t.element_size() for t in zero.zpp.secondary.values())
+    units = sum(u.padded * u.full.element_size() for u in zero.units)
+    zero.release_grads()
+    return held, units, len(zero.zpp.secondary)
+
+
+def test_hpz_secondary_memory_is_psi_over_k(pools):
+    """hpZ's extra memory, measured from the live secondary shards after a forward and backward: 1/K of
+    every unit (p·Ψ/K plus padding, what the planner's `hpz_secondary` buffer counts), gone after the step."""
+    from meshlm.layout import model_args
+    from meshlm.plan.memory import state_bytes_per_param
+
+    cfg = make_config(parallel__dp=4, parallel__zero=3, parallel__hpz_group=2)
+    held, units, left = pools(4).run(secondary_bytes, C.to_dict(cfg))[0]
+    psi = model_args(cfg).num_params()
+    pb = state_bytes_per_param("fp32")[0]
+    print(f"secondary {held} B, units {units} B, p·Ψ/K {pb * psi / 2:.0f} B")
+    assert held == units // 2
+    assert 0 <= held - pb * psi / 2 <= 6 * 4 * 16  # the padding of 6 units to N·16 bytes
+    assert left == 0
+
+
 # ---------------------------------------------------------------- quantized runs stay close
 
 # int8 blockwise rows carry ≤ 1/254 of their block's absmax in rounding error per element. Over 10 steps of
