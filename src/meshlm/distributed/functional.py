@@ -114,7 +114,10 @@ class _GatherLinears(Function):
         handle, finish = _gather_start(x, ctx.comm, ctx.dim) if any(want_w) else (None, None)
         gx = None
         if wanted(ctx, 0):  # the input gradient while the re-gather is in flight
-            gfull = sum(g @ w for g, w in zip(grads, weights) if g is not None)
+            gfull = None  # summed in place: Python's sum() would first copy the whole product (0 + g@w)
+            for g, w in zip(grads, weights):
+                if g is not None:
+                    gfull = g @ w if gfull is None else gfull.add_(g @ w)
             gx = reduce_scatter_dim(gfull, ctx.comm, ctx.dim)
         gws = [None] * len(weights)
         if handle is not None:
