@@ -8,7 +8,7 @@ happens in fp32. The fp32 master weight's `.grad` is the same slice.
 
 Parameters with different `Reduction`s (grad_sync.py) never share a bucket. On the last micro-batch of a
 step, a bucket whose parameters have all reported is all-reduced asynchronously over its group at once
-(overlapping the rest of backward); `finish()` waits for all of them, adds the `after` sums and divides
+(overlapping the rest of backward); `finish()` waits for all of them, adds the `sum_at_finish` sums and divides
 each bucket by its own divisor. Accumulation micro-batches never communicate. With one rank every
 collective is a no-op and this is just the gradient storage.
 """
@@ -86,7 +86,7 @@ class GradBuckets:
             self._launch(bucket)
 
     def _launch(self, b: Bucket) -> None:
-        over = b.reduction.over
+        over = b.reduction.all_reduce_over
         b.handle = over[0].all_reduce(b.buf, async_op=True) if over and over[0].size > 1 else None
         b.pending = -1  # launched
 
@@ -107,7 +107,7 @@ class GradBuckets:
         for b in self.buckets:
             if b.handle is not None:
                 b.handle.wait()
-            for c in b.reduction.over[1:] + b.reduction.after:
+            for c in b.reduction.all_reduce_over[1:] + b.reduction.sum_at_finish:
                 c.all_reduce(b.buf)
             if b.reduction.divisor != 1:
                 b.buf.div_(b.reduction.divisor)

@@ -19,19 +19,19 @@ from ..distributed.comm import Comm
 @dataclass(frozen=True)
 class Reduction:
     """`scatter`: ZeRO's shard group (reduce-scatter, then the parameters are gathered over it too);
-    None for plain DP. `over`: all-reduced over these as soon as the gradient is ready (DP's group;
-    HSDP's replicas after the scatter). `after`: summed once more in `finish()` (copies of one weight
+    None for plain DP. `all_reduce_over`: all-reduced over these as soon as the gradient is ready (DP's group;
+    HSDP's replicas after the scatter). `sum_at_finish`: summed once more in `finish()` (copies of one weight
     on two pipeline stages). `divisor`: the number of data-parallel token slices averaged over."""
     scatter: Comm | None
-    over: tuple[Comm, ...]
-    after: tuple[Comm, ...] = ()
+    all_reduce_over: tuple[Comm, ...]
+    sum_at_finish: tuple[Comm, ...] = ()
     divisor: int = 1
 
     @property
     def key(self) -> tuple:
         def names(cs):
             return tuple(c.name for c in cs)
-        return (self.scatter.name if self.scatter else None, names(self.over), names(self.after), self.divisor)
+        return (self.scatter.name if self.scatter else None, names(self.all_reduce_over), names(self.sum_at_finish), self.divisor)
 
 
 class GradSync(Protocol):

@@ -30,7 +30,7 @@ from torch.optim.adam import adam as adam_fn
 
 from ...config import ConfigError, OptimConfig
 from ..adamw import fused_adamw_supported
-from .sync import Zero
+from .sync import ZeroSync
 from .units import Unit
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -181,7 +181,7 @@ class NvmeOptimizer:
     """The optimizer `parallelize` returns for zero >= 1 with offload = "nvme" (the interface of
     ZeroOptimizer and train/optim.MasterOptimizer)."""
 
-    def __init__(self, zero: Zero, cfg: OptimConfig, root: str, buffer_mb: float, rank: int):
+    def __init__(self, zero: ZeroSync, cfg: OptimConfig, root: str, buffer_mb: float, rank: int):
         self.zero, self.cfg = zero, cfg
         self.params = [p for u in zero.units for p in u.params]
         self.names = [n for u in zero.units for n in u.names]
@@ -322,7 +322,7 @@ class NvmeOptimizer:
 
     # -- what the trainer and checkpoints ask ---------------------------------------------------
     def param_tensors(self) -> list[torch.Tensor]:
-        return [u.shard if self.zero.sw.shard_params else u.full for u in self.zero.units]
+        return [u.shard if self.zero.switches.shard_params else u.full for u in self.zero.units]
 
     def state_bytes(self) -> int:
         """Host bytes the optimizer keeps: the streaming buffer (the state itself is on disk)."""

@@ -18,14 +18,14 @@ import torch
 
 from ...config import OptimConfig
 from ..adamw import adamw_step, fused_adamw_supported
-from .sync import Zero
+from .sync import ZeroSync
 from .units import Unit
 
 
 class ZeroOptimizer:
     """The optimizer `parallelize` returns for zero >= 1 (same interface as MasterOptimizer)."""
 
-    def __init__(self, zero: Zero, cfg: OptimConfig, offload: bool):
+    def __init__(self, zero: ZeroSync, cfg: OptimConfig, offload: bool):
         self.zero, self.offload = zero, offload
         self.params = [p for u in zero.units for p in u.params]
         self.names = [n for u in zero.units for n in u.names]
@@ -106,7 +106,7 @@ class ZeroOptimizer:
     def param_tensors(self) -> list[torch.Tensor]:
         """The parameter memory this rank keeps (Trainer.memory): full flat buffers for zero 1-2, the
         shards for zero 3 (gathered blocks are transient and show in the peak only)."""
-        return [u.shard if self.zero.sw.shard_params else u.full for u, *_ in self.slots]
+        return [u.shard if self.zero.switches.shard_params else u.full for u, *_ in self.slots]
 
     def state_bytes(self) -> int:
         """Adam moments, separate fp32 masters and the offload gradient staging buffers."""
