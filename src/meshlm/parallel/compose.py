@@ -149,11 +149,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
             opt = NvmeOptimizer(grads, cfg.optim, cfg.parallel.offload_dir, cfg.parallel.offload_buffer_mb, ctx.rank)
         else:
             opt = ZeroOptimizer(grads, cfg.optim, cfg.parallel.offload == "optimizer")
-        for u in grads.units:
-            held = {i: (p0, p0 + s1 - s0) for i, s0, s1, p0 in u.segments}
-            for i, name in enumerate(u.names):
-                start, end = held.get(i, (0, 0))
-                table.update(name, lambda pl: pl.shard_flat(start, end, u.comm.name))
+        for u in grads.units:  # ZeRO's ranges, computed once by the unit (zero/units.py `Segment`)
+            for seg, name in zip(u.pieces, u.names):
+                table.update(name, lambda pl: pl.shard_flat(seg.param_start, seg.param_end, u.comm.name))
     else:
         opt = make_optimizer(named, cfg.optim, ctx.device)
         grads = GradBuckets(opt.params, opt.masters, [reduction_of(n) for n in opt.names],

@@ -206,7 +206,7 @@ class NvmeOptimizer:
         # (unit, start, end) of every chunk, and each chunk's parameter pieces (decay?, a, b) in shard terms
         self.chunks = [(u, a, min(a + self.chunk, u.shard_size)) for u in zero.units
                        for a in range(0, u.shard_size, self.chunk)]
-        self.decay = {id(u): [(len(u.shapes[i]) >= 2, s0, s1) for i, s0, s1, _ in u.segments] for u in zero.units}
+        self.decay = {id(u): [(len(u.shapes[g.param]) >= 2, g.start, g.end) for g in u.segments] for u in zero.units}
         self.stats = {"steps": 0, "read_bytes": 0, "write_bytes": 0, "step_s": 0.0, "read_wait_s": 0.0,
                       "write_wait_s": 0.0}
         self._lock = threading.Lock()
@@ -340,12 +340,10 @@ class NvmeOptimizer:
         self.zero.wait_params()
         out, self._backing = [], {}
         for u in self.zero.units:
-            held = {i: (s0, s1) for i, s0, s1, _ in u.segments}
             ranges = {k: FileRange(self.files, k, self.base[id(u)], u.shard_size) for k in KINDS}
-            for i, name in enumerate(u.names):
-                s0, s1 = held.get(i, (0, 0))
+            for seg, name in zip(u.pieces, u.names):
                 for k in KINDS:
-                    out.append((name, k, ranges[k].meta[s0:s1]))
+                    out.append((name, k, ranges[k].meta[seg.start:seg.end]))
                     self._backing[(name, k)] = ranges[k]
         return out
 

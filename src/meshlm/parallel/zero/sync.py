@@ -323,6 +323,5 @@ class ZeroSync:
         """Each parameter's range of this rank's reduced gradient shard (empty where it holds none)."""
         out = []
         for u in self.units:
-            held = {i: u.grad_shard[s0:s1] for i, s0, s1, _ in u.segments}
-            out += [(p, held.get(i, u.grad_shard[:0])) for i, p in enumerate(u.params)]
+            out += [(p, u.grad_shard[seg.start:seg.end]) for p, seg in zip(u.params, u.pieces)]
         return out
