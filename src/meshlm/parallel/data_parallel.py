@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..distributed.comm import Handle  # noqa: F401  (Bucket.handle)
-from .grad_sync import Reduction
+from .grad_sync import Reduction, add_into_view, bind_flat_grads
 
 
 class Bucket:
@@ -62,23 +62,17 @@ class GradBuckets:
                 self._add(params, group, reductions[group[0]])
         self.bucket_of: dict[int, Bucket] = {id(p): b for b in self.buckets for p in b.params}
         self.params = params
-        self.hooks = []
-        for p, m in zip(params, masters):
-            view = self.bucket_of[id(p)].views[id(p)]
-            if p.dtype == dtype:
-                p.grad = view  # autograd accumulates straight into the bucket
+        views = [self.bucket_of[id(p)].views[id(p)] for p in params]
+        for m, view in zip(masters, views):
             m.grad = view
-            self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self.hooks = bind_flat_grads(params, views, self._on_grad)
 
     def _add(self, params: list[nn.Parameter], group: list[int], reduction: Reduction) -> None:
         self.buckets.append(Bucket([params[j] for j in group], self.dtype, params[group[0]].device, reduction))
 
     def _on_grad(self, p: nn.Parameter) -> None:
         bucket = self.bucket_of[id(p)]
-        view = bucket.views[id(p)]
-        if p.grad is not view:
-            view.add_(p.grad)
-            p.grad = None
+        add_into_view(p, bucket.views[id(p)])
         if not self.sync:
             return
         bucket.pending -= 1

@@ -23,6 +23,7 @@ from itertools import pairwise
 import torch
 from torch import nn
 
+from ..grad_sync import add_into_view, bind_flat_grads
 from .units import GATHERED, GATHERING, SHARDED, Unit, build_units
 
 
@@ -77,8 +78,7 @@ class ZeroSync:
         for u in self.units:
             self.hooks.append(u.first.register_forward_pre_hook(partial(self._pre_forward, u)))
             self.hooks.append(u.last.register_forward_hook(partial(self._post_forward, u)))
-            for p in u.params:
-                self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            self.hooks += bind_flat_grads(u.params, u.grad_views, self._on_grad)
 
     # -- storage ------------------------------------------------------------------------------
     def _init_unit(self, u: Unit) -> None:
@@ -97,9 +97,6 @@ class ZeroSync:
             u.grad_full = torch.zeros(u.padded, dtype=torch.float32, device=u.device)
             u.grad_shard = u.grad_full[u.lo:u.lo + u.shard_size]
             u.grad_views = [u.view(u.grad_full, i) for i in range(len(u.params))]
-            for p, v in zip(u.params, u.grad_views):
-                if p.dtype == torch.float32:
-                    p.grad = v  # autograd accumulates straight into the buffer
         # zero 2-3: the shard is allocated by the step's first reduction and freed after the
         # optimizer step, so it never coexists with the forward's activations (as FSDP2 with
         # zero_grad(set_to_none=True))
@@ -190,9 +187,7 @@ class ZeroSync:
         u.pending = len(u.params)
         u.grad_full = torch.zeros(u.padded, dtype=self.reduce_dtype, device=u.device)
         u.grad_views = [u.view(u.grad_full, i) for i in range(len(u.params))]
-        for p, v in zip(u.params, u.grad_views):
-            if p.dtype == self.reduce_dtype:
-                p.grad = v
+        bind_flat_grads(u.params, u.grad_views)
 
     def _on_grad(self, p: nn.Parameter) -> None:
         if self.rs_queue or self.ar_queue:
@@ -200,11 +195,9 @@ class ZeroSync:
         u = self.unit_of[id(p)]
         g = p.grad
         if self.switches.shard_grads and not u.in_backward:  # backward reached the unit without its output hook
-            self._alloc_grad(u)
-        view = u.grad_views[u.index[id(p)]]
-        if g is not view:
-            view.add_(g)
-            p.grad = None
+            self._alloc_grad(u)  # (rebinds p.grad to the new view: put autograd's gradient back)
+            p.grad = g
+        add_into_view(p, u.grad_views[u.index[id(p)]])
         if not self.switches.shard_grads and not self.sync:
             return
         u.pending -= 1
