@@ -1,4 +1,4 @@
-"""ZeRO++ on zero = 3 (docs/zero.md "ZeRO++"): the unit gathers and gradient reductions of `Zero` (sync.py)
+"""ZeRO++ on zero = 3 (docs/zero.md "ZeRO++"): the unit gathers and gradient reductions of `ZeroSync` (sync.py)
 call in here when any of the three is on.
 
 - qwZ (`quantize_weights`): a gather over the whole shard group moves each rank's shard as blockwise
