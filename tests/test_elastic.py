@@ -90,7 +90,7 @@ def test_silent_rank_is_named_within_the_heartbeat():
 
 
 AGENT_CASE = {**{k.replace("__", "."): v for k, v in CASE.items() if k != "parallel__elastic"},
-              "training.steps": 14, "checkpoint.every": 2, "parallel.dp": -1, "parallel.zero": 1,
+              "training.steps": 24, "checkpoint.every": 2, "parallel.dp": -1, "parallel.zero": 1,
               "parallel.heartbeat_s": 5, "parallel.timeout_s": 60}
 
 
@@ -100,13 +100,32 @@ def agent(node: int, port: int, run: str, log: str) -> subprocess.Popen:
     from harness import TINY
     args = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
-            "--rdzv-conf=last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
+            "--rdzv-conf=last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3",
             "--max-restarts=3", "--monitor-interval=0.5",
             "-m", "meshlm.cli", "train", "--run-dir", run]
     for k, v in {**TINY, **AGENT_CASE}.items():
         args += [f"--{k}", str(v)]
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC), OMP_NUM_THREADS="1", MESHLM_TEST_STEP_SLEEP="0.5")
+    # each round's rank 0 publishes the workers' store address anew: with the shared store (torch's
+    # default) an agent that was rank 0 before does not, and a node joining later waits forever
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC), OMP_NUM_THREADS="1", MESHLM_TEST_STEP_SLEEP="1.0",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", MESHLM_TEST_NODE=node_mark(node))
     return subprocess.Popen(args, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def node_mark(node: int) -> str:
+    return f"{os.getpid()}-{node}"
+
+
+def kill_node(node: int) -> None:
+    """SIGKILL the agent and the workers of `node` (torchrun starts workers in sessions of their own,
+    so they are found by the mark in their environment)."""
+    mark = f"MESHLM_TEST_NODE={node_mark(node)}".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if mark in open(f"/proc/{pid}/environ", "rb").read().split(b"\0"):
+                os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            continue
 
 
 def wait_for(pred, procs, deadline: float, what: str):
@@ -124,7 +143,7 @@ def test_node_lost_and_back_with_two_agents(tmp_path):
     from harness import _free_port
     run, port = str(tmp_path / "run"), _free_port()
     a0 = agent(0, port, run, str(tmp_path / "a0.log"))
-    time.sleep(3)  # node 0 hosts the store
+    time.sleep(1)  # node 0 hosts the rendezvous store; node 1 joins within the first round's last call
     a1 = agent(1, port, run, str(tmp_path / "a1.log"))
     deadline = time.time() + 500
 
@@ -134,23 +153,23 @@ def test_node_lost_and_back_with_two_agents(tmp_path):
     try:
         wait_for(lambda: os.path.isfile(os.path.join(run, "checkpoints", "step_00000004", "meta.json")),
                  [a0, a1], deadline, "checkpoint 4")
-        os.killpg(a1.pid, signal.SIGKILL)
+        kill_node(1)
         lost = time.time()
         a1.wait()
         shrunk = wait_for(lambda: any(r.get("restart") and r.get("world") == 1 for r in lines_()), [a0], deadline,
                           "the restart on 1 rank")
         resumed = wait_for(lambda: "loss" in lines_()[-1], [a0], deadline, "a step on 1 rank")
+        print(f"node lost -> restart line on 1 rank {shrunk - lost:.1f} s, -> its first step {resumed - lost:.1f} s",
+              flush=True)
         a1 = agent(1, port, run, str(tmp_path / "a1b.log"))
         back = time.time()
         grown = wait_for(lambda: any(r.get("restart") and r.get("world") == 2 and r.get("old_world") == 1
                                      for r in lines_()), [a0, a1], deadline, "the restart on 2 ranks")
         assert a0.wait(timeout=deadline - time.time()) == 0 and a1.wait(timeout=60) == 0
     finally:
-        for a in (a0, a1):
-            if a.poll() is None:
-                os.killpg(a.pid, signal.SIGKILL)
-    print(f"node lost -> restart line on 1 rank {shrunk - lost:.1f} s, -> first step {resumed - lost:.1f} s; "
-          f"node back -> restart line on 2 ranks {grown - back:.1f} s")
+        for node in (0, 1):
+            kill_node(node)
+    print(f"node back -> restart line on 2 ranks {grown - back:.1f} s")
     lines = lines_()
     restarts = [r for r in lines if "restart" in r]
     assert [(r["old_world"], r["world"]) for r in restarts] == [(2, 1), (1, 2)], restarts
@@ -158,6 +177,21 @@ def test_node_lost_and_back_with_two_agents(tmp_path):
     ref = {r["step"]: r["loss"] for r in run_local(make_config(**{k.replace(".", "__"): v for k, v in AGENT_CASE.items()
                                                                      if not k.startswith("parallel.")}))}
     got = [r for r in lines if "loss" in r]
-    assert [r["step"] for r in got] == list(range(1, 15))
+    assert [r["step"] for r in got] == list(range(1, 25))
     for r in got:
         assert abs(r["loss"] - ref[r["step"]]) <= 1e-5 * ref[r["step"]], (r["step"], r["loss"], ref[r["step"]])
+
+
+def test_a_rank_that_left_is_not_lost():
+    """A rank whose training ended (or failed with its own error) closes its watchdog: not 'lost'."""
+    import torch.distributed as dist
+
+    from meshlm.distributed.comm import Watchdog
+    store, said = dist.HashStore(), []
+    done = Watchdog(store, 1, 2, silent_s=60)
+    time.sleep(1.5)  # it stamped
+    done.close()
+    watch = Watchdog(store, 0, 2, silent_s=2.0, on_silent=said.append)
+    time.sleep(4.5)
+    watch.close()
+    assert said == []

@@ -290,7 +290,7 @@ class Watchdog:
             old = self._seen.get(r)
             if old is None or old[0] != stamp:
                 self._seen[r] = (stamp, now)
-            elif stamp is not None and now - old[1] > self.silent_s:
+            elif stamp not in (None, LEFT.encode()) and now - old[1] > self.silent_s:
                 silent.append((r, now - old[1]))
         if silent:
             names = ", ".join(f"rank {r} (silent {t:.0f} s)" for r, t in silent)
@@ -300,7 +300,14 @@ class Watchdog:
                            f"the job can restart")
 
     def close(self) -> None:
+        """Stop the thread; a rank that leaves on purpose (done, or failing with its own error) says so,
+        so the others are not told it was lost."""
         self._stop.set()
+        if self.silent_s > 0:
+            try:
+                self.store.set(f"meshlm/alive/{self.rank}", LEFT)
+            except Exception:  # noqa: BLE001 - the store is gone with the job
+                pass
 
     def _read(self, key: str):
         return self.store.get(key) if self.store.check([key]) else None
@@ -351,6 +358,7 @@ def exit_silent(line: str) -> None:
     os._exit(EXIT_PEER_LOST)
 
 
+LEFT = "left"  # the alive stamp of a rank whose watchdog closed
 EXIT_PEER_LOST = 75  # a worker ended because a peer went silent (not its own failure)
 
 

@@ -40,10 +40,12 @@ def run(cfg: Config, run_dir: str) -> dict:
 def _log_auto(record: dict, run_dir: str) -> None:
     """parallel.auto: say what the planner chose and predicted (stdout and run_dir/auto_layout.json)."""
     import json
+    key = "parallel.auto"
     if "replanned_from" in record:
-        print(f"parallel.elastic: {record['replanned_from']} does not fit {record['world']} ranks "
-              f"({record['reason']}): replanned", flush=True)
-    print(f"parallel.auto: {record['auto_layout']} on {record['world']} × {record['gpu']}: predicted "
+        key = "parallel.elastic"
+        print(f"{key}: {record['replanned_from']} does not fit {record['world']} ranks ({record['reason']}): "
+              f"replanned", flush=True)
+    print(f"{key}: {record['auto_layout']} on {record['world']} × {record['gpu']}: predicted "
           f"{record['predicted_step_s']:.3g} s/step, {record['predicted_tokens_per_s_per_gpu']:,.0f} tokens/s per "
           f"device, MFU {record['predicted_mfu']:.1%}, {record['predicted_mem_gib']:.2f} GiB", flush=True)
     with open(os.path.join(run_dir, "auto_layout.json"), "w") as f:
