@@ -4,14 +4,16 @@
 
 Each round trains the calibration run (2 ranks, dp 2) and then the target run (4 ranks, tp 2 × dp 2)
 with `meshlm train --nproc` (one thread per rank), back to back so that the machine's load hits both
-alike, fits the machine on the first (`plan/calibrate.py`: nothing of the target run is used) and
-prints the target's predicted step against its measured one; the summary is the median ratio. On a
-2-core machine the target's 4 ranks oversubscribe the cores. Beside the model's prediction the table
-prints what two other assumptions predict (docs/planner.md, "Calibration from a run"): `per-thread
-load` (other programs' load, measured in the calibration run, competes with each of our threads, so
-4 ranks win more of a loaded machine than 2) and `own core` (every rank a core to itself); then the
-core share the per-thread model predicts for the target against the one it measured (schedstat:
-seconds on a core / seconds runnable), and both runs' CPU seconds per step per rank.
+alike, both with `metrics.profile_step` (rank 0's profiler trace of one step). It fits the machine on
+the first (`plan/calibrate.py`, per-category rates from its trace: nothing of the target run is used)
+and prints the target's predicted step against its measured one; the summary is the median ratio. On
+a 2-core machine the target's 4 ranks oversubscribe the cores. Beside the model's prediction the table
+prints what other assumptions predict (docs/planner.md, "Calibration from a run"): `flat` (one fitted
+compute rate, no trace: the model before the trace), `per-thread load` (other programs' load,
+measured in the calibration run, competes with each of our threads) and `own core` (every rank a core
+to itself); then the core share measured (schedstat: seconds on a core / seconds runnable) in both
+runs, and the target's seconds per step by category, predicted against what its own trace measured
+(the target's trace is only compared, never fitted).
 """
 from __future__ import annotations
 
@@ -35,8 +37,9 @@ from meshlm.plan.spec import shape_from_config, spec_from_config  # noqa: E402
 
 
 def _median(run_dir: str, key: str) -> float:
-    recs = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl")) if '"step_s"' in x]
-    return statistics.median(r.get(key, float("nan")) for r in recs[K.WARMUP_RECORDS:])
+    """A metrics key's median over the steps --calibrate reads (after warm-up, not the profiled one)."""
+    prof = K.read_profile(run_dir)
+    return statistics.median(r.get(key, float("nan")) for r in K._records(run_dir, prof["step"] if prof else 0))
 
 
 def train(run_dir: str, nproc: int, common: list[str], extra: list[str]) -> float:
@@ -51,22 +54,49 @@ def train(run_dir: str, nproc: int, common: list[str], extra: list[str]) -> floa
     return time.perf_counter() - t0
 
 
-def variants(calib: str, cfg, ranks: int, threads: int) -> dict:
-    """Step seconds predicted under the model and under the assumptions it replaces."""
+def variants(calib: str, cfg, ranks: int, threads: int) -> tuple[dict, dict]:
+    """Step seconds predicted under the model and under the assumptions it replaces, and the model's
+    seconds per step by trace category."""
     shape, spec = shape_from_config(cfg), spec_from_config(cfg, ranks)
-    cal, per_thread = K.fit(calib), K.fit(calib, load=None)
-    q, o = K.device_and_options(cal, ranks, False, threads)
-    gpu, _ = K.device_and_options(per_thread, ranks, False, threads)
-    share = K.core_share(ranks, quiet.cores, threads)
-    own_core = dataclasses.replace(q, peak_flops=q.peak_flops / share)  # each rank a whole core
-    return {name: estimate(shape, spec, g, o)["step_s"]
-            for name, g in (("model", q), ("per_thread_load", gpu), ("own_core", own_core))}
+    cal = K.fit(calib)
+    own = dataclasses.replace(cal, cores=0)  # each rank a whole core
+    pred = {name: estimate(shape, spec, *K.device_and_options(c, ranks, False, threads))
+            for name, c in (("model", cal), ("flat", K.fit(calib, trace=False)),
+                            ("per_thread_load", K.fit(calib, load=None)), ("own_core", own))}
+    return {k: v["step_s"] for k, v in pred.items()}, categories(pred["model"])
+
+
+def core_seconds(calib: str, cfg, ranks: int, threads: int) -> dict:
+    """Seconds on a core per step of one target rank, the quantity other programs' load does not
+    change: the calibration fitted per core actually held (its schedstat share, `load=None`), priced
+    at one whole core (`cores=0`), with and without the trace. Compared with the target's `cpu_s`."""
+    out = {}
+    for name, trace in (("model", True), ("flat", False)):
+        cal = dataclasses.replace(K.fit(calib, load=None, trace=trace), cores=0)
+        out[name] = K.predict(cal, cfg, ranks, threads)["step_s"]
+    return out
+
+
+def categories(est: dict) -> dict:
+    """The estimate's seconds per step in the trace's categories (calibrate.split_profile)."""
+    ops, t = est["ops"], est["time"]
+    return {"gemm": ops["gemm_s"] + ops["head_s"], "attention": ops["attention_s"],
+            "elementwise": ops["elementwise_s"] + ops["grad_accum_s"] + ops["loss_s"] + t["optimizer_s"],
+            "overhead": t["overhead_s"], "comm": t["exposed_comm_microbatch_s"] + t["exposed_comm_step_s"]}
+
+
+def traced(run_dir: str, step_s: float) -> dict:
+    """A run's own trace in the same categories (dispatch and bytes together as element-wise)."""
+    s = K.split_profile(K.read_profile(run_dir), step_s)
+    return {"gemm": s["gemm"], "attention": s["attention"], "elementwise": s["dispatch"] + s["bytes"],
+            "overhead": s["overhead"], "comm": s["comm"]}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--profile-step", type=int, default=4, help="the step both runs profile")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--global-batch", type=int, default=8)
@@ -77,7 +107,8 @@ def main() -> int:
     common = ["--model.preset", a.preset, "--data.seq_len", str(a.seq_len), "--training.global_batch",
               str(a.global_batch), "--training.micro_batch", str(a.micro_batch), "--training.steps", str(a.steps),
               "--training.eval_every", "0", "--training.peak_tflops", "1", "--metrics.progress", "false",
-              "--checkpoint.resume", "never"]
+              "--checkpoint.resume", "never",
+              "--metrics.profile_step", str(a.profile_step)]
     root = a.keep or tempfile.mkdtemp(prefix="meshlm-calib-")
     rows = []
     try:
@@ -86,33 +117,44 @@ def main() -> int:
             load = os.getloadavg()[0]
             train(calib, 2, common, [])
             train(target, 4, common, ["--parallel.tp", "2"])
-            cal, got, base = K.fit(calib, load=None), K.measured(target), K.measured(calib)
-            pred = variants(calib, K.run_config(target), got.world, got.threads)
-            rows.append({"round": i, "load": load, "calib_step_s": base.step_s, "calib_comm_s": base.comm_s,
-                         "calib_available": base.available, "fitted_load": cal.load,
-                         "predicted_available": K.core_share(got.world, cal.cores, got.threads, cal.load),
+            cal, got, base = K.fit(calib), K.measured(target), K.measured(calib)
+            pred, cats = variants(calib, K.run_config(target), got.world, got.threads)
+            meas = traced(target, got.step_s)
+            cpu = core_seconds(calib, K.run_config(target), got.world, got.threads)
+            rows.append({"round": i, "load": load, "uptime_after": os.getloadavg(), "calib_step_s": base.step_s,
+                         "calib_comm_s": base.comm_s, "calib_available": base.available,
                          "target_available": got.available, "target_comm_s": got.comm_s,
-                         "rate_gflops_per_core": cal.rate_flops / 1e9, "link_mb_s_per_core": cal.link_bytes_s / 1e6,
+                         "rates": {k: getattr(cal, k) for k in ("gemm_flops", "attn_flops", "ew_bytes_s",
+                                                                "dispatch_s", "overhead_s", "link_bytes_s")},
+                         "calib_split": cal.split, "target_pred": cats, "target_traced": meas,
                          "measured_s": got.step_s, **{f"pred_{k}_s": v for k, v in pred.items()},
                          **{f"ratio_{k}": v / got.step_s for k, v in pred.items()},
-                         "calib_cpu_s": _median(calib, "cpu_s"), "target_cpu_s": _median(target, "cpu_s")})
+                         "calib_cpu_s": _median(calib, "cpu_s"), "target_cpu_s": _median(target, "cpu_s"),
+                         **{f"cpu_pred_{k}_s": v for k, v in cpu.items()}})
             r = rows[-1]
+            r.update({f"cpu_ratio_{k}": r[f"cpu_pred_{k}_s"] / r["target_cpu_s"] for k in cpu})
             if not a.json:
-                print(f"round {i}: loadavg {load:.1f}; dp2 {r['calib_step_s']:.3f} s/step, a core "
-                      f"{r['calib_available']:.0%} of the time -> {r['fitted_load']:.1f} other threads; "
-                      f"tp2×dp2 predicted {r['pred_model_s']:.3f} s, measured {r['measured_s']:.3f} s, "
-                      f"ratio {r['ratio_model']:.3f} (per-thread load {r['ratio_per_thread_load']:.3f}, own core "
-                      f"{r['ratio_own_core']:.3f}); core share predicted {r['predicted_available']:.2f} "
-                      f"measured {r['target_available']:.2f}; cpu s/step/rank {r['calib_cpu_s']:.3f} -> "
-                      f"{r['target_cpu_s']:.3f}", flush=True)
+                print(f"round {i}: loadavg {load:.1f}; dp2 {r['calib_step_s']:.3f} s/step (a core "
+                      f"{r['calib_available']:.0%} of the time); tp2×dp2 predicted {r['pred_model_s']:.3f} s, "
+                      f"measured {r['measured_s']:.3f} s (a core {r['target_available']:.0%}), ratio "
+                      f"{r['ratio_model']:.3f} (flat {r['ratio_flat']:.3f}, per-thread load "
+                      f"{r['ratio_per_thread_load']:.3f}, own core {r['ratio_own_core']:.3f}); cpu s/step/rank "
+                      f"{r['calib_cpu_s']:.3f} -> {r['target_cpu_s']:.3f}", flush=True)
+                print(f"    tp2×dp2 seconds on a core per step per rank: predicted {r['cpu_pred_model_s']:.3f} "
+                      f"(flat {r['cpu_pred_flat_s']:.3f}), measured {r['target_cpu_s']:.3f}: ratio "
+                      f"{r['cpu_ratio_model']:.3f} (flat {r['cpu_ratio_flat']:.3f})", flush=True)
+                print("    tp2×dp2 s/step predicted / traced: " + ", ".join(
+                    f"{k} {cats[k]:.3f}/{meas[k]:.3f}" for k in cats), flush=True)
     finally:
         if not a.keep:
             shutil.rmtree(root, ignore_errors=True)
-    summary = {k: statistics.median(r[k] for r in rows) for k in ("ratio_model", "ratio_per_thread_load", "ratio_own_core")}
+    summary = {k: statistics.median(r[k] for r in rows)
+               for k in ("ratio_model", "ratio_flat", "ratio_per_thread_load", "ratio_own_core", "cpu_ratio_model",
+                         "cpu_ratio_flat")}
     if a.json:
         print(json.dumps({"rows": rows, "median": summary}, indent=1))
     else:
-        print("median ratio predicted / measured: " + ", ".join(f"{k[6:]} {v:.3f}" for k, v in summary.items()))
+        print("median ratio predicted / measured: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()))
     return 0
 
 

@@ -157,21 +157,21 @@ def pp_peer(cfg, rank: int, world: int):
     from meshlm.layout import model_args
     from meshlm.model import Llama, materialize
     from meshlm.parallel import cross_entropy
-    from meshlm.parallel.llama_plan import LLAMA
+    from meshlm.parallel.llama_plan import LLAMA_PLAN
     from meshlm.schedule.actions import stage_index
-    from meshlm.schedule.stage import plan_stages
+    from meshlm.schedule.stage import stage_blocks
     from meshlm.schedule.schedules import V_SHAPED
 
     p, name = cfg.parallel, cfg.parallel.pp_schedule
     v, m = p.pp_virtual, cfg.training.global_batch // cfg.training.micro_batch
     args = model_args(cfg)
-    blocks, n = plan_stages(args, cfg, m), world * v
+    blocks, n = stage_blocks(args, cfg, m), world * v
     stages, params = [], []
     for c in range(v):
         s = stage_index(rank, c, world, name in V_SHAPED)
         with torch.device("meta"):
             mod = Llama(args)
-        LLAMA.prune(mod, {str(i) for i in blocks[s]}, s == 0, s == n - 1)
+        LLAMA_PLAN.prune(mod, {str(i) for i in blocks[s]}, s == 0, s == n - 1)
         materialize(mod, cfg.training.seed, "cpu")
         params += list(mod.parameters())
         stages.append(pipelining.PipelineStage(mod, s, n, torch.device("cpu")))

@@ -65,14 +65,14 @@ def make_legacy(model: torch.nn.Module) -> None:
 @contextlib.contextmanager
 def unfused_entry():
     """While building: every TP region keeps the entry hook (gather_seq under SP), as before issue 17."""
-    from meshlm.parallel.llama_plan import LlamaPlan
-    fused = LlamaPlan.tp_regions
-    LlamaPlan.tp_regions = lambda self, model: [dataclasses.replace(r, fused_entry=False)
+    from meshlm.parallel.llama_plan import LlamaModelPlan
+    fused = LlamaModelPlan.tp_regions
+    LlamaModelPlan.tp_regions = lambda self, model: [dataclasses.replace(r, fused_entry=False)
                                                 for r in fused(self, model)]
     try:
         yield
     finally:
-        LlamaPlan.tp_regions = fused
+        LlamaModelPlan.tp_regions = fused
 
 
 # ---------------------------------------------------------------------------------- building, measuring

@@ -54,13 +54,15 @@ def start_trainer(rank: int, world: int, port: int, overrides: dict, steps: int)
 def _worker(rank: int, world: int, port: int, overrides: dict, steps: int, out) -> None:
     import torch
     from meshlm.distributed.mesh import shutdown
+    from meshlm.parallel.moe_plan import model_plan_for
     from meshlm.train.saved import block_saved_bytes
 
     try:
         cfg, layout, ctx, trainer, _ = start_trainer(rank, world, port, overrides, steps)
         stats = {k: (s.calls / steps, s.bytes / steps, s.seconds / steps) for k, s in ctx.comm("tp").stats.items()}
         tokens = torch.randint(0, cfg.model.vocab_size or 256, (layout.micro_batch, cfg.data.seq_len))
-        acts = block_saved_bytes(trainer.model.layers["0"], lambda: trainer.model(tokens))
+        acts = block_saved_bytes(trainer.model.layers["0"], lambda: trainer.model(tokens),
+                                 model_plan_for(trainer.model))
         if rank == 0:
             out.put((stats, acts))
     finally:

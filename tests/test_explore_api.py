@@ -17,7 +17,7 @@ from meshlm.train.metrics import PEAK_COMMENT, MetricsLog, device_peak
 
 TINY = ["--model.preset", "debug", "--data.seq_len", "32", "--training.global_batch", "4", "--training.micro_batch",
         "2", "--training.steps", "6", "--training.eval_every", "3", "--training.eval_batches", "1",
-        "--metrics.progress", "false"]
+        "--metrics.progress", "false", "--metrics.profile_step", "4"]  # its trace: --calibrate's per-category fit
 
 
 @pytest.fixture(scope="module")
@@ -348,6 +348,9 @@ def test_explorer_loads_a_calibration(served, capsys):
     assert code == 0, err
     status, res = call(base, "/api/estimate", dict(tiny, gpus=2, global_batch_tokens=8 * 32, calibrate=name))
     assert status == 200 and res["estimate"] == cli and cli["gpu"] == "custom" and cli["step_s"] > 0
+    # the run's profile.json split its step: the layout is priced per category at the fitted rates
+    assert (root / name / "profile.json").exists()
+    assert all(cli["ops"][k] > 0 for k in ("gemm_s", "attention_s", "elementwise_s")) and cli["time"]["overhead_s"] >= 0
     status, plan = call(base, "/api/plan", dict(tiny, gpus=2, global_batch_tokens=8 * 32, calibrate=name))
     assert status == 200 and plan["ranked"] and all(r["step_s"] > 0 for r in plan["ranked"])
     page = call(base, "/app.js")[1].decode()

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from meshlm.model import PRESETS, Llama, ModelArgs, init_tensor, materialize
 from meshlm.parallel.activation_checkpoint import apply_ac
-from meshlm.parallel.llama_plan import LLAMA
+from meshlm.parallel.llama_plan import LLAMA_PLAN
 
 DEBUG = PRESETS["debug"]
 
@@ -83,7 +83,7 @@ def test_activation_checkpointing_gives_same_loss_and_grads(mode):
     x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
     ref_loss, ref_grads = loss_and_grads(build(), x, y)
     m = build()
-    apply_ac(m, mode, LLAMA)
+    apply_ac(m, mode, LLAMA_PLAN)
     loss, grads = loss_and_grads(m, x, y)
     assert loss == pytest.approx(ref_loss, rel=1e-6)
     strip = lambda n: n.replace("_wrapped.", "")  # noqa: E731

@@ -308,11 +308,11 @@ def _measure_block(torch, ac, dtype, b, s, d, h, kv, ffn, math):
     from meshlm.model.args import ModelArgs
     from meshlm.model.llama import Llama
     from meshlm.parallel.activation_checkpoint import apply_ac
-    from meshlm.parallel.llama_plan import LLAMA
+    from meshlm.parallel.llama_plan import LLAMA_PLAN
     args = ModelArgs(dim=d, n_layers=1, n_heads=h, n_kv_heads=kv, ffn_dim=ffn, vocab_size=64, max_seq_len=s)
     torch.manual_seed(0)
     model = Llama(args).to(dtype)
-    apply_ac(model, ac, LLAMA)
+    apply_ac(model, ac, LLAMA_PLAN)
     cos, sin = model.rope(s, torch.device("cpu"))
     cos, sin = cos[:s], sin[:s]
     from meshlm.train.saved import saved_bytes
@@ -371,13 +371,13 @@ def test_whole_model_activations_match_saved_tensors(precision):
     from meshlm.model.args import ModelArgs
     from meshlm.model.llama import Llama
     from meshlm.parallel.activation_checkpoint import apply_ac
-    from meshlm.parallel.llama_plan import LLAMA
+    from meshlm.parallel.llama_plan import LLAMA_PLAN
     from meshlm.train.saved import saved_bytes
     b, s = 2, 64
     args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=300, max_seq_len=s)
     for ac in ("none", "selective", "full"):
         model = Llama(args).to(torch.float32 if precision == "fp32" else torch.bfloat16)
-        apply_ac(model, ac, LLAMA)
+        apply_ac(model, ac, LLAMA_PLAN)
         model.rope(s, torch.device("cpu"))
         x, y = torch.randint(0, 300, (b, s)), torch.randint(0, 300, (b, s))
         saved = saved_bytes(lambda: F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()),  # as the trainer

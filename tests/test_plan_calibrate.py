@@ -8,20 +8,22 @@ import os
 
 import pytest
 
-from harness import make_config
+from harness import make_config, train_in
 from meshlm import config as C
 from meshlm.cli import main
 from meshlm.plan import calibrate as K
-from meshlm.plan.spec import PlanError
+from meshlm.plan.estimate import estimate
+from meshlm.plan.ops import unit_rates
+from meshlm.plan.spec import PlanError, shape_from_config, spec_from_config
 
 RATE, LINK, CORES = 3e10, 4e8, 2  # the machine the synthetic runs were "measured" on
 
 
-def _write_run(path, cfg, world, load=0.0, noise=(1.0,), log_world=True):
+def _write_run(path, cfg, world, load=0.0, noise=(1.0,), log_world=True, cal=None):
     """A run directory whose metrics are what the planner predicts for `world` ranks of one thread on
     the known machine beside `load` other runnable threads. Like a real run, config.toml keeps
     parallel.dp = -1 and metrics.jsonl says the world size (unless `log_world` is off)."""
-    cal = K.Calibration(RATE, LINK, CORES, load=load)
+    cal = cal or K.Calibration(RATE, LINK, CORES, load=load)
     est = K.predict(cal, cfg, world, threads=1)
     comm = {c["kind"]: {"calls": c["calls"], "bytes": c["bytes"], "seconds": c["seconds"]} for c in est["comm"]}
     avail = min(1.0, CORES / (world + load))  # seconds on a core / seconds runnable, per thread
@@ -102,3 +104,113 @@ def test_calibrate_cli_and_errors(tmp_path, capsys):
     (old / "metrics.jsonl").write_text('{"step": 1, "step_s": 1.0}\n' * 2)
     with pytest.raises(PlanError, match="has 2 logged steps; need more than 2"):
         K.fit(str(old))
+
+
+# ---------------------------------------------------------------------- a profiler trace (metrics.profile_step)
+
+TRUE = dict(gemm_flops=2e10, attn_flops=5e9, ew_bytes_s=3e9, dispatch_s=2e-5, overhead_s=0.05)
+
+
+def _truth(load=0.0):
+    return K.Calibration(RATE, LINK, CORES, load=load, **TRUE)
+
+
+def _category_seconds(cal, cfg, world):
+    """Seconds per step of each trace category when `cfg` runs on `world` ranks of the known machine:
+    the model's work of the category at that rank's rate (what a profiler would have split)."""
+    gpu, o = K.device_and_options(cal, world, threads=1)
+    shape, spec = shape_from_config(cfg), spec_from_config(cfg, world)
+
+    def secs(cat):
+        rates = getattr(o.rates, {"gemm": "gemm_flops_s", "attention": "attn_flops_s", "bytes": "ew_bytes_s",
+                                  "dispatch": "dispatch_s"}[cat])
+        t = estimate(shape, spec, gpu, K._rated(unit_rates(cat), False))["time"]
+        work = t["forward_s"] + t["backward_s"] + t["recompute_s"] + t["optimizer_s"]
+        return work * rates if cat == "dispatch" else work / rates
+    return {c: secs(c) for c in ("gemm", "attention", "bytes", "dispatch")}, o.rates.step_overhead_s
+
+
+def _write_traced_run(path, cfg, world, c=1e-5, beta=2e-9, profiled=4):
+    """A run measured on the known machine with a profile.json of step `profiled` whose op names split
+    into the categories the model gives: element-wise ops whose seconds are c·calls + β·elements
+    exactly (a view: calls only), the rest in GEMM, attention and comm ops, the overhead outside."""
+    est = _write_run(path, cfg, world, cal=_truth())
+    secs, overhead = _category_seconds(_truth(), cfg, world)
+    calls, elems = secs["dispatch"] / c, secs["bytes"] / beta
+    ew = {"aten::mul": (calls / 4, elems / 3), "aten::add_": (calls / 4, 2 * elems / 3), "aten::view": (calls / 2, 0)}
+    ops = {n: {"calls": k, "self_s": c * k + beta * x, "device_s": 0.0, "elems": x, "flops": 0}
+           for n, (k, x) in ew.items()}
+    ops["aten::view"]["elems"] = 1e9  # a view's elements are not data it moves
+    comm = est["step_s"] - sum(secs.values()) - overhead  # the model's exposed communication
+    assert comm > -1e-12
+    comm = max(comm, 0.0)
+    sdpa = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    for name, s in (("aten::mm", secs["gemm"]), (sdpa, secs["attention"]),
+                    ("c10d::allreduce_", comm)):
+        ops[name] = {"calls": 10, "self_s": s, "device_s": 0.0, "elems": 1000, "flops": 0}
+    with open(os.path.join(path, "metrics.jsonl"), "a") as f:  # the profiled step ran slower: not in the median
+        f.write(json.dumps({"step": profiled, "step_s": 50 * est["step_s"], "world": world, "threads": 1,
+                            "cores": CORES, "comm": {}}) + "\n")
+    for o in ops.values():  # the profiler's cost per op doubles every op's time; the shares stay
+        o["self_s"] *= 2
+    with open(os.path.join(path, K.PROFILE), "w") as f:
+        json.dump({"step": profiled, "rank": 0, "device": "cpu", "wall_s": 2 * est["step_s"], "threads": 1,
+                   "ops": ops}, f)
+    return est
+
+
+def test_trace_fit_recovers_every_rate_and_prices_tp_per_category(tmp_path):
+    """From a 2-rank dp run with a trace the per-category rates come back exactly; priced with them,
+    tp 2 halves the GEMMs but not the dispatch or the per-step overhead, and tp 2 × dp 2 on 4 ranks is
+    predicted as the known machine runs it. Without the trace the fit is the flat one."""
+    a = tmp_path / "dp2"
+    a.mkdir()
+    _write_traced_run(a, _cfg(), 2)
+    assert K.dispatch_and_bytes(K.read_profile(str(a))["ops"]) == (pytest.approx(2e-5), pytest.approx(4e-9))
+    cal = K.fit(str(a))
+    for k, v in TRUE.items():
+        assert getattr(cal, k) == pytest.approx(v, rel=1e-6), k
+    cfg4 = _cfg(parallel__tp=2)
+    assert K.predict(cal, cfg4, 4)["step_s"] == pytest.approx(K.predict(_truth(), cfg4, 4)["step_s"], rel=1e-6)
+    flat = K.fit(str(a), trace=False)
+    assert flat.gemm_flops is None and flat.rate_flops == pytest.approx(cal.rate_flops)
+    assert K.predict(flat, cfg4, 4)["ops"] is None
+    # same tokens per rank on 2 ranks: dp 2 (global batch 8) against tp 2 (global batch 4)
+    dp, tp = (K.predict(cal, c, 2, threads=1) for c in (_cfg(), _cfg(parallel__tp=2, training__global_batch=4)))
+    g = lambda e: e["ops"]["gemm_s"] + e["ops"]["head_s"]  # noqa: E731
+    assert g(tp) == pytest.approx(g(dp) / 2, rel=0.02)
+    assert tp["time"]["overhead_s"] == dp["time"]["overhead_s"] > 0
+    assert dp["ops"]["elementwise_s"] / 2 < tp["ops"]["elementwise_s"] < dp["ops"]["elementwise_s"]
+
+
+def test_trace_errors(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    _write_traced_run(run, _cfg(), 2)
+    (run / K.PROFILE).write_text('{"step": 4}')
+    with pytest.raises(PlanError, match="profile.json is not a profile meshlm wrote"):
+        K.fit(str(run))
+    with pytest.raises(C.ConfigError, match=r"metrics.profile_step: expected 0 \(off\) or a step in 1..4, got 9"):
+        train_in(None, _tiny(metrics__profile_step=9, training__steps=4), 1, str(tmp_path / "bad"))
+    assert not os.path.exists(tmp_path / "bad" / "metrics.jsonl")
+
+
+def _tiny(**kw):
+    return make_config(**{"training__steps": 6, "training__global_batch": 8, "training__micro_batch": 2, **kw})
+
+
+def test_a_real_two_rank_run_with_a_trace(pools, tmp_path):
+    """A real 2-rank CPU run profiles its step 4 (rank 0) and --calibrate prices another layout per category."""
+    cfg = _tiny(metrics__profile_step=4)
+    train_in(pools, cfg, 2, str(tmp_path))
+    (tmp_path / "config.toml").write_text(C.to_toml(cfg))
+    prof = K.read_profile(str(tmp_path))
+    assert prof["step"] == 4 and prof["ops"]["aten::mm"]["calls"] > 0
+    cats = {K.op_category(n) for n in prof["ops"]}
+    assert {"gemm", "attention", "elementwise", "comm"} <= cats
+    assert 4 not in [r["step"] for r in K._records(str(tmp_path), 4)]
+    cal = K.fit(str(tmp_path))
+    assert all(getattr(cal, k) > 0 for k in ("gemm_flops", "attn_flops", "ew_bytes_s", "dispatch_s"))
+    assert cal.split["gemm"] > 0 and cal.overhead_s >= 0
+    est = K.predict(cal, _tiny(parallel__tp=2), 4)
+    assert est["step_s"] > 0 and all(est["ops"][k] > 0 for k in ("gemm_s", "attention_s", "elementwise_s"))

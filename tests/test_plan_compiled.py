@@ -19,11 +19,11 @@ def _compiled_block_bytes(torch, ac, dtype, b, s, d, h, kv, ffn) -> int:
     and the CPU generator state that checkpointing keeps (uint8, a fixed 5 KB per region)."""
     from meshlm.model.llama import Llama
     from meshlm.parallel.activation_checkpoint import apply_ac
-    from meshlm.parallel.llama_plan import LLAMA
+    from meshlm.parallel.llama_plan import LLAMA_PLAN
     args = ModelArgs(dim=d, n_layers=1, n_heads=h, n_kv_heads=kv, ffn_dim=ffn, vocab_size=64, max_seq_len=s)
     torch.manual_seed(0)
     model = Llama(args).to(dtype)
-    apply_ac(model, ac, LLAMA)
+    apply_ac(model, ac, LLAMA_PLAN)
     block = torch.compile(model.layers["0"], dynamic=False)
     cos, sin = model.rope(s, torch.device("cpu"))
     cos, sin = cos[:s], sin[:s]

@@ -75,14 +75,14 @@ def test_split_backward_matches_plain_backward(split):
     import torch
     from meshlm.model import PRESETS, Llama
     from meshlm.parallel.pipeline.backward import input_backward
-    from meshlm.parallel.llama_plan import LLAMA
+    from meshlm.parallel.llama_plan import LLAMA_PLAN
     from meshlm.parallel.pipeline.runtime import Stage
 
     torch.manual_seed(0)
     model = Llama(dataclasses.replace(PRESETS["debug"], n_layers=3))
     model.tok_embeddings = None
     del model.layers["0"]
-    stage = Stage(model, LLAMA, ["1", "2"], 1, first=False, last=True)
+    stage = Stage(model, LLAMA_PLAN, ["1", "2"], 1, first=False, last=True)
     params = stage.parameters()
     y = torch.randint(0, 256, (2, 16))
     x0 = torch.randn(2, 16, 64)

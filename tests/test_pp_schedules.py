@@ -128,8 +128,8 @@ def test_zbv_cli_json(capsys):
 def test_eager_placement_is_also_repaired_to_deadlock_free(p, m, v):
     # SEND right after the producer / RECV right before the consumer deadlocks
     # interleaved 1F1B under rendezvous; add_p2p must repair it.
-    check_schedule(add_p2p(_interleaved_compute(p, m, v), p, v, placement="eager"), p, m, v)
-    check_schedule(add_p2p(_zb_h1_compute(p, m), p, 1, placement="eager"), p, m, 1)
+    check_schedule(add_p2p(_interleaved_compute(p, m, v), p, v, p2p_at="eager"), p, m, v)
+    check_schedule(add_p2p(_zb_h1_compute(p, m), p, 1, p2p_at="eager"), p, m, 1)
 
 
 def test_p2p_shape_of_1f1b():

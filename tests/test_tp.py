@@ -26,6 +26,8 @@ def _context(cfg):
 
 def loss_task(vocab: int, n: int, seed: int):
     """Vocab-parallel CE on this rank's slice vs F.cross_entropy on the full logits."""
+    from meshlm.model.args import padded_vocab
+    from meshlm.parallel.placement import DimSplit
     from meshlm.parallel.vocab_parallel import VocabParallelLoss
     _, ctx = _context(make_config(parallel__tp=int(os.environ["WORLD_SIZE"])))
     comm = ctx.comm("tp")
@@ -34,7 +36,7 @@ def loss_task(vocab: int, n: int, seed: int):
     targets = torch.randint(0, vocab, (2, n), generator=g)
     ref = logits.clone().requires_grad_()
     F.cross_entropy(ref.flatten(0, 1), targets.flatten()).backward()
-    loss_fn = VocabParallelLoss(comm, vocab)
+    loss_fn = VocabParallelLoss(comm, DimSplit(0, vocab, padded_vocab(vocab, 1, comm.size), comm.size, comm.rank, "tp"))
     padded = torch.cat([logits, torch.full((2, n, loss_fn.rows * comm.size - vocab), 1e4)], -1)
     mine = padded[..., comm.rank * loss_fn.rows:(comm.rank + 1) * loss_fn.rows].clone().requires_grad_()
     loss = loss_fn(mine, targets)
@@ -62,6 +64,7 @@ def activation_task(cfg_dict: dict, report_compiled: bool = False):
     """Saved-activation bytes of block 0 by part, forward only (and whether block 0 is compiled)."""
     from meshlm.model import Llama
     from meshlm.parallel import parallelize
+    from meshlm.parallel.moe_plan import model_plan_for
     from meshlm.train.saved import block_saved_bytes
     from meshlm.train.optim import MasterOptimizer
     cfg = C.from_dict(cfg_dict)
@@ -71,7 +74,7 @@ def activation_task(cfg_dict: dict, report_compiled: bool = False):
     par = parallelize(model, ctx, cfg, layout, MasterOptimizer)
     tokens = torch.randint(0, 256, (cfg.training.micro_batch, cfg.data.seq_len))
     block = par.model.layers["0"]
-    parts = block_saved_bytes(block, lambda: par.model(tokens))
+    parts = block_saved_bytes(block, lambda: par.model(tokens), model_plan_for(par.model))
     return (parts, isinstance(block, torch._dynamo.eval_frame.OptimizedModule)) if report_compiled else parts
 
 

@@ -12,7 +12,7 @@ from meshlm import config as C
 from meshlm.config import ConfigError
 from meshlm.layout import resolve
 from meshlm.model.args import padded_vocab
-from meshlm.parallel.vocab_parallel import vocab_range
+from meshlm.parallel.placement import DimSplit
 
 V, DIM = 300, 64  # the byte data needs >= 256 ids; 300 is no multiple of 128
 EXACT = 1e-6
@@ -27,11 +27,17 @@ def test_padded_vocab(vocab, multiple, tp, want):
     assert padded_vocab(vocab, multiple, tp) == want
 
 
-def test_vocab_range_uses_the_padded_size():
+def _rows(vocab: int, tp: int, rank: int, multiple: int = 1) -> tuple[int, int, int]:
+    s = DimSplit(0, vocab, padded_vocab(vocab, multiple, tp), tp, rank, "tp")
+    return s.start, s.chunk, s.real
+
+
+def test_vocab_split_uses_the_padded_size():
     # 512 rows over 2 ranks: rank 0 holds ids 0..255, rank 1 ids 256..299 and 212 padded rows
-    assert vocab_range(V, 2, 0, 128) == (0, 256, 256)
-    assert vocab_range(V, 2, 1, 128) == (256, 256, 44)
-    assert vocab_range(257, 2, 1) == (129, 129, 128)  # multiple 1: the old ceil(V/tp) split
+    assert _rows(V, 2, 0, 128) == (0, 256, 256)
+    assert _rows(V, 2, 1, 128) == (256, 256, 44)
+    assert _rows(257, 2, 1) == (129, 129, 128)  # multiple 1: the old ceil(V/tp) split
+    assert _rows(5, 4, 3) == (6, 2, 0)  # a rank holding only padding
 
 
 @pytest.mark.parametrize("value", [0, -128])

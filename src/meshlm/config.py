@@ -151,6 +151,7 @@ class MetricsConfig:
     progress: bool = True
     straggler_factor: float = 1.5  # a rank this many times slower than the median step is a straggler
     straggler_steps: int = 3  # consecutive logged steps before it is named (0: off)
+    profile_step: int = 0  # N > 0: rank 0 profiles step N into RUN_DIR/profile.json (--calibrate reads it)
 
 
 @dataclass

@@ -332,6 +332,9 @@ def resolve(cfg: Config, world_size: int) -> Layout:
         raise ConfigError(f"training.steps: must be >= 0, got {t.steps}")
     if t.peak_tflops < 0:
         raise ConfigError(f"training.peak_tflops: must be >= 0 (0 = datasheet or measured), got {t.peak_tflops}")
+    if not 0 <= cfg.metrics.profile_step <= t.steps:  # train/metrics.StepProfiler
+        raise ConfigError(f"metrics.profile_step: expected 0 (off) or a step in 1..{t.steps}, got "
+                          f"{cfg.metrics.profile_step}")
     check_checkpoint_keys(cfg)
     check_fault_keys(cfg)
     if cfg.checkpoint.export_hf != "":  # what convert.to_hf refuses, refused before any step
@@ -370,9 +373,9 @@ def check_ep(args: ModelArgs, ep: int, dp: int, dp_shard: int, cp: int, zero: in
 
 def _check_pipeline(cfg: Config, args: ModelArgs, microbatches: int) -> None:
     """Schedule, chunks and the stage split (schedule/stage.py), as one-line ConfigErrors."""
-    from .schedule.stage import plan_stages
+    from .schedule.stage import stage_blocks
     try:
-        plan_stages(args, cfg, microbatches)
+        stage_blocks(args, cfg, microbatches)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

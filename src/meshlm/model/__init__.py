@@ -10,7 +10,15 @@ from .args import PRESETS, ModelArgs
 _LAZY = {"Llama": ".llama", "Block": ".llama", "Attention": ".llama", "FeedForward": ".llama",
          "RMSNorm": ".llama", "init_tensor": ".init", "materialize": ".init"}
 
-__all__ = ["PRESETS", "ModelArgs", *_LAZY]
+__all__ = ["PRESETS", "ModelArgs", "build_model", *_LAZY]
+
+
+def build_model(args: ModelArgs):
+    """The model `args` describe, so that code above model/ names no model class (one architecture
+    today: Llama, dense or MoE by `args.moe`)."""
+    from .llama import Llama
+
+    return Llama(args)
 
 
 def __getattr__(name: str):

@@ -22,8 +22,10 @@ coef · `aux_grad_scale` into the balance term (Megatron's MoEAuxLossAutoScaler)
 in pipeline stages, under checkpointing and in every layout. The trainer sets `aux_grad_scale` to the
 factor it multiplies the main loss by (1/accumulation, × the fp16 loss scale).
 
-`run_experts` is the seam expert parallelism replaces (parallel/expert_parallel.py): it takes the
-tokens sorted by global expert id and the count per expert, and returns the outputs in that order.
+The module holds no parallel state. Three methods are the seams parallel/expert_parallel.py overrides:
+`run_experts` (expert parallelism: it takes the tokens sorted by global expert id and the count per
+expert, and returns the outputs in that order), `token_totals` (context parallelism: the balance term
+over the whole micro-batch) and `aux_scale` (tensor parallelism: each rank's share of its gradient).
 """
 from __future__ import annotations
 
@@ -140,13 +142,7 @@ class MoE(nn.Module):
         self.experts = Experts(args.num_experts, args.dim, args.expert_dim)
         self.shared = FeedForward(args.dim, args.shared_experts * args.expert_dim) if args.shared_experts else None
         self.aux_grad_scale: float | torch.Tensor = 1.0  # set by the trainer each step
-        self.aux_share = 1.0  # tensor parallelism: each of t ranks feeds 1/t of the aux gradient
         self.stats: torch.Tensor | None = None  # [E + 3] summed over the step's training forwards
-        # Context parallelism: the ranks that hold other tokens of the same micro-batch. `token_sum`
-        # sums a per-rank total over them (with autograd: summed both ways), `token_ranks` counts them;
-        # the balance term is then the one-process micro-batch's (set by parallel/expert_parallel.py).
-        self.token_sum = None
-        self.token_ranks = 1
 
     def capacity(self, tokens: int) -> int:
         """Assignments one expert takes per call; 0 = unlimited."""
@@ -193,18 +189,25 @@ class MoE(nn.Module):
             out = out + self.shared(h)
         balance = self._balance(counts, probs)
         if self.aux_loss_coef > 0 and torch.is_grad_enabled():
-            scale = self.aux_loss_coef * self.aux_grad_scale * self.aux_share
-            out = _AuxGrad.apply(out, balance, scale)
+            out = _AuxGrad.apply(out, balance, self.aux_scale())
         if _recording():
             self._record(counts, kept, balance)
         return out.view(shape)
 
+    def aux_scale(self) -> float | torch.Tensor:
+        """The gradient the balance term receives in backward (a seam: under tensor parallelism each
+        rank feeds its share, parallel/expert_parallel.py)."""
+        return self.aux_loss_coef * self.aux_grad_scale
+
+    def token_totals(self, assigned: torch.Tensor, prob_sum: torch.Tensor, tokens: int):
+        """(assignments per expert, summed router probabilities, tokens) of the whole micro-batch from
+        this call's. One process sees all of it; the seam context parallelism replaces to sum the
+        ranks holding its other tokens (parallel/expert_parallel.py)."""
+        return assigned, prob_sum, tokens
+
     def _balance(self, counts: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        """E · Σ_e f_e · P_e over the micro-batch (all its context-parallel ranks' tokens)."""
-        assigned, prob_sum = counts.float(), probs.sum(0)
-        T = probs.shape[0] * self.token_ranks
-        if self.token_sum is not None:
-            assigned, prob_sum = self.token_sum(assigned.detach()).detach(), self.token_sum(prob_sum)
+        """E · Σ_e f_e · P_e over the micro-batch."""
+        assigned, prob_sum, T = self.token_totals(counts.float(), probs.sum(0), probs.shape[0])
         return self.num_experts * (assigned / (T * self.top_k) * (prob_sum / T)).sum()
 
     @torch.no_grad()

@@ -79,7 +79,7 @@ def apply_ac(model: nn.Module, mode: str, plan=None) -> None:
     the model's own plan)."""
     choose(mode, AC_MODES, "training.ac")
     if plan is None:
-        from .moe_plan import plan_for
-        plan = plan_for(model)
+        from .moe_plan import model_plan_for
+        plan = model_plan_for(model)
     for parent, attr in plan.ac_targets(model, mode):
         setattr(parent, attr, Checkpointed(getattr(parent, attr), per_op=mode == "op"))

@@ -1,8 +1,39 @@
-"""Which AdamW kernel runs, and skipping a step on the device. Shared by train/optim.MasterOptimizer
-and parallel/zero_optim.ZeroOptimizer so that one process and ZeRO run the same arithmetic."""
+"""The optimizer interface the trainer drives, which AdamW kernel runs, and skipping a step on the
+device. Shared by train/optim.MasterOptimizer (whole tensors) and zero/'s ZeroOptimizer and
+NvmeOptimizer (this rank's flat shards), so that one process and ZeRO run the same arithmetic."""
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+
+class Optimizer(Protocol):
+    """What `Parallelized.optimizer` is, whichever layout built it. tests/test_optim_protocol.py checks
+    that every implementation has these methods with these parameters."""
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the coming step (every parameter group)."""
+
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        """One AdamW update of this rank's masters, skipped when `found_inf` is set (`adamw_step`);
+        the updated values reach the parameters the model computes with."""
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        """The parameter storage this rank keeps between steps (memory accounting)."""
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer-only tensors on this rank: Adam moments and separate fp32 masters."""
+
+    def step_count(self) -> int:
+        """Adam steps taken (the bias-correction step), as a checkpoint records it."""
+
+    def state_storage(self) -> list[tuple[str, str, torch.Tensor]]:
+        """(parameter name, kind: master / exp_avg / exp_avg_sq, tensor): this rank's own pieces, laid
+        out as the parameter's placement says, which checkpoints write and load in place."""
+
+    def loaded(self, step: int) -> None:
+        """`state_storage` was filled from a checkpoint: set the step count, publish the masters."""
 
 
 def fused_adamw_supported(device: torch.device | str) -> bool:

@@ -6,8 +6,8 @@ record of every parameter. Each dimension adds to the records as it is applied (
 model-specific questions (which linears TP splits, what a ZeRO unit is, what AC wraps, what a pipeline
 stage keeps) go to the model plan (llama_plan.py).
 The optimizer class comes from the trainer (train/ sits above parallel/); it must accept
-`(named_params, optim_cfg, device)` and expose `.params`, `.names`, `.masters` (fp32, one per param)
-and `state_storage()`.
+`(named_params, optim_cfg, device)`, implement `adamw.Optimizer` (as ZeRO's optimizers do) and expose
+`.params`, `.names`, `.masters` (fp32, one per param) for the DP gradient buckets.
 """
 from __future__ import annotations
 
@@ -25,11 +25,12 @@ from ..distributed.mesh import ParallelContext
 from ..layout import Layout
 from ..model.init import canonical_name, init_source, materialize
 from .activation_checkpoint import apply_ac
+from .adamw import Optimizer
 from .context_parallel import ContextParallel, apply_context_parallel
 from .data_parallel import GradBuckets
 from .expert_parallel import MoEStats, apply_expert_parallel, share_tokens_over_cp
 from .grad_sync import GradSync, Reduction
-from .moe_plan import plan_for
+from .moe_plan import model_plan_for
 from .pipeline.build import attach as attach_pipeline, split_model
 from .placement import PlacementTable
 from .tensor_parallel import apply_tensor_parallel, pad_vocab
@@ -56,7 +57,7 @@ class Parallelized:
       eval micro-batch on this rank; the loss is the last stage's (zero elsewhere).
     """
     model: nn.Module
-    optimizer: object
+    optimizer: Optimizer
     grads: GradSync
     placements: PlacementTable
     world: object  # Comm over every rank: the gradient norm sums each owner's squares over it
@@ -64,7 +65,7 @@ class Parallelized:
     forward_backward: Callable[[torch.Tensor, torch.Tensor, float | torch.Tensor], torch.Tensor] | None = None
     eval_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     pipeline: object | None = None
-    owned: set[int] = field(default_factory=set)  # id() of parameters whose placement is the owner copy
+    names: dict[int, str] = field(default_factory=dict)  # id() of each parameter -> its placement's name
     moe: MoEStats | None = None  # MoE models: routing metrics and the aux-loss gradient scale
     cp: ContextParallel | None = None  # cp > 1: which tokens of each sequence this rank holds
 
@@ -78,7 +79,7 @@ class Parallelized:
 
     def norm_grads(self) -> list[torch.Tensor]:
         """The gradient pieces this rank counts in the global norm: each element once over the world."""
-        return [g for p, g in self.grads.param_grads() if id(p) in self.owned and g.numel()]
+        return [g for p, g in self.grads.param_grads() if self.placements[self.names[id(p)]].owner and g.numel()]
 
 
 def named_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -86,43 +87,45 @@ def named_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(canonical_name(n), p) for n, p in model.named_parameters()]
 
 
-def reductions(ctx: ParallelContext, layout: Layout, zero: int, tied_split: set[str],
+def reductions(ctx: ParallelContext, layout: Layout, zero: int, split_tied: set[str],
                expert: Callable[[str], bool] = lambda name: False) -> Callable[[str], Reduction]:
     """Every parameter's gradient reduction: averaged over the data-parallel and context-parallel ranks
     (each holds the same weights and other tokens: reduce-scattered over the ZeRO shard group
     dp_shard×cp and all-reduced over HSDP replicas, or all-reduced over dp×cp); a tied weight held by
-    both pipeline ends is also summed over the two. Under expert parallelism, expert weights
-    (`expert(name)`) already hold every ep peer's tokens: summed over the ranks holding the same experts
-    (`edp`; ZeRO: scattered over `edp_shard`, all-reduced over the HSDP replicas), divided by dp×cp too."""
+    both pipeline ends (`split_tied`: its name, or empty) is also summed over the two. Under expert
+    parallelism, expert weights (`expert(name)`) already hold every ep peer's tokens: summed over the
+    ranks holding the same experts (`edp`; ZeRO: scattered over `edp_shard`, all-reduced over the HSDP
+    replicas), divided by dp×cp too."""
     if zero:
         base = Reduction(ctx.comm("dp_shard_cp"), (ctx.comm("dp_replicate"),), (), layout.dp * layout.cp)
     else:
         base = Reduction(None, (ctx.comm("dp_cp"),), (), layout.dp * layout.cp)
     tied = Reduction(base.scatter, base.over, (ctx.comm("pp_ends"),), base.divisor)
     if layout.ep == 1:
-        return lambda name: tied if name in tied_split else base
+        return lambda name: tied if name in split_tied else base
     experts = (Reduction(ctx.comm("edp_shard"), (ctx.comm("dp_replicate"),), (), base.divisor) if zero
                else Reduction(None, (ctx.comm("edp"),), (), base.divisor))
-    return lambda name: experts if expert(name) else tied if name in tied_split else base
+    return lambda name: experts if expert(name) else tied if name in split_tied else base
 
 
 def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Layout,
                 make_optimizer: Callable, plan=None) -> Parallelized:
     """`model` was built on the meta device; materialise and wrap it for this rank."""
-    plan = plan or plan_for(model)
+    plan = plan or model_plan_for(model)
     pipe = split_model(model, ctx, cfg, layout, plan) if layout.pp > 1 else None  # keep this rank's stages
     table = PlacementTable()
     for name, p in named_params(model):
         table.add(name, tuple(p.shape))
+    experts = plan.expert_params(model)
     if layout.ep > 1:
-        apply_expert_parallel(model, ctx.comm("ep"), plan, table)
+        apply_expert_parallel(model, ctx.comm("ep"), plan, table, experts)
     if layout.cp > 1 and model.args.moe:
         share_tokens_over_cp(model, ctx.comm("cp"), plan)
     apply_ac(model, cfg.training.ac, plan)
     sp = cfg.parallel.sp and layout.tp > 1
     cp = (apply_context_parallel(model, ctx.comm("cp"), cfg.parallel.cp_impl, plan, sp) if layout.cp > 1
           else None)
-    # tp > 1: the full TP plan (vocab-parallel, padded); tp = 1: only the vocabulary padding, if any
+    # tp > 1: every tensor-parallel split (vocab-parallel, padded); tp = 1: only the vocabulary padding, if any
     tp = (apply_tensor_parallel(model, ctx.comm("tp"), cfg.parallel.sp, plan, table, cp and cp.split)
           if layout.tp > 1 else pad_vocab(model, ctx.comm("tp"), plan, table))
     split = {fqn: table[canonical_name(fqn)] for fqn, _ in model.named_parameters()
@@ -137,11 +140,11 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
         for key, block in list(plan.blocks(model).items()):
             plan.blocks(model)[key] = torch.compile(block, dynamic=False)
     named = named_params(model)
-    tied_split = {plan.tied_name()} & set(table.names()) if pipe is not None and pipe.tied else set()
-    reduction_of = reductions(ctx, layout, cfg.parallel.zero, tied_split, plan.expert_param)
+    split_tied = {plan.tied_name()} & set(table.names()) if pipe is not None and pipe.tied else set()
+    reduction_of = reductions(ctx, layout, cfg.parallel.zero, split_tied, experts.__contains__)
     reduce_dtype = torch_dtype(cfg.parallel.reduce_dtype)
     if cfg.parallel.zero:  # ZeRO-1/2/3, HSDP
-        grads = shard_model(model, named, cfg, plan, bool(tied_split), reduction_of, reduce_dtype)
+        grads = shard_model(model, named, cfg, plan, bool(split_tied), reduction_of, reduce_dtype)
         if cfg.parallel.offload == "nvme":
             opt = NvmeOptimizer(grads, cfg.optim, cfg.parallel.offload_dir, cfg.parallel.offload_buffer_mb, ctx.rank)
         else:
@@ -161,7 +164,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
             if c.size > 1:
                 table.update(name, lambda pl: pl.replicate(c.name, c.rank))
     par = Parallelized(model=model, optimizer=opt, grads=grads, placements=table, world=ctx.comm("world"), cp=cp)
-    par.owned = {id(p) for name, p in named if table[name].owner}
+    par.names = {id(p): name for name, p in named}
     if model.args.moe:
         par.moe = MoEStats(model, plan, layout.tp)
     if layout.tp > 1:

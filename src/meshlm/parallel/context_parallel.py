@@ -156,7 +156,7 @@ class RingCounter:
         self.pairs += nq * (nk + 1) // 2 if causal else nq * nk
 
 
-def _ring_plan(rank: int, step: int, c: int, n: int):
+def _ring_step_blocks(rank: int, step: int, c: int, n: int):
     """(query rows, key rows, causal) of step `step` on `rank`: the zig-zag block schedule. The block
     held at `step` came from rank (rank - step) mod c; earlier ranks' second chunks and later ranks'
     first chunks are wholly masked and skipped."""
@@ -191,7 +191,7 @@ class _RingAttention(Function):
         out = lse = None
         for step in range(c):
             nxt, works = _rotate(comm, kv) if step < c - 1 else (None, [])
-            rows, cols, causal = _ring_plan(r, step, c, n)
+            rows, cols, causal = _ring_step_blocks(r, step, c, n)
             o, l = kernel.forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, scale)
             if counter is not None:
                 counter.add(o.shape[2], kv.shape[3] if cols == slice(None) else n, causal)
@@ -220,7 +220,7 @@ class _RingAttention(Function):
         dkv = dkv_works = None
         for step in range(c):
             nxt, works = _rotate(comm, kv) if step < c - 1 else (None, [])
-            rows, cols, causal = _ring_plan(r, step, c, n)
+            rows, cols, causal = _ring_step_blocks(r, step, c, n)
             gq, gk, gv = kernel.backward(dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
                                          out[:, :, rows], lse[:, :, rows], causal, scale)
             dq[:, :, rows] += gq

@@ -4,7 +4,7 @@ with all-to-all (GShard / Switch / DeepSeek-V3 style).
 The ep group is a second view of the data(×cp) ranks (distributed/mesh.py: `ep`, `edp`, `edp_shard`):
 ep consecutive ranks of the flattened dp_replicate × dp_shard × cp block each hold E/ep experts. Each
 rank routes its own micro-batch exactly as one process would (capacity and dropping are decided there,
-at the source), then `ExpertParallelMoE.run_experts`:
+at the source), then `ParallelMoE.run_experts`:
 1. exchanges the split sizes: an all-to-all of the per-expert counts (E integers), so every rank knows
    how many rows each peer sends for each of its local experts;
 2. sends the tokens (already sorted by global expert, hence grouped by destination rank) with an
@@ -27,18 +27,26 @@ from torch import nn
 
 from ..distributed.comm import Comm
 from ..distributed.functional import all_to_all, copy_to, reduce_from
-from ..model.init import canonical_name
 from ..model.moe import BALANCE, CALLS, DROPPED, MoE
+from .placement import DimSplit
 
 
-class ExpertParallelMoE(MoE):
-    """A MoE feed-forward holding experts [r·E/ep, (r+1)·E/ep) of the ep group."""
-    ep_comm: Comm
+class ParallelMoE(MoE):
+    """A MoE feed-forward with the parallel state model/moe.py leaves out, set by the dimensions that
+    apply (`parallel_moe`): `experts`, the `DimSplit` of the expert dimension over `ep_comm` from the
+    placement record (None: every expert here); `token_comm`, the cp ranks holding the micro-batch's
+    other tokens; `aux_share`, this TP rank's share of the balance term's gradient."""
+    ep_comm: Comm | None
+    ep_split: DimSplit | None
+    token_comm: Comm | None
+    aux_share: float
 
     @torch.compiler.disable  # collectives with data-dependent splits stay eager under compile
     def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.ep_comm is None:
+            return super().run_experts(x, counts)
         comm = self.ep_comm
-        ep, n = comm.size, self.num_experts // comm.size
+        ep, n = self.ep_split.parts, self.ep_split.chunk
         got = torch.empty_like(counts)
         comm.all_to_all(got, counts)  # split sizes first: rows of each of my experts from each peer
         got = got.view(ep, n)
@@ -51,31 +59,48 @@ class ExpertParallelMoE(MoE):
         z = self.experts(y[perm], got.sum(0).tolist())
         return all_to_all(z[inv], comm, send, recv)
 
+    def token_totals(self, assigned: torch.Tensor, prob_sum: torch.Tensor, tokens: int):
+        """Context parallelism: each cp rank routes its chunks of the micro-batch's sequences. The
+        balance term needs the whole micro-batch's assignment fractions and mean probabilities: summed
+        over cp (forward all-reduce, backward all-reduce: each rank's loss is the mean over its own
+        tokens, so the gradient signal of every rank is cp times its share, as for the cross-entropy).
+        Every cp rank then computes the same balance term and feeds its gradient in full; the
+        cp-summed, (dp·cp)-divided gradients come out as one process's. Capacity dropping stays per
+        rank, so it is refused with cp."""
+        c = self.token_comm
+        if c is None:
+            return assigned, prob_sum, tokens
+        return (reduce_from(copy_to(assigned.detach(), c), c).detach(), reduce_from(copy_to(prob_sum, c), c),
+                tokens * c.size)
 
-def apply_expert_parallel(model: nn.Module, comm: Comm, plan, table) -> None:
-    """Swap every MoE feed-forward for its expert-parallel form and record the expert split (dim 0 of
-    each stacked expert weight over `comm`); materialisation then keeps only this rank's experts."""
-    for m in plan.moe_layers(model).values():
-        m.__class__ = ExpertParallelMoE
-        m.ep_comm = comm
+    def aux_scale(self) -> float | torch.Tensor:
+        return super().aux_scale() * self.aux_share
+
+
+def parallel_moe(m: MoE) -> ParallelMoE:
+    """`m` as a ParallelMoE (swapped in place once; each dimension then sets its own field)."""
+    if not isinstance(m, ParallelMoE):
+        m.__class__ = ParallelMoE
+        m.ep_comm, m.ep_split, m.token_comm, m.aux_share = None, None, None, 1.0
+    return m
+
+
+def apply_expert_parallel(model: nn.Module, comm: Comm, plan, table, experts: set[str]) -> None:
+    """Record the expert split (dim 0 of each stacked expert weight in `experts` over `comm`; the
+    materialisation then keeps only this rank's experts) and hand each MoE feed-forward that split."""
+    split = DimSplit(0, model.args.num_experts, model.args.num_experts, comm.size, comm.rank, comm.name)
     for name in table.names():
-        if plan.expert_param(canonical_name(name)):
-            n = table[name].full_shape[0]
-            table.update(name, lambda pl: pl.split(0, n, n, comm.size, comm.rank, comm.name))
+        if name in experts:
+            table.update(name, lambda pl: pl.split(split))
+    for m in plan.moe_layers(model).values():
+        m = parallel_moe(m)
+        m.ep_comm, m.ep_split = comm, split
 
 
 def share_tokens_over_cp(model: nn.Module, comm: Comm, plan) -> None:
-    """Context parallelism: each cp rank routes its chunks of the micro-batch's sequences. The balance
-    term needs the whole micro-batch's assignment fractions and mean probabilities: summed over cp
-    (forward all-reduce, backward all-reduce: each rank's loss is the mean over its own tokens, so the
-    gradient signal of every rank is cp times its share, as for the cross-entropy). Every cp rank then
-    computes the same balance term and feeds its gradient in full; the cp-summed, (dp·cp)-divided
-    gradients come out as one process's. Capacity dropping stays per rank, so it is refused with cp."""
-    def token_sum(t: torch.Tensor) -> torch.Tensor:
-        return reduce_from(copy_to(t, comm), comm)
-
+    """Context parallelism: the balance term sums over `comm` (ParallelMoE.token_totals)."""
     for m in plan.moe_layers(model).values():
-        m.token_sum, m.token_ranks = token_sum, comm.size
+        parallel_moe(m).token_comm = comm
 
 
 class MoEStats:

@@ -3,7 +3,7 @@
 The machinery of each dimension is generic: tensor parallelism splits linears it is told about and
 hooks the regions it is given, ZeRO groups the parameters of the units it is given, activation
 checkpointing wraps the modules it is given, the pipeline keeps the pieces it is told to keep and runs
-a stage through the model's own forward. `LlamaPlan` answers those questions for `model.llama.Llama`;
+a stage through the model's own forward. `LlamaModelPlan` answers those questions for `model.llama.Llama`;
 a second architecture (the MoE model) gets a plan of its own instead of special cases in each module.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ class UnitSpec:
     last: nn.Module
 
 
-class LlamaPlan:
+class LlamaModelPlan:
     # -- pieces --------------------------------------------------------------------------------
     def blocks(self, model: nn.Module) -> nn.ModuleDict:
         return model.layers
@@ -76,6 +76,12 @@ class LlamaPlan:
 
     def tied(self, model: nn.Module) -> bool:
         return bool(model.args.tie_embeddings)
+
+    def block_parts(self, block: nn.Module) -> dict[nn.Module, str]:
+        """A block's children by the part they belong to, for measuring tools (train/saved.py):
+        `norm` (they read the residual stream), `attention`, `feed_forward`, `other`."""
+        return {m: "norm" if isinstance(m, RMSNorm) else name if name in ("attention", "feed_forward") else "other"
+                for name, m in block.named_children()}
 
     # -- tensor parallelism --------------------------------------------------------------------
     def tp_regions(self, model: nn.Module) -> list[TPRegion]:
@@ -109,9 +115,9 @@ class LlamaPlan:
         return [m for m in model.modules() if isinstance(m, HeadRMSNorm)]
 
     # -- experts -------------------------------------------------------------------------------
-    def expert_param(self, name: str) -> bool:
-        """Whether parameter `name` is split over expert parallelism (none in a dense Llama)."""
-        return False
+    def expert_params(self, model: nn.Module) -> set[str]:
+        """Single-process names of the parameters split over expert parallelism (none in a dense Llama)."""
+        return set()
 
     def moe_layers(self, model: nn.Module) -> dict[int, nn.Module]:
         """MoE feed-forwards by global block index (none in a dense Llama)."""
@@ -189,4 +195,4 @@ class LlamaPlan:
         return []
 
 
-LLAMA = LlamaPlan()
+LLAMA_PLAN = LlamaModelPlan()

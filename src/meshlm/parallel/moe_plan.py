@@ -1,4 +1,4 @@
-"""The model plan of a mixture-of-experts Llama (model/moe.py): LlamaPlan plus the MoE feed-forwards.
+"""The model plan of a mixture-of-experts Llama (model/moe.py): LlamaModelPlan plus the MoE feed-forwards.
 
 - tensor parallelism: the whole MoE feed-forward is one TP region. Experts are sharded over tp like
   the dense FFN (w1/w3 by hidden rows, w2 by hidden columns of every expert; Megatron's expert tensor
@@ -13,24 +13,23 @@
 """
 from __future__ import annotations
 
-import re
-
 from torch import nn
 
+from ..model.init import canonical_name
 from ..model.moe import MoE
-from .llama_plan import LlamaPlan, TPLinear, TPRegion, UnitSpec
+from .expert_parallel import parallel_moe
+from .llama_plan import LlamaModelPlan, TPLinear, TPRegion, UnitSpec
 from .tensor_parallel import SumGradLinear
 
-_EXPERT = re.compile(r"\.feed_forward\.experts\.w[123]$")
 
-
-class MoEPlan(LlamaPlan):
+class MoEModelPlan(LlamaModelPlan):
     def moe_layers(self, model: nn.Module) -> dict[int, MoE]:
         return {int(k): _inner(b).feed_forward for k, b in model.layers.items()
                 if isinstance(_inner(b).feed_forward, MoE)}
 
-    def expert_param(self, name: str) -> bool:
-        return bool(_EXPERT.search(name))
+    def expert_params(self, model: nn.Module) -> set[str]:
+        return {canonical_name(f"{fqn}.experts.{p}") for fqn, m in model.named_modules() if isinstance(m, MoE)
+                for p, _ in m.experts.named_parameters()}
 
     # -- tensor parallelism --------------------------------------------------------------------
     def tp_regions(self, model: nn.Module) -> list[TPRegion]:
@@ -53,11 +52,11 @@ class MoEPlan(LlamaPlan):
             if isinstance(m, MoE) and comm.size > 1:
                 m.router.__class__ = SumGradLinear
                 m.router.tp_comm = comm
-                m.aux_share = 1.0 / comm.size
+                parallel_moe(m).aux_share = 1.0 / comm.size
 
     # -- ZeRO ----------------------------------------------------------------------------------
     def zero_units(self, model: nn.Module, split_tied: bool) -> tuple[list[UnitSpec], list[UnitSpec]]:
-        """LlamaPlan's units, each MoE block's experts split off as a unit entered after its block
+        """LlamaModelPlan's units, each MoE block's experts split off as a unit entered after its block
         (and left before it: the exit order takes the experts' parameters first)."""
         entry, exit_ = super().zero_units(model, split_tied)
         experts = {}
@@ -95,11 +94,11 @@ def _inner(block: nn.Module) -> nn.Module:
     return block
 
 
-MOE = MoEPlan()
+MOE_PLAN = MoEModelPlan()
 
 
-def plan_for(model: nn.Module) -> LlamaPlan:
+def model_plan_for(model: nn.Module) -> LlamaModelPlan:
     """The plan of a model: MoE when it has experts."""
-    from .llama_plan import LLAMA
+    from .llama_plan import LLAMA_PLAN
 
-    return MOE if model.args.moe else LLAMA
+    return MOE_PLAN if model.args.moe else LLAMA_PLAN

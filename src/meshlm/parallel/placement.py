@@ -41,6 +41,17 @@ class DimSplit:
     def chunk(self) -> int:
         return self.padded // self.parts
 
+    @property
+    def start(self) -> int:
+        """First index of this rank's chunk in the (padded) dimension: a vocabulary slice's first id,
+        an expert slice's first expert."""
+        return self.index * self.chunk
+
+    @property
+    def real(self) -> int:
+        """How many of the chunk's indices exist in the single-process tensor (the rest is padding)."""
+        return max(0, min(self.chunk, self.size - self.start))
+
 
 @dataclass(frozen=True)
 class FlatRange:
@@ -70,8 +81,8 @@ class Placement:
     replicas: tuple[tuple[str, int], ...] = ()  # (comm, this rank's index among identical copies)
 
     # -- building (one call per dimension) ------------------------------------------------------
-    def split(self, dim: int, size: int, padded: int, parts: int, index: int, comm: str) -> "Placement":
-        return replace(self, splits=self.splits + (DimSplit(dim, size, padded, parts, index, comm),))
+    def split(self, s: DimSplit) -> "Placement":
+        return replace(self, splits=self.splits + (s,))
 
     def shard_flat(self, start: int, end: int, comm: str) -> "Placement":
         return replace(self, flat=FlatRange(start, end, comm))
@@ -110,7 +121,7 @@ class Placement:
                 pad = list(t.shape)
                 pad[s.dim] = s.padded - t.shape[s.dim]
                 t = torch.cat([t, t.new_zeros(pad)], dim=s.dim)
-            t = t.narrow(s.dim, s.index * s.chunk, s.chunk)
+            t = t.narrow(s.dim, s.start, s.chunk)
         if self.flat is not None:
             return t.reshape(-1)[self.flat.start:self.flat.end].clone()
         return t.contiguous().clone()
@@ -121,7 +132,7 @@ class Placement:
         start, end = (self.flat.start, self.flat.end) if self.flat is not None else (0, math.prod(local))
         origin = [0] * len(local)
         for s in self.splits:
-            origin[s.dim] += s.index * s.chunk
+            origin[s.dim] += s.start
         out = []
         for offs, sizes, flat in flat_boxes(local, start, end):
             full_offs = tuple(o + g for o, g in zip(offs, origin))

@@ -1,9 +1,10 @@
-"""Tensor (Megatron-style) and sequence parallelism, applied to a meta-device Llama from outside.
+"""Tensor (Megatron-style) and sequence parallelism, applied to a meta-device model from outside.
 
 Attention is split by heads (wq, wk, wv by output rows, wo by input columns) and the SwiGLU FFN by its
 hidden units (w1, w3 by rows, w2 by columns), so each block half needs one reduction forward and one
 backward: a forward pre-hook enters the TP region on the half's input, a forward hook leaves it on
-its output. The model code is untouched: it reads head counts from the (sliced) weight shapes.
+its output. The model code is untouched: it reads head counts from the (sliced) weight shapes, and
+which modules are regions, linears and norms comes from the model plan (parallel/llama_plan.py).
 
 Grouped-query attention with fewer kv heads than ranks replicates each kv head on `tp/n_kv`
 consecutive ranks; their gradients are summed over those replicas in backward.
@@ -17,6 +18,7 @@ per region entry in backward in exchange for d·(t-1)/t fewer saved elements per
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,18 +31,31 @@ from ..distributed.functional import (copy_to, gather_linears, gather_seq, reduc
 from ..layout import check_shape
 from ..model.args import padded_vocab
 from ..model.init import canonical_name
-from ..model.llama import RMSNorm
-from .vocab_parallel import VocabParallelEmbedding, VocabParallelLoss, vocab_range
+from .placement import DimSplit
+from .vocab_parallel import VocabParallelEmbedding, VocabParallelLoss
 
 
-class SeqParallelRMSNorm(RMSNorm):
-    """RMSNorm whose rank sees only part of the data, its gain replicated: the gain's gradient is summed
+class _SummedGain:
+    """A norm whose rank sees only part of the data, its gain replicated: the gain's gradient is summed
     over the TP group. A residual-stream norm on a sequence shard (SP), or a q/k norm (Qwen3) on this
-    rank's heads (any TP)."""
+    rank's heads (any TP). Mixed into the model's own norm class (`sum_gain_grad`): the model plan says
+    which modules are norms, and a norm's seam is its `gain()`."""
     tp_comm: Comm
 
     def gain(self) -> torch.Tensor:
         return sum_grad(self.weight, self.tp_comm)
+
+
+@functools.cache
+def _summed_gain_class(cls: type) -> type:
+    return type(f"SummedGain{cls.__name__}", (_SummedGain, cls), {})
+
+
+def sum_gain_grad(mod: nn.Module, comm: Comm) -> None:
+    """Swap `mod` (any norm class with `gain()`) for its `_SummedGain` form over `comm`."""
+    if not isinstance(mod, _SummedGain):
+        mod.__class__ = _summed_gain_class(type(mod))
+    mod.tp_comm = comm
 
 
 def _bias(mod: nn.Module) -> torch.Tensor | None:
@@ -108,14 +123,14 @@ class SumGradLinear(nn.Linear):
 class TensorParallel:
     """What `parallelize` needs from TP beyond the module swaps and hooks: the loss. The slices
     themselves are recorded in the placement table (`DimSplit` along the sliced dimension, a replica
-    index for kv heads held by several ranks and for everything TP does not split)."""
+    index for kv heads held by several ranks and for everything TP does not split); `vocab` is the
+    vocabulary rows' split recorded there, which the embedding and the loss read their ids from."""
     comm: Comm
     sp: bool
-    vocab_size: int
-    vocab_multiple: int = 1
+    vocab: DimSplit
 
     def make_loss_fn(self) -> VocabParallelLoss:
-        return VocabParallelLoss(self.comm, self.vocab_size, self.vocab_multiple)
+        return VocabParallelLoss(self.comm, self.vocab)
 
 
 def _split(table, fqn: str, dim: int, size: int, comm: Comm, rep: int = 1, padded: int | None = None) -> None:
@@ -123,7 +138,7 @@ def _split(table, fqn: str, dim: int, size: int, comm: Comm, rep: int = 1, padde
     i·rep … i·rep+rep-1 (kv heads replicated when there are fewer than ranks)."""
     name = canonical_name(fqn)
     t, r = comm.size, comm.rank
-    table.update(name, lambda pl: pl.split(dim, size, padded or size, t // rep, r // rep, comm.name))
+    table.update(name, lambda pl: pl.split(DimSplit(dim, size, padded or size, t // rep, r // rep, comm.name)))
     if rep > 1:
         table.update(name, lambda pl: pl.replicate(comm.name, r % rep))
 
@@ -134,7 +149,7 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table, c
     `cp_split`: context parallelism's split, composed into SP's positions hook."""
     args, t = model.args, comm.size
     check_shape(args, t, 1, 1)  # layout.resolve reports these before workers start
-    tp = TensorParallel(comm=comm, sp=sp, vocab_size=args.vocab_size, vocab_multiple=args.vocab_multiple)
+    tp = TensorParallel(comm=comm, sp=sp, vocab=_vocab_rows(model, comm, plan, table))
     leave = (lambda x: reduce_scatter_seq(x, comm)) if sp else (lambda x: reduce_from(x, comm))
     kv_rep = max(1, t // args.n_kv_heads)
 
@@ -168,13 +183,12 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table, c
             region.module.register_forward_pre_hook(enter_hook)
         region.module.register_forward_hook(leave_hook)
     for mod in plan.norms(model) if sp else []:
-        mod.__class__ = SeqParallelRMSNorm
-        mod.tp_comm = comm
+        sum_gain_grad(mod, comm)
     for mod in plan.head_norms(model):  # replicated over tp (never split): gradients summed
-        mod.__class__ = SeqParallelRMSNorm
-        mod.tp_comm = comm
+        sum_gain_grad(mod, comm)
     plan.tp_extra(model, comm)
-    split |= _vocab_parallel(model, tp, plan, table, enter_hook)
+    split |= {n for n in plan.vocab_params() if n in table}
+    _vocab_parallel(model, tp, plan, enter_hook)
     for name in table.names():  # everything else is a copy on every TP rank
         if name not in split:
             table.update(name, lambda pl: pl.replicate(comm.name, comm.rank))
@@ -189,35 +203,31 @@ def pad_vocab(model: nn.Module, comm: Comm, plan, table) -> TensorParallel | Non
     args = model.args
     if padded_vocab(args.vocab_size, args.vocab_multiple, comm.size) == args.vocab_size:
         return None
-    tp = TensorParallel(comm=comm, sp=False, vocab_size=args.vocab_size, vocab_multiple=args.vocab_multiple)
-    _vocab_rows(model, tp, plan, table)
-    return tp
+    return TensorParallel(comm=comm, sp=False, vocab=_vocab_rows(model, comm, plan, table))
 
 
-def _vocab_rows(model: nn.Module, tp: TensorParallel, plan, table) -> set[str]:
-    """Row splits of the embedding and the head (tied: one parameter, split once), whichever this
-    pipeline stage holds."""
-    v = model.args.vocab_size
-    padded = padded_vocab(v, tp.vocab_multiple, tp.comm.size)
-    names = {n for n in plan.vocab_params() if n in table}
-    for name in names:
-        _split(table, name, 0, v, tp.comm, padded=padded)
-    return names
+def _vocab_rows(model: nn.Module, comm: Comm, plan, table) -> DimSplit:
+    """Record the row split of the embedding and the head (tied: one parameter, split once), whichever
+    this pipeline stage holds, and return it (a stage holding neither still gets it: its loss reads it)."""
+    args = model.args
+    v = args.vocab_size
+    split = DimSplit(0, v, padded_vocab(v, args.vocab_multiple, comm.size), comm.size, comm.rank, comm.name)
+    for name in plan.vocab_params():
+        if name in table:
+            table.update(name, lambda pl: pl.split(split))
+    return split
 
 
-def _vocab_parallel(model: nn.Module, tp: TensorParallel, plan, table, enter_hook) -> set[str]:
+def _vocab_parallel(model: nn.Module, tp: TensorParallel, plan, enter_hook) -> None:
     comm = tp.comm
-    names = _vocab_rows(model, tp, plan, table)
     emb, head = plan.embedding(model), plan.head(model)
     if emb is not None:
-        start = vocab_range(model.args.vocab_size, comm.size, comm.rank, tp.vocab_multiple)[0]
-        plan.set_embedding(model, VocabParallelEmbedding(emb.weight, comm, start, tp.sp))
+        plan.set_embedding(model, VocabParallelEmbedding(emb.weight, comm, tp.vocab.start, tp.sp))
     if head is not None:
         if tp.sp:
             _ColumnGroup([head], comm)
         else:
             head.register_forward_pre_hook(enter_hook)
-    return names
 
 
 def positions_hook(tp: int, plan, cp_split=None):

@@ -16,14 +16,7 @@ from torch.autograd import Function
 
 from ..distributed.comm import Comm
 from ..distributed.functional import all_reduce_max, reduce_from, reduce_scatter_seq
-from ..model.args import padded_vocab
-
-
-def vocab_range(vocab_size: int, tp: int, rank: int, multiple: int = 1) -> tuple[int, int, int]:
-    """(first id, rows held, rows that are real ids) of this rank's slice of the padded vocabulary."""
-    rows = padded_vocab(vocab_size, multiple, tp) // tp
-    start = rank * rows
-    return start, rows, max(0, min(rows, vocab_size - start))
+from .placement import DimSplit
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -89,9 +82,10 @@ class VocabParallelLoss:
     """`loss_fn(local_logits [B, S, V/t], targets [B, S])`: the mean token loss, equal to
     F.cross_entropy over the full logits up to summation order."""
 
-    def __init__(self, comm: Comm, vocab_size: int, multiple: int = 1):
+    def __init__(self, comm: Comm, vocab: DimSplit):
+        """`vocab`: the rows' split from the placement record (first id, rows held, real ids of them)."""
         self.comm = comm
-        self.start, self.rows, self.valid = vocab_range(vocab_size, comm.size, comm.rank, multiple)
+        self.start, self.rows, self.valid = vocab.start, vocab.chunk, vocab.real
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if logits.shape[-1] != self.rows:

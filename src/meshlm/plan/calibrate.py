@@ -15,6 +15,14 @@ priced: on an oversubscribed machine the other ranks on that core fill it. Other
 the fitted rate (the run's cores were that much slower); pricing it per thread instead (`load`) was
 measured and refused (docs/planner.md). What is fitted is written
 back as a GPU profile (peak = the achieved rate, efficiency 1) and the Options that go with it.
+
+With a profiler trace of one step (RUN_DIR/profile.json, `metrics.profile_step`) the compute is fitted
+per category instead of at one rate: the trace splits the measured step into GEMM, attention-kernel,
+element-wise (bytes) and per-op dispatch seconds, plus the time outside every op (Python, the
+autograd engine); each category's rate is the planner's work of that category for the run's layout
+(plan/ops.py: GEMM FLOPs, attention FLOPs, element-wise bytes, kernels) over its seconds. A layout
+then costs its own work at those rates (ops.Rates): GEMMs shrink with tp, norms, dispatch and the
+per-step overhead do not (docs/planner.md, "Calibration from a run").
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ from .. import config as C
 from .comm import LATENCY_S
 from .estimate import Options, estimate
 from .hardware import GB, GPU, get_gpu
+from .ops import Rates, unit_rates
 from .spec import PlanError, shape_from_config, spec_from_config
 
 WARMUP_RECORDS = 2  # the first logged steps include compilation, allocator growth and pool start-up
@@ -40,6 +49,13 @@ class Calibration:
     cores: int               # cores the run's ranks shared (0: one device per rank)
     source: str = ""
     load: float = 0.0        # other programs' runnable threads on those cores during the run (CPU)
+    # from a profiler trace (None without one), per core a rank keeps busy like the two above:
+    gemm_flops: float | None = None   # GEMM FLOP/s
+    attn_flops: float | None = None   # attention-core FLOP/s (plan/ops.py counting)
+    ew_bytes_s: float | None = None   # element-wise bytes/s of the planner's tables
+    dispatch_s: float | None = None   # core-seconds per element-wise kernel of the planner's tables
+    overhead_s: float | None = None   # core-seconds per step outside every op
+    split: dict | None = dataclasses.field(default=None, compare=False, hash=False)  # the trace's seconds per step
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -56,11 +72,12 @@ class Measured:
     available: float | None  # rank 0's seconds on a core / seconds runnable (CPU runs that logged it)
 
 
-def _records(run_dir: str) -> list[dict]:
+def _records(run_dir: str, skip: int = 0) -> list[dict]:
+    """The logged steps after warm-up, less step `skip` (the profiled one: the profiler slows it)."""
     path = os.path.join(run_dir, "metrics.jsonl")
     try:
         with open(path) as f:
-            recs = [json.loads(line) for line in f if '"step_s"' in line]
+            recs = [r for r in (json.loads(x) for x in f if x.strip()) if "step_s" in r and r.get("step") != skip]
     except OSError as e:
         raise PlanError(f"--calibrate: cannot read {path}: {e.strerror}") from None
     except json.JSONDecodeError as e:
@@ -73,13 +90,104 @@ def _records(run_dir: str) -> list[dict]:
 
 def measured(run_dir: str) -> Measured:
     """The run's median step and communication seconds after warm-up, and the machine it ran on."""
-    recs = _records(run_dir)
+    prof = read_profile(run_dir)
+    recs = _records(run_dir, prof["step"] if prof else 0)
     step = statistics.median(r["step_s"] for r in recs)
     comm = statistics.median(sum(k["seconds"] for k in r.get("comm", {}).values()) for r in recs)
     last = recs[-1]
     timed = [r for r in recs if r.get("cpu_s") is not None and r.get("wait_s") is not None]
     avail = statistics.median(r["cpu_s"] / max(r["cpu_s"] + r["wait_s"], 1e-12) for r in timed) if timed else None
     return Measured(step, comm, last.get("world"), last.get("threads"), last.get("cores"), avail)
+
+
+# ------------------------------------------------------------------ the profiler trace of one step
+
+PROFILE = "profile.json"  # train/metrics.StepProfiler writes it (metrics.profile_step)
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::mv", "aten::addmv"}
+ATTENTION_OPS = ("scaled_dot_product_flash_attention", "scaled_dot_product_efficient_attention",
+                 "scaled_dot_product_cudnn_attention", "aten::_flash_attention", "aten::_efficient_attention")
+COMM_OPS = ("c10d::", "gloo:", "nccl:", "record_param_comms")
+# aten ops that move no data (views, metadata, allocation) or whose work is their children's (wrappers):
+# their time is dispatch. Every non-aten event (autograd nodes, Python autograd functions) is too.
+NO_DATA = {"aten::" + n for n in (
+    "view", "_unsafe_view", "_reshape_alias", "as_strided", "t", "transpose", "permute", "expand", "expand_as",
+    "reshape", "select", "slice", "narrow", "split", "chunk", "unbind", "unsqueeze", "squeeze", "alias",
+    "view_as", "flatten", "unflatten", "detach", "resolve_conj", "resolve_neg", "empty", "empty_strided",
+    "empty_like", "zeros", "zeros_like", "ones_like", "lift_fresh", "contiguous", "to", "type_as", "clone",
+    "linear", "matmul", "scaled_dot_product_attention", "result_type", "promote_types", "item",
+    "_local_scalar_dense", "cross_entropy_loss", "nll_loss", "nll_loss_nd", "log_softmax", "embedding",
+    "embedding_backward", "scalar_tensor")}
+
+
+def op_category(name: str) -> str:
+    """gemm, attention, comm, or elementwise (everything else: norms, activations, the optimizer,
+    copies, and the dispatch of views and autograd nodes)."""
+    if name in GEMM_OPS:
+        return "gemm"
+    if any(k in name for k in ATTENTION_OPS):
+        return "attention"
+    if name.startswith(COMM_OPS):
+        return "comm"
+    return "elementwise"
+
+
+def read_profile(run_dir: str) -> dict | None:
+    """RUN_DIR/profile.json, or None when the run wrote none."""
+    path = os.path.join(run_dir, PROFILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            prof = json.load(f)
+        prof["ops"], prof["wall_s"], prof["step"] = dict(prof["ops"]), float(prof["wall_s"]), int(prof["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise PlanError(f"--calibrate: {path} is not a profile meshlm wrote ({e})") from None
+    return prof
+
+
+def dispatch_and_bytes(ops: dict) -> tuple[float, float]:
+    """(seconds per call, seconds per input element) of the element-wise ops: least squares of each op
+    name's seconds on its calls and its data elements (none for NO_DATA and non-aten events), both
+    kept non-negative."""
+    rows = [(o["calls"], _elems(n, o), _seconds(o)) for n, o in ops.items() if op_category(n) == "elementwise"]
+    nn, nx, xx = (sum(a * b for a, b in pairs) for pairs in
+                  ([(r[0], r[0]) for r in rows], [(r[0], r[1]) for r in rows], [(r[1], r[1]) for r in rows]))
+    ns, xs = sum(r[0] * r[2] for r in rows), sum(r[1] * r[2] for r in rows)
+    det = nn * xx - nx * nx
+    c, b = ((ns * xx - xs * nx) / det, (xs * nn - ns * nx) / det) if det > 0 else (-1.0, -1.0)
+    if c < 0 or b < 0:  # one of the two explains nothing: the other alone
+        c1, b1 = (ns / nn if nn else 0.0), (xs / xx if xx else 0.0)
+        resid = lambda c_, b_: sum((s_ - c_ * n_ - b_ * x_) ** 2 for n_, x_, s_ in rows)  # noqa: E731
+        c, b = (c1, 0.0) if resid(c1, 0.0) <= resid(0.0, b1) else (0.0, b1)
+    return c, b
+
+
+def _elems(name: str, op: dict) -> float:
+    return 0.0 if not name.startswith("aten::") or name in NO_DATA else float(op.get("elems", 0))
+
+
+def _seconds(op: dict) -> float:
+    """Device time on a GPU trace (the host only launches there), host time on a CPU."""
+    return op.get("device_s") or op["self_s"]
+
+
+def split_profile(prof: dict, step_s: float) -> dict:
+    """Seconds per step of the run by category: the trace's shares of its profiled step, scaled to the
+    run's median step (the profiler's own cost per op inflates that one step, not the shares).
+    `overhead` is the step's time outside every op; comm's seconds are priced by the link instead."""
+    ops = prof["ops"]
+    by = {"gemm": 0.0, "attention": 0.0, "comm": 0.0, "elementwise": 0.0}
+    for name, o in ops.items():
+        by[op_category(name)] += _seconds(o)
+    c, b = dispatch_and_bytes(ops)
+    calls = sum(o["calls"] for n, o in ops.items() if op_category(n) == "elementwise")
+    elems = sum(_elems(n, o) for n, o in ops.items() if op_category(n) == "elementwise")
+    d, x = c * calls, b * elems
+    ew = by.pop("elementwise")  # its two parts in the fitted proportion, adding up to what was measured
+    by["dispatch"], by["bytes"] = (ew * d / (d + x), ew * x / (d + x)) if d + x > 0 else (ew, 0.0)
+    by["overhead"] = max(0.0, prof["wall_s"] - sum(by.values()))
+    scale = step_s / prof["wall_s"] if prof["wall_s"] > 0 else 0.0
+    return {k: v * scale for k, v in by.items()}
 
 
 def run_config(run_dir: str) -> C.Config:
@@ -127,11 +235,12 @@ def cpu_device(rate_flops: float, link_bytes_s: float, ranks: int, cores: int, t
 OPTIONS = dict(efficiency=1.0, block_overhead_s=0.0, comm_efficiency=1.0)  # the flat model at the fitted rate
 
 
-def fit(run_dir: str, cores: int | None = None, load: float | None = 0.0) -> Calibration:
+def fit(run_dir: str, cores: int | None = None, load: float | None = 0.0, trace: bool = True) -> Calibration:
     """The machine's compute rate and link bandwidth from one run (see the module docstring).
     `cores`: the cores the run's ranks shared (default: what its metrics say; 0 for a GPU run);
     `load`: other programs' runnable threads competing per thread (default 0: the cores the run got
-    are shared among its own ranks only; None: implied by the run's schedstat seconds)."""
+    are shared among its own ranks only; None: implied by the run's schedstat seconds); `trace`: read
+    the run's profile.json when it has one (False: the one flat rate)."""
     cfg = run_config(run_dir)
     m = measured(run_dir)
     world = _world(run_dir, cfg, m)
@@ -158,7 +267,30 @@ def fit(run_dir: str, cores: int | None = None, load: float | None = 0.0) -> Cal
     for _ in range(80):
         mid = (lo * hi) ** 0.5
         lo, hi = (mid, hi) if predict(mid, link)["step_s"] > m.step_s else (lo, mid)
-    return Calibration(lo, link, cores, os.path.abspath(run_dir), load)
+    cal = Calibration(lo, link, cores, os.path.abspath(run_dir), load)
+    prof = read_profile(run_dir) if trace else None
+    if prof is None:
+        return cal
+    # per category: the planner's work of the run's own layout over the seconds the trace gave it
+    split = split_profile(prof, m.step_s)
+    gpu = cpu_device(lo, link, world, cores, threads, load)
+
+    def work(category: str) -> float:
+        t = estimate(shape, spec, gpu, _rated(unit_rates(category), opts.compiled))["time"]
+        return t["forward_s"] + t["backward_s"] + t["recompute_s"] + t["optimizer_s"]
+
+    w = {k: work(k) for k in ("gemm", "attention", "bytes", "dispatch")}
+    rate = lambda k, fallback: w[k] / split[k] / share if split[k] > 0 and w[k] > 0 else fallback  # noqa: E731
+    gemm = rate("gemm", lo)
+    return dataclasses.replace(
+        cal, gemm_flops=gemm, attn_flops=rate("attention", gemm), ew_bytes_s=rate("bytes", 1e300),
+        dispatch_s=split["dispatch"] * share / w["dispatch"] if w["dispatch"] > 0 else 0.0,
+        overhead_s=split["overhead"] * share, split=split)
+
+
+def _rated(rates: Rates, compiled: bool) -> Options:
+    """The per-operation model at a calibrated machine's rates."""
+    return Options(efficiency=None, block_overhead_s=0.0, comm_efficiency=1.0, compiled=compiled, rates=rates)
 
 
 def _world(run_dir: str, cfg: C.Config, m: Measured) -> int:
@@ -176,8 +308,12 @@ def device_and_options(cal: Calibration, ranks: int, compiled: bool = False,
                        threads: int | None = None) -> tuple[GPU, Options]:
     """The GPU profile and Options that price a layout of `ranks` ranks on the calibrated machine
     (`threads` per rank: default what `meshlm train --nproc` gives them)."""
-    return cpu_device(cal.rate_flops, cal.link_bytes_s, ranks, cal.cores, threads, cal.load), \
-        Options(**OPTIONS, compiled=compiled)
+    gpu = cpu_device(cal.rate_flops, cal.link_bytes_s, ranks, cal.cores, threads, cal.load)
+    if cal.gemm_flops is None:
+        return gpu, Options(**OPTIONS, compiled=compiled)
+    share = core_share(ranks, cal.cores, threads, cal.load)
+    return gpu, _rated(Rates(cal.gemm_flops * share, cal.attn_flops * share, cal.ew_bytes_s * share,
+                             cal.dispatch_s / share, cal.overhead_s / share), compiled)
 
 
 def predict(cal: Calibration, cfg: C.Config, ranks: int, threads: int | None = None) -> dict:

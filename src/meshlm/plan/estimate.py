@@ -21,6 +21,7 @@ from . import comm as C
 from .hardware import GIB, GPU
 from .memory import (block_params_local, pipeline_roles, stage_memory, stage_params, state_bytes_per_param,
                      vocab_rows)
+from .ops import Rates
 from .spec import Shape, Spec, check
 
 
@@ -37,6 +38,10 @@ class Options:
     mem_fraction: float = 0.95     # allocator fragmentation headroom
     reserve_gib: float = 2.0       # CUDA context, cuBLAS / NCCL workspaces
     simulate: bool = True          # pipeline bubble from the schedule simulator when it is available
+    rates: Rates | None = None     # a calibrated machine's per-category rates (plan/calibrate.py)
+    # ac = "op" under another framework's policy: the block matmuls (wq wk wv wo w1 w3 w2) whose outputs
+    # it does not keep, so the recompute runs them again (meshlm's own "op" keeps every one)
+    recompute_gemms: tuple = ()
 
     def usable(self, gpu: GPU | None) -> float | None:
         return None if gpu is None else gpu.hbm_bytes * self.mem_fraction - self.reserve_gib * GIB
@@ -77,7 +82,7 @@ def _built(schedule: str, p: int, m: int, v: int, fbw: tuple | None = None):
     return _simulator()[0](schedule, p, m, v, costs=action_costs(v, *fbw))
 
 
-def _sim_placement(schedule: str) -> bool:
+def _v_shaped(schedule: str) -> bool:
     from ..schedule.schedules import V_SHAPED
     return schedule in V_SHAPED
 
@@ -92,7 +97,7 @@ def bubble_simulated(schedule: str, p: int, m: int, v: int, f: float, b: float, 
             or p * m * v > SIM_MAX_UNITS):
         return None
     try:
-        vs = _sim_placement(schedule)
+        vs = _v_shaped(schedule)
         tl = sim[1](_built(schedule, p, m, v, (f, b, w) if vs else None), p, m, v, cost_f=f, cost_b=b,
                     cost_w=w, vshape=vs)
     except Exception:  # noqa: BLE001 - a simulator bug must not break the planner; fall back
@@ -142,7 +147,7 @@ def micro_times(shape: Shape, tp: int, sp: bool, ep: int, cp: int, seq_len: int,
     if o.efficiency is None:
         from .ops import stage_compute
         return stage_compute(shape, tp, sp, ep, seq_len, cp, layers, head, tokens, ac, precision, gpu,
-                             o.compiled, o.flash, o.attn_kernel, o.attn_dropout)
+                             o.compiled, o.flash, o.attn_kernel, o.attn_dropout, o.rates, o.recompute_gemms)
     t_f, t_b, t_rc, t_attn = compute_times(shape, tp, seq_len, layers, head, tokens, ac,
                                            gpu.peak(precision) * o.efficiency, o.block_overhead_s)
     return {"t_f": t_f, "t_b": t_b, "t_rc": t_rc, "t_attn": t_attn, "ops": None}
@@ -220,9 +225,10 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
         offload_s = max(io_s, shard * (gb + pb) / gpu.pcie_bw + shard / gpu.cpu_adam_params_per_s)
     else:
         flat = o.efficiency is not None
-        opt_s = shard * (2 * ob + gb * (1 if flat else 2) + (pb if s.precision != "fp32" else 0)) / (
-            gpu.hbm_bw * (1.0 if flat else gpu.hbm_eff))
-    step = busy * (1 + bubble) + step_exposed + opt_s + offload_s
+        bw = o.rates.ew_bytes_s if o.rates is not None else gpu.hbm_bw * (1.0 if flat else gpu.hbm_eff)
+        opt_s = shard * (2 * ob + gb * (1 if flat else 2) + (pb if s.precision != "fp32" else 0)) / bw
+    overhead_s = o.rates.step_overhead_s if o.rates is not None and o.efficiency is None else 0.0
+    step = busy * (1 + bubble) + step_exposed + opt_s + offload_s + overhead_s
     tokens = s.global_batch * s.seq_len
     model_flops = shape.flops_per_token(s.seq_len) * tokens
     world = s.world
@@ -234,7 +240,7 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
         "time": {"forward_s": m * worst["t_f"], "backward_s": m * worst["t_b"], "recompute_s": m * worst["t_rc"],
                  "exposed_comm_microbatch_s": worst["exposed_mb"], "bubble_s": busy * bubble,
                  "bubble_fraction": bubble, "bubble_source": source, "exposed_comm_step_s": step_exposed,
-                 "optimizer_s": opt_s, "offload_s": offload_s, "offload_io_s": io_s},
+                 "optimizer_s": opt_s, "offload_s": offload_s, "offload_io_s": io_s, "overhead_s": overhead_s},
         "ops": None if worst["ops"] is None else {k: m * v for k, v in worst["ops"].items()},
         "comm": comm,
         "comm_bytes_per_step": sum(c["bytes"] for c in comm),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
+from dataclasses import dataclass
 from functools import lru_cache
 
 from .hardware import GPU
@@ -73,6 +74,30 @@ def attention_fraction(kernel: str, head_dim: int, seq: int, causal: bool, arch:
     if arch == "ampere":  # the H100 FA2 curve scaled to FA2's A100 plateau
         return A100_FA2_PLATEAU * nc / table[hd][False][-1]
     return nc / H100_PEAK_TFLOPS
+
+
+# ------------------------------------------------------------------ a calibrated machine (CPU)
+
+@dataclass(frozen=True)
+class Rates:
+    """One rank's rates fitted from a profiled run (plan/calibrate.py), replacing the GPU tables: the
+    model's work per category over them. On a CPU every category is priced as a sum (one core does
+    the GEMM, then the element-wise op, then dispatches the next), not as the GPU's max of bounds."""
+    gemm_flops_s: float      # GEMM FLOPs (2mnk) per second
+    attn_flops_s: float      # attention-core FLOPs (causal counted half, backward 2.5x) per second
+    ew_bytes_s: float        # element-wise bytes (the tables below) per second
+    dispatch_s: float        # seconds per element-wise kernel of the tables below (eager op dispatch)
+    step_overhead_s: float = 0.0  # per step, outside every op (Python, the autograd engine's gaps)
+
+
+UNIT = 1e300  # a rate at which a category costs nothing: Rates with one category at 1 give its work
+
+
+def unit_rates(category: str) -> Rates:
+    """Rates under which the model's seconds are one category's work (FLOPs, bytes or kernels)."""
+    r = {"gemm": (1.0, UNIT, UNIT, 0.0), "attention": (UNIT, 1.0, UNIT, 0.0), "bytes": (UNIT, UNIT, 1.0, 0.0),
+         "dispatch": (UNIT, UNIT, UNIT, 1.0)}[category]
+    return Rates(*r)
 
 
 # ------------------------------------------------------------------ GEMMs
@@ -163,10 +188,16 @@ def _bound(seconds: float, kernels: float, launch: float) -> float:
     return max(seconds, kernels * launch)
 
 
+def _sum(seconds: float, kernels: float, launch: float) -> float:
+    """On a CPU the core that dispatches an op also runs it: the two add up."""
+    return seconds + kernels * launch
+
+
 @lru_cache(maxsize=65536)
 def stage_compute(shape, t: int, sp: bool, ep: int, seq_len: int, cp: int, layers: int, head: bool,
                   tokens: float, ac: str, precision: str, gpu: GPU, compiled: bool, flash: bool,
-                  kernel: str, attn_dropout: bool = False) -> dict:
+                  kernel: str, attn_dropout: bool = False, rates: Rates | None = None,
+                  recompute_gemms: tuple = ()) -> dict:
     """Seconds of one micro-batch on one rank of a stage: forward, backward, recompute and the
     attention kernels alone (the window ring-CP transfers hide behind), plus the per-op breakdown."""
     a = shape.args
@@ -179,18 +210,23 @@ def stage_compute(shape, t: int, sp: bool, ep: int, seq_len: int, cp: int, layer
     d = a.dim
     T = tokens
 
-    def gemm3(m, n, k):  # forward, and backward's input-gradient and weight-gradient GEMMs
-        return gemm_seconds(m, n, k, gpu, e, peak), gemm_seconds(m, k, n, gpu, e, peak) + \
-            gemm_seconds(k, n, m, gpu, e, peak)
+    def gemm(m, n, k):
+        if rates is not None:
+            return 2.0 * m * n * k / rates.gemm_flops_s if m > 0 and n > 0 and k > 0 else 0.0
+        return gemm_seconds(m, n, k, gpu, e, peak)
 
-    shapes = [(T, q, d), (T, kv, d), (T, kv, d), (T, d, q)]
+    def gemm3(m, n, k):  # forward, and backward's input-gradient and weight-gradient GEMMs
+        return gemm(m, n, k), gemm(m, k, n) + gemm(k, n, m)
+
+    shapes = [("wq", T, q, d), ("wk", T, kv, d), ("wv", T, kv, d), ("wo", T, d, q)]
     moe_frac = a.n_moe_blocks / a.n_layers if shape.moe else 0.0
-    dense_ffn = [(T, f, d), (T, f, d), (T, d, f)]
-    g_f = g_b = 0.0
+    dense_ffn = [("w1", T, f, d), ("w3", T, f, d), ("w2", T, d, f)]
+    g_f = g_b = g_rc = 0.0
     for w, group in ((1.0, shapes), (1.0 - moe_frac, dense_ffn)):  # MoE blocks replace the dense FFN
-        for sh in group:
+        for name, *sh in group:
             x, y = gemm3(*sh)
             g_f, g_b = g_f + w * x, g_b + w * y
+            g_rc += w * x if name in recompute_gemms else 0.0
     if moe_frac:  # balanced routing: each local expert gets tokens·top_k·ep/num_experts rows
         n_local = -(-shape.num_experts // ep)
         me, fe = T * shape.top_k * ep / shape.num_experts, a.expert_dim / t
@@ -205,24 +241,30 @@ def stage_compute(shape, t: int, sp: bool, ep: int, seq_len: int, cp: int, layer
     heads = a.n_heads // t
     chunk = seq_len / cp
     full_flops = 4.0 * T * seq_len * a.head_dim * heads  # QK^T and PV over every key, forward
-    if flash:
+    bw = rates.ew_bytes_s if rates is not None else gpu.hbm_bw * gpu.hbm_eff
+    if flash and rates is not None:  # the fitted rate holds the kernel's forward : backward mix
+        a_f = full_flops / 2 / rates.attn_flops_s
+        a_b = 2.5 * a_f
+    elif flash:
         arch = gpu.arch
         frac = attention_fraction(kernel, a.head_dim, int(chunk), True, arch)
         a_f = full_flops / 2 / (peak * frac)
         a_b = 2.5 * full_flops / 2 / (peak * frac * BWD_RATIO[kernel if arch == "hopper" else "fa2"])
     else:  # unfused: two batched GEMMs over the full S×S (masked, not skipped) + softmax traffic
         seqs = T / seq_len
-        bmm = seqs * heads * gemm_seconds(seq_len, seq_len, a.head_dim, gpu, e, peak)
-        scores = seqs * heads * seq_len * seq_len * e / (gpu.hbm_bw * gpu.hbm_eff)
+        bmm = seqs * heads * gemm(seq_len, seq_len, a.head_dim)
+        scores = seqs * heads * seq_len * seq_len * e / bw
         a_f = 2 * bmm + 2 * scores        # fused scale-mask-softmax reads and writes the scores
         a_b = 4 * bmm + 3 * scores        # its backward reads probabilities and their gradient
         if attn_dropout:  # dropout on the probabilities (meshlm has none; Megatron-LM 2021 used 0.1):
             a_f += (2 + 1 / e) * scores   # read and write them, write a one-byte mask
             a_b += (2 + 1 / e) * scores   # and in backward the gradient, reading the mask
     ew_f, ew_b, k_f, k_b = elementwise(a, t, sp, compiled, e)
-    bw = gpu.hbm_bw * gpu.hbm_eff
-    e_f = _bound(T * ew_f / bw, k_f, launch)  # GEMM launches overlap their own math: not counted
-    e_b = _bound(T * ew_b / bw, k_b, launch)
+    bound = _bound if rates is None else _sum
+    if rates is not None:
+        launch = rates.dispatch_s
+    e_f = bound(T * ew_f / bw, k_f, launch)  # GEMM launches overlap their own math: not counted
+    e_b = bound(T * ew_b / bw, k_b, launch)
     # weight gradients accumulate into the fp32 gradient buffer every micro-batch: read e, read-write 4·2
     params = (2 * q + 2 * kv) * d + 3 * d * f
     acc = params * (e + 8) / bw
@@ -235,7 +277,7 @@ def stage_compute(shape, t: int, sp: bool, ep: int, seq_len: int, cp: int, layer
         rows = vocab_rows(a, t)
         hf, hb = gemm3(T, rows, d)
         lb, lk = _loss(e, compiled and t == 1)
-        loss = _bound(T * rows * lb / bw, lk, launch)
+        loss = bound(T * rows * lb / bw, lk, launch)
         out["head_s"], out["loss_s"] = hf + hb, loss
         t_f += hf + loss / 3
         t_b += hb + 2 * loss / 3
@@ -243,8 +285,8 @@ def stage_compute(shape, t: int, sp: bool, ep: int, seq_len: int, cp: int, layer
         t_rc = layers * block_f
     elif ac == "selective":
         t_rc = layers * a_f
-    elif ac == "op":  # matmul and attention outputs kept: the element-wise forward runs again
-        t_rc = layers * e_f
+    elif ac == "op":  # matmul and attention outputs kept: the element-wise forward runs again (and
+        t_rc = layers * (e_f + g_rc)  # the matmuls a policy does not keep: Options.recompute_gemms)
     else:
         t_rc = 0.0
     out["recompute_s"] = t_rc

@@ -1,7 +1,7 @@
 """The vocabulary of pipeline schedules: actions and the stage layout.
 
 Layout: p ranks, v chunks (virtual stages) per rank; (rank r, chunk c) holds
-model stage ``c * p + r`` (Megatron's looping placement). S = p * v stages;
+model stage ``c * p + r`` (Megatron's looping stage order). S = p * v stages;
 stage 0 owns the embedding, stage S-1 the loss. V-shaped schedules (ZB-V,
 ``vshape=True``, v = 2) place chunk 0 of rank r at stage r and chunk 1 at
 stage 2p-1-r: rank 0 holds both the first and the last stage, and the hand-off
@@ -62,7 +62,7 @@ class Action:
 
 
 def stage_index(rank: int, chunk: int, p: int, vshape: bool = False) -> int:
-    """Model stage held by (rank, chunk): looping placement, or the V when `vshape`."""
+    """Model stage held by (rank, chunk): looping stage order, or the V when `vshape`."""
     if vshape:
         return rank if chunk == 0 else 2 * p - 1 - rank
     return chunk * p + rank

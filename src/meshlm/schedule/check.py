@@ -38,7 +38,7 @@ def _check_shape(actions, p: int, m: int, v: int) -> None:
 
 
 def _check_local(actions, p: int, m: int, v: int, vs: bool) -> None:
-    """Coverage, same-rank ordering and SEND/RECV placement, one rank at a time."""
+    """Coverage, same-rank ordering and SEND/RECV positions, one rank at a time."""
     for r, acts in enumerate(actions):
         done: set[tuple[str, int, int]] = set()   # ("F"|"B"|"I"|"W", mb, chunk)
         sent: set[tuple[str, int, int]] = set()
@@ -173,7 +173,7 @@ def inflight_by_chunk(actions) -> list[list[int]]:
 
 
 def check_schedule(actions, p: int, m: int, v: int = 1, vshape: bool = False) -> dict:
-    """Validate `actions` for (p, m, v) (`vshape`: the V placement of actions.py); return stats or
+    """Validate `actions` for (p, m, v) (`vshape`: the V stage order of actions.py); return stats or
     raise ScheduleError.
 
     Returns {"peak_inflight": per-rank peak of held (mb, chunk) activations,

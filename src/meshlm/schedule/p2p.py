@@ -18,7 +18,7 @@ consumer) that coincide in time, so rendezvous batches stall nobody; sends
 are only delayed and recvs only hoisted to keep each channel in one order.
 Then it replays the blocking model and repairs any deadlock by hoisting the
 receiver's next RECV into its current batch (receiving early into a buffer
-is always data-safe). placement="eager" (SEND right after the producer, RECV
+is always data-safe). p2p_at="eager" (SEND right after the producer, RECV
 right before the consumer) is kept for comparison: it is correct but stalls
 badly under rendezvous for interleaved and zero-bubble schedules.
 """
@@ -160,7 +160,7 @@ def _why(rows, pos, r: int, unmatched, compute_wait) -> str:
     return f"rank {r} blocked at action #{idx} {it}: waits for the {what} of mb {it.mb} at stage {s} (rank {owner})"
 
 
-PLACEMENT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+STEER_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
 def _ideal_times(compute: list[list[Action]], p: int, v: int, costs: dict, vshape: bool = False) -> list[list[tuple[float, float]]]:
@@ -229,16 +229,16 @@ def _meet(gs_list, gr_list, i: int, j: int) -> tuple[int, int, float]:
     return best
 
 
-def add_p2p(compute: list[list[Action]], p: int, v: int, placement: str = "timed",
+def add_p2p(compute: list[list[Action]], p: int, v: int, p2p_at: str = "timed",
             costs: dict | None = None, vshape: bool = False) -> list[list[Action]]:
     """Insert SEND/RECV actions into compute-only per-rank lists (rules in module doc).
 
-    `costs` ({"F", "B", "I", "W"} relative durations, default PLACEMENT_COSTS)
-    only steer where p2p goes; any placement this returns is deadlock-free.
+    `costs` ({"F", "B", "I", "W"} relative durations, default STEER_COSTS)
+    only steer where p2p goes; any timing this returns is deadlock-free.
     """
-    if placement not in ("timed", "eager"):
-        raise ValueError(f"placement must be 'timed' or 'eager', got {placement!r}")
-    costs = {**PLACEMENT_COSTS, **(costs or {})}
+    if p2p_at not in ("timed", "eager"):
+        raise ValueError(f"p2p_at must be 'timed' or 'eager', got {p2p_at!r}")
+    costs = {**STEER_COSTS, **(costs or {})}
     gaps = [_gaps(t) for t in _ideal_times(compute, p, v, costs, vshape)]
     consumer_pos: list[dict[tuple[str, int, int], int]] = [{} for _ in range(p)]
     for r, acts in enumerate(compute):
@@ -255,7 +255,7 @@ def add_p2p(compute: list[list[Action]], p: int, v: int, placement: str = "timed
             j = consumer_pos[q].get((kind, a.mb, qc))
             if j is None:
                 raise ScheduleError(f"rank {q} never consumes {kind}{a.mb} chunk {qc} sent by rank {r}")
-            gs, gr, t = (i + 1, j, 0.0) if placement == "eager" else _meet(gaps[r], gaps[q], i, j)
+            gs, gr, t = (i + 1, j, 0.0) if p2p_at == "eager" else _meet(gaps[r], gaps[q], i, j)
             channels.setdefault((r, q), []).append(
                 [t, gs, gr, Action("SEND_" + kind, a.mb, a.chunk, q), Action("RECV_" + kind, a.mb, qc, r)])
     sends_at: list[dict[int, list[Action]]] = [{} for _ in range(p)]

@@ -13,7 +13,7 @@ from typing import Callable
 
 from ..choices import PP_SCHEDULES, PP_TAKES_VIRTUAL, PP_V_SHAPED
 from .actions import Action, stage_index, stage_owner
-from .p2p import PLACEMENT_COSTS, add_p2p, p2p_batches
+from .p2p import STEER_COSTS, add_p2p, p2p_batches
 
 __all__ = ["Action", "stage_index", "stage_owner", "add_p2p", "p2p_batches", "gpipe", "one_f_one_b",
            "interleaved", "zb_h1", "zbv", "SCHEDULES", "TAKES_VIRTUAL", "V_SHAPED", "build_schedule"]
@@ -205,11 +205,11 @@ def zb_h1(p: int, m: int, *, costs: dict | None = None) -> list[list[Action]]:
 
 def zbv(p: int, m: int, v: int = 2, *, costs: dict | None = None) -> list[list[Action]]:
     """ZB-V (Qi et al. 2024): two chunks per rank in a V, split backward, W's fill the bubbles; peak
-    activation memory as 1F1B's first rank. Build with vshape placement (actions.py)."""
+    activation memory as 1F1B's first rank. Build with the V stage order (actions.py)."""
     _validate(p, m, v)
     if v != 2:
         raise ValueError(f"zbv runs exactly 2 chunks per rank (a V), got v={v}")
-    c = {**PLACEMENT_COSTS, **(costs or {})}
+    c = {**STEER_COSTS, **(costs or {})}
     return add_p2p(_zbv_compute(p, m, c), p, 2, costs=c, vshape=True)
 
 

@@ -117,7 +117,7 @@ def check_pipeline(n_layers: int, pp: int, virtual: int, schedule: str, microbat
 
 
 @dataclass
-class PipelinePlan:
+class PipelineStages:
     """This rank's part of the pipeline: which blocks every stage holds and which stages are its."""
     blocks: list[list[int]]  # global block indices of every stage
     rank: int
@@ -133,7 +133,7 @@ class PipelinePlan:
         return any(self.stage(c) == stage for c in range(self.v))
 
 
-def plan_stages(args, cfg, m: int) -> list[list[int]]:
+def stage_blocks(args, cfg, m: int) -> list[list[int]]:
     """The blocks of every stage for model `args` under `cfg`'s pipeline keys and `m` micro-batches
     (ValueError naming the key when they do not fit); layout.py checks with it, the runtime cuts by it."""
     p = cfg.parallel

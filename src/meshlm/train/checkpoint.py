@@ -338,11 +338,11 @@ def preflight(cfg, run_dir: str) -> None:
         raise CheckpointError(f"checkpoint.resume: {path} holds weights only (meshlm convert --from-hf); "
                               f"train from Hugging Face weights with --model.init_from hf:DIR")
     from ..layout import model_args
-    from ..model import Llama
+    from ..model import build_model
     from ..model.init import canonical_name
 
     with torch.device("meta"):
-        model = Llama(model_args(cfg))
+        model = build_model(model_args(cfg))
     named = [(canonical_name(n), tuple(p.shape)) for n, p in model.named_parameters()]
     shapes = {f"{kind}/{n}": s for kind in ("master", "exp_avg", "exp_avg_sq") for n, s in named}
     md = read_metadata(path)

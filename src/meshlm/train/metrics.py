@@ -134,6 +134,59 @@ def sched_seconds() -> tuple[float, float] | None:
     return on / 1e9, wait / 1e9
 
 
+PROFILE_FILE = "profile.json"
+
+
+class StepProfiler:
+    """metrics.profile_step = N: rank 0 runs step N under torch.profiler and writes RUN_DIR/profile.json,
+    each op name's calls, self seconds (host; `device_s` on a GPU), input elements and FLOPs over that
+    step. `--calibrate` splits the step into GEMM, attention, element-wise and dispatch time from it
+    (docs/planner.md, "Calibration from a run"). Only rank 0: in DP and TP the ranks run the same ops."""
+
+    def __init__(self, run_dir: str, step: int, enabled: bool, device: torch.device):
+        self.path, self.step, self.enabled, self.device = os.path.join(run_dir, PROFILE_FILE), step, enabled, device
+
+    def __call__(self, step: int):
+        import contextlib
+        if not (self.enabled and step == self.step):
+            return contextlib.nullcontext()
+        return self._profile()
+
+    def _profile(self):
+        import contextlib
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+
+        @contextlib.contextmanager
+        def run():
+            with profile(activities=acts, record_shapes=True, with_flops=True) as prof:
+                t0 = time.perf_counter()
+                yield
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                wall = time.perf_counter() - t0
+            self._write(prof, wall)
+        return run()
+
+    def _write(self, prof, wall: float) -> None:
+        ops: dict[str, dict] = {}
+        for ev in prof.events():
+            o = ops.setdefault(ev.name, {"calls": 0, "self_s": 0.0, "device_s": 0.0, "elems": 0, "flops": 0})
+            o["calls"] += 1
+            o["self_s"] += ev.self_cpu_time_total / 1e6
+            o["device_s"] += getattr(ev, "self_device_time_total", 0) / 1e6
+            o["flops"] += int(getattr(ev, "flops", 0) or 0)
+            for shape in ev.input_shapes or ():
+                if isinstance(shape, (list, tuple)) and all(isinstance(x, int) for x in shape):
+                    n = 1
+                    for x in shape:
+                        n *= x
+                    o["elems"] += n if shape else 0
+        with open(self.path, "w") as f:
+            json.dump({"step": self.step, "rank": 0, "device": self.device.type, "wall_s": wall,
+                       "threads": torch.get_num_threads(), "ops": ops}, f, indent=0)
+
+
 def peak_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))

@@ -11,7 +11,7 @@ from ..distributed.comm import Comm
 from ..parallel.adamw import adamw_step, fused_adamw_supported
 
 
-class MasterOptimizer:
+class MasterOptimizer:  # implements parallel.adamw.Optimizer
     """AdamW on fp32 masters. With fp32 compute the master *is* the parameter (no copy); with bf16/fp16
     compute each parameter gets an fp32 master and the update is copied back after the step.
 

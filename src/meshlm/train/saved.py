@@ -69,18 +69,14 @@ def saved_bytes(run: Callable[[], object], skip: Iterable[torch.Tensor] = (),
     return out
 
 
-def block_saved_bytes(block: nn.Module, run: Callable[[], object]) -> dict[str, int]:
-    """What `block` saves while `run()` does a forward through it, split into `norm` (the RMSNorms, i.e.
-    the residual stream they read), `attention`, `feed_forward` and `other`. Op-level checkpointing
-    keeps its matmul outputs in a cache of its own (`kept_bytes`), not through saved-tensor hooks:
-    those count as `other`."""
-    from ..model.llama import RMSNorm
-
-    labels = ("attention", "feed_forward")
-    parts = {block: "other"}
-    for name, mod in block.named_children():
-        parts[mod] = "norm" if isinstance(mod, RMSNorm) else name if name in labels else "other"
+def block_saved_bytes(block: nn.Module, run: Callable[[], object], plan) -> dict[str, int]:
+    """What `block` saves while `run()` does a forward through it, split by the model plan's
+    `block_parts` (Llama: `norm`, the RMSNorms, i.e. the residual stream they read, `attention`,
+    `feed_forward`) and `other`. Op-level checkpointing keeps its matmul outputs in a cache of its own
+    (`kept_bytes`), not through saved-tensor hooks: those count as `other`."""
+    parts = {block: "other", **plan.block_parts(block)}
+    labels = tuple(dict.fromkeys(parts.values()))
     got = saved_bytes(run, skip=block.parameters(), parts=parts, outside="outside")
-    out = {k: got[k] for k in ("norm",) + labels + ("other",)}
+    out = {k: got[k] for k in labels}
     out["other"] += sum(getattr(m, "kept_bytes", 0) for m in block.modules())
     return out

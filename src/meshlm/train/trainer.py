@@ -18,7 +18,7 @@ from ..parallel import Parallelized, parallelize
 from ..plan.auto import resolve
 from . import checkpoint as ckpt
 from . import fault
-from .metrics import MetricsLog, device_peak, device_profile, peak_bytes, sched_seconds, tensor_bytes
+from .metrics import MetricsLog, StepProfiler, device_peak, device_profile, peak_bytes, sched_seconds, tensor_bytes
 from .spike import MAX_ROLLBACKS_TO_ONE_CHECKPOINT, SpikeDetector, SpikeError, rollback_target
 from .straggler import StragglerWatch, describe, split
 from .optim import LossScaler, MasterOptimizer, clip_, grad_norm, lr_at
@@ -264,7 +264,8 @@ class Trainer:
             while self.step < self.cfg.training.steps:
                 self._heartbeat()
                 logging = self._logging_step()
-                out = self.train_step(measure=logging)
+                with self.profiled(self.step + 1):  # metrics.profile_step: rank 0 profiles that step
+                    out = self.train_step(measure=logging)
                 if self._spiked(out):  # rolled back to a checkpoint: go on from there (a skip is logged only)
                     continue
                 rec = self._measure(out, logging)
@@ -283,6 +284,7 @@ class Trainer:
         self.maybe_resume()
         fault.on_start(self.run_dir, self.step, self.ctx.is_logger, self.resumed_record, self.resumed_layout)
         self.log = MetricsLog(self.run_dir, self.ctx.is_logger, t.steps, self.step, m.progress, m.tensorboard)
+        self.profiled = StepProfiler(self.run_dir, m.profile_step, self.ctx.is_logger, self.ctx.device)
         self.comms = self.ctx.all_comms()
         reset_stats(self.comms)
         self.last: dict = {}

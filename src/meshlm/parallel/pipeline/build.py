@@ -17,10 +17,10 @@ from torch import nn
 from ...schedule.actions import stage_owner
 from ...schedule.check import check_schedule
 from ...schedule.schedules import V_SHAPED, build_schedule
-from ...schedule.stage import PipelinePlan, plan_stages
+from ...schedule.stage import PipelineStages, stage_blocks
 
 
-def split_model(model: nn.Module, ctx, cfg, layout, plan) -> PipelinePlan:
+def split_model(model: nn.Module, ctx, cfg, layout, plan) -> PipelineStages:
     """Prune the meta-device `model` to this rank's stages (in place; what to keep is the model
     plan's call, parallel/llama_plan.py)."""
     args = model.args
@@ -28,14 +28,14 @@ def split_model(model: nn.Module, ctx, cfg, layout, plan) -> PipelinePlan:
     S = layout.pp * cfg.parallel.pp_virtual
     # the tied weight is split over two ranks unless one rank holds both ends (ZB-V's rank 0)
     split_tied = stage_owner(0, layout.pp, vshape)[0] != stage_owner(S - 1, layout.pp, vshape)[0]
-    pipe = PipelinePlan(plan_stages(args, cfg, layout.microbatches), ctx.index("pp"), layout.pp,
+    pipe = PipelineStages(stage_blocks(args, cfg, layout.microbatches), ctx.index("pp"), layout.pp,
                         cfg.parallel.pp_virtual, bool(args.tie_embeddings) and split_tied, vshape)
     keep = {str(i) for c in range(pipe.v) for i in pipe.blocks[pipe.stage(c)]}
     plan.prune(model, keep, pipe.holds(0), pipe.holds(S - 1))
     return pipe
 
 
-def attach(par, pipe: PipelinePlan, ctx, cfg, layout, plan) -> None:
+def attach(par, pipe: PipelineStages, ctx, cfg, layout, plan) -> None:
     """Give `par` the pipeline step: forward_backward, eval_loss and the runtime (for traces)."""
     from .runtime import PipelineRuntime, Stage
 

@@ -1,0 +1,25 @@
+"""One optimizer interface (parallel/adamw.py `Optimizer`) for the three AdamW wrappers the layouts build."""
+import inspect
+
+import pytest
+
+from meshlm.parallel.adamw import Optimizer
+from meshlm.parallel.zero.nvme import NvmeOptimizer
+from meshlm.parallel.zero.optim import ZeroOptimizer
+from meshlm.train.optim import MasterOptimizer
+
+MEMBERS = [n for n, v in vars(Optimizer).items() if callable(v) and not n.startswith("_")]
+
+
+def test_protocol_names_what_the_trainer_calls():
+    assert set(MEMBERS) == {"set_lr", "step", "param_tensors", "state_bytes", "step_count", "state_storage",
+                            "loaded"}
+
+
+@pytest.mark.parametrize("cls", [MasterOptimizer, ZeroOptimizer, NvmeOptimizer], ids=lambda c: c.__name__)
+def test_every_optimizer_has_the_protocol_methods(cls):
+    for name in MEMBERS:
+        assert callable(getattr(cls, name, None)), f"{cls.__name__} lacks {name}"
+        want = list(inspect.signature(getattr(Optimizer, name)).parameters)
+        got = list(inspect.signature(getattr(cls, name)).parameters)
+        assert got == want, f"{cls.__name__}.{name}{got} differs from Optimizer.{name}{want}"
