@@ -94,3 +94,14 @@ def test_data_bench_smoke():
     assert [r["mb"] for r in rows] == [1, 2] and [r["tokenizer"] for r in rows] == ["bpe", "bytes"]
     assert rows[1]["tokens"] > 1_500_000 and rows[0]["documents"] > 400
     assert out["throughput_ratio"] > 0 and all(r["rss_self_mb"] > 0 for r in rows)
+
+
+def test_zeropp_bench_smoke(tmp_path):
+    """bench/zeropp.py end to end on the debug model: both runs, the plot, the ratios it prints."""
+    plot = tmp_path / "zeropp.png"
+    out = run_json("bench/zeropp.py", "--json", "--preset", "debug", "--steps", "3", "--seq-len", "16",
+                   "--plot", str(plot))
+    assert plot.stat().st_size > 0
+    assert out["cross_group_reduction"] >= 4  # bytes: deterministic, unlike the timings
+    assert set(out["variants"]["zero++"]["bytes"]) >= {"all_gather", "all_gather_hpz", "all_to_all_intra",
+                                                        "all_to_all_inter"}

@@ -95,6 +95,11 @@ class ParallelConfig:
     offload: str = "none"  # optimizer: state in host memory; nvme: in files under offload_dir (docs/zero.md)
     offload_dir: str = ""  # offload = "nvme": per-rank state files go to offload_dir/rank{r} (scratch)
     offload_buffer_mb: float = 64.0  # offload = "nvme": host buffer the step streams the state through
+    # ZeRO++ on zero = 3 (docs/zero.md): int8 weight gathers (qwZ), a secondary shard over hpz_group ranks
+    # that backward re-gathers from (hpZ), int8 hierarchical gradient reduce-scatter (qgZ)
+    quantize_weights: bool = False
+    hpz_group: int = 0  # 0: off; K: blocks of K consecutive ranks of the shard group (a node)
+    quantize_grads: bool = False
     bucket_mb: float = 25.0
     reduce_dtype: str = "fp32"
     timeout_s: float = 300.0

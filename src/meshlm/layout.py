@@ -39,6 +39,7 @@ class Layout:
     accum: int  # micro-batches per optimizer step on each dp rank
     microbatches: int  # pipeline micro-batches per step (= accum unless set)
     ep: int = 1  # expert parallelism: a second view of the dp×cp ranks (distributed/mesh.py)
+    zpp_group: int = 0  # ZeRO++: ranks per group of the shard group (hpZ, qgZ's intra level); 0: off
 
     @property
     def dp(self) -> int:
@@ -50,7 +51,7 @@ class Layout:
 
     def shape(self) -> dict[str, int]:
         return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
-                "cp": self.cp, "tp": self.tp, "ep": self.ep}
+                "cp": self.cp, "tp": self.tp, "ep": self.ep, **({"zpp": self.zpp_group} if self.zpp_group else {})}
 
 
 def model_changes(m) -> dict:
@@ -319,6 +320,7 @@ def resolve(cfg: Config, world_size: int) -> Layout:
         raise ConfigError(f"parallel.sp: data.seq_len {cfg.data.seq_len} is not divisible by tp {p.tp}")
     check_cp(args, p.cp, p.cp_impl, p.tp, p.sp, cfg.data.seq_len)
     check_ep(args, p.ep, dp, dp_shard, p.cp, p.zero)
+    zpp_group = check_zeropp(p, dp_shard * p.cp)
     if cfg.data.seq_len < 1:
         raise ConfigError(f"data.seq_len: must be >= 1, got {cfg.data.seq_len}")
     if cfg.data.document_mask and p.cp > 1:
@@ -349,7 +351,27 @@ def resolve(cfg: Config, world_size: int) -> Layout:
             raise ConfigError(f"parallel.{key}: {label} is not available in this build yet")
     del tr
     return Layout(pp=p.pp, dp_replicate=dp // dp_shard, dp_shard=dp_shard, cp=p.cp, tp=p.tp,
-                  micro_batch=t.micro_batch, accum=accum, microbatches=microbatches, ep=p.ep)
+                  micro_batch=t.micro_batch, accum=accum, microbatches=microbatches, ep=p.ep, zpp_group=zpp_group)
+
+
+def check_zeropp(p, shard: int) -> int:
+    """ZeRO++ keys against the stage and the shard group (size `shard` = dp_shard × cp); the group size
+    its hpZ copies and qgZ's intra level use (0: ZeRO++ off). Shared with the planner."""
+    on = [k for k in ("quantize_weights", "quantize_grads") if getattr(p, k)] + (["hpz_group"] if p.hpz_group else [])
+    if p.hpz_group < 0:
+        raise ConfigError(f"parallel.hpz_group: must be >= 0 (0 = off), got {p.hpz_group}")
+    if not on:
+        return 0
+    if p.zero != 3:
+        raise ConfigError(f"parallel.{on[0]}: ZeRO++ works on sharded parameters (zero = 3), got zero = {p.zero}")
+    if p.ep > 1:
+        raise ConfigError(f"parallel.{on[0]}: ZeRO++ with expert parallelism (ep > 1) is not available yet")
+    if p.offload == "nvme":
+        raise ConfigError(f"parallel.{on[0]}: ZeRO++ with nvme offload is not available yet")
+    if p.hpz_group and shard % p.hpz_group:
+        raise ConfigError(f"parallel.hpz_group: {p.hpz_group} does not divide the shard group size {shard} "
+                          f"(dp_shard × cp)")
+    return p.hpz_group or shard
 
 
 def check_ep(args: ModelArgs, ep: int, dp: int, dp_shard: int, cp: int, zero: int) -> None:

@@ -115,12 +115,13 @@ class Comm:
         return self._run("all_reduce", 2 * t.numel() * t.element_size(), self.ring,
                          lambda **kw: dist.all_reduce(t, op=op, **kw), async_op)
 
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
-        """out (size × shard.numel(), contiguous) <- every rank's shard, in rank order."""
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False, kind: str = "all_gather"):
+        """out (size × shard.numel(), contiguous) <- every rank's shard, in rank order. `kind`: the name
+        it is booked under (ZeRO++ books its node-local gathers apart: docs/zero.md)."""
         if self.size == 1:
             out.copy_(shard.reshape(out.shape))
-            return Handle(self, "all_gather", None) if async_op else None
-        return self._run("all_gather", out.numel() * out.element_size(), self.ring,
+            return Handle(self, kind, None) if async_op else None
+        return self._run(kind, out.numel() * out.element_size(), self.ring,
                          lambda **kw: _all_gather(out, shard, **kw), async_op)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -143,14 +144,14 @@ class Comm:
                          lambda **kw: _reduce_scatter(out, full, op=op, **kw), async_op)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
-                   in_splits: list[int] | None = None, async_op: bool = False):
+                   in_splits: list[int] | None = None, async_op: bool = False, kind: str = "all_to_all"):
         """Rank r sends `inp`'s i-th block (dim 0) to rank i and receives rank i's r-th block into `out`'s
         i-th block, in rank order; blocks are equal, or sized by the splits (rows along dim 0). Booked:
         the bytes this rank sends, (size-1)/size of them cross a link."""
         if self.size == 1:
             out.copy_(inp.reshape(out.shape))
-            return Handle(self, "all_to_all", None) if async_op else None
-        return self._run("all_to_all", inp.numel() * inp.element_size(), self.ring,
+            return Handle(self, kind, None) if async_op else None
+        return self._run(kind, inp.numel() * inp.element_size(), self.ring,
                          lambda **kw: dist.all_to_all_single(out, inp, out_splits, in_splits, **kw), async_op)
 
     def _has_reduce_scatter(self) -> bool:

@@ -55,6 +55,17 @@ def groups_along(dims: tuple[str, ...], shape: dict[str, int]) -> list[list[int]
     return out
 
 
+def zpp_groups(shape: dict[str, int], k: int) -> dict[str, list[list[int]]]:
+    """ZeRO++'s view of each shard group (dp_shard × cp, in its rank order): `zpp_intra` = blocks of k
+    consecutive members (a node: hpZ's secondary copies, qgZ's first all-to-all), `zpp_inter` = the
+    members at the same place in every block (qgZ's second, cross-node all-to-all)."""
+    out: dict[str, list[list[int]]] = {"zpp_intra": [], "zpp_inter": []}
+    for g in groups_along(("dp_shard", "cp"), shape):
+        out["zpp_intra"] += [g[i:i + k] for i in range(0, len(g), k)]
+        out["zpp_inter"] += [g[j::k] for j in range(k)]
+    return out
+
+
 def expert_groups(shape: dict[str, int], ep: int) -> dict[str, list[list[int]]]:
     """The expert view of the dp_replicate × dp_shard × cp block (flattened row-major, per pp and tp
     coordinate): `ep` = runs of ep consecutive ranks (each holds E/ep experts), `edp` = the ranks
@@ -146,6 +157,9 @@ def init_context(shape: dict[str, int], device: torch.device, timeout_s: float =
         for name, groups in expert_groups(shape, ep).items():
             if groups:
                 ctx.comms[name] = _make_comm(name, groups, rank, world, timeout_s)
+    if shape.get("zpp", 0):  # ZeRO++ (docs/zero.md): node-sized blocks of each shard group
+        for name, groups in zpp_groups(shape, shape["zpp"]).items():
+            ctx.comms[name] = _make_comm(name, groups, rank, world, timeout_s)
     ctx.comms["world"] = Comm("world", dist.group.WORLD if world > 1 else None, list(range(world)), rank)
     return ctx
 

@@ -32,7 +32,8 @@ CONFIG_KEYS = {f"model.{k}" for k in ("preset", "dim", "n_layers", "n_heads", "n
     | {"data.seq_len"} \
     | {f"training.{k}" for k in ("precision", "compile", "micro_batch", "ac")} \
     | {f"parallel.{k}" for k in ("dp", "zero", "zero_group", "tp", "sp", "pp", "pp_schedule", "pp_virtual", "cp",
-                                 "cp_impl", "ep", "offload", "offload_buffer_mb", "bucket_mb", "reduce_dtype")}
+                                 "cp_impl", "ep", "offload", "offload_buffer_mb", "bucket_mb", "reduce_dtype",
+                                 "quantize_weights", "hpz_group", "quantize_grads")}
 # where an error whose leading key is not an input belongs
 KEY_ALIASES = {"training.global_batch": "global_batch_tokens", "parallel": "gpus", "parallel.microbatches":
                "training.micro_batch", "seq_len": "data.seq_len", "model": "model.preset"}

@@ -100,7 +100,7 @@ def reductions(ctx: ParallelContext, layout: Layout, zero: int, split_tied: set[
         base = Reduction(ctx.comm("dp_shard_cp"), (ctx.comm("dp_replicate"),), (), layout.dp * layout.cp)
     else:
         base = Reduction(None, (ctx.comm("dp_cp"),), (), layout.dp * layout.cp)
-    tied = Reduction(base.scatter, base.over, (ctx.comm("pp_ends"),), base.divisor)
+    tied = Reduction(base.scatter, base.all_reduce_over, (ctx.comm("pp_ends"),), base.divisor)
     if layout.ep == 1:
         return lambda name: tied if name in split_tied else base
     experts = (Reduction(ctx.comm("edp_shard"), (ctx.comm("dp_replicate"),), (), base.divisor) if zero
@@ -144,23 +144,21 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
     reduction_of = reductions(ctx, layout, cfg.parallel.zero, split_tied, experts.__contains__)
     reduce_dtype = torch_dtype(cfg.parallel.reduce_dtype)
     if cfg.parallel.zero:  # ZeRO-1/2/3, HSDP
-        grads = shard_model(model, named, cfg, plan, bool(split_tied), reduction_of, reduce_dtype)
+        grads = shard_model(model, named, cfg, plan, bool(split_tied), reduction_of, reduce_dtype, ctx)
         if cfg.parallel.offload == "nvme":
             opt = NvmeOptimizer(grads, cfg.optim, cfg.parallel.offload_dir, cfg.parallel.offload_buffer_mb, ctx.rank)
         else:
             opt = ZeroOptimizer(grads, cfg.optim, cfg.parallel.offload == "optimizer")
-        for u in grads.units:
-            held = {i: (p0, p0 + s1 - s0) for i, s0, s1, p0 in u.segments}
-            for i, name in enumerate(u.names):
-                start, end = held.get(i, (0, 0))
-                table.update(name, lambda pl: pl.shard_flat(start, end, u.comm.name))
+        for u in grads.units:  # ZeRO's ranges, computed once by the unit (zero/units.py `Segment`)
+            for seg, name in zip(u.pieces, u.names):
+                table.update(name, lambda pl: pl.shard_flat(seg.param_start, seg.param_end, u.comm.name))
     else:
         opt = make_optimizer(named, cfg.optim, ctx.device)
         grads = GradBuckets(opt.params, opt.masters, [reduction_of(n) for n in opt.names],
                             int(cfg.parallel.bucket_mb * 2 ** 20), reduce_dtype)
     for name in table.names():  # the copies a reduction sums are replicas of one another
         red = reduction_of(name)
-        for c in red.over + red.after:
+        for c in red.all_reduce_over + red.sum_at_finish:
             if c.size > 1:
                 table.update(name, lambda pl: pl.replicate(c.name, c.rank))
     par = Parallelized(model=model, optimizer=opt, grads=grads, placements=table, world=ctx.comm("world"), cp=cp)

@@ -8,7 +8,7 @@ happens in fp32. The fp32 master weight's `.grad` is the same slice.
 
 Parameters with different `Reduction`s (grad_sync.py) never share a bucket. On the last micro-batch of a
 step, a bucket whose parameters have all reported is all-reduced asynchronously over its group at once
-(overlapping the rest of backward); `finish()` waits for all of them, adds the `after` sums and divides
+(overlapping the rest of backward); `finish()` waits for all of them, adds the `sum_at_finish` sums and divides
 each bucket by its own divisor. Accumulation micro-batches never communicate. With one rank every
 collective is a no-op and this is just the gradient storage.
 """
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..distributed.comm import Handle  # noqa: F401  (Bucket.handle)
-from .grad_sync import Reduction
+from .grad_sync import Reduction, add_into_view, bind_flat_grads
 
 
 class Bucket:
@@ -62,23 +62,17 @@ class GradBuckets:
                 self._add(params, group, reductions[group[0]])
         self.bucket_of: dict[int, Bucket] = {id(p): b for b in self.buckets for p in b.params}
         self.params = params
-        self.hooks = []
-        for p, m in zip(params, masters):
-            view = self.bucket_of[id(p)].views[id(p)]
-            if p.dtype == dtype:
-                p.grad = view  # autograd accumulates straight into the bucket
+        views = [self.bucket_of[id(p)].views[id(p)] for p in params]
+        for m, view in zip(masters, views):
             m.grad = view
-            self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self.hooks = bind_flat_grads(params, views, self._on_grad)
 
     def _add(self, params: list[nn.Parameter], group: list[int], reduction: Reduction) -> None:
         self.buckets.append(Bucket([params[j] for j in group], self.dtype, params[group[0]].device, reduction))
 
     def _on_grad(self, p: nn.Parameter) -> None:
         bucket = self.bucket_of[id(p)]
-        view = bucket.views[id(p)]
-        if p.grad is not view:
-            view.add_(p.grad)
-            p.grad = None
+        add_into_view(p, bucket.views[id(p)])
         if not self.sync:
             return
         bucket.pending -= 1
@@ -86,7 +80,7 @@ class GradBuckets:
             self._launch(bucket)
 
     def _launch(self, b: Bucket) -> None:
-        over = b.reduction.over
+        over = b.reduction.all_reduce_over
         b.handle = over[0].all_reduce(b.buf, async_op=True) if over and over[0].size > 1 else None
         b.pending = -1  # launched
 
@@ -107,7 +101,7 @@ class GradBuckets:
         for b in self.buckets:
             if b.handle is not None:
                 b.handle.wait()
-            for c in b.reduction.over[1:] + b.reduction.after:
+            for c in b.reduction.all_reduce_over[1:] + b.reduction.sum_at_finish:
                 c.all_reduce(b.buf)
             if b.reduction.divisor != 1:
                 b.buf.div_(b.reduction.divisor)

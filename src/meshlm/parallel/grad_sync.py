@@ -19,19 +19,37 @@ from ..distributed.comm import Comm
 @dataclass(frozen=True)
 class Reduction:
     """`scatter`: ZeRO's shard group (reduce-scatter, then the parameters are gathered over it too);
-    None for plain DP. `over`: all-reduced over these as soon as the gradient is ready (DP's group;
-    HSDP's replicas after the scatter). `after`: summed once more in `finish()` (copies of one weight
+    None for plain DP. `all_reduce_over`: all-reduced over these as soon as the gradient is ready (DP's group;
+    HSDP's replicas after the scatter). `sum_at_finish`: summed once more in `finish()` (copies of one weight
     on two pipeline stages). `divisor`: the number of data-parallel token slices averaged over."""
     scatter: Comm | None
-    over: tuple[Comm, ...]
-    after: tuple[Comm, ...] = ()
+    all_reduce_over: tuple[Comm, ...]
+    sum_at_finish: tuple[Comm, ...] = ()
     divisor: int = 1
 
     @property
     def key(self) -> tuple:
         def names(cs):
             return tuple(c.name for c in cs)
-        return (self.scatter.name if self.scatter else None, names(self.over), names(self.after), self.divisor)
+        return (self.scatter.name if self.scatter else None, names(self.all_reduce_over), names(self.sum_at_finish), self.divisor)
+
+
+def bind_flat_grads(params: list[nn.Parameter], views: list[torch.Tensor], hook=None) -> list:
+    """The flat gradient buffer both synchronisers keep (DP buckets, ZeRO units): a parameter whose
+    dtype is the buffer's gets its view as `.grad`, so autograd accumulates into the buffer in place;
+    the others add theirs in `add_into_view` (post-accumulate hook), so accumulation happens in the
+    buffer's dtype. `hook`: registered as each parameter's post-accumulate-grad hook (handles returned)."""
+    for p, v in zip(params, views):
+        if p.dtype == v.dtype:
+            p.grad = v
+    return [p.register_post_accumulate_grad_hook(hook) for p in params] if hook is not None else []
+
+
+def add_into_view(p: nn.Parameter, view: torch.Tensor) -> None:
+    """A gradient autograd made outside the buffer (another dtype) goes into its view and is freed."""
+    if p.grad is not view:
+        view.add_(p.grad)
+        p.grad = None
 
 
 class GradSync(Protocol):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .hardware import GPU
-from .volume import cp_traffic, tp_traffic, tp_weight_traffic
+from .volume import QUANT_BLOCK, cp_traffic, packed_bytes, tp_traffic, tp_weight_traffic
 
 LATENCY_S = {"nvlink": 10e-6, "ib": 25e-6}
 WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -122,15 +122,27 @@ def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first:
         if dp * cp > 1:
             add("dp", "all_reduce", dp * cp, t, 1, rb * psi, window="backward", per="step")
     else:
-        if s.zero >= 2:
+        k = s.hpz_group or n  # ZeRO++ groups (docs/zero.md): k consecutive shard ranks, a node
+        q = packed_bytes(QUANT_BLOCK) / QUANT_BLOCK  # int8 plus its fp32 block scales, per element
+        if s.zero >= 2 and s.quantize_grads:  # qgZ: int8 all-to-all inside the group, then across
+            if k > 1:
+                add("dp_shard", "all_to_all", k, t, m, q * psi, window="backward")
+            if n // k > 1:
+                add("dp_shard", "all_to_all", n // k, t * k, m, q * psi / k, window="backward")
+        elif s.zero >= 2:
             add("dp_shard", "reduce_scatter", n, t, m, rb * psi, window="backward")
         else:
             add("dp_shard", "reduce_scatter", n, t, 1, rb * psi, window="backward", per="step")
         if reps > 1:
             add("dp_replicate", "all_reduce", reps, t * n, 1, rb * psi / n, per="step", window="step")
-        if s.zero >= 3:
-            add("dp_shard", "all_gather", n, t, m, pb * psi, window="forward")
-            add("dp_shard", "all_gather", n, t, m, pb * psi, window="backward")
+        if s.zero >= 3:  # plan/volume.py zero3_step_bytes: the runtime's formula per unit
+            first = (q if s.quantize_weights else pb) * psi  # qwZ: int8 gathers over the shard group
+            if s.hpz_group:  # hpZ: the step's first gather over the shard group, every other in the group
+                add("dp_shard", "all_gather", n, t, 1, first, window="forward")
+                add("dp_shard", "all_gather", k, t, 2 * m - 1, pb * psi, window="backward")
+            else:
+                add("dp_shard", "all_gather", n, t, m, first, window="forward")
+                add("dp_shard", "all_gather", n, t, m, first, window="backward")
         else:  # updated parameters back to every rank after the sharded optimizer step
             add("dp_shard", "all_gather", n, t, 1, pb * psi, per="step", window="step")
     return out

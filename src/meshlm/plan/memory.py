@@ -18,6 +18,7 @@ from ..schedule.actions import stage_index
 from ..schedule.stage import estimate_costs, partition
 from ..choices import AC_MODES
 from .spec import ACT_BYTES, Shape, Spec
+from .volume import packed_bytes
 
 MIB = 2 ** 20
 
@@ -372,6 +373,10 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
         buffers["loss"] = tokens * loss_buf
     if fixed_buf:
         buffers[fixed_buf[0]] = fixed_buf[1]
+    if s.zero >= 3 and s.hpz_group:  # ZeRO++ hpZ: 1/K of every unit, held from its first gather to the step
+        buffers["hpz_secondary"] = state_bytes_per_param(s.precision)[0] * (sp.dense + sp.expert) / s.hpz_group
+    if s.zero >= 3 and s.quantize_weights:  # qwZ: the int8 rows of one unit's gather
+        buffers["qwz_int8"] = packed_bytes(int(sp.unit))
     if t > 1:
         buffers["tp"] = 2 * e * a.dim * tokens
     if s.pp > 1:

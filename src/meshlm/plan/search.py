@@ -21,9 +21,23 @@ from .spec import AC_MODES, PlanError, Shape, Spec, check
 
 FIXABLE = {"dp": int, "tp": int, "pp": int, "cp": int, "ep": int, "zero": int, "zero_group": int,
            "sp": lambda v: str(v).lower() in ("1", "true", "yes", "on"), "pp_schedule": str,
-           "pp_virtual": int, "micro_batch": int, "ac": str, "offload": str, "cp_impl": str}
+           "pp_virtual": int, "micro_batch": int, "ac": str, "offload": str, "cp_impl": str,
+           "quantize_weights": lambda v: str(v).lower() in ("1", "true", "yes", "on"), "hpz_group": int,
+           "quantize_grads": lambda v: str(v).lower() in ("1", "true", "yes", "on")}
+ZEROPP = ("quantize_weights", "hpz_group", "quantize_grads")
 VIRTUAL = (2, 3, 4, 6, 8)
 MIN_CP_CHUNK = 256  # tokens per CP rank below which ring attention is all latency
+
+
+def _zeropp(fx: dict, zero: int, shard: int) -> dict:
+    """ZeRO++ keys fixed by the user (`--fix hpz_group=8`), on the ZeRO-3 layouts they fit; the search
+    does not try them on its own: they trade accuracy (qwZ, qgZ) or memory (hpZ) for bytes."""
+    if zero != 3:
+        return {}
+    out = {k: fx[k] for k in ZEROPP if k in fx}
+    if out.get("hpz_group") and shard % out["hpz_group"]:
+        out.pop("hpz_group")
+    return out
 
 
 def parse_fix(items: list[str]) -> dict:
@@ -241,7 +255,7 @@ def _layouts(shape, gpu, o, fx, want, reject, counts, heap, keep, tie, acs, usab
                             spec = Spec(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, zero_group=g, sp=sp,
                                         pp_schedule=sched, pp_virtual=v, micro_batch=mb, accum=m, ac=ac,
                                         offload=off, precision=precision, seq_len=seq_len, cp_impl=cp_impl,
-                                        pp_layers=split)
+                                        pp_layers=split, **_zeropp(fx, zero, g * cp))
                             step = time_model(shape, spec, gpu, o, simulate=False)["step_s"]
                             counts["timed"] += 1
                             item = (-step, tie, spec)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..choices import AC_MODES, CP_IMPLS, DTYPE_BYTES, OFFLOAD, PP_SCHEDULES as SCHEDULES, PRECISIONS, choose
 from ..config import Config, ConfigError
-from ..layout import batch_split, check_cp, check_ep, check_shape, model_args
+from ..layout import batch_split, check_cp, check_ep, check_shape, check_zeropp, model_args
 from ..model import args as model_args_module
 
 ACT_BYTES = DTYPE_BYTES
@@ -98,6 +98,9 @@ class Spec:
     bucket_mb: float = 25.0
     reduce_dtype: str = "fp32"
     pp_layers: tuple = ()      # blocks per stage (parallel.pp_layers); () = the runtime's balanced split
+    quantize_weights: bool = False  # ZeRO++ qwZ (docs/zero.md)
+    hpz_group: int = 0              # ZeRO++ hpZ: secondary shards over this many ranks; 0: off
+    quantize_grads: bool = False    # ZeRO++ qgZ
 
     @property
     def world(self) -> int:
@@ -114,7 +117,9 @@ class Spec:
                 "pp_schedule": self.pp_schedule, "pp_virtual": self.pp_virtual, "pp_layers": list(self.pp_layers),
                 "microbatches": self.accum, "cp_impl": self.cp_impl, "offload": self.offload,
                 "micro_batch": self.micro_batch, "ac": self.ac, "precision": self.precision,
-                "global_batch": self.global_batch, "seq_len": self.seq_len}
+                "global_batch": self.global_batch, "seq_len": self.seq_len,
+                "quantize_weights": self.quantize_weights, "hpz_group": self.hpz_group,
+                "quantize_grads": self.quantize_grads}
 
     def short(self) -> str:
         s = f"tp{self.tp}{'+sp' if self.sp and self.tp > 1 else ''} pp{self.pp} cp{self.cp} dp{self.dp}"
@@ -126,7 +131,10 @@ class Spec:
             s += f" {self.pp_schedule}" + (f"v{self.pp_virtual}" if self.pp_virtual > 1 else "")
             if self.pp_layers:
                 s += " layers" + "/".join(map(str, self.pp_layers))
-        return s + f" mb{self.micro_batch}x{self.accum} ac={self.ac}" + (" offload" if self.offload != "none" else "")
+        zpp = "".join(f" {n}" for n, on in (("qwZ", self.quantize_weights), (f"hpZ{self.hpz_group}", self.hpz_group),
+                                               ("qgZ", self.quantize_grads)) if on)
+        return (s + zpp + f" mb{self.micro_batch}x{self.accum} ac={self.ac}"
+                + (" offload" if self.offload != "none" else ""))
 
 
 def spec_from_config(cfg: Config, world: int) -> Spec:
@@ -145,7 +153,8 @@ def spec_from_config(cfg: Config, world: int) -> Spec:
                 micro_batch=t.micro_batch, accum=accum, ac=t.ac, offload=p.offload, precision=t.precision,
                 offload_buffer_mb=p.offload_buffer_mb,
                 seq_len=cfg.data.seq_len, cp_impl=p.cp_impl, bucket_mb=p.bucket_mb, reduce_dtype=p.reduce_dtype,
-                pp_layers=tuple(p.pp_layers))
+                pp_layers=tuple(p.pp_layers), quantize_weights=bool(p.quantize_weights), hpz_group=p.hpz_group,
+                quantize_grads=bool(p.quantize_grads))
 
 
 def _choice(value, allowed, key):
@@ -187,6 +196,7 @@ def check(shape: Shape, s: Spec) -> None:
     check_cp(a, s.cp, s.cp_impl, s.tp, s.sp, s.seq_len)
     try:
         check_ep(a, s.ep, s.dp, s.zero_group if s.zero else 1, s.cp, s.zero)
+        check_zeropp(s, s.zero_group * s.cp)
     except ConfigError as e:
         raise PlanError(str(e)) from None
 
@@ -203,7 +213,7 @@ def to_config(shape: Shape, s: Spec, base: Config | None = None) -> Config:
         zero_group=(s.zero_group if s.zero and s.zero_group != s.dp else 0), sp=s.sp,
         pp_schedule=s.pp_schedule, pp_virtual=s.pp_virtual, pp_layers=list(s.pp_layers), microbatches=s.accum,
         cp_impl=s.cp_impl,
-        offload=s.offload)
+        offload=s.offload, quantize_weights=s.quantize_weights, hpz_group=s.hpz_group, quantize_grads=s.quantize_grads)
     return cfg
 
 

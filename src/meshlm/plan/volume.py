@@ -103,3 +103,48 @@ def cp_step_bytes(args, micro_batch: int, seq_len: int, accum: int, cp: int, imp
                   ac: str = "none", act_bytes: int = 4) -> dict[str, tuple[int, int]]:
     """What one process's CP group books per optimizer step, the whole model on it (pp = 1)."""
     return booked(cp_traffic(args, micro_batch * seq_len // cp, args.n_layers, cp, impl, tp, ac, act_bytes), accum)
+
+
+# -- ZeRO-3 and ZeRO++ (docs/zero.md "ZeRO++"): parallel/zero/quantize.py packs rows this way
+QUANT_BLOCK = 256  # elements per fp32 scale in ZeRO++'s int8 rows
+
+
+def packed_bytes(n: int) -> int:
+    """Bytes of one int8 row of n values with its fp32 block scales (4 per QUANT_BLOCK elements)."""
+    return n + 4 * -(-n // QUANT_BLOCK)
+
+
+def zero3_step_bytes(units: list[tuple[int, bool]], n: int, k: int, accum: int, elem: int, reduce_elem: int,
+                     quantize_weights: bool = False, hpz: bool = False, quantize_grads: bool = False) -> dict[str, int]:
+    """Bytes one ZeRO-3 rank books per optimizer step by kind, for units [(padded elements, kept gathered
+    from forward into backward)], shard group n, ZeRO++ group k (k | n), `accum` micro-batches, no AC or
+    pipeline. Per unit of P = n·S elements and micro-batch:
+      gathers: forward, and backward unless kept. The step's first is over the shard group: P·elem, or
+        n·packed(S) with qwZ ("all_gather"); with hpZ every later one is inside the group, P·elem
+        ("all_gather_hpz").
+      reduction: P·reduce_elem ("reduce_scatter"); with qgZ k·packed(m·S) inside the group
+        ("all_to_all_intra", k > 1) and m·packed(S) across (m = n/k groups, "all_to_all_inter", m > 1)."""
+    out: dict[str, int] = {}
+
+    def add(kind: str, b: int) -> None:
+        out[kind] = out.get(kind, 0) + b
+
+    m = n // k
+    for padded, keep in units:
+        s = padded // n
+        gathers = accum * (1 if keep else 2)
+        first = n * packed_bytes(s) if quantize_weights else padded * elem
+        add("all_gather", first * (1 if hpz else gathers))
+        if hpz and gathers > 1:
+            add("all_gather_hpz", (gathers - 1) * padded * elem)
+        if not quantize_grads:
+            add("reduce_scatter", accum * padded * reduce_elem)
+            continue
+        if k > 1:
+            add("all_to_all_intra", accum * k * packed_bytes(m * s))
+        if m > 1:
+            add("all_to_all_inter", accum * m * packed_bytes(s))
+    return out
+
+
+CROSS_GROUP = ("all_gather", "reduce_scatter", "all_to_all_inter")  # kinds whose groups span several nodes

@@ -6,7 +6,8 @@ const $ = (s) => document.querySelector(s);
 const form = $("#inputs");
 const LAYOUT_DEFAULTS = { "parallel.dp": -1, "parallel.zero": 0, "parallel.zero_group": 0, "parallel.tp": 1,
   "parallel.sp": false, "parallel.pp": 1, "parallel.pp_schedule": "1f1b", "parallel.pp_virtual": 1, "parallel.cp": 1,
-  "parallel.cp_impl": "ring", "parallel.ep": 1, "parallel.offload": "none", "training.micro_batch": 1, "training.ac": "none" };
+  "parallel.cp_impl": "ring", "parallel.ep": 1, "parallel.offload": "none", "parallel.quantize_weights": false, "parallel.hpz_group": 0,
+  "parallel.quantize_grads": false, "training.micro_batch": 1, "training.ac": "none" };
 const SHAPE = ["dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings"];
 let OPTIONS = null, lastChanged = null, lastEstimate = null, seqEst = 0, seqPlan = 0, timers = {};
 
@@ -166,7 +167,8 @@ function loadLayout(L) {
   const v = { "parallel.dp": -1, "parallel.zero": L.zero, "parallel.zero_group": L.zero && L.zero_group !== L.dp ? L.zero_group : 0,
     "parallel.tp": L.tp, "parallel.sp": L.sp, "parallel.pp": L.pp, "parallel.pp_schedule": L.pp_schedule, "parallel.pp_virtual": L.pp_virtual,
     "parallel.cp": L.cp, "parallel.cp_impl": L.cp_impl, "parallel.ep": L.ep, "parallel.offload": L.offload,
-    "training.micro_batch": L.micro_batch, "training.ac": L.ac };
+    "parallel.quantize_weights": !!L.quantize_weights, "parallel.hpz_group": L.hpz_group || 0,
+    "parallel.quantize_grads": !!L.quantize_grads, "training.micro_batch": L.micro_batch, "training.ac": L.ac };
   for (const [k, x] of Object.entries(v)) setValue(k, x);
   lastChanged = null;
   update();

@@ -7,7 +7,7 @@ stage 0 and norm + head on the rank holding the last stage. Every other piece of
 one pruned model unchanged. `attach` builds a `Stage` view per chunk and the runtime.
 
 Tied embeddings: the last stage keeps the embedding's weight too (the plan's `prune`); the two copies
-are summed over the pipeline ends like any other gradient reduction (their `Reduction.after`). Under
+are summed over the pipeline ends like any other gradient reduction (their `Reduction.sum_at_finish`). Under
 ZB-V rank 0 holds both ends, so the weight is one parameter there and nothing is summed.
 """
 from __future__ import annotations

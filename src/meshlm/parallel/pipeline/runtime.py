@@ -13,7 +13,7 @@ the input gradient on at once; W later runs only the weight-gradient products).
 Gradient sync: every compute runs with `grads.set_sync(False)` except the last weight-producing
 backward (B or W) of each chunk, so DP buckets and ZeRO-1 reductions fire once per step, right after
 each chunk's gradients are final, overlapping the rest of the schedule. With tied embeddings the two
-copies (first and last stage) are summed in `finish()` (their `Reduction.after`, grad_sync.py).
+copies (first and last stage) are summed in `finish()` (their `Reduction.sum_at_finish`, grad_sync.py).
 """
 from __future__ import annotations
 

@@ -1,19 +1,21 @@
 """ZeRO stages 1-3 and HSDP (parallel.zero, parallel.zero_group) as a small package:
 
 - units.py: which parameters share a flat buffer, and this rank's range of it;
-- sync.py: `Zero`, the gradient synchroniser that gathers, frees and reduces units around forward and
+- sync.py: `ZeroSync`, the gradient synchroniser that gathers, frees and reduces units around forward and
   backward, driven by named switches rather than stage numbers;
-- optim.py: `ZeroOptimizer`, AdamW on this rank's shards (on the device or offloaded to the CPU).
+- optim.py: `ZeroOptimizer`, AdamW on this rank's shards (on the device or offloaded to the CPU);
+- zeropp.py / quantize.py: ZeRO++ (qwZ, hpZ, qgZ) hooks into sync.py's gathers and reductions.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .optim import ZeroOptimizer
-from .sync import Zero
+from .sync import ZeroSync
 from .units import Unit
+from .zeropp import ZeroPP
 
-__all__ = ["ZeroSwitches", "SWITCHES", "Zero", "ZeroOptimizer", "Unit", "shard_model"]
+__all__ = ["ZeroSwitches", "SWITCHES", "ZeroSync", "ZeroOptimizer", "Unit", "shard_model"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,8 @@ SWITCHES = {1: ZeroSwitches(), 2: ZeroSwitches(shard_grads=True),
             3: ZeroSwitches(shard_grads=True, shard_params=True)}
 
 
-def shard_model(model, named, cfg, plan, split_tied: bool, reduction_of, reduce_dtype) -> Zero:
-    """The synchroniser `parallelize` uses for zero >= 1 (its optimizer: `ZeroOptimizer(zero, ...)`)."""
-    return Zero(model, named, SWITCHES[cfg.parallel.zero], plan, split_tied, reduction_of, reduce_dtype)
+def shard_model(model, named, cfg, plan, split_tied: bool, reduction_of, reduce_dtype, ctx=None) -> ZeroSync:
+    """The synchroniser `parallelize` uses for zero >= 1 (its optimizer: `ZeroOptimizer(zero, ...)`);
+    `ctx`: the mesh, whose ZeRO++ groups (if any) turn ZeRO++ on."""
+    zpp = ZeroPP.for_job(ctx, cfg.parallel) if ctx is not None else None
+    return ZeroSync(model, named, SWITCHES[cfg.parallel.zero], plan, split_tied, reduction_of, reduce_dtype, zpp)

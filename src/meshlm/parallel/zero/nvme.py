@@ -30,7 +30,7 @@ from torch.optim.adam import adam as adam_fn
 
 from ...config import ConfigError, OptimConfig
 from ..adamw import fused_adamw_supported
-from .sync import Zero
+from .sync import ZeroSync
 from .units import Unit
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -181,7 +181,7 @@ class NvmeOptimizer:
     """The optimizer `parallelize` returns for zero >= 1 with offload = "nvme" (the interface of
     ZeroOptimizer and train/optim.MasterOptimizer)."""
 
-    def __init__(self, zero: Zero, cfg: OptimConfig, root: str, buffer_mb: float, rank: int):
+    def __init__(self, zero: ZeroSync, cfg: OptimConfig, root: str, buffer_mb: float, rank: int):
         self.zero, self.cfg = zero, cfg
         self.params = [p for u in zero.units for p in u.params]
         self.names = [n for u in zero.units for n in u.names]
@@ -206,7 +206,7 @@ class NvmeOptimizer:
         # (unit, start, end) of every chunk, and each chunk's parameter pieces (decay?, a, b) in shard terms
         self.chunks = [(u, a, min(a + self.chunk, u.shard_size)) for u in zero.units
                        for a in range(0, u.shard_size, self.chunk)]
-        self.decay = {id(u): [(len(u.shapes[i]) >= 2, s0, s1) for i, s0, s1, _ in u.segments] for u in zero.units}
+        self.decay = {id(u): [(len(u.shapes[g.param]) >= 2, g.start, g.end) for g in u.segments] for u in zero.units}
         self.stats = {"steps": 0, "read_bytes": 0, "write_bytes": 0, "step_s": 0.0, "read_wait_s": 0.0,
                       "write_wait_s": 0.0}
         self._lock = threading.Lock()
@@ -322,7 +322,7 @@ class NvmeOptimizer:
 
     # -- what the trainer and checkpoints ask ---------------------------------------------------
     def param_tensors(self) -> list[torch.Tensor]:
-        return [u.shard if self.zero.sw.shard_params else u.full for u in self.zero.units]
+        return [u.shard if self.zero.switches.shard_params else u.full for u in self.zero.units]
 
     def state_bytes(self) -> int:
         """Host bytes the optimizer keeps: the streaming buffer (the state itself is on disk)."""
@@ -340,12 +340,10 @@ class NvmeOptimizer:
         self.zero.wait_params()
         out, self._backing = [], {}
         for u in self.zero.units:
-            held = {i: (s0, s1) for i, s0, s1, _ in u.segments}
             ranges = {k: FileRange(self.files, k, self.base[id(u)], u.shard_size) for k in KINDS}
-            for i, name in enumerate(u.names):
-                s0, s1 = held.get(i, (0, 0))
+            for seg, name in zip(u.pieces, u.names):
                 for k in KINDS:
-                    out.append((name, k, ranges[k].meta[s0:s1]))
+                    out.append((name, k, ranges[k].meta[seg.start:seg.end]))
                     self._backing[(name, k)] = ranges[k]
         return out
 

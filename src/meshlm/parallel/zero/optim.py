@@ -1,7 +1,7 @@
 """AdamW on this rank's shard of every ZeRO unit, on the device or in CPU memory (parallel.offload).
 
 Each unit's fp32 master shard and Adam moments are flat tensors of the shard size; the optimizer sees
-one view per parameter piece (`Unit.segments`), so weight decay stays per tensor (none on 1-D gains, as
+one view per parameter piece (`Unit.segments`, units.py), so weight decay stays per tensor (none on 1-D gains, as
 in train/optim.MasterOptimizer) and results match the unsharded optimizer element for element.
 With fp32 compute and no offload the master *is* the parameter shard (no copy). With offload the
 masters, moments and a gradient staging buffer live in (pinned) host memory, the step runs on the CPU
@@ -18,14 +18,14 @@ import torch
 
 from ...config import OptimConfig
 from ..adamw import adamw_step, fused_adamw_supported
-from .sync import Zero
+from .sync import ZeroSync
 from .units import Unit
 
 
 class ZeroOptimizer:
     """The optimizer `parallelize` returns for zero >= 1 (same interface as MasterOptimizer)."""
 
-    def __init__(self, zero: Zero, cfg: OptimConfig, offload: bool):
+    def __init__(self, zero: ZeroSync, cfg: OptimConfig, offload: bool):
         self.zero, self.offload = zero, offload
         self.params = [p for u in zero.units for p in u.params]
         self.names = [n for u in zero.units for n in u.names]
@@ -48,13 +48,14 @@ class ZeroOptimizer:
             m = torch.zeros(u.shard_size, device=host, pin_memory=pin)
             v = torch.zeros(u.shard_size, device=host, pin_memory=pin)
             self.slots.append((u, master, grad, m, v))
-            for i, s0, s1, _ in u.segments:
+            for piece in u.segments:
+                s0, s1 = piece.start, piece.end
                 seg = master[s0:s1]
                 if grad is not None:
                     seg.grad = grad[s0:s1]
                 else:
                     self.bind.append((u, s0, s1, seg))
-                (decay if len(u.shapes[i]) >= 2 else no_decay).append(seg)
+                (decay if len(u.shapes[piece.param]) >= 2 else no_decay).append(seg)
                 segs.append((seg, m[s0:s1], v[s0:s1]))
         self.masters = [s[1] for s in self.slots]
         self.fused = fused = fused_adamw_supported(host)
@@ -106,7 +107,7 @@ class ZeroOptimizer:
     def param_tensors(self) -> list[torch.Tensor]:
         """The parameter memory this rank keeps (Trainer.memory): full flat buffers for zero 1-2, the
         shards for zero 3 (gathered blocks are transient and show in the peak only)."""
-        return [u.shard if self.zero.sw.shard_params else u.full for u, *_ in self.slots]
+        return [u.shard if self.zero.switches.shard_params else u.full for u, *_ in self.slots]
 
     def state_bytes(self) -> int:
         """Adam moments, separate fp32 masters and the offload gradient staging buffers."""
@@ -129,10 +130,9 @@ class ZeroOptimizer:
         self.zero.wait_params()
         out = []
         for u, master, _, m, v in self.slots:
-            held = {i: (s0, s1) for i, s0, s1, _ in u.segments}
-            for i, name in enumerate(u.names):
-                s0, s1 = held.get(i, (0, 0))
-                out += [(name, kind, t[s0:s1]) for kind, t in (("master", master), ("exp_avg", m), ("exp_avg_sq", v))]
+            for seg, name in zip(u.pieces, u.names):
+                out += [(name, kind, t[seg.start:seg.end])
+                        for kind, t in (("master", master), ("exp_avg", m), ("exp_avg_sq", v))]
         return out
 
     @torch.no_grad()

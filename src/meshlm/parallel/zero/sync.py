@@ -12,7 +12,7 @@ What is sharded is a set of named switches (`ZeroSwitches`, zero/__init__.py), n
   prefetched. The unit that ends the forward (the head) stays gathered into the backward that starts
   with it, as FSDP2 does for its root.
 Each unit reduces as its `Reduction` says: reduce-scatter over the shard group, all-reduce over the
-replicas (HSDP), a sum over `after` groups in finish(), then its own divisor.
+replicas (HSDP), a sum over `sum_at_finish` groups in finish(), then its own divisor.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from itertools import pairwise
 import torch
 from torch import nn
 
+from ..grad_sync import add_into_view, bind_flat_grads
 from .units import GATHERED, GATHERING, SHARDED, Unit, build_units
 
 
@@ -41,12 +42,13 @@ class _PreBackward(torch.autograd.Function):
         return None, g
 
 
-class Zero:
+class ZeroSync:
     """The ZeRO gradient synchroniser (`grad_sync.GradSync`) and owner of the units."""
 
     def __init__(self, model: nn.Module, named: list[tuple[str, nn.Parameter]], switches, plan,
-                 split_tied: bool, reduction_of, reduce_dtype: torch.dtype):
-        self.sw = switches
+                 split_tied: bool, reduction_of, reduce_dtype: torch.dtype, zpp=None):
+        self.switches = switches  # ZeroSwitches: what is sharded
+        self.zpp = zpp  # ZeRO++ (zeropp.py): its gathers and gradient reductions replace the plain ones
         self.reduce_dtype = reduce_dtype
         entry, exit_ = build_units(model, named, plan, split_tied, reduction_of)
         self.units = entry
@@ -76,8 +78,7 @@ class Zero:
         for u in self.units:
             self.hooks.append(u.first.register_forward_pre_hook(partial(self._pre_forward, u)))
             self.hooks.append(u.last.register_forward_hook(partial(self._post_forward, u)))
-            for p in u.params:
-                self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            self.hooks += bind_flat_grads(u.params, u.grad_views, self._on_grad)
 
     # -- storage ------------------------------------------------------------------------------
     def _init_unit(self, u: Unit) -> None:
@@ -87,18 +88,15 @@ class Zero:
         u.full = flat
         for i, p in enumerate(u.params):  # the parameters are views of the flat buffer from now on
             p.data = u.view(flat, i)
-        if not self.sw.shard_params:
+        if not self.switches.shard_params:
             u.shard, u.state = flat[u.lo:u.lo + u.shard_size], GATHERED
         else:
             u.shard = flat[u.lo:u.lo + u.shard_size].clone()
             flat.untyped_storage().resize_(0)
-        if not self.sw.shard_grads:
+        if not self.switches.shard_grads:
             u.grad_full = torch.zeros(u.padded, dtype=torch.float32, device=u.device)
             u.grad_shard = u.grad_full[u.lo:u.lo + u.shard_size]
             u.grad_views = [u.view(u.grad_full, i) for i in range(len(u.params))]
-            for p, v in zip(u.params, u.grad_views):
-                if p.dtype == torch.float32:
-                    p.grad = v  # autograd accumulates straight into the buffer
         # zero 2-3: the shard is allocated by the step's first reduction and freed after the
         # optimizer step, so it never coexists with the forward's activations (as FSDP2 with
         # zero_grad(set_to_none=True))
@@ -111,7 +109,8 @@ class Zero:
         if u.state != SHARDED:
             return
         u.full.untyped_storage().resize_(u.padded * u.full.element_size())
-        u.handle = u.comm.all_gather(u.full, u.shard, async_op=True)
+        u.handle = (self.zpp.gather(u) if self.zpp is not None
+                    else u.comm.all_gather(u.full, u.shard, async_op=True))
         u.state = GATHERING
 
     def _unshard(self, u: Unit) -> None:
@@ -131,14 +130,14 @@ class Zero:
     def wait_params(self) -> None:
         """Finish the post-step all-gathers (zero 1-2) before anyone reads full parameters."""
         for u in self.units:
-            if not self.sw.shard_params and u.handle is not None:
+            if not self.switches.shard_params and u.handle is not None:
                 u.handle.wait()
                 u.handle = None
 
     def publish(self) -> None:
         """The shards were updated: zero 1-2 all-gather them into the full parameters (async; the
         forward waits unit by unit); zero 3 gathers on demand anyway."""
-        if self.sw.shard_params:
+        if self.switches.shard_params:
             return
         for u in self.units:
             if u.comm.size == 1:
@@ -149,7 +148,7 @@ class Zero:
 
     # -- forward / backward hooks ---------------------------------------------------------------
     def _pre_forward(self, u: Unit, module, args) -> None:
-        if not self.sw.shard_params:
+        if not self.switches.shard_params:
             if u.handle is not None:
                 u.handle.wait()
                 u.handle = None
@@ -160,9 +159,9 @@ class Zero:
 
     def _post_forward(self, u: Unit, module, args, output):
         grad = torch.is_grad_enabled()
-        if self.sw.shard_params and not (grad and (u.keep_after_forward or not self.sw.reshard_after_forward)):
+        if self.switches.shard_params and not (grad and (u.keep_after_forward or not self.switches.reshard_after_forward)):
             self._reshard(u)
-        if grad and self.sw.shard_grads:
+        if grad and self.switches.shard_grads:
             hook = partial(self._pre_backward, u)
             if isinstance(output, torch.Tensor):
                 return _PreBackward.apply(hook, output) if output.requires_grad else output
@@ -177,7 +176,7 @@ class Zero:
             self.callback_queued = True
         if u.in_backward:
             return
-        if self.sw.shard_params:
+        if self.switches.shard_params:
             self._unshard(u)
             if u.next_bwd is not None:
                 self._start_gather(u.next_bwd)
@@ -188,36 +187,32 @@ class Zero:
         u.pending = len(u.params)
         u.grad_full = torch.zeros(u.padded, dtype=self.reduce_dtype, device=u.device)
         u.grad_views = [u.view(u.grad_full, i) for i in range(len(u.params))]
-        for p, v in zip(u.params, u.grad_views):
-            if p.dtype == self.reduce_dtype:
-                p.grad = v
+        bind_flat_grads(u.params, u.grad_views)
 
     def _on_grad(self, p: nn.Parameter) -> None:
         if self.rs_queue or self.ar_queue:
             self._progress(keep=self.inflight)  # retire reductions that finished meanwhile
         u = self.unit_of[id(p)]
         g = p.grad
-        if self.sw.shard_grads and not u.in_backward:  # backward reached the unit without its output hook
-            self._alloc_grad(u)
-        view = u.grad_views[u.index[id(p)]]
-        if g is not view:
-            view.add_(g)
-            p.grad = None
-        if not self.sw.shard_grads and not self.sync:
+        if self.switches.shard_grads and not u.in_backward:  # backward reached the unit without its output hook
+            self._alloc_grad(u)  # (rebinds p.grad to the new view: put autograd's gradient back)
+            p.grad = g
+        add_into_view(p, u.grad_views[u.index[id(p)]])
+        if not self.switches.shard_grads and not self.sync:
             return
         u.pending -= 1
         if u.pending == 0:
             self._post_backward(u)
 
     def _post_backward(self, u: Unit) -> None:
-        if self.sw.shard_grads:
+        if self.switches.shard_grads:
             for p in u.params:
                 p.grad = None
             u.in_backward = False
-        if self.sw.shard_params:
+        if self.switches.shard_params:
             self._reshard(u)
         self._launch_reduce(u)
-        if self.sw.shard_grads:
+        if self.switches.shard_grads:
             u.grad_full, u.grad_views = None, []
 
     def _backward_done(self) -> None:
@@ -225,9 +220,9 @@ class Zero:
         gathered units (zero 3)."""
         self.callback_queued = False
         for u in self.units:
-            if self.sw.shard_grads and u.in_backward:
+            if self.switches.shard_grads and u.in_backward:
                 self._post_backward(u)
-            if self.sw.shard_params and u.state != SHARDED:
+            if self.switches.shard_params and u.state != SHARDED:
                 self._reshard(u)
 
     # -- reduction ----------------------------------------------------------------------------
@@ -235,11 +230,12 @@ class Zero:
         u.reduced = True
         full = u.grad_full
         send = full if full.dtype == self.reduce_dtype else full.to(self.reduce_dtype)
-        if not self.sw.shard_grads and send is full:
+        if not self.switches.shard_grads and send is full:
             out = u.grad_shard  # in place: NCCL and gloo allow the rank's own slice as output
         else:
             out = torch.empty(u.shard_size, dtype=self.reduce_dtype, device=u.device)
-        h = u.comm.reduce_scatter(out, send, async_op=True)
+        h = (self.zpp.reduce_scatter(u, out, send) if self.zpp is not None and self.zpp.quantize_grads
+             else u.comm.reduce_scatter(out, send, async_op=True))
         self.rs_queue.append((u, h, out, send))
         self._progress(keep=self.inflight)
 
@@ -249,7 +245,7 @@ class Zero:
         while self.rs_queue and (len(self.rs_queue) > keep or self.rs_queue[0][1].done()):
             u, h, out, _ = self.rs_queue.popleft()
             h.wait()
-            over = [c for c in u.reduction.over if c.size > 1]
+            over = [c for c in u.reduction.all_reduce_over if c.size > 1]
             for c in over[:-1]:  # more than one replica group: all but the last in turn
                 c.all_reduce(out)
             if over:
@@ -264,7 +260,7 @@ class Zero:
     def _accumulate(self, u: Unit, out: torch.Tensor) -> None:
         if out is u.grad_shard:
             return
-        if not self.sw.shard_grads:
+        if not self.switches.shard_grads:
             u.grad_shard.copy_(out)
         elif u.grad_shard is None:
             u.grad_shard = out.float()  # the fresh reduction output becomes the shard: no copy
@@ -273,16 +269,21 @@ class Zero:
 
     # -- the interface the trainer drives (as GradBuckets / DataParallel) ----------------------
     def begin_step(self) -> None:
+        if self.zpp is not None:
+            self.zpp.drop()
         for u in self.units:
-            if not self.sw.shard_grads:
+            if not self.switches.shard_grads:
                 u.grad_full.zero_()
             else:
                 u.grad_shard = None
             u.pending, u.reduced = len(u.params), False
 
     def release_grads(self) -> None:
-        """After the optimizer step: zero 2-3 drop the gradient shards until the next backward."""
-        if self.sw.shard_grads:
+        """After the optimizer step: zero 2-3 drop the gradient shards until the next backward (and
+        hpZ its secondary shards, now stale)."""
+        if self.zpp is not None:
+            self.zpp.drop()
+        if self.switches.shard_grads:
             for u in self.units:
                 u.grad_shard = None
 
@@ -290,7 +291,7 @@ class Zero:
         self.sync = sync  # zero 1 reduces on the last micro-batch only; 2-3 on every one
 
     def finish(self) -> None:
-        if not self.sw.shard_grads:
+        if not self.switches.shard_grads:
             for u in self.units:
                 if not u.reduced:
                     self._launch_reduce(u)
@@ -299,7 +300,7 @@ class Zero:
             if u.grad_shard is None:  # no parameter of the unit got a gradient this step
                 u.grad_shard = torch.zeros(u.shard_size, dtype=torch.float32, device=u.device)
         for u in self.units:
-            for c in u.reduction.after:
+            for c in u.reduction.sum_at_finish:
                 c.all_reduce(u.grad_shard)
             if u.reduction.divisor != 1:
                 u.grad_shard.div_(u.reduction.divisor)
@@ -309,12 +310,11 @@ class Zero:
 
     def held_tensors(self) -> list[torch.Tensor]:
         """What gradient memory this rank holds (Trainer.memory): zero 1 keeps full buffers."""
-        return self.grad_tensors() if self.sw.shard_grads else [u.grad_full for u in self.units]
+        return self.grad_tensors() if self.switches.shard_grads else [u.grad_full for u in self.units]
 
     def param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """Each parameter's range of this rank's reduced gradient shard (empty where it holds none)."""
         out = []
         for u in self.units:
-            held = {i: u.grad_shard[s0:s1] for i, s0, s1, _ in u.segments}
-            out += [(p, held.get(i, u.grad_shard[:0])) for i, p in enumerate(u.params)]
+            out += [(p, u.grad_shard[seg.start:seg.end]) for p, seg in zip(u.params, u.pieces)]
         return out

@@ -2,12 +2,14 @@
 
 A unit's parameters lie back to back in one flat buffer padded to a multiple of its shard group's size N,
 and rank r owns the contiguous slice [r·S, (r+1)·S) of it. Gathers and reductions are then one
-zero-copy collective per unit, while `Unit.segments` (this rank's piece of each parameter) keeps
+zero-copy collective per unit, while `Unit.pieces` (this rank's `Segment` of each parameter) keeps
 everything expressible per parameter: weight decay per tensor, the placement records (a flat range
 of each parameter) and so sharded checkpoints. Which parameters form a unit is the model plan's call
 (parallel/llama_plan.py); how its gradient is reduced is the unit's `Reduction`.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -16,6 +18,21 @@ from ...distributed.comm import Comm, Handle
 from ..grad_sync import Reduction
 
 SHARDED, GATHERING, GATHERED = 0, 1, 2
+
+
+class Segment(NamedTuple):
+    """This rank's piece of one parameter of a unit: elements [start, end) of the unit's shard, which
+    are the flattened parameter's elements [param_start, param_end). Empty (start == end) where the
+    rank holds none of it. Computed once, in `Unit`; the optimizers, the gradient synchroniser and the
+    placement record (`FlatRange`, parallel/placement.py) all read it from there."""
+    param: int  # index into Unit.params / Unit.names
+    start: int
+    end: int
+    param_start: int
+
+    @property
+    def param_end(self) -> int:
+        return self.param_start + self.end - self.start
 
 
 class Unit:
@@ -42,12 +59,10 @@ class Unit:
         self.padded = self.shard_size * n
         self.lo = rank * self.shard_size
         self.index = {id(p): i for i, p in enumerate(params)}
-        # (param index, start, end within this rank's shard, start within the flattened parameter)
-        self.segments = []
+        self.pieces: list[Segment] = []  # one per parameter, in order
         for i, (o, k) in enumerate(zip(self.offsets, self.numels)):
             a, b = max(o, self.lo), min(o + k, self.lo + self.shard_size)
-            if a < b:
-                self.segments.append((i, a - self.lo, b - self.lo, a - o))
+            self.pieces.append(Segment(i, a - self.lo, b - self.lo, a - o) if a < b else Segment(i, 0, 0, 0))
         self.next_fwd: Unit | None = None  # prefetch targets
         self.next_bwd: Unit | None = None
         self.keep_after_forward = False
@@ -61,6 +76,11 @@ class Unit:
         self.pending = len(params)
         self.in_backward = False
         self.reduced = False
+
+    @property
+    def segments(self) -> list[Segment]:
+        """The pieces this rank holds something of."""
+        return [s for s in self.pieces if s.start < s.end]
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         o = self.offsets[i]
