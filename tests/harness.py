@@ -190,3 +190,34 @@ def rows(cases, fast=()) -> list:
     unknown = set(fast) - {c[0] for c in cases}
     assert not unknown, f"no such rows: {sorted(unknown)}"
     return [pytest.param(*c, id=c[0], marks=[pytest.mark.fast] if c[0] in fast else []) for c in cases]
+
+
+def hooked_case(cfg_dict: dict, run_dir: str, env: dict) -> None:
+    """Train with train/fault.py's test hooks set by `env` (MESHLM_TEST_*), in a pool worker or in
+    this process; the variables are removed again."""
+    from meshlm.distributed.mesh import init_context, pick_device
+    from meshlm.plan.auto import resolve
+    from meshlm.train.fault import TestHooks
+    from meshlm.train.trainer import Trainer
+
+    os.environ.update(env)
+    try:
+        cfg = C.from_dict(cfg_dict)
+        layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=120)
+        trainer = Trainer(cfg, run_dir, ctx, layout)
+        TestHooks.install(trainer)
+        trainer.fit()
+    finally:
+        for k in env:
+            del os.environ[k]
+
+
+def train_hooked(pools, cfg: C.Config, world: int, run_dir: str, env: dict) -> list[dict]:
+    """Every metrics.jsonl line of `cfg` trained on `world` ranks with the test hooks of `env`."""
+    if world == 1:
+        hooked_case(C.to_dict(cfg), run_dir, env)
+    else:
+        pools(world).run(hooked_case, C.to_dict(cfg), run_dir, env)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(x) for x in f if x.strip()]

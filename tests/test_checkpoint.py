@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import resource
 import shutil
 import tempfile
 
@@ -77,14 +76,35 @@ def traced_case(cfg_dict: dict, run_dir: str) -> dict:
     def load(*args):  # the reads alone: ZeRO-1/2 then re-gather their full parameters as after any step
         return counted("load", lambda: real_load(*args))()
 
-    tr.save = counted("save", tr.save)
+    counts["save_growth"] = 0
+    save = counted("save", tr.save)
+
+    def measured_save(*args, **kwargs):
+        """The resident peak during this save above the resident bytes just before it (the peak is
+        reset through /proc/self/clear_refs): what the save itself holds, free of start-up's and the
+        steps' run-to-run variation."""
+        before = _status_bytes("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        out = save(*args, **kwargs)
+        counts["save_growth"] = max(counts["save_growth"], _status_bytes("VmHWM") - before)
+        return out
+
+    tr.save = measured_save
     ck.load = load
     try:
         tr.fit()
     finally:
         ck.load = real_load
-    counts["maxrss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return counts
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _train(pools, over: dict, run_dir: str, **extra) -> list[dict]:
@@ -173,7 +193,7 @@ def _full_state(path: str) -> dict:
     return {k: v for k, v in state.items() if k != "rng/cpu"}
 
 
-# -- memory at save: fresh processes so that the peak RSS is this run's ------------------------------
+# -- memory at save ---------------------------------------------------------------------------------
 MEM = {"model__dim": 512, "model__n_layers": 8, "model__ffn_dim": 2048, "model__n_heads": 8, "model__n_kv_heads": 8,
        "data__seq_len": 32, "training__global_batch": 4, "training__micro_batch": 1, "training__steps": 3,
        "parallel__dp": 4, "parallel__zero": 3, "training__eval_every": 0, "optim__warmup": 1}
@@ -181,23 +201,20 @@ MEM = {"model__dim": 512, "model__n_layers": 8, "model__ffn_dim": 2048, "model__
 
 @pytest.mark.slow
 def test_save_memory_stays_within_own_shard(tmp_path):
-    """~34M parameters on dp4 zero3, a synchronous checkpoint every step: rank 0's peak host memory
-    grows by less than 0.2 × the full state (12 B/param) against the same run without checkpoints."""
-    peaks = {}
-    for every in (0, 1):
-        pool = Pool(4)
-        try:
-            cfg = C.to_dict(make_config(**MEM, checkpoint__every=every, checkpoint__keep=1))
-            out = pool.run(traced_case, cfg, str(tmp_path / f"every{every}"))
-        finally:
-            pool.close()
-        assert all(c["save"] == 0 for c in out)
-        peaks[every] = out[0]["maxrss"]
+    """~34M parameters on dp4 zero3, a synchronous checkpoint every step: no rank's resident memory
+    rises by 0.2 × the full state (12 B/param) during a save (bench/ckpt.py measured 0.47 × when saves
+    gathered full tensors; writing owned pieces measures under 0.1 ×)."""
+    pool = Pool(4)
+    try:
+        cfg = C.to_dict(make_config(**MEM, checkpoint__every=1, checkpoint__keep=1))
+        out = pool.run(traced_case, cfg, str(tmp_path / "run"))
+    finally:
+        pool.close()
+    assert all(c["save"] == 0 for c in out)
     n = 512 * 8 * (4 * 512 + 3 * 2048) + 2 * 256 * 512
-    growth = (peaks[1] - peaks[0]) / (12 * n)
-    print(f"peak RSS rank 0: {peaks[0] / 2**20:.0f} MiB without, {peaks[1] / 2**20:.0f} MiB with checkpoints "
-          f"every step: growth {growth:.3f} × full state")
-    assert growth < 0.2
+    growth = [c["save_growth"] / (12 * n) for c in out]
+    print("resident growth during a save, per rank: " + ", ".join(f"{g:.3f}" for g in growth) + " × full state")
+    assert max(growth) < 0.2
 
 
 # -- async -----------------------------------------------------------------------------------------

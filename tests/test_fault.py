@@ -178,14 +178,15 @@ def frozen_case() -> str:
 
     from meshlm.distributed.comm import CollectiveError, Comm, Watchdog
     rank, world = dist.get_rank(), dist.get_world_size()
-    comm = Comm("dp", dist.new_group(list(range(world)), timeout=timedelta(seconds=3)), list(range(world)), rank)
+    # 8 s: long enough for the group's creation and first all-reduces on a loaded machine (3 s once failed)
+    comm = Comm("dp", dist.new_group(list(range(world)), timeout=timedelta(seconds=8)), list(range(world)), rank)
     comm.watchdog = Watchdog.for_job(rank, world)
     comm.watchdog.beat(3)
     try:
         for _ in range(2):
             comm.all_reduce(torch.ones(4))
         if rank == 1:
-            time.sleep(5)
+            time.sleep(12)
             return ""
         comm.all_reduce(torch.ones(4))
         return "no error"

@@ -35,3 +35,17 @@ def test_plan_reports_checkpoint_and_goodput(capsys):
     assert all(0 < r["resilience"]["goodput"] <= 1 for r in ranked)
     assert main(["plan", "--model", "small", "--gpus", "8", "--gpu", "h100", "--storage-gbps", "0"]) == 2
     assert "--storage-gbps" in capsys.readouterr().err
+
+
+def test_resize_beats_waiting_for_a_slow_spare():
+    """A lost node: waiting for a spare costs its arrival time per failure, resizing costs a second
+    restart and the missing node's share until it is back; the planner picks the better."""
+    hot = goodput(8 * 10 ** 9, 1024, 8, Resilience())
+    assert hot["policy"] == "wait" and hot["goodput"] == hot["goodput_wait"] > hot["goodput_resize"]
+    slow = goodput(8 * 10 ** 9, 1024, 8, Resilience(spare_min=120))
+    assert slow["policy"] == "resize" and slow["goodput"] == slow["goodput_resize"] > slow["goodput_wait"]
+    assert slow["goodput_resize"] == hot["goodput_resize"]  # resizing never waits for the spare
+    tau, mtbf = slow["interval_s"], slow["mtbf_h"] * 3600
+    expect = 1 - slow["save_s"] / tau - (2 * (tau / 2 + 600) + 4 * 3600 * 8 / 1024) / mtbf
+    assert math.isclose(slow["goodput_resize"], expect)
+    assert goodput(8 * 10 ** 9, 8, 8, Resilience(spare_min=120))["policy"] == "wait"  # one node: no resize

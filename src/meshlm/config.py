@@ -103,7 +103,9 @@ class ParallelConfig:
     bucket_mb: float = 25.0
     reduce_dtype: str = "fp32"
     timeout_s: float = 300.0
+    heartbeat_s: float = 30.0  # a rank silent this long is lost: every rank fails at once (0: off)
     auto: bool = False  # the planner picks every key above and training.micro_batch / ac (plan/auto.py)
+    elastic: str = "fail"  # after a resize: "fail" if the layout does not fit the new world, "replan"
 
 
 @dataclass
@@ -120,6 +122,9 @@ class TrainingConfig:
     eval_batches: int = 4
     device: str = "auto"  # auto, cpu, cuda
     peak_tflops: float = 0.0  # peak per device behind MFU; 0: datasheet (GPU) or measured (CPU)
+    spike_zscore: float = 0.0  # > 0: a loss / grad norm this many σ above the window is a spike (train/spike.py)
+    spike_window: int = 100  # steps the spike statistics look back over
+    spike_action: str = "skip"  # skip (drop the update) or rollback (newest checkpoint before it)
 
 
 @dataclass
@@ -149,6 +154,8 @@ class MetricsConfig:
     every: int = 1
     tensorboard: bool = False
     progress: bool = True
+    straggler_factor: float = 1.5  # a rank this many times slower than the median step is a straggler
+    straggler_steps: int = 3  # consecutive logged steps before it is named (0: off)
     profile_step: int = 0  # N > 0: rank 0 profiles step N into RUN_DIR/profile.json (--calibrate reads it)
 
 

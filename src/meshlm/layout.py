@@ -194,6 +194,30 @@ def check_checkpoint_keys(cfg: Config) -> None:
     _choice(c.export_dtype, ("bf16", "fp32"), "checkpoint.export_dtype")
 
 
+def check_fault_keys(cfg: Config) -> None:
+    """Loss spikes, stragglers, elastic resizes (docs/fault_tolerance.md)."""
+    t, m = cfg.training, cfg.metrics
+    if t.spike_zscore < 0:
+        raise ConfigError(f"training.spike_zscore: must be >= 0 (0 = off), got {t.spike_zscore}")
+    if t.spike_window < 2:
+        raise ConfigError(f"training.spike_window: must be >= 2 steps, got {t.spike_window}")
+    _choice(t.spike_action, SPIKE_ACTIONS, "training.spike_action")
+    if t.spike_zscore and t.spike_action == "rollback" and not cfg.checkpoint.every:
+        raise ConfigError('training.spike_action: "rollback" needs checkpoints (set checkpoint.every)')
+    if not m.straggler_factor > 1:
+        raise ConfigError(f"metrics.straggler_factor: must be > 1, got {m.straggler_factor}")
+    if m.straggler_steps < 0:
+        raise ConfigError(f"metrics.straggler_steps: must be >= 0 (0 = off), got {m.straggler_steps}")
+    _choice(cfg.parallel.elastic, ELASTIC, "parallel.elastic")
+    hb = cfg.parallel.heartbeat_s
+    if hb < 0 or 0 < hb < 3:
+        raise ConfigError(f"parallel.heartbeat_s: must be 0 (off) or >= 3 s (stamps go out every second), got {hb}")
+
+
+SPIKE_ACTIONS = ("skip", "rollback")
+ELASTIC = ("fail", "replan")
+
+
 def _choice(value, allowed, key: str) -> None:
     choose(value, allowed, key, ConfigError)
 
@@ -314,6 +338,7 @@ def resolve(cfg: Config, world_size: int) -> Layout:
         raise ConfigError(f"metrics.profile_step: expected 0 (off) or a step in 1..{t.steps}, got "
                           f"{cfg.metrics.profile_step}")
     check_checkpoint_keys(cfg)
+    check_fault_keys(cfg)
     if cfg.checkpoint.export_hf != "":  # what convert.to_hf refuses, refused before any step
         from .model.hf_config import family_for
         try:

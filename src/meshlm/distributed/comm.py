@@ -216,8 +216,19 @@ class Watchdog:
     all_reduce #57 on group 'dp'" when both ranks had beaten the same step.
     """
 
-    def __init__(self, store, rank: int, world: int, period: float = 0.2, keep: int = 16):
+    # Liveness (docs/fault_tolerance.md): besides the progress record, the thread stamps
+    # meshlm/alive/{rank} every LIVE_PERIOD s whatever the rank does (a long step included), and reads
+    # the others' stamps; a rank silent for `silent_s` is lost (its process or node is gone, or frozen),
+    # and `on_silent` gets one line naming the silent ranks: by default it is printed, left for the
+    # launcher and the process exits, failing its pending collective at once instead of after
+    # parallel.timeout_s, so the elastic agent restarts the survivors within seconds.
+    LIVE_PERIOD = 1.0
+
+    def __init__(self, store, rank: int, world: int, period: float = 0.2, keep: int = 16,
+                 silent_s: float = 0.0, on_silent=None):
         self.store, self.rank, self.world, self.period = store, rank, world, period
+        self.silent_s, self.on_silent = silent_s, on_silent or exit_silent
+        self._last_live, self._seen = 0.0, {}  # rank -> (stamp text, when it last changed here)
         self.step = -1
         self.seq: dict[str, int] = defaultdict(int)
         self.recent: deque = deque(maxlen=keep)  # (group, seq, kind, step, time)
@@ -227,11 +238,11 @@ class Watchdog:
         self._thread.start()
 
     @classmethod
-    def for_job(cls, rank: int, world: int) -> "Watchdog | None":
+    def for_job(cls, rank: int, world: int, silent_s: float = 0.0, on_silent=None) -> "Watchdog | None":
         if world == 1 or not dist.is_initialized():
             return None
         from torch.distributed.distributed_c10d import _get_default_store
-        return cls(_get_default_store(), rank, world)
+        return cls(_get_default_store(), rank, world, silent_s=silent_s, on_silent=on_silent)
 
     def beat(self, step: int) -> None:
         self.step = step
@@ -254,14 +265,50 @@ class Watchdog:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.period):
-            if self._dirty:
-                try:
+            try:
+                if self._dirty:
                     self._publish()
-                except Exception:  # noqa: BLE001 - the store went away with the job: stop quietly
-                    return
+                if self.silent_s > 0 and time.monotonic() - self._last_live >= self.LIVE_PERIOD:
+                    self._live()
+            except Exception:  # noqa: BLE001 - the store went away with the job
+                if self.silent_s > 0:
+                    self.on_silent(f"rank {self.rank}: the job's store stopped answering (its host is lost; "
+                                   f"docs/fault_tolerance.md: keep the store off the worker nodes)")
+                return
+
+    def _live(self) -> None:
+        """Stamp this rank alive; name the ranks whose stamp has not changed for `silent_s`. Each rank
+        judges by its own clock (when it last saw a stamp change), so clocks need not agree."""
+        now = time.monotonic()
+        self._last_live = now
+        self.store.set(f"meshlm/alive/{self.rank}", f"{self.step}:{now}")
+        keys = [f"meshlm/alive/{r}" for r in range(self.world) if r != self.rank]
+        have = [k for k in keys if self.store.check([k])]
+        stamps = dict(zip(have, self.store.multi_get(have))) if have else {}
+        silent = []
+        for k in keys:
+            r, stamp = int(k.rsplit("/", 1)[1]), stamps.get(k)
+            old = self._seen.get(r)
+            if old is None or old[0] != stamp:
+                self._seen[r] = (stamp, now)
+            elif stamp not in (None, LEFT.encode()) and now - old[1] > self.silent_s:
+                silent.append((r, now - old[1]))
+        if silent:
+            names = ", ".join(f"rank {r} (silent {t:.0f} s)" for r, t in silent)
+            self._stop.set()
+            self.on_silent(f"rank {self.rank}: lost {names} at step {self.step}: no heartbeat for over "
+                           f"{self.silent_s:g} s (parallel.heartbeat_s); failing this rank's pending collective so "
+                           f"the job can restart")
 
     def close(self) -> None:
+        """Stop the thread; a rank that leaves on purpose (done, or failing with its own error) says so,
+        so the others are not told it was lost."""
         self._stop.set()
+        if self.silent_s > 0:
+            try:
+                self.store.set(f"meshlm/alive/{self.rank}", LEFT)
+            except Exception:  # noqa: BLE001 - the store is gone with the job
+                pass
 
     def _read(self, key: str):
         return self.store.get(key) if self.store.check([key]) else None
@@ -302,6 +349,18 @@ class Watchdog:
         for group, seq, kind, step, t in self.recent:
             print(f"  {time.strftime('%H:%M:%S', time.localtime(t))} step {step} {kind} #{seq} on '{group}'",
                   file=sys.stderr)
+
+
+def exit_silent(line: str) -> None:
+    """A peer is lost: say so (stderr is the rank's log) and end this process, which fails whatever
+    collective the main thread is blocked in (gloo cannot abort one from another thread)."""
+    import os
+    print(f"meshlm: {line}", file=sys.stderr, flush=True)
+    os._exit(EXIT_PEER_LOST)
+
+
+LEFT = "left"  # the alive stamp of a rank whose watchdog closed
+EXIT_PEER_LOST = 75  # a worker ended because a peer went silent (not its own failure)
 
 
 def merge_stats(comms: list[Comm]) -> dict[str, Stat]:

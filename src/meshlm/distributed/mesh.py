@@ -167,13 +167,16 @@ def init_context(shape: dict[str, int], device: torch.device, timeout_s: float =
 def _attempt_store(rank: int, world: int, timeout_s: float) -> dict:
     """After an elastic restart, a key prefix of this attempt's own in the job's store: the agent's
     store outlives the workers, and the first attempt's process-group keys (peer addresses of dead
-    workers) would otherwise be read back and make the new ranks' connections fail."""
+    workers) would otherwise be read back and make the new ranks' connections fail. The
+    workers of one round may have different restart counts (a node that joined later: its agent's
+    count starts at 0), so the prefix is only used where the store outlives rounds: the agent's own.
+    Otherwise each round's rank 0 hosts a fresh store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if attempt == 0 or "MASTER_ADDR" not in os.environ:
-        return {}
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if attempt == 0 or "MASTER_ADDR" not in os.environ or not agent:
+        return {}
     base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                         is_master=rank == 0 and not agent, timeout=timedelta(seconds=timeout_s))
+                         is_master=False, timeout=timedelta(seconds=timeout_s))
     return {"store": dist.PrefixStore(f"meshlm/attempt_{attempt}", base), "rank": rank, "world_size": world}
 
 

@@ -97,7 +97,9 @@ def read_run(root: str, name) -> dict:
     steps, evals = read_metrics(path)
     cfg_path = os.path.join(path, "config.toml")
     config_text = open(cfg_path).read() if os.path.isfile(cfg_path) else ""
+    from ..train.launch import incidents
     out = {"name": name, "steps": steps, "evals": evals, "config_text": config_text,
+           "incidents": [line.removeprefix("meshlm: ") for line in incidents(path)],
            "prediction": predict(path) if config_text else {"error": "no config.toml"}, "pipeline": None}
     trace = os.path.join(path, "pipeline_trace.json")
     if os.path.isfile(trace):

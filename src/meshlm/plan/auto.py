@@ -74,8 +74,45 @@ def choose(cfg: Config, world: int, gpu: GPU | None = None, o: Options | None = 
 def resolve(cfg: Config, world: int, gpu: GPU | None = None) -> Layout:
     """`layout.resolve`, with parallel.auto's choice for this world size and device (`gpu`; None: a
     CPU) written into `cfg` first, so the trainer builds what was chosen; the choice and its
-    predictions are left in `cfg.auto_record`."""
+    predictions are left in `cfg.auto_record`.
+
+    parallel.elastic = "replan": a configured layout that does not fit `world` (an elastic restart on
+    fewer or more ranks) is replaced by the planner's choice for it, noted in `cfg.auto_record`
+    (`replanned_from`); "fail" keeps the one-line ConfigError and says how to allow it."""
     if cfg.parallel.auto:
         new, cfg.auto_record = choose(cfg, world, gpu)
         cfg.parallel, cfg.training = new.parallel, new.training
-    return resolve_layout(cfg, world)
+        return resolve_layout(cfg, world)
+    try:
+        return resolve_layout(cfg, world)
+    except ConfigError as e:
+        if cfg.parallel.elastic != "replan" or not _layout_error(str(e)):
+            if cfg.parallel.elastic == "fail" and _layout_error(str(e)) and _elastic_restart():
+                raise ConfigError(f"{e} (after an elastic resize to {world} ranks; parallel.elastic = "
+                                  f"\"replan\" lets the planner pick a layout that fits)") from None
+            raise
+        before = _short(cfg)
+        try:
+            new, record = choose(cfg, world, gpu)
+        except ConfigError as e2:
+            raise ConfigError(f"parallel.elastic: {before} does not fit {world} ranks ({e}) and the planner "
+                              f"found none that does: {e2}") from None
+        cfg.parallel = dataclasses.replace(new.parallel, auto=False)
+        cfg.training = new.training
+        cfg.auto_record = dict(record, replanned_from=before, reason=str(e))
+        return resolve_layout(cfg, world)
+
+
+def _layout_error(msg: str) -> bool:
+    """A ConfigError about the parallel degrees or the batch split (what another layout can fix)."""
+    return msg.startswith(("parallel", "training.global_batch", "training.micro_batch", "--nproc"))
+
+
+def _elastic_restart() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
+def _short(cfg: Config) -> str:
+    p = cfg.parallel
+    return ", ".join(f"{k} {getattr(p, k)}" for k in ("dp", "tp", "pp", "cp", "ep", "zero") if getattr(p, k) not in (1, -1, 0)) \
+        or "dp"

@@ -82,6 +82,10 @@ def add_parsers(subparsers) -> None:
                    help="GB/s the shared file system sustains (default %(default)s)")
     f.add_argument("--restart-min", type=float, default=Resilience.restart_min,
                    help="minutes to detect a failure, restart and reload (default %(default)s)")
+    f.add_argument("--spare-min", type=float, default=Resilience.spare_min,
+                   help="minutes until a replacement node is up; else resize (default %(default)s: hot spare)")
+    f.add_argument("--repair-h", type=float, default=Resilience.repair_h,
+                   help="hours until a lost node is back, when the job resizes (default %(default)s)")
     p.add_argument("--compile", action="store_true",
                    help="plan for training.compile = true (compiled blocks save fewer activations; "
                         "also set by the config)")
@@ -196,10 +200,11 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
             raise PlanError("--gpu: give a GPU profile (or --calibrate RUN_DIR)")
         gpu, opts = _device(args, cfg, args.gpus)
         res = plan(shape, gpu, args.gpus, seq, tokens, args.precision, args.top, parse_fix(args.fix), opts)
-        rates = (args.failures_per_gpu_hour, args.ckpt_node_gbps, args.storage_gbps, args.restart_min)
+        rates = (args.failures_per_gpu_hour, args.ckpt_node_gbps, args.storage_gbps, args.restart_min,
+                 args.spare_min, args.repair_h)
         if min(rates) < 0 or min(rates[1:3]) <= 0:
-            raise PlanError("--failures-per-gpu-hour / --restart-min must be >= 0, --ckpt-node-gbps / "
-                            "--storage-gbps > 0")
+            raise PlanError("--failures-per-gpu-hour / --restart-min / --spare-min / --repair-h must be >= 0, "
+                            "--ckpt-node-gbps / --storage-gbps > 0")
         good = goodput(shape.num_params(), args.gpus, gpu.gpus_per_node, Resilience(*rates))
     except (C.ConfigError, PlanError, HardwareError) as e:
         return _fail(str(e))

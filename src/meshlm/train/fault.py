@@ -40,9 +40,21 @@ def resume_setting(resume: str, root: str) -> str:
     return "auto" if restart_count() > 0 and list_checkpoints(root) else resume
 
 
-def on_start(run_dir: str, step: int, is_logger: bool, record: dict | None = None) -> None:
+def resize_record(meta: dict, layout: dict, accum: int) -> dict:
+    """What a restart line says about the world: the checkpoint's and this run's size and layout
+    (an elastic resize changes them; the global batch stays, the accumulation count makes up)."""
+    old = meta.get("layout") or {}
+    out = {"old_world": math.prod(old.values()) if old else None, "world": math.prod(layout.values()),
+           "old_layout": old, "layout": dict(layout), "old_accum": meta.get("accum"), "accum": accum}
+    out["resized"] = out["old_world"] is not None and out["old_world"] != out["world"]
+    return out
+
+
+def on_start(run_dir: str, step: int, is_logger: bool, record: dict | None = None,
+             resize: dict | None = None) -> None:
     """Before metrics are appended: drop lines of steps that will run again; put back the resumed
-    step's line (`record`, from its checkpoint) if a crash after the save lost it; note a restart."""
+    step's line (`record`, from its checkpoint) if a crash after the save lost it; note a restart
+    (with the old and new world and layout, `resize`)."""
     path = os.path.join(run_dir, "metrics.jsonl")
     restarted = restart_count() > 0
     if not is_logger or not (restarted or step > 0) or not os.path.isfile(path):
@@ -52,7 +64,8 @@ def on_start(run_dir: str, step: int, is_logger: bool, record: dict | None = Non
     if record is not None and not any('"loss"' in line and json.loads(line).get("step") == step for line in lines):
         lines.append(json.dumps(record) + "\n")
     if restarted:
-        lines.append(json.dumps({"step": step, "restart": restart_count(), "resumed_from": step}) + "\n")
+        lines.append(json.dumps({"step": step, "restart": restart_count(), "resumed_from": step, **(resize or {})})
+                     + "\n")
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.writelines(lines)
@@ -138,10 +151,14 @@ class Cadence:
 
 
 class TestHooks:
-    """Failure injection for the test suite, set through environment variables (never by configs):
-    MESHLM_TEST_NAN_STEP=N       step N's loss becomes NaN
+    """Failure injection for the test suite, set through environment variables (never by configs) and
+    installed around a Trainer from outside (train/trainer.py `run`), so the step itself holds none:
+    MESHLM_TEST_NAN_STEP=N       step N's loss becomes NaN (as the non-finite guard sees it)
     MESHLM_TEST_STEP_SLEEP=S     sleep S seconds before every step (gives a test time to kill a worker)
     MESHLM_TEST_KILL_IN_SAVE=N:R rank R SIGKILLs itself while checkpoint N is half written (first attempt)
+    MESHLM_TEST_SLOW_RANK=R:S    rank R sleeps S seconds inside every step (a straggler)
+    MESHLM_TEST_CORRUPT_BATCH=N  global batch N (0-based data position) becomes random tokens, the same
+                                 in every layout (a corrupt shard: what the spike guard is for)
     """
 
     def __init__(self, rank: int):
@@ -151,10 +168,38 @@ class TestHooks:
         self.sleep = float(env.get("MESHLM_TEST_STEP_SLEEP", "0") or 0)
         kill = env.get("MESHLM_TEST_KILL_IN_SAVE", "")
         self.kill = tuple(int(x) for x in kill.split(":")) if kill and restart_count() == 0 else None
+        self.corrupt = int(env.get("MESHLM_TEST_CORRUPT_BATCH", "-1") or -1)
+        slow = env.get("MESHLM_TEST_SLOW_RANK", "")
+        if slow and int(slow.split(":")[0]) == rank:
+            self.sleep += float(slow.split(":")[1])
 
-    def before_step(self) -> None:
-        if self.sleep:
-            time.sleep(self.sleep)
+    @classmethod
+    def install(cls, trainer) -> "TestHooks":
+        """Wrap the trainer's step, non-finite guard and checkpointer where a variable asks for it."""
+        hooks = cls(trainer.ctx.rank)
+        if hooks.sleep:
+            step = trainer.train_step
+
+            def slept(*a, **kw):
+                time.sleep(hooks.sleep)
+                return step(*a, **kw)
+            trainer.train_step = slept
+        if hooks.nan_step:
+            observe = trainer.guard.observe
+            trainer.guard.observe = lambda s, loss, norm: observe(s, hooks.loss(s, loss), norm)
+        if hooks.kill:
+            trainer.checkpointer.on_written = hooks.in_save
+        if hooks.corrupt >= 0:
+            data, global_batch, vocab = trainer.data, trainer.cfg.training.global_batch, trainer.args.vocab_size
+            read = data.next_batch
+
+            def corrupted(dp_rank: int, dp_size: int):
+                position = data.sampler.state_dict()["step"]
+                batch = read(dp_rank, dp_size)
+                return batch if position != hooks.corrupt else random_batch(batch, position, global_batch,
+                                                                            vocab, dp_rank, dp_size)
+            data.next_batch = corrupted
+        return hooks
 
     def loss(self, step: int, loss_sum: torch.Tensor) -> torch.Tensor:
         return loss_sum + float("nan") if step == self.nan_step else loss_sum
@@ -163,3 +208,12 @@ class TestHooks:
         """Called between writing a checkpoint's tensors and committing it."""
         if self.kill and self.kill == (step, self.rank):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def random_batch(batch, position: int, global_batch: int, vocab: int, dp_rank: int, dp_size: int):
+    """This rank's slice of a global batch of uniformly random tokens seeded by its position."""
+    g = torch.Generator().manual_seed(1000 + position)
+    rows = torch.randint(0, vocab, (global_batch, batch.inputs.shape[1] + 1), generator=g)
+    n = global_batch // dp_size
+    rows = rows[dp_rank * n:(dp_rank + 1) * n]
+    return type(batch)(rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), batch.docs)

@@ -265,6 +265,22 @@ class MetricsLog:
             record_peak(self.run_dir, *noted)
             self.noted_peak = noted
 
+    def truncate_after(self, step: int) -> None:
+        """Drop the lines of steps after `step` (a rollback runs them again)."""
+        if not self.enabled:
+            return
+        self.file.close()
+        path = os.path.join(self.run_dir, "metrics.jsonl")
+        with open(path) as f:
+            keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(keep)
+        os.replace(path + ".tmp", path)
+        self.file = open(path, "a")
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
+
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:
             self.bar.update(n)

@@ -10,7 +10,7 @@ import torch
 from ..config import Config, to_dict
 from ..data import default_data_dir
 from ..data.dataset import open_data
-from ..distributed.comm import Watchdog, merge_stats, reset_stats
+from ..distributed.comm import Watchdog, exit_silent, merge_stats, reset_stats
 from ..distributed.mesh import ParallelContext, init_context, pick_device, shutdown
 from ..layout import Layout, model_args
 from ..model import Llama
@@ -19,6 +19,8 @@ from ..plan.auto import resolve
 from . import checkpoint as ckpt
 from . import fault
 from .metrics import MetricsLog, StepProfiler, device_peak, device_profile, peak_bytes, sched_seconds, tensor_bytes
+from .spike import MAX_ROLLBACKS_TO_ONE_CHECKPOINT, SpikeDetector, SpikeError, rollback_target
+from .straggler import StragglerWatch, describe, split
 from .optim import LossScaler, MasterOptimizer, clip_, grad_norm, lr_at
 
 
@@ -28,7 +30,9 @@ def run(cfg: Config, run_dir: str) -> dict:
     layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")), device_profile(device))
     ctx = init_context(layout.shape(), device, cfg.parallel.timeout_s)
     try:
-        return Trainer(cfg, run_dir, ctx, layout).fit()
+        trainer = Trainer(cfg, run_dir, ctx, layout)
+        fault.TestHooks.install(trainer)  # failure injection for the test suite; nothing unless asked
+        return trainer.fit()
     finally:
         shutdown()
 
@@ -36,7 +40,12 @@ def run(cfg: Config, run_dir: str) -> dict:
 def _log_auto(record: dict, run_dir: str) -> None:
     """parallel.auto: say what the planner chose and predicted (stdout and run_dir/auto_layout.json)."""
     import json
-    print(f"parallel.auto: {record['auto_layout']} on {record['world']} × {record['gpu']}: predicted "
+    key = "parallel.auto"
+    if "replanned_from" in record:
+        key = "parallel.elastic"
+        print(f"{key}: {record['replanned_from']} does not fit {record['world']} ranks ({record['reason']}): "
+              f"replanned", flush=True)
+    print(f"{key}: {record['auto_layout']} on {record['world']} × {record['gpu']}: predicted "
           f"{record['predicted_step_s']:.3g} s/step, {record['predicted_tokens_per_s_per_gpu']:,.0f} tokens/s per "
           f"device, MFU {record['predicted_mfu']:.1%}, {record['predicted_mem_gib']:.2f} GiB", flush=True)
     with open(os.path.join(run_dir, "auto_layout.json"), "w") as f:
@@ -68,19 +77,30 @@ class Trainer:
         self.step = 0
         self.saved_step: int | None = None  # newest checkpoint written or resumed from (for messages)
         self.resumed_record: dict | None = None  # the resumed step's metrics line, from its meta.json
+        self.resumed_layout: dict | None = None  # the resumed checkpoint's world and layout, and ours
         self.step_line: dict | None = None  # this step's metrics line (None on unlogged steps)
         self.dp_comm = ctx.comm("dp_cp")  # loss sums: every data- and context-parallel rank's tokens
         self.checkpointer = ckpt.Checkpointer(os.path.join(run_dir, "checkpoints"), ctx.comm("world"),
                                               cfg.checkpoint.keep, cfg.checkpoint.async_)
-        self.watchdog = Watchdog.for_job(ctx.rank, ctx.world_size)
+        self.watchdog = Watchdog.for_job(ctx.rank, ctx.world_size, cfg.parallel.heartbeat_s, self._peer_lost)
         for c in ctx.all_comms():
             c.watchdog = self.watchdog
-        # fault tolerance (train/fault.py): non-finite guard, test-only failure injection
+        # fault tolerance (train/fault.py): non-finite guard
         self.guard = fault.FiniteGuard(t.precision, ctx.device, ctx.comm("world"), run_dir)
-        self.hooks = fault.TestHooks(ctx.rank)
-        self.checkpointer.on_written = self.hooks.in_save
+        self.spikes = SpikeDetector(t.spike_zscore, t.spike_window, t.spike_action)
+        self.rollbacks: dict[int, int] = {}  # checkpoint step -> rollbacks to it
+        m = cfg.metrics
+        self.stragglers = StragglerWatch(self.watchdog.store if self.watchdog else None, ctx.rank, ctx.world_size,
+                                         m.straggler_factor, m.straggler_steps)
+        self.data_s = 0.0  # seconds reading batches since the last metrics line
         self.peak_flops, self.peak_label = device_peak(ctx.device, t)
         self.flops_per_step = self.args.flops_per_token(self.seq_len) * t.global_batch * self.seq_len
+
+    def _peer_lost(self, line: str) -> None:
+        """The watchdog found a silent rank (distributed/comm.py): leave the line for the launcher, exit."""
+        from .launch import record_error
+        record_error(self.run_dir, self.ctx.rank, f"meshlm: {line}")
+        exit_silent(line)
 
     # -- one step -----------------------------------------------------------------------------
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
@@ -93,8 +113,10 @@ class Trainer:
         and the skip all stay on the device (the fused optimizer skips itself, see optim.adamw_step).
         The returned tensors (`loss_sum`, `norm`, `skipped`) are read by `_record` on log steps only."""
         t, par, scaler = self.cfg.training, self.par, self.scaler
+        t0 = time.perf_counter()
         batch = self.data.next_batch(self.ctx.index("dp"), self.layout.dp)
         inputs, targets, docs = (None if x is None else self._to_device(par.local_tokens(x)) for x in batch)
+        self.data_s += time.perf_counter() - t0  # the data share of the step split (train/straggler.py)
         lr = lr_at(self.step, self.cfg.optim, t.steps)
         par.grads.begin_step()
         loss_sum = torch.zeros((), device=self.ctx.device)
@@ -113,7 +135,6 @@ class Trainer:
                 loss = self._loss(inputs[part], targets[part], None if docs is None else docs[part])
                 (loss * scale).backward()
                 loss_sum += loss.detach()
-        loss_sum = self.hooks.loss(self.step + 1, loss_sum)
         par.grads.finish()
         grads = par.grads.grad_tensors()
         if scaler.enabled:
@@ -124,13 +145,23 @@ class Trainer:
         if scaler.enabled:
             found_inf = torch.isfinite(norm).logical_not().float()  # 1.0: skip this step (every rank agrees)
             scaler.update(found_inf)
+        spike = self._judge_spike(loss_sum, norm)
+        if spike is not None:  # the update is not applied (train/spike.py): the same on every rank
+            found_inf = torch.ones((), device=self.ctx.device)
         clip_(grads, norm, t.clip)  # harmless on a skipped step: the optimizer ignores the grads
         par.optimizer.set_lr(lr)
         mem = self.memory() if measure else None
         par.optimizer.step(found_inf)
         self.step += 1
-        return {"loss_sum": loss_sum, "norm": norm, "lr": lr,
+        return {"loss_sum": loss_sum, "norm": norm, "lr": lr, "spike": spike,
                 "skipped": found_inf if found_inf is not None else False, "mem": mem}
+
+    def _judge_spike(self, loss_sum: torch.Tensor, norm: torch.Tensor) -> dict | None:
+        """training.spike_zscore > 0: judge this step from the global loss and gradient norm (a host
+        read every step, hence off by default)."""
+        if not self.spikes.enabled:
+            return None
+        return self.spikes.judge(self.step + 1, self.global_loss(loss_sum), float(norm))
 
     def _to_device(self, x: torch.Tensor) -> torch.Tensor:
         """CUDA: an async host-to-device copy from pinned memory."""
@@ -194,7 +225,7 @@ class Trainer:
         between would lose it; a resume from this checkpoint puts it back (train/fault.py)."""
         meta = {"step": self.step, "sampler": self.sampler.state_dict(), "scaler": self.scaler.state_dict(),
                 "optimizer_step": self.par.optimizer.step_count(), "layout": self.layout.shape(),
-                "config": to_dict(self.cfg)}
+                "accum": self.layout.accum, "spikes": self.spikes.state_dict(), "config": to_dict(self.cfg)}
         if self.step_line is not None and self.step_line["step"] == self.step:
             meta["metrics"] = dict(self.step_line)
         state, _ = self.checkpoint_state()
@@ -207,8 +238,11 @@ class Trainer:
     def maybe_resume(self) -> None:
         root = os.path.join(self.run_dir, "checkpoints")
         path = ckpt.find_resume(root, fault.resume_setting(self.cfg.checkpoint.resume, root))
-        if path is None:
-            return
+        if path is not None:
+            self.load(path)
+
+    def load(self, path: str) -> dict:
+        """Every rank's state from the checkpoint at `path` (written by any layout); its meta.json."""
         state, shapes = self.checkpoint_state()
         meta = ckpt.load(path, state, shapes)
         self.par.optimizer.loaded(meta["optimizer_step"])
@@ -218,73 +252,154 @@ class Trainer:
         self.step = int(meta["step"])
         self.saved_step = self.step
         self.resumed_record = meta.get("metrics")
+        self.resumed_layout = fault.resize_record(meta, self.layout.shape(), self.layout.accum)
+        self.spikes.load_state_dict(meta.get("spikes"))
+        return meta
 
     # -- loop ---------------------------------------------------------------------------------
     def fit(self) -> dict:
+        """Resume, then one named stage after another per step until training.steps."""
+        self._start()
+        try:
+            while self.step < self.cfg.training.steps:
+                self._heartbeat()
+                logging = self._logging_step()
+                with self.profiled(self.step + 1):  # metrics.profile_step: rank 0 profiles that step
+                    out = self.train_step(measure=logging)
+                if self._spiked(out):  # rolled back to a checkpoint: go on from there (a skip is logged only)
+                    continue
+                rec = self._measure(out, logging)
+                self._checkpoint_if_due(rec)
+                self._write(rec)
+                self._evaluate_if_due()
+            self._finish()
+        finally:
+            self._close()
+        return self.last
+
+    def _start(self) -> None:
+        """Resume (or replay a non-finite stop), fix up metrics.jsonl, open the log and the cadence."""
         t, m = self.cfg.training, self.cfg.metrics
         self.guard.replay()
         self.maybe_resume()
-        fault.on_start(self.run_dir, self.step, self.ctx.is_logger, self.resumed_record)
-        log = MetricsLog(self.run_dir, self.ctx.is_logger, t.steps, self.step, m.progress, m.tensorboard)
-        profiled = StepProfiler(self.run_dir, m.profile_step, self.ctx.is_logger, self.ctx.device)
-        comms = self.ctx.all_comms()
-        reset_stats(comms)
-        last: dict = {}
-        tokens_per_step = t.global_batch * self.seq_len
-        window_start, window_steps = time.perf_counter(), 0
+        fault.on_start(self.run_dir, self.step, self.ctx.is_logger, self.resumed_record, self.resumed_layout)
+        self.log = MetricsLog(self.run_dir, self.ctx.is_logger, t.steps, self.step, m.progress, m.tensorboard)
+        self.profiled = StepProfiler(self.run_dir, m.profile_step, self.ctx.is_logger, self.ctx.device)
+        self.comms = self.ctx.all_comms()
+        reset_stats(self.comms)
+        self.last: dict = {}
+        self.window_start, self.window_steps = time.perf_counter(), 0  # since the last metrics line
         self._sched = sched_seconds()
-        cadence = fault.Cadence(self.cfg.checkpoint.every, self.cfg.checkpoint.mtbf_hours, self.step,
-                                self.ctx.comm("world"), log)
-        try:
-            while self.step < t.steps:
-                if self.watchdog is not None:
-                    self.watchdog.beat(self.step)
-                self.hooks.before_step()
-                logging = (self.step + 1) % m.every == 0 or self.step + 1 == t.steps
-                with profiled(self.step + 1):
-                    out = self.train_step(measure=logging)
-                window_steps += 1
-                log.advance()
-                rec = self._record(out, comms, window_start, window_steps, tokens_per_step) if logging else None
-                self.step_line = rec
-                due = cadence.due(self.step, self.step == t.steps)
-                export = self.export_due()
-                if logging or due or export:  # read the non-finite record: a bad state is never saved
-                    self._check_finite(rec, log)
-                if due or export:  # an export streams this step's checkpoint
-                    ck = self.save()
-                    cadence.saved(self.step, ck["save_s"])
-                    for done in self._saves_done():  # a synchronous save has just finished
-                        if done["step"] == self.step:
-                            ck.update(write_s=done["write_s"], bytes=done["bytes"])
-                        else:
-                            log.write({"step": done["step"], "ckpt": done})
-                    if rec is None:
-                        log.write({"step": self.step, "ckpt": ck})
-                    else:
-                        rec["ckpt"] = ck
-                if rec is not None:
-                    last = rec
-                    log.write(rec)
-                if export:
-                    self.export_hf(log)
-                if logging:
-                    window_start, window_steps = time.perf_counter(), 0
-                if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
-                    ev = self.evaluate()
-                    last = dict(last, eval_loss=ev)
-                    log.write({"step": self.step, "eval_loss": ev})
-                    log.message(f"step {self.step}: eval loss {ev:.4f}")
-            self.checkpointer.close()
-            for done in self._saves_done():  # the last background write, committed
-                log.write({"step": done["step"], "ckpt": done})
-        finally:
-            log.close()
-            if self.watchdog is not None:
-                self.watchdog.close()
-            if hasattr(self.par.optimizer, "close"):  # offload = "nvme": its scratch files go
-                self.par.optimizer.close()
-        return last
+        self.cadence = fault.Cadence(self.cfg.checkpoint.every, self.cfg.checkpoint.mtbf_hours, self.step,
+                                     self.ctx.comm("world"), self.log)
+
+    def _heartbeat(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(self.step)
+
+    def _spiked(self, out: dict) -> bool:
+        """A spike was judged: log it; `rollback` reloads the newest checkpoint before it and skips the
+        data windows from there through the spike (PaLM's recipe). True when the loop restarts from
+        the checkpoint; a skipped step (or a rollback with no checkpoint before it) goes on as usual."""
+        spike = out["spike"]
+        if spike is None:
+            return False
+        if spike["action"] == "rollback":
+            self.checkpointer.wait()
+            target = rollback_target(ckpt.list_checkpoints(self.checkpointer.root), spike["step"])
+            if target is not None:
+                self._rollback(spike, *target)
+                return True
+            spike = dict(spike, action="skip", why="no checkpoint before the spike")
+        self.log.write({"step": self.step, "spike": spike})
+        self.log.message(f"step {self.step}: {spike['on']} {spike['value']:.4g} is a spike "
+                         f"(window mean {spike['mean']:.4g}, std {spike['std']:.3g}): update skipped")
+        return False
+
+    def _rollback(self, spike: dict, to_step: int, path: str) -> None:
+        self.rollbacks[to_step] = self.rollbacks.get(to_step, 0) + 1
+        if self.rollbacks[to_step] > MAX_ROLLBACKS_TO_ONE_CHECKPOINT:
+            raise SpikeError(f"training.spike_action: {self.rollbacks[to_step]} rollbacks to the step {to_step} "
+                             f"checkpoint, the last for a spike at step {spike['step']}: stopped (lower optim.lr)")
+        end = self.sampler.state_dict()["step"]  # the data position after the spiking step's windows
+        self.load(path)
+        first = self.sampler.state_dict()["step"]
+        self.sampler.load_state_dict({**self.sampler.state_dict(), "step": end})
+        self.log.truncate_after(self.step)  # the steps after the checkpoint run again, on later data
+        windows = [first, end - 1]  # global batches (data positions) never trained on
+        self.log.write({"step": self.step, "spike": dict(spike, action="rollback"), "rollback_to": self.step,
+                        "skipped_batches": windows})
+        self.log.message(f"step {spike['step']}: {spike['on']} {spike['value']:.4g} is a spike: rolled back to "
+                         f"step {self.step}, skipping global batches {windows[0]}..{windows[1]}")
+        self.window_start, self.window_steps = time.perf_counter(), 0
+        reset_stats(self.comms)
+
+    def _logging_step(self) -> bool:
+        """Whether the step about to run writes a metrics line."""
+        every, steps = self.cfg.metrics.every, self.cfg.training.steps
+        return (self.step + 1) % every == 0 or self.step + 1 == steps
+
+    def _measure(self, out: dict, logging: bool) -> dict | None:
+        """The step's metrics line (logged steps), over the steps since the last line."""
+        self.window_steps += 1
+        if not logging:
+            return None
+        return self._record(out, self.comms, self.window_start, self.window_steps,
+                            self.cfg.training.global_batch * self.seq_len)
+
+    def _checkpoint_if_due(self, rec: dict | None) -> None:
+        """Save when the cadence or an export asks; a bad state (non-finite) is never saved."""
+        self.step_line = rec
+        due = self.cadence.due(self.step, self.step == self.cfg.training.steps)
+        self.exporting = self.export_due()
+        if rec is not None or due or self.exporting:  # read the non-finite record
+            self._check_finite(rec, self.log)
+        if not (due or self.exporting):  # an export streams this step's checkpoint
+            return
+        ck = self.save()
+        self.cadence.saved(self.step, ck["save_s"])
+        for done in self._saves_done():  # a synchronous save has just finished
+            if done["step"] == self.step:
+                ck.update(write_s=done["write_s"], bytes=done["bytes"])
+            else:
+                self.log.write({"step": done["step"], "ckpt": done})
+        if rec is None:
+            self.log.write({"step": self.step, "ckpt": ck})
+        else:
+            rec["ckpt"] = ck
+
+    def _write(self, rec: dict | None) -> None:
+        """The step's metrics line and progress; an export after it (its line says where it went)."""
+        self.log.advance()
+        if rec is not None:
+            self.last = rec
+            self.log.write(rec)
+        if self.exporting:
+            self.export_hf(self.log)
+        if rec is not None:  # the next window starts after this line (and its save, export)
+            self.window_start, self.window_steps = time.perf_counter(), 0
+
+    def _evaluate_if_due(self) -> None:
+        every, steps = self.cfg.training.eval_every, self.cfg.training.steps
+        if every and (self.step % every == 0 or self.step == steps):
+            ev = self.evaluate()
+            self.last = dict(self.last, eval_loss=ev)
+            self.log.write({"step": self.step, "eval_loss": ev})
+            self.log.message(f"step {self.step}: eval loss {ev:.4f}")
+
+    def _finish(self) -> None:
+        """The last background checkpoint write, committed and logged."""
+        self.checkpointer.close()
+        for done in self._saves_done():
+            self.log.write({"step": done["step"], "ckpt": done})
+
+    def _close(self) -> None:
+        if hasattr(self, "log"):
+            self.log.close()
+        if self.watchdog is not None:
+            self.watchdog.close()
+        if hasattr(self.par.optimizer, "close"):  # offload = "nvme": its scratch files go
+            self.par.optimizer.close()
 
     def export_due(self) -> bool:
         """checkpoint.export_hf: "end" on the last step; N every N steps and on the last."""
@@ -325,6 +440,21 @@ class Trainer:
             self.checkpointer.wait()
             raise
 
+    def _time_split(self, rec: dict, comm_s: float, window_steps: int) -> None:
+        """This rank's step split into the store; rank 0 names ranks slow for several logged steps."""
+        rec["time_split"] = parts = split(rec["step_s"], comm_s, self.data_s / window_steps)
+        self.data_s = 0.0
+        if not self.stragglers.enabled:
+            return
+        self.stragglers.publish(self.step, parts)
+        if self.ctx.is_logger:
+            named = self.stragglers.judge(self.step, self.stragglers.gather(self.step))
+            if named:
+                rec["stragglers"] = named
+            for s in named:
+                if s["steps"] == self.stragglers.steps:  # once per slow spell
+                    self.log.message(f"step {self.step}: {describe(s)}")
+
     def _saves_done(self) -> list[dict]:
         """Checkpoints committed since the last call (rank 0 measures their bytes)."""
         done, self.checkpointer.done = self.checkpointer.done, []
@@ -351,6 +481,7 @@ class Trainer:
             if now is not None and before is not None:  # on a core / waiting for one, per step
                 rec["cpu_s"], rec["wait_s"] = ((a - b) / window_steps for a, b in zip(now, before))
             self._sched = now
+        self._time_split(rec, sum(s.seconds for s in stats.values()) / window_steps, window_steps)
         if self.sampler.drawn() is not None:  # data.mix: tokens drawn per source so far
             rec["data"] = self.sampler.drawn()
         if self.par.moe is not None:
@@ -360,6 +491,7 @@ class Trainer:
             rec["bubble"] = self.par.pipeline.record(path, self.step)
         if bool(out["skipped"]):  # a device flag with fp16: read here, where the step has synced anyway
             rec["skipped"] = True
-            rec["loss_scale"] = float(self.scaler.scale)
+            if self.scaler.enabled:
+                rec["loss_scale"] = float(self.scaler.scale)
         return rec
 

@@ -234,6 +234,9 @@ async function refreshRun() {
   $("#run-comm").innerHTML = "<tr><th>collective</th><th>calls/step</th><th>bytes/step</th><th>seconds/step</th></tr>" +
     (comm.map(([k, c]) => `<tr><td>${k}</td><td>${fmtNum(c.calls, 0)}</td><td>${fmtBytes(c.bytes)}</td><td>${fmtNum(c.seconds, 4)}</td></tr>`).join("") ||
       "<tr><td colspan=4>none: one process</td></tr>");
+  const ev = r.incidents || [];
+  $("#run-events-card").hidden = !ev.length;
+  $("#run-events").replaceChildren(...ev.map((x) => { const li = document.createElement("li"); li.textContent = x; return li; }));
   const bub = pts("bubble");
   $("#run-pipe-card").hidden = !bub.length && !r.pipeline;
   if (bub.length) lineChart($("#chart-bubble"), [{ name: "measured bubble %", cls: "bubble", points: bub.map(([s, b]) => [s, 100 * b]) }], { ymin: 0 });
