@@ -13,7 +13,7 @@ from ..data.dataset import open_data
 from ..distributed.comm import Watchdog, exit_silent, merge_stats, reset_stats
 from ..distributed.mesh import ParallelContext, init_context, pick_device, shutdown
 from ..layout import Layout, model_args
-from ..model import Llama
+from ..model import build_model
 from ..parallel import Parallelized, parallelize
 from ..plan.auto import resolve
 from . import checkpoint as ckpt
@@ -70,7 +70,7 @@ class Trainer:
         self.seq_len = d.seq_len
         self.sampler = self.data.sampler  # its step is the data position (checkpointed)
         with torch.device("meta"):
-            model = Llama(self.args)
+            model = build_model(self.args)
         self.par: Parallelized = parallelize(model, ctx, cfg, layout, MasterOptimizer)
         self.model = self.par.model
         self.scaler = LossScaler(t.precision == "fp16", device=ctx.device)
