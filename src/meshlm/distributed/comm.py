@@ -302,8 +302,11 @@ class Watchdog:
 
     def close(self) -> None:
         """Stop the thread; a rank that leaves on purpose (done, or failing with its own error) says so,
-        so the others are not told it was lost."""
+        so the others are not told it was lost. The callback goes too: it is usually a bound method of
+        the trainer, and autograd graphs (C++, invisible to Python's cycle collector) hold Comms that
+        hold this watchdog, so keeping it would keep the trainer and its process groups alive."""
         self._stop.set()
+        self.on_silent = exit_silent
         if self.silent_s > 0:
             try:
                 self.store.set(f"meshlm/alive/{self.rank}", LEFT)
