@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 import torch
-from harness import assert_same_losses, make_config, read_metrics, rows, run_layout, run_local, train_case
+from harness import assert_same_losses, make_config, read_metrics, rows, run_layout, run_local, train_case, train_in
 
 from meshlm import config as C
 from meshlm.config import ConfigError
@@ -270,3 +270,15 @@ def test_explorer_takes_zeropp_keys():
     with pytest.raises(BadRequest) as e:
         run_estimate(dict(body, **{"parallel.hpz_group": 3}))
     assert e.value.key == "parallel.hpz_group"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_hpz_checkpoint_resumes_in_one_process(pools):
+    """hpZ's secondary copies are transient: its checkpoint is ZeRO-3's, and one process resumes it
+    to the uninterrupted run's losses (docs/architecture.md, invariant 3)."""
+    a = tempfile.mkdtemp(prefix="meshlm-hpz-ckpt-")
+    train_in(pools, make_config(checkpoint__every=5, parallel__dp=4, parallel__zero=3, parallel__hpz_group=2), 4, a)
+    ref = reference(())
+    resumed = run_local(make_config(checkpoint__resume=os.path.join(a, "checkpoints", "step_00000005")))
+    assert [r["step"] for r in resumed] == list(range(6, 11))
+    assert_same_losses(ref[5:], resumed, FP32)
