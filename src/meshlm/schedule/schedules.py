@@ -14,6 +14,7 @@ from typing import Callable
 from ..choices import PP_SCHEDULES, PP_TAKES_VIRTUAL, PP_V_SHAPED
 from .actions import Action, stage_index, stage_owner
 from .p2p import STEER_COSTS, add_p2p, p2p_batches
+from .simulate import simulate
 
 __all__ = ["Action", "stage_index", "stage_owner", "add_p2p", "p2p_batches", "gpipe", "one_f_one_b",
            "interleaved", "zb_h1", "zbv", "SCHEDULES", "TAKES_VIRTUAL", "V_SHAPED", "build_schedule"]
@@ -86,7 +87,7 @@ def _zb_h1_compute(p: int, m: int) -> list[list[Action]]:
     return out
 
 
-def _zbv_compute(p: int, m: int, costs: dict) -> list[list[Action]]:
+def _zbv_compute(p: int, m: int, costs: dict, max_deferred: int | None = None) -> tuple[list[list[Action]], int]:
     """ZB-V's compute order, found by list scheduling on simulated time (Qi et al. 2024 build theirs
     the same way: a greedy pass under a memory limit).
 
@@ -97,6 +98,11 @@ def _zbv_compute(p: int, m: int, costs: dict) -> list[list[Action]]:
     (they fill what would be bubbles). Ties go to the lower micro-batch, then to chunk 1 (deeper in
     the V, nearer its loss). Each chunk runs its F's and its I's in micro-batch order. The loss
     stage's W goes first of all (before any F), so rank 0 holds one micro-batch of logits.
+
+    A deferred W holds more than its chunk's activations: the gradients captured at its boundaries
+    for the weight products (parallel/pipeline/backward.py), about as much again. With `max_deferred`
+    a rank holding that many such W's (stage 0's hold none: its I is empty) runs the oldest before
+    another F. Also returns the peak over ranks of held chunk activations plus such W's.
     """
     S, cap = 2 * p, 2 * p
     dur = {k: costs[k] for k in ("F", "I", "W")}
@@ -106,6 +112,7 @@ def _zbv_compute(p: int, m: int, costs: dict) -> list[list[Action]]:
     nxt_i = [[0, 0] for _ in range(p)]
     pending: list[deque] = [deque() for _ in range(p)]   # (mb, chunk) whose W is deferred
     held, clock = [0] * p, [0.0] * p
+    deferred, peak = [0] * p, [0]              # W's holding captured gradients; peak of held + those
     out: list[list[Action]] = [[] for _ in range(p)]
     total = 6 * m * p
     step = max(min(dur["F"], dur["I"]), 1e-6)
@@ -137,6 +144,9 @@ def _zbv_compute(p: int, m: int, costs: dict) -> list[list[Action]]:
             pending[r].append((mb, c))
         else:
             held[r] -= 1
+        if s != 0 and kind in ("I", "W"):
+            deferred[r] += 1 if kind == "I" else -1
+        peak[0] = max(peak[0], held[r] + deferred[r])
 
     while sum(len(a) for a in out) < total:
         order = sorted((q for q in range(p) if len(out[q]) < 6 * m), key=lambda q: (clock[q], q))
@@ -157,6 +167,11 @@ def _zbv_compute(p: int, m: int, costs: dict) -> list[list[Action]]:
                 run(r, "W", *loss_w[0], t)
                 break
             now = [x for x in cands if not x[0]]
+            if max_deferred is not None and deferred[r] >= max_deferred and not [x for x in now if x[5] == "I"]:
+                w = next(x for x in pending[r] if stage_index(r, x[1], p, True) != 0)
+                pending[r].remove(w)
+                run(r, "W", *w, t)
+                break
             if now:
                 _, _, mb, _, _, kind, c = min(now)
                 run(r, kind, mb, c, t)
@@ -172,7 +187,7 @@ def _zbv_compute(p: int, m: int, costs: dict) -> list[list[Action]]:
                 break
         else:
             raise AssertionError("zbv list scheduling made no progress")  # a bug, not bad input
-    return out
+    return out, peak[0]
 
 
 def gpipe(p: int, m: int, *, costs: dict | None = None) -> list[list[Action]]:
@@ -205,12 +220,21 @@ def zb_h1(p: int, m: int, *, costs: dict | None = None) -> list[list[Action]]:
 
 def zbv(p: int, m: int, v: int = 2, *, costs: dict | None = None) -> list[list[Action]]:
     """ZB-V (Qi et al. 2024): two chunks per rank in a V, split backward, W's fill the bubbles; peak
-    activation memory as 1F1B's first rank. Build with the V stage order (actions.py)."""
+    activation memory as 1F1B's first rank. Build with the V stage order (actions.py). Of the orders
+    with the least simulated bubble, the one holding the fewest deferred W's (`_zbv_compute`)."""
     _validate(p, m, v)
     if v != 2:
         raise ValueError(f"zbv runs exactly 2 chunks per rank (a V), got v={v}")
     c = {**STEER_COSTS, **(costs or {})}
-    return add_p2p(_zbv_compute(p, m, c), p, 2, costs=c, vshape=True)
+    best = None
+    for cap in (None, 3, 2, 1):  # the fewest deferred weight-gradient inputs at the least bubble
+        compute, held = _zbv_compute(p, m, c, cap)
+        acts = add_p2p(compute, p, 2, costs=c, vshape=True)
+        tl = simulate(acts, p, m, 2, cost_f=c["F"], cost_b=c["I"] + c["W"], cost_w=c["W"], vshape=True)
+        key = (round(tl.bubble, 9), held)
+        if best is None or key < best[0]:
+            best = (key, acts)
+    return best[1]
 
 
 SCHEDULES: dict[str, Callable[..., list[list[Action]]]] = {

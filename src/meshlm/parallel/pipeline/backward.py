@@ -98,4 +98,6 @@ def input_backward(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
     finally:
         for h in hooks:
             h.remove()
+    if groups is not None:  # W starts at the boundaries: the output side of the graph and the
+        state.out = state.grad = None  # received gradient need not wait for it (as torch's detach_)
     return gx, state
