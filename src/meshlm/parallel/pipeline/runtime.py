@@ -1,8 +1,11 @@
 """The pipeline executor: runs one rank's action list from `build_schedule` on real tensors.
 
-It follows the p2p rules of p2p.py literally: items are taken in list order; a run of adjacent
-SEND/RECV actions is one `Comm.batch_p2p` call, waited before the next compute (so any schedule the
-checker accepts cannot deadlock here). A RECV may come long before its consumer, so received tensors
+It follows the p2p rules of p2p.py: items are taken in list order; a run of adjacent SEND/RECV
+actions is one `Comm.batch_p2p` call whose receives are waited before the next compute. Its sends are
+waited at the end of the step where the backend gives one work per operation (gloo): that only removes
+blocking from the rendezvous model the checker proves deadlock-free, and a sender no longer idles
+until its receiver reaches the matching RECV when real costs differ from the ones p2p was placed by
+(torch.distributed.pipelining waits for its receives only, too). A RECV may come long before its consumer, so received tensors
 wait in `inbox` keyed by (kind, mb, chunk); produced tensors wait in `outbox` until their SEND.
 A consumer on the same rank (the turn of ZB-V's V) gets the tensor straight into `inbox`.
 Activation shapes are known in advance (micro-batch × local sequence × dim, the compute dtype).
@@ -66,6 +69,7 @@ class PipelineRuntime:
         self.outbox: dict = {}
         self.saved: dict = {}
         self.deferred: dict = {}
+        self.sending: list = []  # (work, tensor) of sends posted this step, waited at its end
         self._clock: _Clock | None = None  # spans of the last step, resolved only when read
         # Time the next step? On CUDA the clock drains the compute stream once per timed step, so the
         # trainer turns it on for logged steps only (they are the ones whose bubble it reports).
@@ -113,6 +117,8 @@ class PipelineRuntime:
                     clock.stop()
         finally:
             self.grads.set_sync(True)
+        self.comm.wait_p2p([w for w, _ in self.sending])
+        self.sending = []
         left = [k for box in (self.inbox, self.outbox, self.saved, self.deferred) for k in box]
         if left:
             raise RuntimeError(f"pipeline rank {self.rank}: schedule left tensors unconsumed: {left[:4]}")
@@ -170,7 +176,11 @@ class PipelineRuntime:
                 buf = torch.empty(shape, dtype=self.dtype, device=self.device)
                 self.inbox[key] = buf
                 ops.append(("recv", buf, a.peer))
-        self.comm.wait_p2p(self.comm.batch_p2p(ops))
+        works = self.comm.batch_p2p(ops)
+        if len(works) == len(ops):  # one work per op: sends finish in the background (their tensors kept)
+            self.sending += [(w, op[1]) for w, op in zip(works, ops) if op[0] == "send"]
+            works = [w for w, op in zip(works, ops) if op[0] == "recv"]
+        self.comm.wait_p2p(works)
 
     # -- evaluation -----------------------------------------------------------------------------
     @torch.no_grad()
