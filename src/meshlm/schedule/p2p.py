@@ -10,6 +10,8 @@ The runtime executes each rank's list in order under these rules, and
    on b from a (NCCL matches p2p in posting order, tags are ignored).
 3. A SEND completes only once its RECV is posted and vice versa (rendezvous;
    the worst case, so buffering in NCCL can only help).
+   The runtime may wait for a SEND later than its batch (runtime.py): that
+   only removes blocking, so what this model proves still holds.
 
 `add_p2p` decides where each SEND/RECV goes. From an ideal timeline of the
 compute order (default costs F=1, B=2, I=W=1, free p2p) it exchanges each
