@@ -118,13 +118,14 @@ def variants(calib: str, cfg, ranks: int, threads: int) -> tuple[dict, dict]:
 
 def core_seconds(calib: str, cfg, ranks: int, threads: int) -> dict:
     """Seconds on a core per step of one target rank, the quantity other programs' load does not
-    change: the calibration fitted per core actually held (its schedstat share, `load=None`), priced
-    at one whole core (`cores=0`), with and without the trace, each collective call at the probe's
-    core seconds (its wait for the peer is not time on a core). Compared with the target's `cpu_s`."""
+    change: the calibration fitted to the run's own seconds on a core (`on_core`: its `cpu_s` as if
+    each rank had a core), priced at one whole core, with and without the trace, each collective call
+    at the probe's core seconds (its wait for the peer is not time on a core). Compared with the
+    target's `cpu_s`."""
     out = {}
     for name, trace in (("model", True), ("flat", False)):
-        cal = K.fit(calib, load=None, trace=trace)
-        cal = dataclasses.replace(cal, cores=0, latency_s=cal.latency_core_s)
+        cal = K.fit(calib, trace=trace, on_core=True)
+        cal = dataclasses.replace(cal, latency_s=cal.latency_core_s)
         out[name] = K.predict(cal, cfg, ranks, threads)["step_s"]
     return out
 

@@ -296,3 +296,21 @@ def test_a_link_probe_gives_the_cost_per_collective_call(tmp_path):
     (a / K.PROBE).write_text('{"bytes": [4096, 4096], "wall_s": [1, 1], "core_s": [1, 1]}')
     with pytest.raises(PlanError, match="link_probe.json is not a link probe .*two sizes"):
         K.fit(str(a))
+
+
+def test_fit_on_core_seconds(tmp_path):
+    """on_core: the rates of the core time the run got (its median cpu_s as the step of a rank with a
+    core to itself), which is what the bench's seconds-on-a-core check prices; a run without cpu_s
+    is a one-line error."""
+    a = tmp_path / "dp2"
+    a.mkdir()
+    _write_run(a, _cfg(), 2, load=2.5)  # cpu_s 0.5 × the share a rank got
+    cpu = K.measured(str(a)).cpu_s
+    assert cpu == pytest.approx(0.5 * CORES / (2 + 2.5))
+    cal = K.fit(str(a), on_core=True)
+    assert cal.cores == 0 and K.predict(cal, _cfg(), 2)["step_s"] == pytest.approx(cpu, rel=1e-6)
+    lines = (a / "metrics.jsonl").read_text().splitlines()
+    (a / "metrics.jsonl").write_text("\n".join(json.dumps({k: v for k, v in json.loads(x).items() if k != "cpu_s"})
+                                               for x in lines) + "\n")
+    with pytest.raises(PlanError, match="has no cpu_s"):
+        K.fit(str(a), on_core=True)

@@ -23,6 +23,10 @@ autograd engine); each category's rate is the planner's work of that category fo
 (plan/ops.py: GEMM FLOPs, attention FLOPs, element-wise bytes, kernels) over its seconds. A layout
 then costs its own work at those rates (ops.Rates): GEMMs shrink with tp, norms, dispatch and the
 per-step overhead do not (docs/planner.md, "Calibration from a run").
+
+A link probe beside the run (RUN_DIR/link_probe.json: all-reduces of several sizes, bench/calibrate.py)
+gives the fixed cost of a collective call, which the run's own collectives (one bucket and a few scalars
+per step) cannot separate from the bandwidth; without one the GPU profile's per-call latency stays.
 """
 from __future__ import annotations
 
@@ -73,6 +77,7 @@ class Measured:
     threads: int | None      # torch threads per rank
     cores: int | None        # cores the process could run on
     available: float | None  # rank 0's seconds on a core / seconds runnable (CPU runs that logged it)
+    cpu_s: float | None = None  # rank 0's seconds on a core per step, all its threads (CPU runs)
 
 
 def _records(run_dir: str, skip: int = 0) -> list[dict]:
@@ -100,7 +105,8 @@ def measured(run_dir: str) -> Measured:
     last = recs[-1]
     timed = [r for r in recs if r.get("cpu_s") is not None and r.get("wait_s") is not None]
     avail = statistics.median(r["cpu_s"] / max(r["cpu_s"] + r["wait_s"], 1e-12) for r in timed) if timed else None
-    return Measured(step, comm, last.get("world"), last.get("threads"), last.get("cores"), avail)
+    cpu = statistics.median(r["cpu_s"] for r in timed) if timed else None
+    return Measured(step, comm, last.get("world"), last.get("threads"), last.get("cores"), avail, cpu)
 
 
 # ------------------------------------------------------------------ the profiler trace of one step
@@ -281,14 +287,21 @@ def cpu_device(rate_flops: float, link_bytes_s: float, ranks: int, cores: int, t
 OPTIONS = dict(efficiency=1.0, block_overhead_s=0.0, comm_efficiency=1.0)  # the flat model at the fitted rate
 
 
-def fit(run_dir: str, cores: int | None = None, load: float | None = 0.0, trace: bool = True) -> Calibration:
+def fit(run_dir: str, cores: int | None = None, load: float | None = 0.0, trace: bool = True,
+        on_core: bool = False) -> Calibration:
     """The machine's compute rate and link bandwidth from one run (see the module docstring).
     `cores`: the cores the run's ranks shared (default: what its metrics say; 0 for a GPU run);
     `load`: other programs' runnable threads competing per thread (default 0: the cores the run got
     are shared among its own ranks only; None: implied by the run's schedstat seconds); `trace`: read
-    the run's profile.json when it has one (False: the one flat rate)."""
+    the run's profile.json when it has one (False: the one flat rate); `on_core`: fit to the run's
+    seconds on a core per step (median `cpu_s`) as if each rank had a core to itself, i.e. the rates of
+    the core time the run actually got whatever other programs took (bench/calibrate.py's check)."""
     cfg = run_config(run_dir)
     m = measured(run_dir)
+    if on_core:
+        if m.cpu_s is None:
+            raise PlanError(f"--calibrate: {run_dir}/metrics.jsonl has no cpu_s (seconds on a core per step)")
+        m, cores, load = dataclasses.replace(m, step_s=m.cpu_s), 0, 0.0
     world = _world(run_dir, cfg, m)
     if cores is None:  # a run that logs its world but no cores ran one rank per GPU
         cores = m.cores if m.cores or m.world else os.cpu_count() or 1
