@@ -147,18 +147,24 @@ def op_category(name: str) -> str:
     return "elementwise"
 
 
-def read_profile(run_dir: str) -> dict | None:
-    """RUN_DIR/profile.json, or None when the run wrote none."""
-    path = os.path.join(run_dir, PROFILE)
+def _read_json(run_dir: str, name: str, what: str, parse):
+    """parse(the JSON of RUN_DIR/name), None when the file is absent; one line naming `what` it is not."""
+    path = os.path.join(run_dir, name)
     if not os.path.exists(path):
         return None
     try:
         with open(path) as f:
-            prof = json.load(f)
-        prof["ops"], prof["wall_s"], prof["step"] = dict(prof["ops"]), float(prof["wall_s"]), int(prof["step"])
+            return parse(json.load(f))
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise PlanError(f"--calibrate: {path} is not a profile meshlm wrote ({e})") from None
-    return prof
+        raise PlanError(f"--calibrate: {path} is not {what} ({e})") from None
+
+
+def read_profile(run_dir: str) -> dict | None:
+    """RUN_DIR/profile.json, or None when the run wrote none."""
+    def parse(prof: dict) -> dict:
+        prof["ops"], prof["wall_s"], prof["step"] = dict(prof["ops"]), float(prof["wall_s"]), int(prof["step"])
+        return prof
+    return _read_json(run_dir, PROFILE, "a profile meshlm wrote", parse)
 
 
 def dispatch_and_bytes(ops: dict) -> tuple[float, float]:
@@ -217,18 +223,12 @@ def read_probe(run_dir: str) -> tuple[float, float] | None:
     over many calls) measures what the run's own metrics cannot: its collectives are one bucket and
     a few scalars per step, so their fixed cost per call and their bandwidth are not separable. Each
     is the intercept of a least-squares line through the probe's sizes."""
-    path = os.path.join(run_dir, PROBE)
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            p = json.load(f)
+    def parse(p: dict) -> tuple[float, float]:
         x, wall, core = ([float(v) for v in p[k]] for k in ("bytes", "wall_s", "core_s"))
         if not len(x) == len(wall) == len(core) or len(set(x)) < 2:
             raise ValueError("needs two sizes or more, one wall and one core time each")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise PlanError(f"--calibrate: {path} is not a link probe ({e})") from None
-    return _intercept(x, wall), _intercept(x, core)
+        return _intercept(x, wall), _intercept(x, core)
+    return _read_json(run_dir, PROBE, "a link probe", parse)
 
 
 def _intercept(x: list[float], y: list[float]) -> float:
