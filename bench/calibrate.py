@@ -178,7 +178,8 @@ def main() -> int:
                          "calib_comm_s": base.comm_s, "calib_available": base.available,
                          "target_available": got.available, "target_comm_s": got.comm_s,
                          "rates": {k: getattr(cal, k) for k in ("gemm_flops", "attn_flops", "ew_bytes_s",
-                                                                "dispatch_s", "overhead_s", "link_bytes_s")},
+                                                                "dispatch_s", "overhead_s", "link_bytes_s",
+                                                                "latency_s", "latency_core_s")},
                          "calib_split": cal.split, "target_pred": cats, "target_traced": meas,
                          "measured_s": got.step_s, **{f"pred_{k}_s": v for k, v in pred.items()},
                          **{f"ratio_{k}": v / got.step_s for k, v in pred.items()},
@@ -196,6 +197,9 @@ def main() -> int:
                 print(f"    tp2×dp2 seconds on a core per step per rank: predicted {r['cpu_pred_model_s']:.3f} "
                       f"(flat {r['cpu_pred_flat_s']:.3f}), measured {r['target_cpu_s']:.3f}: ratio "
                       f"{r['cpu_ratio_model']:.3f} (flat {r['cpu_ratio_flat']:.3f})", flush=True)
+                print(f"    link probe: {cal.latency_s * 1e3:.2f} ms per all-reduce call, "
+                      f"{cal.latency_core_s * 1e3:.2f} ms of it on a core; link {cal.link_bytes_s / 1e9:.2f} "
+                      f"GB/s per core", flush=True)
                 print("    tp2×dp2 s/step predicted / traced: " + ", ".join(
                     f"{k} {cats[k]:.3f}/{meas[k]:.3f}" for k in cats), flush=True)
     finally:

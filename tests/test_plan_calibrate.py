@@ -285,9 +285,9 @@ def test_a_link_probe_gives_the_cost_per_collective_call(tmp_path):
     four, two = K.predict(cal, cfg4, 4), K.predict(cal, _cfg(parallel__tp=2, training__global_batch=4), 2)
     assert four["step_s"] == pytest.approx(K.predict(truth, cfg4, 4)["step_s"], rel=1e-6)
     share = K.core_share(4, CORES, 1)  # 0.5: the core work of a call (1 ms) stretches to 2 ms > its wall
-    for est, per_call in ((four, core / share), (two, wall)):
+    for est, link, per_call in ((four, LINK * share, core / share), (two, LINK, wall)):
         c = tp(est)
-        assert c["seconds"] == pytest.approx(c["bytes"] / (LINK * (share if est is four else 1.0)) + c["calls"] * per_call)
+        assert c["seconds"] == pytest.approx(c["bytes"] / link + c["calls"] * per_call)
     (a / K.PROBE).unlink()  # without a probe: the model's 10 µs per call, the bandwidth absorbs the rest
     bare = K.fit(str(a))
     c = tp(K.predict(bare, cfg4, 4))
