@@ -9,7 +9,8 @@ efficiency) as before issue 23. Overlap: TP and EP traffic is exposed (it sits o
 the critical path of every block); PP sends overlap the next micro-batch except on the fill and drain
 path; ring-CP hides behind the attention kernels; ZeRO-3 gathers hide
 behind the forward/backward they prefetch for, ZeRO-2/3 reduce-scatters behind the backward, plain
-DP / ZeRO-1 gradient reduction behind the last micro-batch's backward; parameter all-gathers after
+DP / ZeRO-1 gradient reduction behind the last micro-batch's backward (DP's last bucket, filled when
+that backward ends, stays exposed: all of it when the gradients fit one bucket); parameter all-gathers after
 a sharded optimizer step and HSDP replica all-reduces are exposed.
 """
 from __future__ import annotations
@@ -179,7 +180,8 @@ def _stage_time(shape: Shape, s: Spec, stage: str, gpu: GPU, o: Options) -> dict
             hidden = last_bwd
         else:
             hidden = windows[window]
-        exposed = max(0.0, total - hidden)
+        tail = sum(c.seconds * min(c.tail_calls, c.calls) / c.calls for c in cs if c.calls)
+        exposed = max(0.0, total - hidden, tail)
         for c in cs:
             c.exposed_s = exposed * (c.seconds / total) if total > 0 else 0.0
         if per == "step":
