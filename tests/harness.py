@@ -120,11 +120,36 @@ def train_case(cfg_dict: dict, run_dir: str) -> dict | None:
     return None
 
 
+# What a pool worker imports before its first case: torch._dynamo comes with the first optimizer
+# (torch.optim imports it), the trainer with every case.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "meshlm.train.trainer", "meshlm.plan.auto", "harness"]
+
+
+def _context():
+    """Workers are forked from one server process that imported PRELOAD once: a spawned worker spent
+    seconds of CPU importing them itself (15 workers a session, more where a test starts its own pool).
+    The server starts with one OpenMP thread, so no thread pool exists to be copied into a fork."""
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
+    return ctx
+
+
 class Pool:
     """`world` persistent gloo workers that run functions (module-level, picklable) on every rank."""
 
     def __init__(self, world: int):
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world = world
         port = _free_port()
         self.tasks = [ctx.Queue() for _ in range(world)]
