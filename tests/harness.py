@@ -63,6 +63,18 @@ def run_local(cfg: C.Config, run_dir: str | None = None) -> list[dict]:
     return read_metrics(run_dir)
 
 
+
+_REFERENCES: dict[str, list[dict]] = {}
+
+
+def reference(**overrides) -> list[dict]:
+    """One process's metrics of TINY with `overrides` (make_config's keys), trained once per session:
+    the equivalence files compare their layouts with the same few references."""
+    key = json.dumps(overrides, sort_keys=True, default=str)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_local(make_config(**overrides))
+    return list(_REFERENCES[key])
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

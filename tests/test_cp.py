@@ -4,7 +4,6 @@ headline equivalence rows (cp2/cp4 ring and Ulysses, with dp/ZeRO-3, TP+SP, PP, 
 test_equivalence.py."""
 from __future__ import annotations
 
-import functools
 import os
 import tempfile
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import assert_same_losses, make_config, run_layout, run_local
+from harness import assert_same_losses, make_config, reference, run_layout, run_local
 from test_tp import comm_task
 from meshlm import config as C
 from meshlm.config import ConfigError
@@ -23,11 +22,6 @@ from meshlm.plan.volume import cp_step_bytes as expected_bytes
 FP32 = 1e-5
 BF16 = 1e-3  # test_equivalence.py: bf16 rows agree within a stated 1e-3
 COMPILED = 1e-4  # inductor fuses the block's element-wise ops differently from eager: measured ~1e-6
-
-
-@functools.lru_cache(maxsize=None)
-def reference(key: tuple) -> list:
-    return run_local(make_config(**dict(key)))
 
 
 def _context(cfg):
@@ -182,7 +176,7 @@ ROWS = [
 @pytest.mark.parametrize("name,world,overrides", ROWS, ids=[r[0] for r in ROWS])
 def test_cp_layout_matches_one_process(pools, name, world, overrides):
     single = {k: v for k, v in overrides.items() if not k.startswith("parallel__")}
-    ref = reference(tuple(sorted(single.items())))
+    ref = reference(**single)
     got = run_layout(pools, make_config(**overrides), world)
     tol = BF16 if overrides.get("training__precision") == "bf16" else COMPILED if "compile" in name else FP32
     assert_same_losses(ref, got, tol)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness import assert_same_losses, make_config, read_metrics, run_layout, run_local, train_case
+from harness import assert_same_losses, make_config, read_metrics, reference, run_layout, run_local, train_case
 from meshlm import config as C
 from meshlm.data import prepare, stdlib_files
 
@@ -67,15 +67,8 @@ CASES = [
     ("mix-tp2-pp2", 4, {**MIX, "parallel__tp": 2, "parallel__pp": 2}),
     ("mix-mask-dp2-tp2", 4, {**MIX, **MASK, "data__path": "", "parallel__dp": 2, "parallel__tp": 2}),
 ]
-_refs: dict = {}
-
-
 def _reference(corpora, overrides: dict) -> list:
-    single = {k: v for k, v in overrides.items() if not k.startswith("parallel__")}
-    key = json.dumps(single, sort_keys=True, default=str)
-    if key not in _refs:
-        _refs[key] = run_local(make_config(**single))
-    return _refs[key]
+    return reference(**{k: v for k, v in overrides.items() if not k.startswith("parallel__")})
 
 
 @pytest.mark.parametrize("name,world,overrides", CASES, ids=[c[0] for c in CASES])

@@ -7,17 +7,12 @@ import tempfile
 
 import pytest
 
-from harness import assert_same_losses, make_config, rows, run_layout, run_local
+from harness import assert_same_losses, make_config, reference, rows, run_layout
 from test_checkpoint import RESHARD, _layout, _train
 
 FP32 = 1e-5
 BF16 = 1e-3  # as tests/test_equivalence.py
 MOE = {"model__preset": "moe-debug", "training__steps": 4}
-
-
-@functools.lru_cache(maxsize=None)
-def reference(key: tuple) -> list:
-    return run_local(make_config(**dict(key)))
 
 
 CASES = [
@@ -47,7 +42,7 @@ CASES = [
 @pytest.mark.parametrize("name,world,overrides", rows(CASES, {"ep2"}))  # ep2 also in `make test-fast`
 def test_moe_layout_matches_one_process(pools, name, world, overrides):
     single = {**MOE, **{k: v for k, v in overrides.items() if not k.startswith("parallel__")}}
-    ref = reference(tuple(sorted(single.items())))
+    ref = reference(**single)
     got = run_layout(pools, make_config(**MOE, **overrides), world)
     bf16 = overrides.get("training__precision") == "bf16"
     assert_same_losses(ref, got, BF16 if bf16 else FP32)

@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 import torch
-from harness import assert_same_losses, make_config, rows, run_layout, run_local, train_in
+from harness import assert_same_losses, make_config, reference, rows, run_layout, run_local, train_in
 
 from meshlm.cli import main
 from meshlm.config import ConfigError
@@ -23,16 +23,6 @@ def nvme(**kw) -> dict:
     unit of the debug model streams through several chunks and all three slots."""
     return {"parallel__offload": "nvme", "parallel__offload_dir": tempfile.mkdtemp(prefix="meshlm-nvme-"),
             "parallel__offload_buffer_mb": 0.05, **kw}
-
-
-_refs: dict = {}
-
-
-def reference(**kw) -> list:
-    key = tuple(sorted(kw.items()))
-    if key not in _refs:
-        _refs[key] = run_local(make_config(**kw))
-    return _refs[key]
 
 
 # ---------------------------------------------------------------- equivalence with one process
