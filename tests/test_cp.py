@@ -229,14 +229,12 @@ def test_bad_cp_input_is_refused_in_one_line(world, overrides, msg):
     assert str(e.value).startswith(msg) and "\n" not in str(e.value), str(e.value)
 
 
-def test_cli_refuses_bad_cp_before_workers_start(tmp_path):
-    import subprocess
-    import sys
+def test_cli_refuses_bad_cp_before_workers_start(tmp_path, capsys):
+    from meshlm.cli import main
     run_dir = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "meshlm.cli", "train", "--nproc", "2", "--run-dir", str(run_dir),
-                        "--parallel.cp", "2", "--data.seq_len", "30", "--model.preset", "debug"],
-                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=os.path.join(
-                           os.path.dirname(__file__), "..", "src")), timeout=120)
-    assert r.returncode == 2, r.stderr
-    assert "data.seq_len: 30 is not divisible by 4" in r.stderr.strip().splitlines()[-1]
+    code = main(["train", "--nproc", "2", "--run-dir", str(run_dir), "--parallel.cp", "2", "--data.seq_len", "30",
+                 "--model.preset", "debug"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "data.seq_len: 30 is not divisible by 4" in err.strip().splitlines()[-1]
     assert not (run_dir / "logs").exists()
