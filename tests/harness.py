@@ -1,21 +1,25 @@
 """Equivalence harness (docs/architecture.md, invariant 1): run one config in one process and in a layout, compare
 per-step losses.
 
-Spawning gloo workers costs seconds on two cores, so each world size gets one pool of persistent
-workers for the whole test session; every case reuses the pool's default process group and only
-builds its (cheap) sub-groups.
+Starting gloo workers costs seconds on two cores, so each world size gets one pool of persistent
+workers for the whole test session, forked from one server that imported torch and the trainer once
+(bench/spawn.py fork_context); every case reuses the pool's default process group and only builds its
+(cheap) sub-groups.
 """
 from __future__ import annotations
 
 import gc
 import json
-import multiprocessing as mp
 import os
 import socket
+import sys
 import tempfile
 import traceback
 
 from meshlm import config as C
+
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import spawn  # noqa: E402  (bench/spawn.py: fork_context)
 
 TINY = {
     "model.preset": "debug",
@@ -132,36 +136,15 @@ def train_case(cfg_dict: dict, run_dir: str) -> dict | None:
     return None
 
 
-# What a pool worker imports before its first case: torch._dynamo comes with the first optimizer
-# (torch.optim imports it), the trainer with every case.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "meshlm.train.trainer", "meshlm.plan.auto", "harness"]
-
-
-def _context():
-    """Workers are forked from one server process that imported PRELOAD once: a spawned worker spent
-    seconds of CPU importing them itself (15 workers a session, more where a test starts its own pool).
-    The server starts with one OpenMP thread, so no thread pool exists to be copied into a fork."""
-    from multiprocessing import forkserver
-
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    before = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        forkserver.ensure_running()
-    finally:
-        if before is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = before
-    return ctx
+# The pool's workers also run the harness's own functions.
+PRELOAD = [*spawn.PRELOAD, "meshlm.plan.auto", "harness"]
 
 
 class Pool:
     """`world` persistent gloo workers that run functions (module-level, picklable) on every rank."""
 
     def __init__(self, world: int):
-        ctx = _context()
+        ctx = spawn.fork_context(PRELOAD)  # forked from one server that imported PRELOAD once
         self.world = world
         port = _free_port()
         self.tasks = [ctx.Queue() for _ in range(world)]
