@@ -275,12 +275,11 @@ def _die_before_rename(run_dir: str) -> None:
 
 @pytest.mark.slow
 def test_kill_between_write_and_rename_keeps_previous(tmp_path):
-    import multiprocessing as mp
-
-    from harness import run_local
+    import spawn  # bench/spawn.py, on the path through harness
+    from harness import PRELOAD, run_local
 
     run = str(tmp_path / "run")
-    p = mp.get_context("spawn").Process(target=_die_before_rename, args=(run,))
+    p = spawn.fork_context(PRELOAD).Process(target=_die_before_rename, args=(run,))
     p.start()
     p.join(timeout=300)
     assert p.exitcode == 9
