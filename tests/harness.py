@@ -123,6 +123,18 @@ def _drop_sub_groups(dist) -> None:
     gc.collect()  # a group's threads end with its last reference (the case's objects, in cycles)
 
 
+def stop_after(trainer, step: int) -> None:
+    """End `trainer.fit()` once `step` is done (its checkpoint and metrics line written), the schedule
+    untouched: a run that only writes the checkpoint another layout resumes need not train past it.
+    The hook is the last stage of fit()'s step (train/trainer.py)."""
+    last = trainer._evaluate_if_due
+
+    def end_of_step() -> None:
+        last()
+        if trainer.step >= step:
+            trainer.cfg.training.steps = trainer.step  # the loop's bound, read once more before it ends
+    trainer._evaluate_if_due = end_of_step
+
 def train_case(cfg_dict: dict, run_dir: str) -> dict | None:
     """Runs inside a pool worker: train the config; rank 0 returns nothing (metrics are on disk)."""
     from meshlm.distributed.mesh import init_context, pick_device

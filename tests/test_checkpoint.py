@@ -11,7 +11,7 @@ import tempfile
 import pytest
 import torch
 
-from harness import Pool, assert_same_losses, make_config, read_metrics
+from harness import Pool, assert_same_losses, make_config, read_metrics, stop_after
 from meshlm import config as C
 
 RESHARD = 1e-6
@@ -50,8 +50,9 @@ def _world(over: dict) -> int:
             * over.get("parallel__cp", 1))
 
 
-def traced_case(cfg_dict: dict, run_dir: str) -> dict:
-    """Train in a pool worker (or here) and count all-gathers inside save and resume."""
+def traced_case(cfg_dict: dict, run_dir: str, stop: int = 0) -> dict:
+    """Train in a pool worker (or here) and count all-gathers inside save and resume; `stop`: end after
+    that step (harness.stop_after)."""
     from meshlm.distributed.mesh import init_context, pick_device
     from meshlm.layout import resolve
     from meshlm.train.trainer import Trainer
@@ -60,6 +61,8 @@ def traced_case(cfg_dict: dict, run_dir: str) -> dict:
     layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=120)
     tr = Trainer(cfg, run_dir, ctx, layout)
+    if stop:
+        stop_after(tr, stop)
     counts = {"save": 0, "load": 0}
 
     def counted(kind, fn):
@@ -107,13 +110,13 @@ def _status_bytes(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _train(pools, over: dict, run_dir: str, **extra) -> list[dict]:
+def _train(pools, over: dict, run_dir: str, stop: int = 0, **extra) -> list[dict]:
     cfg = C.to_dict(make_config(**{**BASE, **over, **extra}))
     world = _world(over)
     if world == 1:
-        counts = [traced_case(cfg, run_dir)]
+        counts = [traced_case(cfg, run_dir, stop)]
     else:
-        counts = pools(world).run(traced_case, cfg, run_dir)
+        counts = pools(world).run(traced_case, cfg, run_dir, stop)
     assert all(c["save"] == 0 and c["load"] == 0 for c in counts), counts  # nothing gathered
     return read_metrics(run_dir)
 
@@ -143,7 +146,9 @@ RESHARD_CASES = [
 def test_checkpoint_reshards_into_any_layout(pools, a, b):
     ref = list(_reference())
     dir_a, dir_b = tempfile.mkdtemp(prefix="meshlm-a-"), tempfile.mkdtemp(prefix="meshlm-b-")
-    _train(pools, _layout(a), dir_a, checkpoint__every=4, checkpoint__keep=2)
+    a_rows = _train(pools, _layout(a), dir_a, stop=4, checkpoint__every=4, checkpoint__keep=2)  # B resumes step 4
+    assert [r["step"] for r in a_rows] == [1, 2, 3, 4]
+    assert_same_losses(ref[:4], a_rows, 1e-5)  # invariant 1 (fp32)
     step4 = os.path.join(dir_a, "checkpoints", "step_00000004")
     assert os.path.isfile(os.path.join(step4, "meta.json"))
     got = _train(pools, _layout(b), dir_b, checkpoint__resume=step4)
