@@ -54,8 +54,8 @@ def read_metrics(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if '"loss"' in line]
 
 
-def run_local(cfg: C.Config, run_dir: str | None = None) -> list[dict]:
-    """Train `cfg` in this process, world size 1."""
+def run_local(cfg: C.Config, run_dir: str | None = None, stop: int = 0) -> list[dict]:
+    """Train `cfg` in this process, world size 1 (`stop`: end after that step, stop_after)."""
     from meshlm.distributed.mesh import init_context, pick_device
     from meshlm.plan.auto import resolve  # the trainer's entry: parallel.auto chooses first
     from meshlm.train.trainer import Trainer
@@ -63,7 +63,10 @@ def run_local(cfg: C.Config, run_dir: str | None = None) -> list[dict]:
     run_dir = run_dir or tempfile.mkdtemp(prefix="meshlm-ref-")
     layout = resolve(cfg, 1)
     ctx = init_context(layout.shape(), pick_device("cpu"))
-    Trainer(cfg, run_dir, ctx, layout).fit()
+    trainer = Trainer(cfg, run_dir, ctx, layout)
+    if stop:
+        stop_after(trainer, stop)
+    trainer.fit()
     return read_metrics(run_dir)
 
 
@@ -135,8 +138,9 @@ def stop_after(trainer, step: int) -> None:
             trainer.cfg.training.steps = trainer.step  # the loop's bound, read once more before it ends
     trainer._evaluate_if_due = end_of_step
 
-def train_case(cfg_dict: dict, run_dir: str) -> dict | None:
-    """Runs inside a pool worker: train the config; rank 0 returns nothing (metrics are on disk)."""
+def train_case(cfg_dict: dict, run_dir: str, stop: int = 0) -> dict | None:
+    """Runs inside a pool worker: train the config (`stop`: end after that step); rank 0 returns nothing
+    (metrics are on disk)."""
     from meshlm.distributed.mesh import init_context, pick_device
     from meshlm.plan.auto import resolve  # the trainer's entry: parallel.auto chooses first
     from meshlm.train.trainer import Trainer
@@ -144,7 +148,10 @@ def train_case(cfg_dict: dict, run_dir: str) -> dict | None:
     cfg = C.from_dict(cfg_dict)
     layout = resolve(cfg, int(os.environ["WORLD_SIZE"]))
     ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=120)
-    Trainer(cfg, run_dir, ctx, layout).fit()
+    trainer = Trainer(cfg, run_dir, ctx, layout)
+    if stop:
+        stop_after(trainer, stop)
+    trainer.fit()
     return None
 
 
@@ -195,11 +202,12 @@ def run_layout(pools, cfg: C.Config, world: int) -> list[dict]:
     return read_metrics(run_dir)
 
 
-def train_in(pools, cfg: C.Config, world: int, run_dir: str) -> list[dict]:
-    """Train `cfg` into `run_dir` on `world` ranks (1: in this process); its losses."""
+def train_in(pools, cfg: C.Config, world: int, run_dir: str, stop: int = 0) -> list[dict]:
+    """Train `cfg` into `run_dir` on `world` ranks (1: in this process); its losses. `stop`: end after
+    that step (stop_after)."""
     if world == 1:
-        return run_local(cfg, run_dir)
-    pools(world).run(train_case, C.to_dict(cfg), run_dir)
+        return run_local(cfg, run_dir, stop)
+    pools(world).run(train_case, C.to_dict(cfg), run_dir, stop)
     return read_metrics(run_dir)
 
 

@@ -68,7 +68,7 @@ def test_nvme_checkpoint_moves_between_layouts(pools, first, second):
     ref = reference()
     a = tempfile.mkdtemp(prefix="meshlm-nvme-ckpt-")
     (w1, o1), (w2, o2) = first, second
-    train_in(pools, make_config(checkpoint__every=5, **o1), w1, a)
+    train_in(pools, make_config(checkpoint__every=5, **o1), w1, a, stop=5)  # only step 5 is resumed
     b = tempfile.mkdtemp(prefix="meshlm-nvme-resume-")
     resumed = train_in(pools, make_config(checkpoint__resume=os.path.join(a, "checkpoints", "step_00000005"),
                                            **o2), w2, b)
@@ -81,7 +81,7 @@ def test_nvme_async_checkpoint_is_written_in_place(pools):
     whole state): the checkpoint resumes to the same losses."""
     a = tempfile.mkdtemp(prefix="meshlm-nvme-async-")
     train_in(pools, make_config(checkpoint__every=5, checkpoint__async=True, **nvme(parallel__dp=2, parallel__zero=3)),
-              2, a)
+              2, a, stop=5)  # only step 5 is resumed
     resumed = run_local(make_config(checkpoint__resume=os.path.join(a, "checkpoints", "step_00000005")))
     assert_same_losses(reference()[5:], resumed, FP32)
 

@@ -110,7 +110,7 @@ def test_checkpoint_moves_between_layouts(pools, first, second):
     ref = reference()
     a = tempfile.mkdtemp(prefix="meshlm-zero-ckpt-")
     w1, o1 = first
-    train_in(pools, make_config(checkpoint__every=5, **o1), w1, a)
+    train_in(pools, make_config(checkpoint__every=5, **o1), w1, a, stop=5)  # only step 5 is resumed
     b = tempfile.mkdtemp(prefix="meshlm-zero-resume-")
     w2, o2 = second
     resumed = train_in(pools, make_config(checkpoint__resume=os.path.join(a, "checkpoints", "step_00000005"),
