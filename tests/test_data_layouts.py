@@ -108,7 +108,7 @@ def test_mixture_resumes_across_layouts(pools, corpora, tmp_path):
     o = _cfg(corpora, MIX)
     ref = _reference(corpora, o)
     first = make_config(**o, parallel__dp=2, checkpoint__every=5)
-    pools(2).run(train_case, C.to_dict(first), str(tmp_path / "a"))
+    pools(2).run(train_case, C.to_dict(first), str(tmp_path / "a"), 5)  # stop after step 5, the one resumed
     ck = str(tmp_path / "a" / "checkpoints" / "step_00000005")
     assert os.path.isdir(ck)
     resumed = make_config(**o, parallel__tp=2, checkpoint__resume=ck)

@@ -71,7 +71,7 @@ def test_moe_checkpoint_reshards_across_ep(pools, a, b):
     another with one process's losses, nothing gathered (tests/test_checkpoint.py's harness)."""
     ref = list(_ckpt_reference())
     dir_a, dir_b = tempfile.mkdtemp(prefix="meshlm-a-"), tempfile.mkdtemp(prefix="meshlm-b-")
-    _train(pools, _layout(a), dir_a, checkpoint__every=4, checkpoint__keep=2, **CKPT)
+    _train(pools, _layout(a), dir_a, stop=4, checkpoint__every=4, checkpoint__keep=2, **CKPT)  # only step 4 is resumed
     step4 = os.path.join(dir_a, "checkpoints", "step_00000004")
     got = _train(pools, _layout(b), dir_b, checkpoint__resume=step4, **CKPT)
     assert [r["step"] for r in got] == [5, 6, 7, 8]
