@@ -1,6 +1,31 @@
+import os
+import shutil
+import tempfile
+
 import pytest
 
 from harness import Pool
+
+
+def pytest_configure(config):
+    """One temporary root for the session, removed at its end: tests and their spawned ranks make run
+    directories with `tempfile` (TMPDIR is inherited), and thousands of checkpoints must not pile up in
+    /tmp run after run."""
+    root = tempfile.mkdtemp(prefix="meshlm-tests-")
+    config.meshlm_tmp = (root, os.environ.get("TMPDIR"), tempfile.tempdir)
+    os.environ["TMPDIR"] = tempfile.tempdir = root
+
+
+def pytest_unconfigure(config):
+    root, env, before = getattr(config, "meshlm_tmp", (None, None, None))
+    if root is None:
+        return
+    if env is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = env
+    tempfile.tempdir = before
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items):
