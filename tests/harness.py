@@ -9,6 +9,7 @@ workers for the whole test session, forked from one server that imported torch a
 from __future__ import annotations
 
 import gc
+import getpass
 import json
 import os
 import socket
@@ -20,6 +21,11 @@ from meshlm import config as C
 
 sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import spawn  # noqa: E402  (bench/spawn.py: fork_context)
+
+# Compiled rows reuse inductor's on-disk cache from session to session (a cold one made the two compiled
+# tests of test_train.py 120 s instead of 48 s): its default place is under the temp dir, which
+# tests/conftest.py points at a fresh per-session root, so pin the default first (conftest imports this).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
 
 TINY = {
     "model.preset": "debug",
