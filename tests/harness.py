@@ -16,6 +16,7 @@ import socket
 import sys
 import tempfile
 import traceback
+from multiprocessing import util as mp_util
 
 from meshlm import config as C
 
@@ -26,6 +27,9 @@ import spawn  # noqa: E402  (bench/spawn.py: fork_context)
 # tests of test_train.py 120 s instead of 48 s): its default place is under the temp dir, which
 # tests/conftest.py points at a fresh per-session root, so pin the default first (conftest imports this).
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+# The same for multiprocessing's own directory (the forkserver's socket): it removes it at exit, after
+# conftest has removed the session root.
+mp_util.get_temp_dir()
 
 TINY = {
     "model.preset": "debug",
