@@ -242,29 +242,31 @@ def rows(cases, fast=()) -> list:
     return [pytest.param(*c, id=c[0], marks=[pytest.mark.fast] if c[0] in fast else []) for c in cases]
 
 
-def hooked_case(cfg_dict: dict, run_dir: str, env: dict) -> None:
-    """Train with train/fault.py's test hooks set by `env` (MESHLM_TEST_*), in a pool worker or in
-    this process; the variables are removed again."""
-    from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.plan.auto import resolve
-    from meshlm.train.fault import TestHooks
-    from meshlm.train.trainer import Trainer
+def hooked_case(cfg_dict: dict, run_dir: str, env: dict | list[dict]) -> dict:
+    """Train through the worker's own start-up (train/trainer.py `start`: world, agreed restart count,
+    layout, groups, test hooks) with the variables of `env` set (MESHLM_TEST_*, TORCHELASTIC_*; a list:
+    one dict per rank), in a pool worker or in this process; the variables are removed again. This
+    rank's layout shape, accumulation count, agreed restart count and the step it resumed from."""
+    from meshlm.train.trainer import start
 
+    env = env[int(os.environ.get("RANK", "0"))] if isinstance(env, list) else env
     os.environ.update(env)
     try:
         cfg = C.from_dict(cfg_dict)
-        layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-        ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=120)
-        trainer = Trainer(cfg, run_dir, ctx, layout)
-        TestHooks.install(trainer)
+        C.apply(cfg, "training.device", "cpu")  # the pools are gloo
+        C.apply(cfg, "parallel.timeout_s", 120)
+        trainer = start(cfg, run_dir)
         trainer.fit()
+        return {"layout": trainer.layout.shape(), "accum": trainer.layout.accum, "restarts": trainer.ctx.restarts,
+                "resumed_from": (trainer.resumed_record or {}).get("step")}
     finally:
         for k in env:
             del os.environ[k]
 
 
-def train_hooked(pools, cfg: C.Config, world: int, run_dir: str, env: dict) -> list[dict]:
-    """Every metrics.jsonl line of `cfg` trained on `world` ranks with the test hooks of `env`."""
+def train_hooked(pools, cfg: C.Config, world: int, run_dir: str, env: dict | list[dict]) -> list[dict]:
+    """Every metrics.jsonl line of `cfg` trained on `world` ranks with the test hooks of `env` (a list:
+    one dict per rank)."""
     if world == 1:
         hooked_case(C.to_dict(cfg), run_dir, env)
     else:

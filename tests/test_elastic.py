@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from harness import make_config, run_local, train_hooked
+from harness import hooked_case, make_config, run_local, train_hooked
+from meshlm import config as C
 from meshlm.config import ConfigError
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
@@ -53,12 +54,40 @@ def test_shrink_replan_and_grow_keep_every_loss(pools, tmp_path):
     assert restarts[0]["old_accum"] == 4 and restarts[1]["accum"] == 2
 
 
-def test_layout_that_no_longer_fits(monkeypatch):
+def test_grown_job_agrees_on_one_restart_count(pools, tmp_path):
+    """Growing back with the returning node's worker as rank 0: its agent counts from 0, the survivor's
+    has restarted twice. Every rank takes the largest count before the layout and the resume, so both
+    resume from step 4 although checkpoint.resume = "never", rank 0 writes the restart line, both
+    replan the 1-rank layout (dp 1) to the same 2-rank one, and every loss is one process's."""
+    cfg = make_config(training__steps=8, checkpoint__every=4, checkpoint__keep=10, checkpoint__resume="never",
+                      parallel__dp=1, parallel__elastic="replan")
+    run = str(tmp_path / "run")
+    ref = {r["step"]: r["loss"] for r in train_hooked(pools, cfg, 1, run, {}) if "loss" in r}  # uninterrupted
+    keep_checkpoints_upto(run, 4)
+    counts = [{"TORCHELASTIC_RESTART_COUNT": "0"}, {"TORCHELASTIC_RESTART_COUNT": "2"}]
+    ranks = pools(2).run(hooked_case, C.to_dict(cfg), run, counts, timeout=300)  # ranks that disagree hang
+    assert [r["restarts"] for r in ranks] == [2, 2]
+    assert [r["resumed_from"] for r in ranks] == [4, 4]
+    assert ranks[0]["layout"] == ranks[1]["layout"] and ranks[0]["accum"] == ranks[1]["accum"], ranks
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        lines = [json.loads(x) for x in f if x.strip()]
+    restarts = [r for r in lines if "restart" in r]
+    assert [(r["restart"], r["resumed_from"], r["old_world"], r["world"]) for r in restarts] == [(2, 4, 1, 2)]
+    assert restarts[0]["layout"] == ranks[0]["layout"] and restarts[0]["old_layout"]["dp_shard"] == 1
+    got = [r for r in lines if "loss" in r]
+    assert [r["step"] for r in got] == list(range(1, 9)), "a step is missing or logged twice"
+    for r in got:
+        assert abs(r["loss"] - ref[r["step"]]) <= 1e-5 * ref[r["step"]], (r["step"], r["loss"], ref[r["step"]])
+
+
+def test_layout_that_no_longer_fits():
     from meshlm.plan.auto import resolve
     cfg = make_config(parallel__tp=2, parallel__elastic="fail")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     with pytest.raises(ConfigError) as e:
-        resolve(cfg, 3)
+        resolve(cfg, 3)  # a first launch: the usual line
+    assert "elastic" not in str(e.value), e.value
+    with pytest.raises(ConfigError) as e:
+        resolve(cfg, 3, restarts=1)  # the job's agreed restart count (distributed/mesh.py join_world)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("parallel") and 'parallel.elastic = "replan"' in msg, msg
     cfg = make_config(parallel__tp=2, parallel__elastic="replan")

@@ -90,6 +90,7 @@ class ParallelContext:
     shape: dict[str, int]
     device: torch.device
     comms: dict[str, Comm] = field(default_factory=dict)
+    restarts: int = 0  # the job's restart count, agreed by every rank (`join_world`)
 
     @property
     def coords(self) -> dict[str, int]:
@@ -128,19 +129,48 @@ def pick_device(kind: str = "auto") -> torch.device:
     raise ValueError(f"training.device: unknown device '{kind}'")
 
 
-def init_context(shape: dict[str, int], device: torch.device, timeout_s: float = 300.0) -> ParallelContext:
-    """Join the job described by the torchrun environment (or run alone) and build all groups."""
+def agent_restarts() -> int:
+    """This process's agent's restart count: not the job's when agents joined at different times."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def join_world(device: torch.device, timeout_s: float = 300.0) -> int:
+    """Form the default (world) process group if there is none, and return the job's restart count:
+    the largest of every rank's agent's count (one all-reduce MAX). An agent that joined a grown job
+    later counts from 0, so its ranks would otherwise treat a restart as a fresh launch: the layout,
+    the resume and the restart line must see one value on every rank (docs/fault_tolerance.md,
+    "Growing back"). Start-up runs it before the layout is resolved."""
+    if not _init_world(device, timeout_s):
+        return agent_restarts()
+    count = torch.tensor([agent_restarts()], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
+
+
+def _init_world(device: torch.device, timeout_s: float) -> bool:
+    """The default process group of the torchrun environment (made once); False when running alone."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None,
+                                **_attempt_store(int(os.environ.get("RANK", "0")), world, timeout_s))
+    return world > 1
+
+
+def init_context(shape: dict[str, int], device: torch.device, timeout_s: float = 300.0,
+                 restarts: int | None = None) -> ParallelContext:
+    """Join the job described by the torchrun environment (or run alone) and build all groups.
+    `restarts`: the count `join_world` agreed on (None: join and agree now)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     need = math.prod(shape[d] for d in DIMS)
     if need != world:
         raise RuntimeError(f"layout needs {need} ranks but WORLD_SIZE is {world}")
-    if world > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None,
-                                **_attempt_store(rank, world, timeout_s))
-    ctx = ParallelContext(rank=rank, world_size=world, shape=dict(shape), device=device)
+    _init_world(device, timeout_s)
+    if restarts is None:
+        restarts = join_world(device, timeout_s)
+    ctx = ParallelContext(rank=rank, world_size=world, shape=dict(shape), device=device, restarts=restarts)
     for name in DIMS + tuple(COMPOSITES):
         dims = COMPOSITES.get(name, (name,))
         ctx.comms[name] = _make_comm(name, groups_along(dims, shape), rank, world, timeout_s)
@@ -171,7 +201,7 @@ def _attempt_store(rank: int, world: int, timeout_s: float) -> dict:
     workers of one round may have different restart counts (a node that joined later: its agent's
     count starts at 0), so the prefix is only used where the store outlives rounds: the agent's own.
     Otherwise each round's rank 0 hosts a fresh store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    attempt = agent_restarts()  # the group does not exist yet: nothing to agree with
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if attempt == 0 or "MASTER_ADDR" not in os.environ or not agent:
         return {}

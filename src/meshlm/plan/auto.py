@@ -71,14 +71,15 @@ def choose(cfg: Config, world: int, gpu: GPU | None = None, o: Options | None = 
                       f"{gpu.name} with global_batch {G} × seq_len {seq} (see meshlm plan --explain)")
 
 
-def resolve(cfg: Config, world: int, gpu: GPU | None = None) -> Layout:
+def resolve(cfg: Config, world: int, gpu: GPU | None = None, restarts: int = 0) -> Layout:
     """`layout.resolve`, with parallel.auto's choice for this world size and device (`gpu`; None: a
     CPU) written into `cfg` first, so the trainer builds what was chosen; the choice and its
     predictions are left in `cfg.auto_record`.
 
     parallel.elastic = "replan": a configured layout that does not fit `world` (an elastic restart on
     fewer or more ranks) is replaced by the planner's choice for it, noted in `cfg.auto_record`
-    (`replanned_from`); "fail" keeps the one-line ConfigError and says how to allow it."""
+    (`replanned_from`); "fail" keeps the one-line ConfigError and, after a restart (`restarts`, the
+    count every rank agreed on: distributed/mesh.py `join_world`), says how to allow it."""
     if cfg.parallel.auto:
         new, cfg.auto_record = choose(cfg, world, gpu)
         cfg.parallel, cfg.training = new.parallel, new.training
@@ -87,7 +88,7 @@ def resolve(cfg: Config, world: int, gpu: GPU | None = None) -> Layout:
         return resolve_layout(cfg, world)
     except ConfigError as e:
         if cfg.parallel.elastic != "replan" or not _layout_error(str(e)):
-            if cfg.parallel.elastic == "fail" and _layout_error(str(e)) and _elastic_restart():
+            if cfg.parallel.elastic == "fail" and _layout_error(str(e)) and restarts > 0:
                 raise ConfigError(f"{e} (after an elastic resize to {world} ranks; parallel.elastic = "
                                   f"\"replan\" lets the planner pick a layout that fits)") from None
             raise
@@ -106,10 +107,6 @@ def resolve(cfg: Config, world: int, gpu: GPU | None = None) -> Layout:
 def _layout_error(msg: str) -> bool:
     """A ConfigError about the parallel degrees or the batch split (what another layout can fix)."""
     return msg.startswith(("parallel", "training.global_batch", "training.micro_batch", "--nproc"))
-
-
-def _elastic_restart() -> bool:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
 def _short(cfg: Config) -> str:

@@ -2,8 +2,9 @@
 stopping on a non-finite loss or gradient norm without ever checkpointing the bad state.
 
 - **Restarts** (`meshlm train --max-restarts R`): torchrun's agent restarts every worker when one dies;
-  a restarted worker (TORCHELASTIC_RESTART_COUNT > 0) resumes from the newest complete checkpoint of
-  its run directory, whatever `checkpoint.resume` said, and rank 0 writes a `restart` line to
+  a restarted worker (the job's restart count > 0: the largest of the agents' TORCHELASTIC_RESTART_COUNT,
+  agreed by every rank at start-up, distributed/mesh.py `join_world`) resumes from the newest complete
+  checkpoint of its run directory, whatever `checkpoint.resume` said, and rank 0 writes a `restart` line to
   metrics.jsonl. Lines of steps after the resumed one are dropped first: those steps run again with
   the same losses, so no step is ever logged twice. A saving step's line is written after its save
   (it carries the save's `ckpt` timings) and also kept in the checkpoint's meta.json, so a crash
@@ -30,14 +31,11 @@ AUTO_FIRST = 5  # steps before the first, timed, checkpoint of checkpoint.every 
 NONE = 2 ** 62  # "no bad step yet" in the device-side record
 
 
-def restart_count() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
-def resume_setting(resume: str, root: str) -> str:
-    """After a restart, the newest checkpoint of this run beats `checkpoint.resume` (never / a path)."""
+def resume_setting(resume: str, root: str, restarts: int) -> str:
+    """After a restart (`restarts`: the job's agreed count), the newest checkpoint of this run beats
+    `checkpoint.resume` (never / a path)."""
     from .checkpoint import list_checkpoints
-    return "auto" if restart_count() > 0 and list_checkpoints(root) else resume
+    return "auto" if restarts > 0 and list_checkpoints(root) else resume
 
 
 def resize_record(meta: dict, layout: dict, accum: int) -> dict:
@@ -50,13 +48,13 @@ def resize_record(meta: dict, layout: dict, accum: int) -> dict:
     return out
 
 
-def on_start(run_dir: str, step: int, is_logger: bool, record: dict | None = None,
+def on_start(run_dir: str, step: int, is_logger: bool, restarts: int, record: dict | None = None,
              resize: dict | None = None) -> None:
     """Before metrics are appended: drop lines of steps that will run again; put back the resumed
     step's line (`record`, from its checkpoint) if a crash after the save lost it; note a restart
-    (with the old and new world and layout, `resize`)."""
+    (the job's agreed count `restarts`, with the old and new world and layout, `resize`)."""
     path = os.path.join(run_dir, "metrics.jsonl")
-    restarted = restart_count() > 0
+    restarted = restarts > 0
     if not is_logger or not (restarted or step > 0) or not os.path.isfile(path):
         return
     with open(path) as f:
@@ -64,7 +62,7 @@ def on_start(run_dir: str, step: int, is_logger: bool, record: dict | None = Non
     if record is not None and not any('"loss"' in line and json.loads(line).get("step") == step for line in lines):
         lines.append(json.dumps(record) + "\n")
     if restarted:
-        lines.append(json.dumps({"step": step, "restart": restart_count(), "resumed_from": step, **(resize or {})})
+        lines.append(json.dumps({"step": step, "restart": restarts, "resumed_from": step, **(resize or {})})
                      + "\n")
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -77,17 +75,17 @@ class NonFiniteError(RuntimeError):
 
 
 class FiniteGuard:
-    def __init__(self, precision: str, device: torch.device, world, run_dir: str):
+    def __init__(self, precision: str, device: torch.device, world, run_dir: str, restarts: int = 0):
         self.check_norm = precision != "fp16"
-        self.world, self.run_dir = world, run_dir
+        self.world, self.run_dir, self.restarts = world, run_dir, restarts  # restarts: the job's agreed count
         self.first = torch.full((2,), NONE, dtype=torch.int64, device=device)  # loss, grad norm
         self.marker = os.path.join(run_dir, "nonfinite.json")
-        if restart_count() == 0 and world.rank == 0 and os.path.exists(self.marker):
+        if restarts == 0 and world.rank == 0 and os.path.exists(self.marker):
             os.remove(self.marker)  # a new launch (maybe with a smaller lr) tries again
 
     def replay(self) -> None:
         """A restart after a non-finite stop would only meet the same step again: stop at once."""
-        if restart_count() > 0 and os.path.isfile(self.marker):
+        if self.restarts > 0 and os.path.isfile(self.marker):
             with open(self.marker) as f:
                 raise NonFiniteError(json.load(f)["message"])
 
@@ -161,13 +159,13 @@ class TestHooks:
                                  in every layout (a corrupt shard: what the spike guard is for)
     """
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, restarts: int):
         env = os.environ
         self.rank = rank
         self.nan_step = int(env.get("MESHLM_TEST_NAN_STEP", "0") or 0)
         self.sleep = float(env.get("MESHLM_TEST_STEP_SLEEP", "0") or 0)
         kill = env.get("MESHLM_TEST_KILL_IN_SAVE", "")
-        self.kill = tuple(int(x) for x in kill.split(":")) if kill and restart_count() == 0 else None
+        self.kill = tuple(int(x) for x in kill.split(":")) if kill and restarts == 0 else None
         self.corrupt = int(env.get("MESHLM_TEST_CORRUPT_BATCH", "-1") or -1)
         slow = env.get("MESHLM_TEST_SLOW_RANK", "")
         if slow and int(slow.split(":")[0]) == rank:
@@ -176,7 +174,7 @@ class TestHooks:
     @classmethod
     def install(cls, trainer) -> "TestHooks":
         """Wrap the trainer's step, non-finite guard and checkpointer where a variable asks for it."""
-        hooks = cls(trainer.ctx.rank)
+        hooks = cls(trainer.ctx.rank, trainer.ctx.restarts)
         if hooks.sleep:
             step = trainer.train_step
 

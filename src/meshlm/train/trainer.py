@@ -11,7 +11,7 @@ from ..config import Config, to_dict
 from ..data import default_data_dir
 from ..data.dataset import open_data
 from ..distributed.comm import Watchdog, exit_silent, merge_stats, reset_stats
-from ..distributed.mesh import ParallelContext, init_context, pick_device, shutdown
+from ..distributed.mesh import ParallelContext, init_context, join_world, pick_device, shutdown
 from ..layout import Layout, model_args
 from ..model import build_model
 from ..parallel import Parallelized, parallelize
@@ -24,17 +24,26 @@ from .straggler import StragglerWatch, describe, split
 from .optim import LossScaler, MasterOptimizer, clip_, grad_norm, lr_at
 
 
-def run(cfg: Config, run_dir: str) -> dict:
-    """Entry point of one worker (or of the only process)."""
-    device = pick_device(cfg.training.device)
-    layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")), device_profile(device))
-    ctx = init_context(layout.shape(), device, cfg.parallel.timeout_s)
+def run(cfg: Config, run_dir: str, restarts: int | None = None) -> dict:
+    """Entry point of one worker (or of the only process); `restarts` as in `start`."""
     try:
-        trainer = Trainer(cfg, run_dir, ctx, layout)
-        fault.TestHooks.install(trainer)  # failure injection for the test suite; nothing unless asked
-        return trainer.fit()
+        return start(cfg, run_dir, restarts).fit()
     finally:
         shutdown()
+
+
+def start(cfg: Config, run_dir: str, restarts: int | None = None) -> "Trainer":
+    """One worker's start-up, in the order docs/fault_tolerance.md ("Growing back") needs: the world
+    group and the job's restart count every rank agreed on (`restarts`, if the caller already joined),
+    then the layout (its parallel.elastic message depends on that count), then the mesh's groups."""
+    device = pick_device(cfg.training.device)
+    if restarts is None:
+        restarts = join_world(device, cfg.parallel.timeout_s)
+    layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")), device_profile(device), restarts)
+    ctx = init_context(layout.shape(), device, cfg.parallel.timeout_s, restarts)
+    trainer = Trainer(cfg, run_dir, ctx, layout)
+    fault.TestHooks.install(trainer)  # failure injection for the test suite; nothing unless asked
+    return trainer
 
 
 def _log_auto(record: dict, run_dir: str) -> None:
@@ -86,7 +95,7 @@ class Trainer:
         for c in ctx.all_comms():
             c.watchdog = self.watchdog
         # fault tolerance (train/fault.py): non-finite guard
-        self.guard = fault.FiniteGuard(t.precision, ctx.device, ctx.comm("world"), run_dir)
+        self.guard = fault.FiniteGuard(t.precision, ctx.device, ctx.comm("world"), run_dir, ctx.restarts)
         self.spikes = SpikeDetector(t.spike_zscore, t.spike_window, t.spike_action)
         self.rollbacks: dict[int, int] = {}  # checkpoint step -> rollbacks to it
         m = cfg.metrics
@@ -237,7 +246,7 @@ class Trainer:
 
     def maybe_resume(self) -> None:
         root = os.path.join(self.run_dir, "checkpoints")
-        path = ckpt.find_resume(root, fault.resume_setting(self.cfg.checkpoint.resume, root))
+        path = ckpt.find_resume(root, fault.resume_setting(self.cfg.checkpoint.resume, root, self.ctx.restarts))
         if path is not None:
             self.load(path)
 
@@ -282,7 +291,8 @@ class Trainer:
         t, m = self.cfg.training, self.cfg.metrics
         self.guard.replay()
         self.maybe_resume()
-        fault.on_start(self.run_dir, self.step, self.ctx.is_logger, self.resumed_record, self.resumed_layout)
+        fault.on_start(self.run_dir, self.step, self.ctx.is_logger, self.ctx.restarts, self.resumed_record,
+                       self.resumed_layout)
         self.log = MetricsLog(self.run_dir, self.ctx.is_logger, t.steps, self.step, m.progress, m.tensorboard)
         self.profiled = StepProfiler(self.run_dir, m.profile_step, self.ctx.is_logger, self.ctx.device)
         self.comms = self.ctx.all_comms()
