@@ -362,3 +362,19 @@ def test_bad_checkpoint_is_one_line_and_nothing_is_deleted(saved, tmp_path, dama
     assert len(err.splitlines()) == 1 and re.search(match, err), err
     assert "Traceback" not in err
     assert set(before) <= set(_tree(run)) and _tree(os.path.dirname(ck)) == ck_before
+
+
+def test_restart_preflights_the_checkpoint_it_will_load(saved, tmp_path):
+    """After a restart the run's newest checkpoint is loaded whatever `checkpoint.resume` says
+    (`find_resume`), so that is the one refused before work starts."""
+    from meshlm.train.checkpoint import CheckpointError, preflight
+    run = str(tmp_path / "run")
+    ck = os.path.join(run, "checkpoints", "step_00000002")
+    shutil.copytree(saved, ck)
+    f = os.path.join(ck, "__0_0.distcp")
+    with open(f, "r+b") as fh:
+        fh.truncate(os.path.getsize(f) // 2)
+    cfg = make_config(checkpoint__resume="never")
+    preflight(cfg, run, restarts=0)  # a first launch with resume = never loads nothing
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp is truncated"):
+        preflight(cfg, run, restarts=1)

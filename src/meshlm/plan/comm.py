@@ -20,6 +20,12 @@ WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1)
         "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "p2p": lambda n: 1.0}
 
 
+def latency(gpu: GPU, link_name: str) -> float:
+    """Fixed seconds per collective call: the device's own when it has one (a calibrated CPU), else
+    the link's."""
+    return gpu.link_latency_s if gpu.link_latency_s is not None else LATENCY_S[link_name]
+
+
 def link(gpu: GPU, size: int, stride: int) -> tuple[str, float]:
     """(link name, bytes/s per rank) for a group of `size` ranks `stride` apart."""
     gpn = gpu.gpus_per_node
@@ -66,7 +72,7 @@ def make(gpu: GPU | None, group: str, kind: str, size: int, stride: int, calls: 
         name, bw = link(gpu, size, stride)
     c = Collective(group, kind, name, size, calls, nbytes, window=window, per=per)
     if bw > 0 and size > 1 and calls > 0:
-        c.seconds = c.wire_bytes / (bw * comm_efficiency) + calls * LATENCY_S[name]
+        c.seconds = c.wire_bytes / (bw * comm_efficiency) + calls * latency(gpu, name)
     return c
 
 

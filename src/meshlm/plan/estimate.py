@@ -248,6 +248,31 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
     }
 
 
+# the step's categories in the order `meshlm estimate` prints them (step_categories)
+CATEGORIES = {"gemm": "GEMM", "attention": "attention", "elementwise": "element-wise", "launch": "launch / dispatch",
+              "loss": "loss", "grad_accum": "grad accumulation", "recompute": "recompute", "compute": "compute (flat)",
+              "optimizer": "optimizer", "comm": "communication exposed", "bubble": "bubble",
+              "overhead": "per-step overhead"}
+
+
+def step_categories(r: dict) -> dict:
+    """An estimate's step seconds by category, adding up to `step_s`: the per-operation breakdown
+    (`ops`: GEMM with the head, attention, element-wise, launches, loss, gradient accumulation,
+    recompute) or, with a flat --efficiency, the compute as one; then the optimizer, exposed
+    communication, pipeline bubble and per-step overhead (the time model's terms, docs/planner.md)."""
+    t, ops = r["time"], r["ops"]
+    if ops is None:
+        out = {"compute": t["forward_s"] + t["backward_s"] + t["recompute_s"]}
+    else:
+        out = {"gemm": ops["gemm_s"] + ops["head_s"], "attention": ops["attention_s"],
+               "elementwise": ops["elementwise_s"], "launch": ops["launch_s"], "loss": ops["loss_s"],
+               "grad_accum": ops["grad_accum_s"], "recompute": ops["recompute_s"]}
+    out.update(optimizer=t["optimizer_s"] + t["offload_s"],
+               comm=t["exposed_comm_microbatch_s"] + t["exposed_comm_step_s"], bubble=t["bubble_s"],
+               overhead=t["overhead_s"])
+    return out
+
+
 def estimate(shape: Shape, s: Spec, gpu: GPU | None = None, o: Options | None = None, validate: bool = True,
              simulate: bool | None = None) -> dict:
     """The full estimate of one layout; `fits` is None when no memory size is known."""
