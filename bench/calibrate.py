@@ -32,7 +32,7 @@ SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
 sys.path.insert(0, SRC)
 
 from meshlm.plan import calibrate as K  # noqa: E402
-from meshlm.plan.estimate import estimate  # noqa: E402
+from meshlm.plan.estimate import estimate, step_categories  # noqa: E402
 from meshlm.plan.spec import shape_from_config, spec_from_config  # noqa: E402
 
 
@@ -54,6 +54,56 @@ def train(run_dir: str, nproc: int, common: list[str], extra: list[str]) -> floa
     return time.perf_counter() - t0
 
 
+PROBE_BYTES = [4096 * 4 ** k for k in range(6)]  # fp32 all-reduces of 4 KB .. 4 MB (a scalar is another regime)
+
+
+def _probe_rank(rank: int, port: int, calls: int, q) -> None:
+    import torch
+    import torch.distributed as dist
+    from meshlm.train.metrics import sched_seconds
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    rows = []
+    for nbytes in PROBE_BYTES:
+        x = torch.zeros(nbytes // 4)
+        for _ in range(5):
+            dist.all_reduce(x)
+        dist.barrier()
+        c0, t0 = sched_seconds()[0], time.perf_counter()
+        for _ in range(calls):
+            dist.all_reduce(x)
+        rows.append(((time.perf_counter() - t0) / calls, (sched_seconds()[0] - c0) / calls))
+    if rank == 0:
+        q.put(rows)
+    dist.destroy_process_group()
+
+
+def probe(run_dir: str, calls: int = 40) -> dict:
+    """The machine's collectives by size, like nccl-tests' all_reduce_perf: 2 ranks of one thread (as
+    the calibration run), gloo, wall and core seconds per all-reduce; written to the run's
+    link_probe.json, whose intercepts are the per-call cost `--calibrate` prices every call at
+    (plan/calibrate.read_probe). Only the machine is measured, neither run."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_probe_rank, args=(r, port, calls, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rows = q.get(timeout=300)
+    for p in procs:
+        p.join()
+    out = {"backend": "gloo", "ranks": 2, "threads": 1, "calls": calls, "bytes": PROBE_BYTES,
+           "wall_s": [w for w, _ in rows], "core_s": [c for _, c in rows]}
+    with open(os.path.join(run_dir, K.PROBE), "w") as f:
+        json.dump(out, f)
+    return out
+
+
 def variants(calib: str, cfg, ranks: int, threads: int) -> tuple[dict, dict]:
     """Step seconds predicted under the model and under the assumptions it replaces, and the model's
     seconds per step by trace category."""
@@ -68,21 +118,23 @@ def variants(calib: str, cfg, ranks: int, threads: int) -> tuple[dict, dict]:
 
 def core_seconds(calib: str, cfg, ranks: int, threads: int) -> dict:
     """Seconds on a core per step of one target rank, the quantity other programs' load does not
-    change: the calibration fitted per core actually held (its schedstat share, `load=None`), priced
-    at one whole core (`cores=0`), with and without the trace. Compared with the target's `cpu_s`."""
+    change: the calibration fitted to the run's own seconds on a core (`on_core`: its `cpu_s` as if
+    each rank had a core), priced at one whole core, with and without the trace, each collective call
+    at the probe's core seconds (its wait for the peer is not time on a core). Compared with the
+    target's `cpu_s`."""
     out = {}
     for name, trace in (("model", True), ("flat", False)):
-        cal = dataclasses.replace(K.fit(calib, load=None, trace=trace), cores=0)
+        cal = K.fit(calib, trace=trace, on_core=True)
+        cal = dataclasses.replace(cal, latency_s=cal.latency_core_s)
         out[name] = K.predict(cal, cfg, ranks, threads)["step_s"]
     return out
 
 
 def categories(est: dict) -> dict:
     """The estimate's seconds per step in the trace's categories (calibrate.split_profile)."""
-    ops, t = est["ops"], est["time"]
-    return {"gemm": ops["gemm_s"] + ops["head_s"], "attention": ops["attention_s"],
-            "elementwise": ops["elementwise_s"] + ops["grad_accum_s"] + ops["loss_s"] + t["optimizer_s"],
-            "overhead": t["overhead_s"], "comm": t["exposed_comm_microbatch_s"] + t["exposed_comm_step_s"]}
+    c = step_categories(est)
+    return {"gemm": c["gemm"], "attention": c["attention"], "overhead": c["overhead"], "comm": c["comm"],
+            "elementwise": sum(c[k] for k in ("elementwise", "launch", "loss", "grad_accum", "optimizer"))}
 
 
 def traced(run_dir: str, step_s: float) -> dict:
@@ -116,6 +168,7 @@ def main() -> int:
             calib, target = os.path.join(root, f"r{i}-dp2"), os.path.join(root, f"r{i}-tp2dp2")
             load = os.getloadavg()[0]
             train(calib, 2, common, [])
+            probe(calib)
             train(target, 4, common, ["--parallel.tp", "2"])
             cal, got, base = K.fit(calib), K.measured(target), K.measured(calib)
             pred, cats = variants(calib, K.run_config(target), got.world, got.threads)
@@ -125,7 +178,8 @@ def main() -> int:
                          "calib_comm_s": base.comm_s, "calib_available": base.available,
                          "target_available": got.available, "target_comm_s": got.comm_s,
                          "rates": {k: getattr(cal, k) for k in ("gemm_flops", "attn_flops", "ew_bytes_s",
-                                                                "dispatch_s", "overhead_s", "link_bytes_s")},
+                                                                "dispatch_s", "overhead_s", "link_bytes_s",
+                                                                "latency_s", "latency_core_s")},
                          "calib_split": cal.split, "target_pred": cats, "target_traced": meas,
                          "measured_s": got.step_s, **{f"pred_{k}_s": v for k, v in pred.items()},
                          **{f"ratio_{k}": v / got.step_s for k, v in pred.items()},
@@ -143,6 +197,9 @@ def main() -> int:
                 print(f"    tp2×dp2 seconds on a core per step per rank: predicted {r['cpu_pred_model_s']:.3f} "
                       f"(flat {r['cpu_pred_flat_s']:.3f}), measured {r['target_cpu_s']:.3f}: ratio "
                       f"{r['cpu_ratio_model']:.3f} (flat {r['cpu_ratio_flat']:.3f})", flush=True)
+                print(f"    link probe: {cal.latency_s * 1e3:.2f} ms per all-reduce call, "
+                      f"{cal.latency_core_s * 1e3:.2f} ms of it on a core; link {cal.link_bytes_s / 1e9:.2f} "
+                      f"GB/s per core", flush=True)
                 print("    tp2×dp2 s/step predicted / traced: " + ", ".join(
                     f"{k} {cats[k]:.3f}/{meas[k]:.3f}" for k in cats), flush=True)
     finally:

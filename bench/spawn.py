@@ -14,7 +14,7 @@ def free_port() -> int:
 
 
 def join_gloo(rank: int, world: int, port: int) -> None:
-    """In a spawned worker: one thread, join the gloo job on loopback."""
+    """In a worker: one thread, join the gloo job on loopback."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import torch
@@ -22,6 +22,30 @@ def join_gloo(rank: int, world: int, port: int) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+# What a worker imports before its work: torch._dynamo comes with the first optimizer (torch.optim).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "meshlm.train.trainer"]
+
+
+def fork_context(preload: list[str] = PRELOAD):
+    """Workers forked from one server process that imported `preload` once, instead of each spawned
+    worker importing them itself (seconds of CPU per worker; tests/harness.py's pools use it too). The
+    server starts with one OpenMP thread, so no thread pool exists to be copied into a fork."""
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(preload)
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
+    return ctx
 
 
 def _call_and_exit(worker, *args) -> None:
@@ -46,7 +70,7 @@ def _call_and_exit(worker, *args) -> None:
 
 
 def _run(worker, world: int, args: tuple, timeout: float, results: int) -> list:
-    ctx = mp.get_context("spawn")
+    ctx = fork_context()
     q = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_call_and_exit, args=(worker, r, world, port) + tuple(args) + (q,))

@@ -1,21 +1,35 @@
 """Equivalence harness (docs/architecture.md, invariant 1): run one config in one process and in a layout, compare
 per-step losses.
 
-Spawning gloo workers costs seconds on two cores, so each world size gets one pool of persistent
-workers for the whole test session; every case reuses the pool's default process group and only
-builds its (cheap) sub-groups.
+Starting gloo workers costs seconds on two cores, so each world size gets one pool of persistent
+workers for the whole test session, forked from one server that imported torch and the trainer once
+(bench/spawn.py fork_context); every case reuses the pool's default process group and only builds its
+(cheap) sub-groups.
 """
 from __future__ import annotations
 
 import gc
+import getpass
 import json
-import multiprocessing as mp
 import os
 import socket
+import sys
 import tempfile
 import traceback
+from multiprocessing import util as mp_util
 
 from meshlm import config as C
+
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import spawn  # noqa: E402  (bench/spawn.py: fork_context)
+
+# Compiled rows reuse inductor's on-disk cache from session to session (a cold one made the two compiled
+# tests of test_train.py 120 s instead of 48 s): its default place is under the temp dir, which
+# tests/conftest.py points at a fresh per-session root, so pin the default first (conftest imports this).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+# The same for multiprocessing's own directory (the forkserver's socket): it removes it at exit, after
+# conftest has removed the session root.
+mp_util.get_temp_dir()
 
 TINY = {
     "model.preset": "debug",
@@ -50,8 +64,8 @@ def read_metrics(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if '"loss"' in line]
 
 
-def run_local(cfg: C.Config, run_dir: str | None = None) -> list[dict]:
-    """Train `cfg` in this process, world size 1."""
+def run_local(cfg: C.Config, run_dir: str | None = None, stop: int = 0) -> list[dict]:
+    """Train `cfg` in this process, world size 1 (`stop`: end after that step, stop_after)."""
     from meshlm.distributed.mesh import init_context, pick_device
     from meshlm.plan.auto import resolve  # the trainer's entry: parallel.auto chooses first
     from meshlm.train.trainer import Trainer
@@ -59,9 +73,24 @@ def run_local(cfg: C.Config, run_dir: str | None = None) -> list[dict]:
     run_dir = run_dir or tempfile.mkdtemp(prefix="meshlm-ref-")
     layout = resolve(cfg, 1)
     ctx = init_context(layout.shape(), pick_device("cpu"))
-    Trainer(cfg, run_dir, ctx, layout).fit()
+    trainer = Trainer(cfg, run_dir, ctx, layout)
+    if stop:
+        stop_after(trainer, stop)
+    trainer.fit()
     return read_metrics(run_dir)
 
+
+
+_REFERENCES: dict[str, list[dict]] = {}
+
+
+def reference(**overrides) -> list[dict]:
+    """One process's metrics of TINY with `overrides` (make_config's keys), trained once per session:
+    the equivalence files compare their layouts with the same few references."""
+    key = json.dumps(overrides, sort_keys=True, default=str)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_local(make_config(**overrides))
+    return list(_REFERENCES[key])
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -107,8 +136,21 @@ def _drop_sub_groups(dist) -> None:
     gc.collect()  # a group's threads end with its last reference (the case's objects, in cycles)
 
 
-def train_case(cfg_dict: dict, run_dir: str) -> dict | None:
-    """Runs inside a pool worker: train the config; rank 0 returns nothing (metrics are on disk)."""
+def stop_after(trainer, step: int) -> None:
+    """End `trainer.fit()` once `step` is done (its checkpoint and metrics line written), the schedule
+    untouched: a run that only writes the checkpoint another layout resumes need not train past it.
+    The hook is the last stage of fit()'s step (train/trainer.py)."""
+    last = trainer._evaluate_if_due
+
+    def end_of_step() -> None:
+        last()
+        if trainer.step >= step:
+            trainer.cfg.training.steps = trainer.step  # the loop's bound, read once more before it ends
+    trainer._evaluate_if_due = end_of_step
+
+def train_case(cfg_dict: dict, run_dir: str, stop: int = 0) -> dict | None:
+    """Runs inside a pool worker: train the config (`stop`: end after that step); rank 0 returns nothing
+    (metrics are on disk)."""
     from meshlm.distributed.mesh import init_context, pick_device
     from meshlm.plan.auto import resolve  # the trainer's entry: parallel.auto chooses first
     from meshlm.train.trainer import Trainer
@@ -116,15 +158,22 @@ def train_case(cfg_dict: dict, run_dir: str) -> dict | None:
     cfg = C.from_dict(cfg_dict)
     layout = resolve(cfg, int(os.environ["WORLD_SIZE"]))
     ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=120)
-    Trainer(cfg, run_dir, ctx, layout).fit()
+    trainer = Trainer(cfg, run_dir, ctx, layout)
+    if stop:
+        stop_after(trainer, stop)
+    trainer.fit()
     return None
+
+
+# The pool's workers also run the harness's own functions.
+PRELOAD = [*spawn.PRELOAD, "meshlm.plan.auto", "harness"]
 
 
 class Pool:
     """`world` persistent gloo workers that run functions (module-level, picklable) on every rank."""
 
     def __init__(self, world: int):
-        ctx = mp.get_context("spawn")
+        ctx = spawn.fork_context(PRELOAD)  # forked from one server that imported PRELOAD once
         self.world = world
         port = _free_port()
         self.tasks = [ctx.Queue() for _ in range(world)]
@@ -163,11 +212,12 @@ def run_layout(pools, cfg: C.Config, world: int) -> list[dict]:
     return read_metrics(run_dir)
 
 
-def train_in(pools, cfg: C.Config, world: int, run_dir: str) -> list[dict]:
-    """Train `cfg` into `run_dir` on `world` ranks (1: in this process); its losses."""
+def train_in(pools, cfg: C.Config, world: int, run_dir: str, stop: int = 0) -> list[dict]:
+    """Train `cfg` into `run_dir` on `world` ranks (1: in this process); its losses. `stop`: end after
+    that step (stop_after)."""
     if world == 1:
-        return run_local(cfg, run_dir)
-    pools(world).run(train_case, C.to_dict(cfg), run_dir)
+        return run_local(cfg, run_dir, stop)
+    pools(world).run(train_case, C.to_dict(cfg), run_dir, stop)
     return read_metrics(run_dir)
 
 

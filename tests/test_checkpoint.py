@@ -11,7 +11,7 @@ import tempfile
 import pytest
 import torch
 
-from harness import Pool, assert_same_losses, make_config, read_metrics
+from harness import Pool, assert_same_losses, make_config, read_metrics, stop_after
 from meshlm import config as C
 
 RESHARD = 1e-6
@@ -50,8 +50,9 @@ def _world(over: dict) -> int:
             * over.get("parallel__cp", 1))
 
 
-def traced_case(cfg_dict: dict, run_dir: str) -> dict:
-    """Train in a pool worker (or here) and count all-gathers inside save and resume."""
+def traced_case(cfg_dict: dict, run_dir: str, stop: int = 0) -> dict:
+    """Train in a pool worker (or here) and count all-gathers inside save and resume; `stop`: end after
+    that step (harness.stop_after)."""
     from meshlm.distributed.mesh import init_context, pick_device
     from meshlm.layout import resolve
     from meshlm.train.trainer import Trainer
@@ -60,6 +61,8 @@ def traced_case(cfg_dict: dict, run_dir: str) -> dict:
     layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=120)
     tr = Trainer(cfg, run_dir, ctx, layout)
+    if stop:
+        stop_after(tr, stop)
     counts = {"save": 0, "load": 0}
 
     def counted(kind, fn):
@@ -107,13 +110,13 @@ def _status_bytes(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _train(pools, over: dict, run_dir: str, **extra) -> list[dict]:
+def _train(pools, over: dict, run_dir: str, stop: int = 0, **extra) -> list[dict]:
     cfg = C.to_dict(make_config(**{**BASE, **over, **extra}))
     world = _world(over)
     if world == 1:
-        counts = [traced_case(cfg, run_dir)]
+        counts = [traced_case(cfg, run_dir, stop)]
     else:
-        counts = pools(world).run(traced_case, cfg, run_dir)
+        counts = pools(world).run(traced_case, cfg, run_dir, stop)
     assert all(c["save"] == 0 and c["load"] == 0 for c in counts), counts  # nothing gathered
     return read_metrics(run_dir)
 
@@ -143,7 +146,9 @@ RESHARD_CASES = [
 def test_checkpoint_reshards_into_any_layout(pools, a, b):
     ref = list(_reference())
     dir_a, dir_b = tempfile.mkdtemp(prefix="meshlm-a-"), tempfile.mkdtemp(prefix="meshlm-b-")
-    _train(pools, _layout(a), dir_a, checkpoint__every=4, checkpoint__keep=2)
+    a_rows = _train(pools, _layout(a), dir_a, stop=4, checkpoint__every=4, checkpoint__keep=2)  # B resumes step 4
+    assert [r["step"] for r in a_rows] == [1, 2, 3, 4]
+    assert_same_losses(ref[:4], a_rows, 1e-5)  # invariant 1 (fp32)
     step4 = os.path.join(dir_a, "checkpoints", "step_00000004")
     assert os.path.isfile(os.path.join(step4, "meta.json"))
     got = _train(pools, _layout(b), dir_b, checkpoint__resume=step4)
@@ -275,12 +280,11 @@ def _die_before_rename(run_dir: str) -> None:
 
 @pytest.mark.slow
 def test_kill_between_write_and_rename_keeps_previous(tmp_path):
-    import multiprocessing as mp
-
-    from harness import run_local
+    import spawn  # bench/spawn.py, on the path through harness
+    from harness import PRELOAD, run_local
 
     run = str(tmp_path / "run")
-    p = mp.get_context("spawn").Process(target=_die_before_rename, args=(run,))
+    p = spawn.fork_context(PRELOAD).Process(target=_die_before_rename, args=(run,))
     p.start()
     p.join(timeout=300)
     assert p.exitcode == 9
@@ -304,12 +308,13 @@ def saved(tmp_path_factory):
     return os.path.join(run, "checkpoints", "step_00000002")
 
 
-def _cli(*args: str, cwd: str) -> tuple[int, str]:
-    import subprocess
-    import sys
-    r = subprocess.run([sys.executable, "-m", "meshlm.cli", *args], capture_output=True, text=True, cwd=cwd,
-                       timeout=300)
-    return r.returncode, r.stderr.strip()
+def _cli(capsys, *args: str) -> tuple[int, str]:
+    """`meshlm train` in this process (its exit status and stderr): a fresh interpreter per row cost
+    seconds of start-up each; the argument parsing, checks and messages are the same code."""
+    from meshlm.cli import main
+    capsys.readouterr()
+    code = main(list(args))
+    return code, capsys.readouterr().err.strip()
 
 
 def _tree(path: str) -> list[str]:
@@ -322,14 +327,15 @@ def _train_args(run: str, resume: str, *extra: str) -> list[str]:
             "--training.seed", "1", "--checkpoint.resume", resume, *extra]
 
 
-@pytest.mark.slow  # each row starts `meshlm train` in a fresh interpreter
+@pytest.mark.slow  # each row runs `meshlm train` up to the failing resume
 @pytest.mark.parametrize("damage,match", [
     ("dim", r"checkpoint .*: master/tok_embeddings.weight has shape \(256, 64\), this model's is \(256, 32\)"),
     ("truncate", r"checkpoint .*__0_0.distcp is truncated"),
     ("metadata", r"checkpoint .*: cannot read .*\.metadata"),
     ("tmp", r"checkpoint.resume: .*\.tmp is an incomplete checkpoint"),
 ])
-def test_bad_checkpoint_is_one_line_and_nothing_is_deleted(saved, tmp_path, damage, match):
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_bad_checkpoint_is_one_line_and_nothing_is_deleted(saved, tmp_path, damage, match, capsys, monkeypatch):
     import re
     ck = str(tmp_path / "ck" / "step_00000002")
     shutil.copytree(saved, ck)
@@ -350,8 +356,25 @@ def test_bad_checkpoint_is_one_line_and_nothing_is_deleted(saved, tmp_path, dama
     os.makedirs(os.path.join(run, "checkpoints", "step_00000001"))
     open(os.path.join(run, "checkpoints", "step_00000001", "keep.me"), "w").close()
     before, ck_before = _tree(run), _tree(os.path.dirname(ck))
-    code, err = _cli(*_train_args(run, ck, *extra), cwd=str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    code, err = _cli(capsys, *_train_args(run, ck, *extra))
     assert code != 0
     assert len(err.splitlines()) == 1 and re.search(match, err), err
     assert "Traceback" not in err
     assert set(before) <= set(_tree(run)) and _tree(os.path.dirname(ck)) == ck_before
+
+
+def test_restart_preflights_the_checkpoint_it_will_load(saved, tmp_path):
+    """After a restart the run's newest checkpoint is loaded whatever `checkpoint.resume` says
+    (`find_resume`), so that is the one refused before work starts."""
+    from meshlm.train.checkpoint import CheckpointError, preflight
+    run = str(tmp_path / "run")
+    ck = os.path.join(run, "checkpoints", "step_00000002")
+    shutil.copytree(saved, ck)
+    f = os.path.join(ck, "__0_0.distcp")
+    with open(f, "r+b") as fh:
+        fh.truncate(os.path.getsize(f) // 2)
+    cfg = make_config(checkpoint__resume="never")
+    preflight(cfg, run, restarts=0)  # a first launch with resume = never loads nothing
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp is truncated"):
+        preflight(cfg, run, restarts=1)

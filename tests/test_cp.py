@@ -4,7 +4,6 @@ headline equivalence rows (cp2/cp4 ring and Ulysses, with dp/ZeRO-3, TP+SP, PP, 
 test_equivalence.py."""
 from __future__ import annotations
 
-import functools
 import os
 import tempfile
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import assert_same_losses, make_config, run_layout, run_local
+from harness import assert_same_losses, make_config, reference, run_layout, run_local
 from test_tp import comm_task
 from meshlm import config as C
 from meshlm.config import ConfigError
@@ -23,11 +22,6 @@ from meshlm.plan.volume import cp_step_bytes as expected_bytes
 FP32 = 1e-5
 BF16 = 1e-3  # test_equivalence.py: bf16 rows agree within a stated 1e-3
 COMPILED = 1e-4  # inductor fuses the block's element-wise ops differently from eager: measured ~1e-6
-
-
-@functools.lru_cache(maxsize=None)
-def reference(key: tuple) -> list:
-    return run_local(make_config(**dict(key)))
 
 
 def _context(cfg):
@@ -182,7 +176,7 @@ ROWS = [
 @pytest.mark.parametrize("name,world,overrides", ROWS, ids=[r[0] for r in ROWS])
 def test_cp_layout_matches_one_process(pools, name, world, overrides):
     single = {k: v for k, v in overrides.items() if not k.startswith("parallel__")}
-    ref = reference(tuple(sorted(single.items())))
+    ref = reference(**single)
     got = run_layout(pools, make_config(**overrides), world)
     tol = BF16 if overrides.get("training__precision") == "bf16" else COMPILED if "compile" in name else FP32
     assert_same_losses(ref, got, tol)
@@ -235,14 +229,12 @@ def test_bad_cp_input_is_refused_in_one_line(world, overrides, msg):
     assert str(e.value).startswith(msg) and "\n" not in str(e.value), str(e.value)
 
 
-def test_cli_refuses_bad_cp_before_workers_start(tmp_path):
-    import subprocess
-    import sys
+def test_cli_refuses_bad_cp_before_workers_start(tmp_path, capsys):
+    from meshlm.cli import main
     run_dir = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "meshlm.cli", "train", "--nproc", "2", "--run-dir", str(run_dir),
-                        "--parallel.cp", "2", "--data.seq_len", "30", "--model.preset", "debug"],
-                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=os.path.join(
-                           os.path.dirname(__file__), "..", "src")), timeout=120)
-    assert r.returncode == 2, r.stderr
-    assert "data.seq_len: 30 is not divisible by 4" in r.stderr.strip().splitlines()[-1]
+    code = main(["train", "--nproc", "2", "--run-dir", str(run_dir), "--parallel.cp", "2", "--data.seq_len", "30",
+                 "--model.preset", "debug"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "data.seq_len: 30 is not divisible by 4" in err.strip().splitlines()[-1]
     assert not (run_dir / "logs").exists()

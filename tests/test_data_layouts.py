@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness import assert_same_losses, make_config, read_metrics, run_layout, run_local, train_case
+from harness import assert_same_losses, make_config, read_metrics, reference, run_layout, run_local, train_case
 from meshlm import config as C
 from meshlm.data import prepare, stdlib_files
 
@@ -67,15 +67,8 @@ CASES = [
     ("mix-tp2-pp2", 4, {**MIX, "parallel__tp": 2, "parallel__pp": 2}),
     ("mix-mask-dp2-tp2", 4, {**MIX, **MASK, "data__path": "", "parallel__dp": 2, "parallel__tp": 2}),
 ]
-_refs: dict = {}
-
-
 def _reference(corpora, overrides: dict) -> list:
-    single = {k: v for k, v in overrides.items() if not k.startswith("parallel__")}
-    key = json.dumps(single, sort_keys=True, default=str)
-    if key not in _refs:
-        _refs[key] = run_local(make_config(**single))
-    return _refs[key]
+    return reference(**{k: v for k, v in overrides.items() if not k.startswith("parallel__")})
 
 
 @pytest.mark.parametrize("name,world,overrides", CASES, ids=[c[0] for c in CASES])
@@ -115,7 +108,7 @@ def test_mixture_resumes_across_layouts(pools, corpora, tmp_path):
     o = _cfg(corpora, MIX)
     ref = _reference(corpora, o)
     first = make_config(**o, parallel__dp=2, checkpoint__every=5)
-    pools(2).run(train_case, C.to_dict(first), str(tmp_path / "a"))
+    pools(2).run(train_case, C.to_dict(first), str(tmp_path / "a"), 5)  # stop after step 5, the one resumed
     ck = str(tmp_path / "a" / "checkpoints" / "step_00000005")
     assert os.path.isdir(ck)
     resumed = make_config(**o, parallel__tp=2, checkpoint__resume=ck)

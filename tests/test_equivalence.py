@@ -1,9 +1,8 @@
 """docs/architecture.md invariant 1: every layout gives the losses of one process. Later dimensions add rows here."""
-import functools
 
 import pytest
 
-from harness import assert_same_losses, make_config, rows, run_layout, run_local
+from harness import assert_same_losses, make_config, reference, rows, run_layout
 
 FP32 = 1e-5
 # bf16 compute: data parallelism reduces gradients in fp32, so per-micro-batch compute is identical and
@@ -12,11 +11,6 @@ FP32 = 1e-5
 # bits and some bf16 roundings of the parameters flip: measured worst 2e-5 (zero3-dp2-bf16) to 3e-4
 # (with HSDP and accumulation); with clipping off the same rows agree to 1e-7. Stated tolerance: 1e-3.
 BF16 = 1e-3
-
-
-@functools.lru_cache(maxsize=None)
-def reference(key: tuple) -> list:
-    return run_local(make_config(**dict(key)))
 
 
 CASES = [
@@ -100,7 +94,7 @@ FAST = {"dp2", "zero3-dp2", "tp2-sp", "pp2-1f1b", "cp2-ring"}
 @pytest.mark.parametrize("name,world,overrides", rows(CASES, FAST))
 def test_layout_matches_one_process(pools, name, world, overrides):
     single = {k: v for k, v in overrides.items() if not k.startswith("parallel__")}
-    ref = reference(tuple(sorted(single.items())))
+    ref = reference(**single)
     got = run_layout(pools, make_config(**overrides), world)
     tol = BF16 if overrides.get("training__precision") == "bf16" else FP32
     assert_same_losses(ref, got, tol)

@@ -7,17 +7,12 @@ import tempfile
 
 import pytest
 
-from harness import assert_same_losses, make_config, rows, run_layout, run_local
+from harness import assert_same_losses, make_config, reference, rows, run_layout
 from test_checkpoint import RESHARD, _layout, _train
 
 FP32 = 1e-5
 BF16 = 1e-3  # as tests/test_equivalence.py
 MOE = {"model__preset": "moe-debug", "training__steps": 4}
-
-
-@functools.lru_cache(maxsize=None)
-def reference(key: tuple) -> list:
-    return run_local(make_config(**dict(key)))
 
 
 CASES = [
@@ -47,7 +42,7 @@ CASES = [
 @pytest.mark.parametrize("name,world,overrides", rows(CASES, {"ep2"}))  # ep2 also in `make test-fast`
 def test_moe_layout_matches_one_process(pools, name, world, overrides):
     single = {**MOE, **{k: v for k, v in overrides.items() if not k.startswith("parallel__")}}
-    ref = reference(tuple(sorted(single.items())))
+    ref = reference(**single)
     got = run_layout(pools, make_config(**MOE, **overrides), world)
     bf16 = overrides.get("training__precision") == "bf16"
     assert_same_losses(ref, got, BF16 if bf16 else FP32)
@@ -76,7 +71,7 @@ def test_moe_checkpoint_reshards_across_ep(pools, a, b):
     another with one process's losses, nothing gathered (tests/test_checkpoint.py's harness)."""
     ref = list(_ckpt_reference())
     dir_a, dir_b = tempfile.mkdtemp(prefix="meshlm-a-"), tempfile.mkdtemp(prefix="meshlm-b-")
-    _train(pools, _layout(a), dir_a, checkpoint__every=4, checkpoint__keep=2, **CKPT)
+    _train(pools, _layout(a), dir_a, stop=4, checkpoint__every=4, checkpoint__keep=2, **CKPT)  # only step 4 is resumed
     step4 = os.path.join(dir_a, "checkpoints", "step_00000004")
     got = _train(pools, _layout(b), dir_b, checkpoint__resume=step4, **CKPT)
     assert [r["step"] for r in got] == [5, 6, 7, 8]

@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 import torch
-from harness import assert_same_losses, make_config, rows, run_layout, run_local, train_in
+from harness import assert_same_losses, make_config, reference, rows, run_layout, run_local, train_in
 
 from meshlm.cli import main
 from meshlm.config import ConfigError
@@ -23,16 +23,6 @@ def nvme(**kw) -> dict:
     unit of the debug model streams through several chunks and all three slots."""
     return {"parallel__offload": "nvme", "parallel__offload_dir": tempfile.mkdtemp(prefix="meshlm-nvme-"),
             "parallel__offload_buffer_mb": 0.05, **kw}
-
-
-_refs: dict = {}
-
-
-def reference(**kw) -> list:
-    key = tuple(sorted(kw.items()))
-    if key not in _refs:
-        _refs[key] = run_local(make_config(**kw))
-    return _refs[key]
 
 
 # ---------------------------------------------------------------- equivalence with one process
@@ -78,7 +68,7 @@ def test_nvme_checkpoint_moves_between_layouts(pools, first, second):
     ref = reference()
     a = tempfile.mkdtemp(prefix="meshlm-nvme-ckpt-")
     (w1, o1), (w2, o2) = first, second
-    train_in(pools, make_config(checkpoint__every=5, **o1), w1, a)
+    train_in(pools, make_config(checkpoint__every=5, **o1), w1, a, stop=5)  # only step 5 is resumed
     b = tempfile.mkdtemp(prefix="meshlm-nvme-resume-")
     resumed = train_in(pools, make_config(checkpoint__resume=os.path.join(a, "checkpoints", "step_00000005"),
                                            **o2), w2, b)
@@ -91,7 +81,7 @@ def test_nvme_async_checkpoint_is_written_in_place(pools):
     whole state): the checkpoint resumes to the same losses."""
     a = tempfile.mkdtemp(prefix="meshlm-nvme-async-")
     train_in(pools, make_config(checkpoint__every=5, checkpoint__async=True, **nvme(parallel__dp=2, parallel__zero=3)),
-              2, a)
+              2, a, stop=5)  # only step 5 is resumed
     resumed = run_local(make_config(checkpoint__resume=os.path.join(a, "checkpoints", "step_00000005")))
     assert_same_losses(reference()[5:], resumed, FP32)
 

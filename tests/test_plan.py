@@ -153,6 +153,48 @@ def test_estimate_memory_only_and_text(capsys, tmp_path):
     assert "fits: yes" in text and "tokens/s per GPU" in text and "dp=2" in text
 
 
+def _category_rows(text: str) -> dict:
+    """The `seconds per step by category` rows of `meshlm estimate`'s text: label -> seconds."""
+    lines = text.splitlines()
+    start = next(i for i, x in enumerate(lines) if "seconds per step by category" in x) + 1
+    rows = {}
+    for x in lines[start:]:
+        if not x.startswith("    "):
+            break
+        label, secs = x[4:28].strip(), float(x[28:38])
+        rows[label] = secs
+    return rows
+
+
+@pytest.mark.parametrize("extra", [[], ["--efficiency", "0.5"]])
+def test_estimate_text_prints_the_step_by_category(capsys, extra):
+    """The text output carries --json's breakdown: per-operation seconds (GEMM with the head, attention,
+    element-wise, launches, ...) and the time model's terms, adding up to the step; a flat
+    --efficiency prints its compute as one row."""
+    argv = ["estimate", "--model.preset", "llama3-1b", "--gpus", "8", "--gpu", "h100", "--data.seq_len", "2048",
+            "--training.global_batch", "32", "--training.micro_batch", "1", "--parallel.pp", "2",
+            "--parallel.tp", "2", "--training.ac", "selective", *extra]
+    assert _run(argv + ["--json"]) == 0
+    js = json.loads(capsys.readouterr().out)
+    assert _run(argv) == 0
+    rows = _category_rows(capsys.readouterr().out)
+    t = js["time"]
+    assert rows.pop("step") == pytest.approx(js["step_s"], abs=1e-4)
+    assert sum(rows.values()) == pytest.approx(js["step_s"], abs=1e-3)
+    assert rows["bubble"] == pytest.approx(t["bubble_s"], abs=1e-4) and rows["bubble"] > 0  # pp 2
+    assert rows["communication exposed"] == pytest.approx(
+        t["exposed_comm_microbatch_s"] + t["exposed_comm_step_s"], abs=1e-4) and rows["communication exposed"] > 0
+    if extra:
+        assert "GEMM" not in rows and rows["compute (flat)"] == pytest.approx(
+            t["forward_s"] + t["backward_s"] + t["recompute_s"], abs=1e-4)
+        return
+    ops = js["ops"]
+    assert rows["GEMM"] == pytest.approx(ops["gemm_s"] + ops["head_s"], abs=1e-4)
+    for label, key in (("attention", "attention_s"), ("element-wise", "elementwise_s"),
+                       ("launch / dispatch", "launch_s"), ("recompute", "recompute_s")):
+        assert rows[label] == pytest.approx(ops[key], abs=1e-4) and rows[label] > 0, label
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--model.preset", "llama3-8b", "--gpus", "6", "--parallel.tp", "3", "--training.micro_batch", "1"],
      "parallel.tp: 3 does not divide model.n_heads"),
@@ -386,3 +428,21 @@ def test_whole_model_activations_match_saved_tensors(precision):
                                  "only")["activations"]
         measured = saved.total
         assert abs(predicted - measured) / measured < 0.01, (ac, predicted, measured)
+
+
+@pytest.mark.parametrize("bucket_mb", [25.0, 8192.0])
+def test_last_gradient_bucket_stays_exposed(bucket_mb):
+    """DP reduces one bucket per call and the last bucket fills only when the backward ends
+    (parallel/data_parallel.py), so at least one call of the all-reduce is exposed even when the
+    backward is long enough to hide the rest; gradients that fit one bucket are exposed whole."""
+    from meshlm.plan.spec import Spec
+    sh = _shape("llama3-1b")
+    s = Spec(dp=8, micro_batch=1, seq_len=2048, accum=4, bucket_mb=bucket_mb, precision="bf16")
+    ar = next(c for c in estimate(sh, s, get_gpu("h100"))["comm"] if c["group"] == "dp")
+    grad_bytes = 4 * sh.num_params()  # fp32 reduction (Spec's reduce_dtype default)
+    assert ar["calls"] == max(1, int(grad_bytes // (bucket_mb * 2 ** 20)))
+    one_call = ar["seconds"] / ar["calls"]
+    if ar["calls"] == 1:
+        assert ar["exposed_s"] == pytest.approx(ar["seconds"])
+    else:  # ~190 buckets of a 1B model: the backward hides all but the last
+        assert ar["exposed_s"] == pytest.approx(one_call, rel=1e-6) and ar["exposed_s"] < 0.02 * ar["seconds"]

@@ -214,3 +214,103 @@ def test_a_real_two_rank_run_with_a_trace(pools, tmp_path):
     assert cal.split["gemm"] > 0 and cal.overhead_s >= 0
     est = K.predict(cal, _tiny(parallel__tp=2), 4)
     assert est["step_s"] > 0 and all(est["ops"][k] > 0 for k in ("gemm_s", "attention_s", "elementwise_s"))
+
+
+def test_estimate_text_says_which_rates_came_from_the_run(tmp_path, capsys):
+    """`meshlm estimate --calibrate` without --json prints the step by category, each priced at the rate
+    the run fitted (named with its value), the core share of the layout, and what stayed the model's."""
+    a, flat = tmp_path / "dp2", tmp_path / "flat"
+    a.mkdir(), flat.mkdir()
+    _write_traced_run(a, _cfg(), 2)
+    _write_run(flat, _cfg(), 2)
+    argv = ["estimate", "--gpus", "4", "--model.preset", "small", "--data.seq_len", "128",
+            "--training.global_batch", "8", "--training.micro_batch", "2", "--parallel.tp", "2"]
+    assert main(argv + ["--calibrate", str(a)]) == 0
+    text = capsys.readouterr().out
+    cal = K.fit(str(a))
+    rows = {x[4:28].strip(): x[28:] for x in text.splitlines() if x.startswith("    ")}
+    assert f"{cal.gemm_flops / 1e9:.3g} GFLOP/s per core, fitted" in rows["GEMM"]
+    assert f"{cal.attn_flops / 1e9:.3g} GFLOP/s per core, fitted" in rows["attention"]
+    assert f"{cal.ew_bytes_s / 1e9:.3g} GB/s per core, fitted" in rows["element-wise"]
+    assert f"{cal.dispatch_s * 1e6:.3g} µs per kernel per core, fitted" in rows["launch / dispatch"]
+    assert f"{cal.overhead_s:.3g} s per step per core, fitted" in rows["per-step overhead"]
+    assert f"link {cal.link_bytes_s / 1e9:.3g} GB/s per core" in rows["communication exposed"]
+    assert "not fitted" in rows["bubble"]
+    est = K.predict(cal, _cfg(parallel__tp=2), 4)
+    assert float(rows["step"].split()[0]) == pytest.approx(est["step_s"], abs=1e-4)
+    assert float(rows["GEMM"].split()[0]) == pytest.approx(est["ops"]["gemm_s"] + est["ops"]["head_s"], abs=1e-4)
+    assert f"calibrated from {a}: 2 cores shared by 4 ranks: 0.50 of a core each" in text
+    assert "rates fitted per category from its profiler trace" in text
+    assert main(argv + ["--calibrate", str(flat)]) == 0  # no trace: one flat rate
+    text = capsys.readouterr().out
+    rows = {x[4:28].strip(): x[28:] for x in text.splitlines() if x.startswith("    ")}
+    assert f"{K.fit(str(flat)).rate_flops / 1e9:.3g} GFLOP/s per core, fitted to its step" in rows["compute (flat)"]
+    assert "GEMM" not in rows and "one flat compute rate (the run has no profile.json)" in text
+
+
+def test_functions_that_block_in_a_collective_are_comm():
+    """Every autograd function of meshlm that runs a collective is booked as comm in a trace (its self
+    time is the wait for the peers), not as element-wise dispatch; the list follows the code."""
+    import re
+    src = os.path.join(os.path.dirname(K.__file__), "..")
+    names = set()
+    for f in ("distributed/functional.py", "parallel/vocab_parallel.py", "parallel/context_parallel.py",
+              "parallel/zero/sync.py"):
+        with open(os.path.join(src, f)) as fh:
+            names |= set(re.findall(r"^class (\w+)\((?:torch\.autograd\.)?Function\)", fh.read(), re.M))
+    assert len(names) >= 10 and names == set(K.COLLECTIVE_FUNCTIONS)
+    for n in names:
+        assert K.op_category(n) == K.op_category(n + "Backward") == "comm", n
+    assert K.op_category("_RMSNormBackward") == K.op_category("aten::mul") == "elementwise"
+    assert K.op_category("autograd::engine::evaluate_function: _CopyToBackward") == "elementwise"
+
+
+def test_a_link_probe_gives_the_cost_per_collective_call(tmp_path):
+    """link_probe.json beside a run: the intercepts of its all-reduce sizes are the per-call cost (wall,
+    and on a core). A call then takes its wall time, or its core work at the rank's core share when
+    ranks outnumber cores, whichever is longer; the link bandwidth is fitted net of them."""
+    wall, core = 1.5e-3, 1.0e-3
+    truth = K.Calibration(RATE, LINK, CORES, latency_s=wall, latency_core_s=core)
+    a = tmp_path / "dp2"
+    a.mkdir()
+    _write_run(a, _cfg(), 2, cal=truth)
+    sizes = [4096 * 4 ** k for k in range(4)]
+    (a / K.PROBE).write_text(json.dumps({"bytes": sizes, "wall_s": [wall + 7e-10 * x for x in sizes],
+                                         "core_s": [core + 4e-10 * x for x in sizes]}))
+    cal = K.fit(str(a))
+    assert (cal.latency_s, cal.latency_core_s) == (pytest.approx(wall), pytest.approx(core))
+    assert cal.link_bytes_s == pytest.approx(LINK, rel=1e-6) and cal.rate_flops == pytest.approx(RATE, rel=1e-6)
+    cfg4 = _cfg(parallel__tp=2)
+    tp = lambda est: next(c for c in est["comm"] if c["group"] == "tp")  # noqa: E731
+    four, two = K.predict(cal, cfg4, 4), K.predict(cal, _cfg(parallel__tp=2, training__global_batch=4), 2)
+    assert four["step_s"] == pytest.approx(K.predict(truth, cfg4, 4)["step_s"], rel=1e-6)
+    share = K.core_share(4, CORES, 1)  # 0.5: the core work of a call (1 ms) stretches to 2 ms > its wall
+    for est, link, per_call in ((four, LINK * share, core / share), (two, LINK, wall)):
+        c = tp(est)
+        assert c["seconds"] == pytest.approx(c["bytes"] / link + c["calls"] * per_call)
+    (a / K.PROBE).unlink()  # without a probe: the model's 10 µs per call, the bandwidth absorbs the rest
+    bare = K.fit(str(a))
+    c = tp(K.predict(bare, cfg4, 4))
+    assert bare.latency_s is None and bare.link_bytes_s < LINK
+    assert c["seconds"] == pytest.approx(c["bytes"] / (bare.link_bytes_s * share) + c["calls"] * 10e-6)
+    (a / K.PROBE).write_text('{"bytes": [4096, 4096], "wall_s": [1, 1], "core_s": [1, 1]}')
+    with pytest.raises(PlanError, match="link_probe.json is not a link probe .*two sizes"):
+        K.fit(str(a))
+
+
+def test_fit_on_core_seconds(tmp_path):
+    """on_core: the rates of the core time the run got (its median cpu_s as the step of a rank with a
+    core to itself), which is what the bench's seconds-on-a-core check prices; a run without cpu_s
+    is a one-line error."""
+    a = tmp_path / "dp2"
+    a.mkdir()
+    _write_run(a, _cfg(), 2, load=2.5)  # cpu_s 0.5 × the share a rank got
+    cpu = K.measured(str(a)).cpu_s
+    assert cpu == pytest.approx(0.5 * CORES / (2 + 2.5))
+    cal = K.fit(str(a), on_core=True)
+    assert cal.cores == 0 and K.predict(cal, _cfg(), 2)["step_s"] == pytest.approx(cpu, rel=1e-6)
+    lines = (a / "metrics.jsonl").read_text().splitlines()
+    (a / "metrics.jsonl").write_text("\n".join(json.dumps({k: v for k, v in json.loads(x).items() if k != "cpu_s"})
+                                               for x in lines) + "\n")
+    with pytest.raises(PlanError, match="has no cpu_s"):
+        K.fit(str(a), on_core=True)

@@ -1,6 +1,5 @@
 """Tensor and sequence parallelism (issue #4): the loss, the slicing, the bytes, the memory, the
 checkpoints. The plain equivalence rows (tp2, tp4, sp, GQA, dp×tp, AC) are in test_equivalence.py."""
-import functools
 import os
 import tempfile
 
@@ -8,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import assert_same_losses, make_config, read_metrics, run_layout, run_local, train_case
+from harness import assert_same_losses, make_config, read_metrics, reference, run_layout, run_local, train_case
 from meshlm import config as C
 from meshlm.config import ConfigError
 from meshlm.layout import model_args, resolve
@@ -88,11 +87,6 @@ def test_vocab_parallel_cross_entropy_matches_full_logits(pools, world, vocab):
         assert grad_err < 1e-7, grad_err
 
 
-@functools.lru_cache(maxsize=None)
-def reference(key: tuple) -> list:
-    return run_local(make_config(**dict(key)))
-
-
 SHORT = {"training__steps": 4}
 CASES = [
     # padded vocabulary with tied embeddings; clipping active every step (norm counting matters); eval
@@ -120,7 +114,7 @@ TOL = {"fp32": FP32, "bf16": 1e-3, "fp16": 1e-3}
 def test_tp_matches_one_process(pools, name, world, overrides):
     overrides = {**SHORT, **overrides}
     single = {k: v for k, v in overrides.items() if not k.startswith("parallel__")}
-    ref = reference(tuple(sorted(single.items())))
+    ref = reference(**single)
     got = run_layout(pools, make_config(**overrides), world)
     tol = TOL[overrides.get("training__precision", "fp32")]
     assert_same_losses(ref, got, tol)

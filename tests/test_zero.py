@@ -2,7 +2,6 @@
 moved per step, layout-independent checkpoints, uneven shapes that need padding, fp16 overflow seen by
 every shard, zero 3 freeing what autograd saved, the GPU reduction policy. Equivalence with one
 process is in test_equivalence.py (the zero* and hsdp* rows)."""
-import functools
 import os
 import tempfile
 
@@ -11,8 +10,8 @@ from harness import (
     assert_same_losses,
     make_config,
     read_metrics,
+    reference,
     run_layout,
-    run_local,
     train_in,
 )
 
@@ -22,11 +21,6 @@ from meshlm.layout import model_args, resolve
 from meshlm.plan.memory import state_bytes_per_param, zero_state_bytes
 
 FP32 = 1e-5
-
-
-@functools.cache
-def reference(key: tuple) -> list:
-    return run_local(make_config(**dict(key)))
 
 
 # ---------------------------------------------------------------- bad input, before launch
@@ -113,10 +107,10 @@ def test_comm_bytes_ddp_2psi_zero3_3psi(pools):
 ], ids=["zero3-to-one", "one-to-zero3", "hsdp2-to-zero1-offload"])
 def test_checkpoint_moves_between_layouts(pools, first, second):
     """Save at step 5 in one layout, resume in another: steps 6-10 give the uninterrupted losses."""
-    ref = reference(())
+    ref = reference()
     a = tempfile.mkdtemp(prefix="meshlm-zero-ckpt-")
     w1, o1 = first
-    train_in(pools, make_config(checkpoint__every=5, **o1), w1, a)
+    train_in(pools, make_config(checkpoint__every=5, **o1), w1, a, stop=5)  # only step 5 is resumed
     b = tempfile.mkdtemp(prefix="meshlm-zero-resume-")
     w2, o2 = second
     resumed = train_in(pools, make_config(checkpoint__resume=os.path.join(a, "checkpoints", "step_00000005"),
@@ -132,7 +126,7 @@ def test_uneven_shapes_pad_and_match(pools):
     and memory within the padding of the formulas."""
     odd = {"model__dim": 42, "model__n_heads": 3, "model__n_kv_heads": 3, "model__ffn_dim": 85,
            "training__steps": 4}
-    ref = reference(tuple(sorted(odd.items())))
+    ref = reference(**odd)
     got = run_layout(pools, make_config(parallel__dp=4, parallel__zero=3, **odd), 4)
     assert_same_losses(ref, got, FP32)
     psi = _psi(make_config(**odd))
@@ -212,7 +206,7 @@ def test_reductions_left_in_flight_match(pools, stage):
     """GPUs keep one reduce-scatter (and HSDP all-reduce) in flight behind the newest, CPUs none: run
     the GPU policy here too, with HSDP and accumulation."""
     over = {"training__micro_batch": 1}
-    ref = reference(tuple(sorted(over.items())))
+    ref = reference(**over)
     run_dir = tempfile.mkdtemp(prefix="meshlm-inflight-")
     cfg = make_config(parallel__dp=4, parallel__zero=stage, parallel__zero_group=2, **over)
     pools(4).run(train_tweaked, C.to_dict(cfg), run_dir, 0.0, 1)

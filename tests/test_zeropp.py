@@ -7,7 +7,8 @@ import tempfile
 
 import pytest
 import torch
-from harness import assert_same_losses, make_config, read_metrics, rows, run_layout, run_local, train_case, train_in
+from harness import (assert_same_losses, make_config, read_metrics, reference, rows, run_layout, run_local, train_case,
+                     train_in)
 
 from meshlm import config as C
 from meshlm.config import ConfigError
@@ -17,11 +18,6 @@ from meshlm.plan.volume import CROSS_GROUP, zero3_step_bytes
 
 FP32 = 1e-5
 ALL3 = {"parallel__quantize_weights": True, "parallel__hpz_group": 2, "parallel__quantize_grads": True}
-
-
-@functools.cache
-def reference(key: tuple) -> list:
-    return run_local(make_config(**dict(key)))
 
 
 # ---------------------------------------------------------------- bad input, before launch
@@ -87,7 +83,7 @@ def test_hpz_equals_one_process(pools, name, world, over):
     """hpZ changes only where backward's gathers come from (the group's secondary copies): fp32 losses
     equal one process within 1e-5, with HSDP, tp, pp and cp too."""
     keep = {k: v for k, v in over.items() if k == "training__micro_batch"}
-    ref = reference(tuple(sorted(keep.items())))
+    ref = reference(**keep)
     got = run_layout(pools, make_config(parallel__zero=3, parallel__hpz_group=2, **over), world)
     assert_same_losses(ref, got, FP32)
 
@@ -210,7 +206,7 @@ Q_ROWS = [
 @pytest.mark.parametrize("name,world,over", rows(Q_ROWS))
 def test_quantized_runs_stay_close(pools, name, world, over):
     keep = {k: v for k, v in over.items() if k == "training__micro_batch"}
-    ref = reference(tuple(sorted(keep.items())))
+    ref = reference(**keep)
     run_dir = tempfile.mkdtemp(prefix="meshlm-zeropp-q-")
     pools(world).run(train_case, C.to_dict(make_config(parallel__zero=3, **over)), run_dir)
     got = read_metrics(run_dir)
@@ -277,8 +273,9 @@ def test_hpz_checkpoint_resumes_in_one_process(pools):
     """hpZ's secondary copies are transient: its checkpoint is ZeRO-3's, and one process resumes it
     to the uninterrupted run's losses (docs/architecture.md, invariant 3)."""
     a = tempfile.mkdtemp(prefix="meshlm-hpz-ckpt-")
-    train_in(pools, make_config(checkpoint__every=5, parallel__dp=4, parallel__zero=3, parallel__hpz_group=2), 4, a)
-    ref = reference(())
+    train_in(pools, make_config(checkpoint__every=5, parallel__dp=4, parallel__zero=3, parallel__hpz_group=2), 4, a,
+             stop=5)  # only step 5 is resumed
+    ref = reference()
     resumed = run_local(make_config(checkpoint__resume=os.path.join(a, "checkpoints", "step_00000005")))
     assert [r["step"] for r in resumed] == list(range(6, 11))
     assert_same_losses(ref[5:], resumed, FP32)

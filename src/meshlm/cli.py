@@ -32,17 +32,20 @@ def cmd_train(args, extra: list[str]) -> int:
             raise C.ConfigError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
         if worker and args.max_restarts and not args.worker:
             raise C.ConfigError("--max-restarts: under torchrun pass torchrun's own --max-restarts")
-        restarts = None
+        restarts, gpu = None, None
         if worker:  # the world group forms and agrees on the job's restart count before the layout
             from .distributed.mesh import join_world, pick_device  # (docs/fault_tolerance.md, "Growing back")
-            restarts = join_world(pick_device(cfg.training.device), cfg.parallel.timeout_s)
-        layout = resolve(cfg, world, restarts=restarts or 0)
+            from .train.metrics import device_profile
+            device = pick_device(cfg.training.device)
+            restarts = join_world(device, cfg.parallel.timeout_s)
+            gpu = device_profile(device)  # auto / replan choose for this device, as the trainer does
+        layout = resolve(cfg, world, gpu, restarts=restarts or 0)
         check_data(cfg)
         from .parallel.zero.nvme import preflight as offload_preflight
         offload_preflight(cfg, layout, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if worker else world)
         run_dir = args.run_dir or os.path.join("runs", f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
         from .train.checkpoint import preflight
-        preflight(cfg, run_dir)
+        preflight(cfg, run_dir, restarts or 0)
     except (ValueError, RuntimeError) as e:  # ConfigErrors; training.device unknown; the world not formed
         return _fail(str(e))
     if not worker or int(os.environ.get("RANK", "0")) == 0:

@@ -36,6 +36,7 @@ from torch import nn
 
 from .args import ModelArgs
 from .feed_forward import FeedForward, SwiGLU
+from .ops import eager_under_compile
 
 # stats vector layout: tokens per expert (assigned, before dropping), then these
 DROPPED, BALANCE, CALLS = 0, 1, 2
@@ -170,7 +171,7 @@ class MoE(nn.Module):
             kept = counts.clamp(max=cap)
         return probs, weights, order, counts, kept
 
-    @torch.compiler.disable  # data-dependent row counts: compiled code would specialise on each
+    @eager_under_compile  # data-dependent row counts: compiled code would specialise on each
     def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Outputs of the tokens `x` sorted by expert, `counts[e]` rows for expert e. Runs eagerly under
         training.compile (routing and combining around it are compiled)."""

@@ -19,6 +19,12 @@ import torch.nn.functional as F
 from torch.autograd import Function
 
 
+def eager_under_compile(fn):
+    """torch.compiler.disable(fn), bound on the first call: torch.compiler.disable imports torch._dynamo
+    as it decorates, which costs about as long as importing torch (every worker and CLI process paid it
+    at import), and an eager run never needs it (docs/architecture.md, "Choices")."""
+    return torch._disable_dynamo(fn)
+
 def wanted(ctx, i: int) -> bool:
     """Will the running backward pass use the gradient of input `i`? (autograd.grad(out, [x]) skips
     weights, backward(inputs=weights) skips the input chain; compiled backward graphs want all.)"""

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..choices import AC_MODES, choose
+from ..model.ops import eager_under_compile
 
 _aten = torch.ops.aten
 # The ops whose outputs `op` mode keeps: matmuls and attention kernels (whichever SDPA picks).
@@ -69,7 +70,7 @@ class Checkpointed(nn.Module):
             self._reset()
         return checkpoint(self._wrapped, *args, use_reentrant=False, **self._kw)
 
-    @torch.compiler.disable  # runs each step even when compiled (a region dynamo cannot trace runs eagerly)
+    @eager_under_compile  # runs each step even when compiled (a region dynamo cannot trace runs eagerly)
     def _reset(self) -> None:
         self._policy.reset()
 

@@ -31,6 +31,7 @@ from torch.autograd import Function
 
 from ..distributed.comm import Comm
 from ..distributed.functional import all_to_all
+from ..model.ops import eager_under_compile
 
 # ---------------------------------------------------------------------------------- the split
 
@@ -245,7 +246,7 @@ class RingAttentionCore(nn.Module):
         super().__init__()
         self.comm, self.kernel, self.counter = comm, kernel, counter
 
-    @torch.compiler.disable  # collectives inside: compiled blocks call it eagerly
+    @eager_under_compile  # collectives inside: compiled blocks call it eagerly
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kernel = self.kernel or kernel_for(q.device)
         return _RingAttention.apply(q, k, v, self.comm, kernel, q.shape[-1] ** -0.5, self.counter)
@@ -279,7 +280,7 @@ class UlyssesAttentionCore(nn.Module):
         super().__init__()
         self.comm, self.inner = comm, inner
 
-    @torch.compiler.disable
+    @eager_under_compile
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         c = self.comm.size
         if k.shape[1] < c:

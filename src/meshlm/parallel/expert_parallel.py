@@ -28,6 +28,7 @@ from torch import nn
 from ..distributed.comm import Comm
 from ..distributed.functional import all_to_all, copy_to, reduce_from
 from ..model.moe import BALANCE, CALLS, DROPPED, MoE
+from ..model.ops import eager_under_compile
 from .placement import DimSplit
 
 
@@ -41,7 +42,7 @@ class ParallelMoE(MoE):
     token_comm: Comm | None
     aux_share: float
 
-    @torch.compiler.disable  # collectives with data-dependent splits stay eager under compile
+    @eager_under_compile  # collectives with data-dependent splits stay eager under compile
     def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if self.ep_comm is None:
             return super().run_experts(x, counts)

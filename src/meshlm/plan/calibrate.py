@@ -23,6 +23,10 @@ autograd engine); each category's rate is the planner's work of that category fo
 (plan/ops.py: GEMM FLOPs, attention FLOPs, element-wise bytes, kernels) over its seconds. A layout
 then costs its own work at those rates (ops.Rates): GEMMs shrink with tp, norms, dispatch and the
 per-step overhead do not (docs/planner.md, "Calibration from a run").
+
+A link probe beside the run (RUN_DIR/link_probe.json: all-reduces of several sizes, bench/calibrate.py)
+gives the fixed cost of a collective call, which the run's own collectives (one bucket and a few scalars
+per step) cannot separate from the bandwidth; without one the GPU profile's per-call latency stays.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ import os
 import statistics
 
 from .. import config as C
-from .comm import LATENCY_S
+from .comm import LATENCY_S, latency as call_latency
 from .estimate import Options, estimate
 from .hardware import GB, GPU, get_gpu
 from .ops import Rates, unit_rates
@@ -56,6 +60,9 @@ class Calibration:
     dispatch_s: float | None = None   # core-seconds per element-wise kernel of the planner's tables
     overhead_s: float | None = None   # core-seconds per step outside every op
     split: dict | None = dataclasses.field(default=None, compare=False, hash=False)  # the trace's seconds per step
+    # from a link probe beside the run (None without one: the profile's per-call latency, comm.LATENCY_S)
+    latency_s: float | None = None       # seconds per collective call, wall, one rank per core
+    latency_core_s: float | None = None  # of which on a core (the rest waits for the peer)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -70,6 +77,7 @@ class Measured:
     threads: int | None      # torch threads per rank
     cores: int | None        # cores the process could run on
     available: float | None  # rank 0's seconds on a core / seconds runnable (CPU runs that logged it)
+    cpu_s: float | None = None  # rank 0's seconds on a core per step, all its threads (CPU runs)
 
 
 def _records(run_dir: str, skip: int = 0) -> list[dict]:
@@ -97,7 +105,8 @@ def measured(run_dir: str) -> Measured:
     last = recs[-1]
     timed = [r for r in recs if r.get("cpu_s") is not None and r.get("wait_s") is not None]
     avail = statistics.median(r["cpu_s"] / max(r["cpu_s"] + r["wait_s"], 1e-12) for r in timed) if timed else None
-    return Measured(step, comm, last.get("world"), last.get("threads"), last.get("cores"), avail)
+    cpu = statistics.median(r["cpu_s"] for r in timed) if timed else None
+    return Measured(step, comm, last.get("world"), last.get("threads"), last.get("cores"), avail, cpu)
 
 
 # ------------------------------------------------------------------ the profiler trace of one step
@@ -107,6 +116,12 @@ GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addb
 ATTENTION_OPS = ("scaled_dot_product_flash_attention", "scaled_dot_product_efficient_attention",
                  "scaled_dot_product_cudnn_attention", "aten::_flash_attention", "aten::_efficient_attention")
 COMM_OPS = ("c10d::", "gloo:", "nccl:", "record_param_comms")
+# meshlm's autograd functions that run a blocking collective (distributed/functional.py, vocab_parallel.py,
+# context_parallel.py, zero/sync.py), forward and backward: the collective's c10d op only launches it
+# and the wait for the peers falls in the function's own self time, so that is comm, not dispatch (a
+# tp 2 trace books ~4 ms per call of _ReduceFrom, against ~15 µs for the identity _CopyTo forward)
+COLLECTIVE_FUNCTIONS = ("_CopyTo", "_ReduceFrom", "_GatherSeq", "_ReduceScatterSeq", "_GatherLinears",
+                        "_SumGradOverReplicas", "_AllToAll", "_VocabParallelCE", "_RingAttention", "_PreBackward")
 # aten ops that move no data (views, metadata, allocation) or whose work is their children's (wrappers):
 # their time is dispatch. Every non-aten event (autograd nodes, Python autograd functions) is too.
 NO_DATA = {"aten::" + n for n in (
@@ -120,29 +135,36 @@ NO_DATA = {"aten::" + n for n in (
 
 
 def op_category(name: str) -> str:
-    """gemm, attention, comm, or elementwise (everything else: norms, activations, the optimizer,
-    copies, and the dispatch of views and autograd nodes)."""
+    """gemm, attention, comm (collectives and the functions that block in them), or elementwise
+    (everything else: norms, activations, the optimizer, copies, and the dispatch of views and
+    autograd nodes)."""
     if name in GEMM_OPS:
         return "gemm"
     if any(k in name for k in ATTENTION_OPS):
         return "attention"
-    if name.startswith(COMM_OPS):
+    if name.startswith(COMM_OPS + COLLECTIVE_FUNCTIONS):
         return "comm"
     return "elementwise"
 
 
-def read_profile(run_dir: str) -> dict | None:
-    """RUN_DIR/profile.json, or None when the run wrote none."""
-    path = os.path.join(run_dir, PROFILE)
+def _read_json(run_dir: str, name: str, what: str, parse):
+    """parse(the JSON of RUN_DIR/name), None when the file is absent; one line naming `what` it is not."""
+    path = os.path.join(run_dir, name)
     if not os.path.exists(path):
         return None
     try:
         with open(path) as f:
-            prof = json.load(f)
-        prof["ops"], prof["wall_s"], prof["step"] = dict(prof["ops"]), float(prof["wall_s"]), int(prof["step"])
+            return parse(json.load(f))
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise PlanError(f"--calibrate: {path} is not a profile meshlm wrote ({e})") from None
-    return prof
+        raise PlanError(f"--calibrate: {path} is not {what} ({e})") from None
+
+
+def read_profile(run_dir: str) -> dict | None:
+    """RUN_DIR/profile.json, or None when the run wrote none."""
+    def parse(prof: dict) -> dict:
+        prof["ops"], prof["wall_s"], prof["step"] = dict(prof["ops"]), float(prof["wall_s"]), int(prof["step"])
+        return prof
+    return _read_json(run_dir, PROFILE, "a profile meshlm wrote", parse)
 
 
 def dispatch_and_bytes(ops: dict) -> tuple[float, float]:
@@ -190,6 +212,31 @@ def split_profile(prof: dict, step_s: float) -> dict:
     return {k: v * scale for k, v in by.items()}
 
 
+# ------------------------------------------------------------------ the link probe (per-call cost)
+
+PROBE = "link_probe.json"  # bench/calibrate.py writes it into the calibration run's directory
+
+
+def read_probe(run_dir: str) -> tuple[float, float] | None:
+    """(wall, core) seconds per collective call on the run's machine, or None without a probe. The
+    probe ({"bytes": [...], "wall_s": [...], "core_s": [...]}, one all-reduce per entry, each a mean
+    over many calls) measures what the run's own metrics cannot: its collectives are one bucket and
+    a few scalars per step, so their fixed cost per call and their bandwidth are not separable. Each
+    is the intercept of a least-squares line through the probe's sizes."""
+    def parse(p: dict) -> tuple[float, float]:
+        x, wall, core = ([float(v) for v in p[k]] for k in ("bytes", "wall_s", "core_s"))
+        if not len(x) == len(wall) == len(core) or len(set(x)) < 2:
+            raise ValueError("needs two sizes or more, one wall and one core time each")
+        return _intercept(x, wall), _intercept(x, core)
+    return _read_json(run_dir, PROBE, "a link probe", parse)
+
+
+def _intercept(x: list[float], y: list[float]) -> float:
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sum((a - mx) ** 2 for a in x)
+    return max(0.0, my - slope * mx)
+
+
 def run_config(run_dir: str) -> C.Config:
     path = os.path.join(run_dir, "config.toml")
     if not os.path.exists(path):
@@ -222,27 +269,39 @@ def external_load(available: float | None, ranks: int, cores: int, threads: int)
 
 
 def cpu_device(rate_flops: float, link_bytes_s: float, ranks: int, cores: int, threads: int | None = None,
-               load: float = 0.0) -> GPU:
+               load: float = 0.0, latency: tuple[float, float] | None = None) -> GPU:
     """The CPU as the planner sees it for `ranks` ranks of `threads` threads on `cores` cores beside
     `load` other runnable threads: the per-core rate and link bandwidth times the cores each rank
-    keeps busy (core_share)."""
+    keeps busy (core_share). `latency` (wall, core seconds per collective call, read_probe): a call
+    takes its wall time or its core work at that share, whichever is longer (with fewer cores than
+    ranks the waiting part is filled by the other ranks, the core work is stretched)."""
     share = core_share(ranks, cores, threads, load)
     ram = 64.0  # GB; the calibration predicts time, memory stays the planner's own model
-    return get_gpu("custom", peak_tflops=rate_flops * share / 1e12, hbm_gb=ram,
-                   nvlink_gbps=link_bytes_s * share / GB, ib_gbps=link_bytes_s * share / GB, gpus_per_node=1024)
+    gpu = get_gpu("custom", peak_tflops=rate_flops * share / 1e12, hbm_gb=ram,
+                  nvlink_gbps=link_bytes_s * share / GB, ib_gbps=link_bytes_s * share / GB, gpus_per_node=1024)
+    if latency is None:
+        return gpu
+    return dataclasses.replace(gpu, link_latency_s=max(latency[0], latency[1] / share))
 
 
 OPTIONS = dict(efficiency=1.0, block_overhead_s=0.0, comm_efficiency=1.0)  # the flat model at the fitted rate
 
 
-def fit(run_dir: str, cores: int | None = None, load: float | None = 0.0, trace: bool = True) -> Calibration:
+def fit(run_dir: str, cores: int | None = None, load: float | None = 0.0, trace: bool = True,
+        on_core: bool = False) -> Calibration:
     """The machine's compute rate and link bandwidth from one run (see the module docstring).
     `cores`: the cores the run's ranks shared (default: what its metrics say; 0 for a GPU run);
     `load`: other programs' runnable threads competing per thread (default 0: the cores the run got
     are shared among its own ranks only; None: implied by the run's schedstat seconds); `trace`: read
-    the run's profile.json when it has one (False: the one flat rate)."""
+    the run's profile.json when it has one (False: the one flat rate); `on_core`: fit to the run's
+    seconds on a core per step (median `cpu_s`) as if each rank had a core to itself, i.e. the rates of
+    the core time the run actually got whatever other programs took (bench/calibrate.py's check)."""
     cfg = run_config(run_dir)
     m = measured(run_dir)
+    if on_core:
+        if m.cpu_s is None:
+            raise PlanError(f"--calibrate: {run_dir}/metrics.jsonl has no cpu_s (seconds on a core per step)")
+        m, cores, load = dataclasses.replace(m, step_s=m.cpu_s), 0, 0.0
     world = _world(run_dir, cfg, m)
     if cores is None:  # a run that logs its world but no cores ran one rank per GPU
         cores = m.cores if m.cores or m.world else os.cpu_count() or 1
@@ -251,14 +310,16 @@ def fit(run_dir: str, cores: int | None = None, load: float | None = 0.0, trace:
     share = core_share(world, cores, threads, load)
     shape, spec = shape_from_config(cfg), spec_from_config(cfg, world)
     opts = Options(**OPTIONS, compiled=bool(cfg.training.compile))
+    probe = read_probe(run_dir)
 
     def predict(rate: float, link: float) -> dict:
-        return estimate(shape, spec, cpu_device(rate, link, world, cores, threads, load), opts)
+        return estimate(shape, spec, cpu_device(rate, link, world, cores, threads, load, probe), opts)
 
     # link: the measured collective seconds less their fixed per-call latency, over the wire bytes
     colls = predict(REF_TFLOPS * 1e12, GB)["comm"]
     wire = sum(c["bytes"] for c in colls)
-    latency = sum(c["calls"] * LATENCY_S[c["link"]] for c in colls if c["bytes"] > 0)
+    ref = cpu_device(REF_TFLOPS * 1e12, GB, world, cores, threads, load, probe)
+    latency = sum(c["calls"] * call_latency(ref, c["link"]) for c in colls if c["bytes"] > 0)
     comm = m.comm_s
     link = wire / max(comm - latency, 0.1 * comm) / share if wire > 0 and comm > 0 else GB
     # rate: the one whose predicted step (compute + exposed communication) is the measured step; the
@@ -267,7 +328,8 @@ def fit(run_dir: str, cores: int | None = None, load: float | None = 0.0, trace:
     for _ in range(80):
         mid = (lo * hi) ** 0.5
         lo, hi = (mid, hi) if predict(mid, link)["step_s"] > m.step_s else (lo, mid)
-    cal = Calibration(lo, link, cores, os.path.abspath(run_dir), load)
+    cal = Calibration(lo, link, cores, os.path.abspath(run_dir), load,
+                      latency_s=probe[0] if probe else None, latency_core_s=probe[1] if probe else None)
     prof = read_profile(run_dir) if trace else None
     if prof is None:
         return cal
@@ -308,7 +370,8 @@ def device_and_options(cal: Calibration, ranks: int, compiled: bool = False,
                        threads: int | None = None) -> tuple[GPU, Options]:
     """The GPU profile and Options that price a layout of `ranks` ranks on the calibrated machine
     (`threads` per rank: default what `meshlm train --nproc` gives them)."""
-    gpu = cpu_device(cal.rate_flops, cal.link_bytes_s, ranks, cal.cores, threads, cal.load)
+    probe = None if cal.latency_s is None else (cal.latency_s, cal.latency_core_s or 0.0)
+    gpu = cpu_device(cal.rate_flops, cal.link_bytes_s, ranks, cal.cores, threads, cal.load, probe)
     if cal.gemm_flops is None:
         return gpu, Options(**OPTIONS, compiled=compiled)
     share = core_share(ranks, cal.cores, threads, cal.load)
@@ -320,3 +383,32 @@ def predict(cal: Calibration, cfg: C.Config, ranks: int, threads: int | None = N
     """The planner's estimate of `cfg` on `ranks` ranks of the calibrated machine."""
     gpu, o = device_and_options(cal, ranks, bool(cfg.training.compile), threads)
     return estimate(shape_from_config(cfg), spec_from_config(cfg, ranks), gpu, o)
+
+
+def rate_sources(cal: Calibration, ranks: int, threads: int | None = None) -> tuple[str, dict]:
+    """What `meshlm estimate --calibrate` says of its numbers: a line naming the run and the cores each
+    of this layout's ranks keeps busy, and per step category (estimate.step_categories) the rate fitted
+    from the run that priced it. Categories left out (the bubble) are the model's own."""
+    share = core_share(ranks, cal.cores, threads, cal.load)
+    where = (f"{cal.cores} cores shared by {ranks} ranks: {share:.2f} of a core each" if cal.cores
+             else "one device per rank")
+    load = f", beside {cal.load:.1f} other runnable threads" if cal.load else ""
+    fitted = "per category from its profiler trace" if cal.gemm_flops is not None else \
+        "one flat compute rate (the run has no profile.json)"
+    unit = " per core" if cal.cores else ""
+    line = f"calibrated from {cal.source}: {where}{load}; rates fitted {fitted}"
+    notes = {"comm": f"link {cal.link_bytes_s / GB:.3g} GB/s{unit}, fitted from its collectives"
+             + (f"; {cal.latency_s * 1e3:.3g} ms per call ({(cal.latency_core_s or 0) * 1e3:.3g} ms on a core) "
+                f"from its link probe" if cal.latency_s is not None else
+                f"; {LATENCY_S['nvlink'] * 1e6:.3g} µs per call, the model's (no link probe)")}
+    if cal.gemm_flops is None:
+        notes.update(compute=f"{cal.rate_flops / 1e9:.3g} GFLOP/s{unit}, fitted to its step",
+                     optimizer="at the same flat rate's memory traffic")
+        return line, notes
+    bw = f"{cal.ew_bytes_s / 1e9:.3g} GB/s{unit}"
+    notes.update(gemm=f"{cal.gemm_flops / 1e9:.3g} GFLOP/s{unit}, fitted", attention=f"{cal.attn_flops / 1e9:.3g} "
+                 f"GFLOP/s{unit}, fitted", elementwise=f"{bw}, fitted", launch=f"{cal.dispatch_s * 1e6:.3g} µs per "
+                 f"kernel{unit}, fitted", loss=f"at the fitted {bw}", grad_accum=f"at the fitted {bw}",
+                 optimizer=f"at the fitted {bw}", recompute="at the fitted rates",
+                 overhead=f"{cal.overhead_s:.3g} s per step{unit}, fitted")
+    return line, notes

@@ -10,7 +10,7 @@ import json
 import sys
 
 from .. import config as C
-from .estimate import Options, estimate
+from .estimate import CATEGORIES, Options, estimate, step_categories
 from .goodput import Resilience, describe as describe_goodput, goodput
 from .hardware import GIB, HardwareError, describe, get_gpu, names
 from .ops import KERNELS
@@ -107,14 +107,15 @@ def _gpu(args):
 
 
 def _device(args, cfg, ranks: int):
-    """(GPU profile, Options): the named profile, or with --calibrate the machine a run measured."""
+    """(GPU profile, Options, Calibration or None): the named profile, or with --calibrate the machine
+    a run measured."""
     if getattr(args, "calibrate", None):
         from .calibrate import device_and_options, fit
         if args.gpu:
             raise PlanError("--calibrate: leave out --gpu (the run's machine is the device)")
         cal = fit(args.calibrate)
-        return device_and_options(cal, ranks, bool(cfg.training.compile))
-    return _gpu(args), _options(args, cfg)
+        return (*device_and_options(cal, ranks, bool(cfg.training.compile)), cal)
+    return _gpu(args), _options(args, cfg), None
 
 
 # ---------------------------------------------------------------------------------- estimate
@@ -125,7 +126,7 @@ def run_estimate(args, extra_argv: list[str] | None = None) -> int:
         if rest:
             raise PlanError(f"unrecognised argument: {rest[0]}")
         cfg = C.load(args.config, pairs)
-        gpu, opts = _device(args, cfg, args.gpus)
+        gpu, opts, cal = _device(args, cfg, args.gpus)
         shape = shape_from_config(cfg)
         spec = spec_from_config(cfg, args.gpus)
         out = estimate(shape, spec, gpu, opts)
@@ -134,7 +135,11 @@ def run_estimate(args, extra_argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(out, indent=1))
     else:
-        print(format_estimate(out, gpu))
+        sources = None
+        if cal is not None:
+            from .calibrate import rate_sources
+            sources = rate_sources(cal, args.gpus)
+        print(format_estimate(out, gpu, sources))
     return 0
 
 
@@ -142,7 +147,8 @@ def _gib(x: float | None) -> str:
     return "-" if x is None else f"{x / GIB:.2f} GiB"
 
 
-def format_estimate(r: dict, gpu=None) -> str:
+def format_estimate(r: dict, gpu=None, sources: tuple[str, dict] | None = None) -> str:
+    """The estimate as text; `sources` (calibrate.rate_sources): which rates a --calibrate run gave."""
     L, pg, d = r["layout"], r["per_gpu"], r["memory_detail"]
     lines = [f"model {r['model']}: {r['params'] / 1e9:.3f}B parameters, {r['gpus']} GPUs"
              + (f" ({describe(gpu)})" if gpu is not None and gpu.peak_flops else ""),
@@ -170,12 +176,28 @@ def format_estimate(r: dict, gpu=None) -> str:
                      f"bubble {t['bubble_s']:.3f} s ({t['bubble_fraction']:.1%}, {t['bubble_source']}), "
                      f"optimizer {t['optimizer_s'] + t['offload_s']:.3f} s"
                      + (f" (disk I/O {t['offload_io_s']:.3f} s)" if t["offload_io_s"] else ""))
+        lines += _categories(r, sources)
         if r["comm"]:
             lines.append(f"  {'group':<13}{'kind':<15}{'link':<7}{'n':>6}{'GB/step':>10}{'time s':>9}{'exposed':>9}  overlaps")
             for c in r["comm"]:
                 lines.append(f"  {c['group']:<13}{c['kind']:<15}{c['link']:<7}{c['group_size']:>6}"
                              f"{c['bytes'] / 1e9:>10.2f}{c['seconds']:>9.3f}{c['exposed_s']:>9.3f}  {c['overlaps_with']}")
     return "\n".join(lines)
+
+
+def _categories(r: dict, sources: tuple[str, dict] | None) -> list[str]:
+    """The step's seconds by category (estimate.step_categories, as --json's `ops` and `time`), each
+    with the rate a --calibrate run fitted for it."""
+    cats = step_categories(r)
+    notes = sources[1] if sources else {}
+    lines = (["  " + sources[0]] if sources else []) + \
+        ["  seconds per step by category" + (" (rate: from the calibration run)" if sources else "") + ":"]
+    for k, v in cats.items():
+        note = notes.get(k, "the model's own (not fitted)" if sources else "")
+        lines.append(f"    {CATEGORIES[k]:<24}{v:>10.4f} s {v / r['step_s'] if r['step_s'] else 0:>6.1%}"
+                     + (f"  {note}" if note else ""))
+    lines.append(f"    {'step':<24}{sum(cats.values()):>10.4f} s")
+    return lines
 
 
 # ---------------------------------------------------------------------------------- plan
@@ -198,7 +220,7 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
             raise PlanError(f"--top: must be >= 1, got {args.top}")
         if not args.gpu and not args.calibrate:
             raise PlanError("--gpu: give a GPU profile (or --calibrate RUN_DIR)")
-        gpu, opts = _device(args, cfg, args.gpus)
+        gpu, opts, _ = _device(args, cfg, args.gpus)
         res = plan(shape, gpu, args.gpus, seq, tokens, args.precision, args.top, parse_fix(args.fix), opts)
         rates = (args.failures_per_gpu_hour, args.ckpt_node_gbps, args.storage_gbps, args.restart_min,
                  args.spare_min, args.repair_h)

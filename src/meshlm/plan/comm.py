@@ -20,6 +20,12 @@ WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1)
         "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "p2p": lambda n: 1.0}
 
 
+def latency(gpu: GPU, link_name: str) -> float:
+    """Fixed seconds per collective call: the device's own when it has one (a calibrated CPU), else
+    the link's."""
+    return gpu.link_latency_s if gpu.link_latency_s is not None else LATENCY_S[link_name]
+
+
 def link(gpu: GPU, size: int, stride: int) -> tuple[str, float]:
     """(link name, bytes/s per rank) for a group of `size` ranks `stride` apart."""
     gpn = gpu.gpus_per_node
@@ -46,6 +52,7 @@ class Collective:
     exposed_s: float = 0.0
     window: str = "none"
     per: str = "microbatch"  # microbatch: repeats every micro-batch; step: once per step
+    tail_calls: float = 0.0  # calls that start only when their window ends (the last gradient bucket)
 
     @property
     def wire_bytes(self) -> float:
@@ -58,15 +65,16 @@ class Collective:
 
 
 def make(gpu: GPU | None, group: str, kind: str, size: int, stride: int, calls: float, nbytes: float,
-         window: str = "none", per: str = "microbatch", comm_efficiency: float = 0.8) -> Collective:
+         window: str = "none", per: str = "microbatch", comm_efficiency: float = 0.8,
+         tail_calls: float = 0.0) -> Collective:
     """A Collective with its time filled in (zero when no GPU is known or the group is one rank)."""
     if gpu is None:
         name, bw = ("nvlink" if size * stride <= 8 else "ib"), 0.0
     else:
         name, bw = link(gpu, size, stride)
-    c = Collective(group, kind, name, size, calls, nbytes, window=window, per=per)
+    c = Collective(group, kind, name, size, calls, nbytes, window=window, per=per, tail_calls=tail_calls)
     if bw > 0 and size > 1 and calls > 0:
-        c.seconds = c.wire_bytes / (bw * comm_efficiency) + calls * LATENCY_S[name]
+        c.seconds = c.wire_bytes / (bw * comm_efficiency) + calls * latency(gpu, name)
     return c
 
 
@@ -119,8 +127,11 @@ def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first:
     reps = dp // s.zero_group if s.zero else 1
     psi = sp_dense + sp_expert
     if s.zero == 0:
-        if dp * cp > 1:
-            add("dp", "all_reduce", dp * cp, t, 1, rb * psi, window="backward", per="step")
+        if dp * cp > 1:  # one call per gradient bucket (parallel/data_parallel.py closes a bucket at
+            # bucket_mb); the last one fills when the backward ends, so nothing hides it
+            buckets = max(1, int(rb * psi // (s.bucket_mb * 2 ** 20)))
+            add("dp", "all_reduce", dp * cp, t, buckets, rb * psi / buckets, window="backward", per="step",
+                tail_calls=1)
     else:
         k = s.hpz_group or n  # ZeRO++ groups (docs/zero.md): k consecutive shard ranks, a node
         q = packed_bytes(QUANT_BLOCK) / QUANT_BLOCK  # int8 plus its fp32 block scales, per element

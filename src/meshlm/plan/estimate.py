@@ -9,7 +9,8 @@ efficiency) as before issue 23. Overlap: TP and EP traffic is exposed (it sits o
 the critical path of every block); PP sends overlap the next micro-batch except on the fill and drain
 path; ring-CP hides behind the attention kernels; ZeRO-3 gathers hide
 behind the forward/backward they prefetch for, ZeRO-2/3 reduce-scatters behind the backward, plain
-DP / ZeRO-1 gradient reduction behind the last micro-batch's backward; parameter all-gathers after
+DP / ZeRO-1 gradient reduction behind the last micro-batch's backward (DP's last bucket, filled when
+that backward ends, stays exposed: all of it when the gradients fit one bucket); parameter all-gathers after
 a sharded optimizer step and HSDP replica all-reduces are exposed.
 """
 from __future__ import annotations
@@ -179,7 +180,8 @@ def _stage_time(shape: Shape, s: Spec, stage: str, gpu: GPU, o: Options) -> dict
             hidden = last_bwd
         else:
             hidden = windows[window]
-        exposed = max(0.0, total - hidden)
+        tail = sum(c.seconds * min(c.tail_calls, c.calls) / c.calls for c in cs if c.calls)
+        exposed = max(0.0, total - hidden, tail)
         for c in cs:
             c.exposed_s = exposed * (c.seconds / total) if total > 0 else 0.0
         if per == "step":
@@ -246,6 +248,31 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
         "comm_bytes_per_step": sum(c["bytes"] for c in comm),
         "flops_per_step": model_flops,
     }
+
+
+# the step's categories in the order `meshlm estimate` prints them (step_categories)
+CATEGORIES = {"gemm": "GEMM", "attention": "attention", "elementwise": "element-wise", "launch": "launch / dispatch",
+              "loss": "loss", "grad_accum": "grad accumulation", "recompute": "recompute", "compute": "compute (flat)",
+              "optimizer": "optimizer", "comm": "communication exposed", "bubble": "bubble",
+              "overhead": "per-step overhead"}
+
+
+def step_categories(r: dict) -> dict:
+    """An estimate's step seconds by category, adding up to `step_s`: the per-operation breakdown
+    (`ops`: GEMM with the head, attention, element-wise, launches, loss, gradient accumulation,
+    recompute) or, with a flat --efficiency, the compute as one; then the optimizer, exposed
+    communication, pipeline bubble and per-step overhead (the time model's terms, docs/planner.md)."""
+    t, ops = r["time"], r["ops"]
+    if ops is None:
+        out = {"compute": t["forward_s"] + t["backward_s"] + t["recompute_s"]}
+    else:
+        out = {"gemm": ops["gemm_s"] + ops["head_s"], "attention": ops["attention_s"],
+               "elementwise": ops["elementwise_s"], "launch": ops["launch_s"], "loss": ops["loss_s"],
+               "grad_accum": ops["grad_accum_s"], "recompute": ops["recompute_s"]}
+    out.update(optimizer=t["optimizer_s"] + t["offload_s"],
+               comm=t["exposed_comm_microbatch_s"] + t["exposed_comm_step_s"], bubble=t["bubble_s"],
+               overhead=t["overhead_s"])
+    return out
 
 
 def estimate(shape: Shape, s: Spec, gpu: GPU | None = None, o: Options | None = None, validate: bool = True,

@@ -45,6 +45,8 @@ class GPU:
     #                                calibrates it: meshlm plan --calibrate)
     launch_compiled_s: float = 5e-6  # per inductor-generated kernel launch (assumed, calibrated likewise)
     arch: str = "hopper"           # which attention-kernel table applies (plan/ops.py)
+    link_latency_s: float | None = None  # fixed cost per collective call; None: comm.LATENCY_S (NVLink /
+    #                                IB); a calibrated CPU sets what a probe of its collectives measured
 
     def peak(self, precision: str) -> float:
         return self.peak_flops * (self.fp32_ratio if precision == "fp32" else 1.0)

@@ -183,14 +183,11 @@ def elementwise(a, t: int, sp: bool, compiled: bool, e: int) -> tuple[float, flo
     return fwd, bwd, kf, kb
 
 
-def _bound(seconds: float, kernels: float, launch: float) -> float:
-    """A group of kernels takes its device time or its host dispatches, whichever is longer."""
-    return max(seconds, kernels * launch)
-
-
-def _sum(seconds: float, kernels: float, launch: float) -> float:
-    """On a CPU the core that dispatches an op also runs it: the two add up."""
-    return seconds + kernels * launch
+def _parts(seconds: float, kernels: float, launch: float, cpu: bool) -> tuple[float, float]:
+    """(data seconds, launch seconds) of a group of kernels. On a GPU the group takes its device time or
+    its host dispatches, whichever is longer: launches count only where they exceed the kernels. On a
+    CPU the core that dispatches an op also runs it: the two add up."""
+    return (seconds, kernels * launch) if cpu else (seconds, max(0.0, kernels * launch - seconds))
 
 
 @lru_cache(maxsize=65536)
@@ -260,25 +257,31 @@ def stage_compute(shape, t: int, sp: bool, ep: int, seq_len: int, cp: int, layer
             a_f += (2 + 1 / e) * scores   # read and write them, write a one-byte mask
             a_b += (2 + 1 / e) * scores   # and in backward the gradient, reading the mask
     ew_f, ew_b, k_f, k_b = elementwise(a, t, sp, compiled, e)
-    bound = _bound if rates is None else _sum
-    if rates is not None:
+    cpu = rates is not None
+    if cpu:
         launch = rates.dispatch_s
-    e_f = bound(T * ew_f / bw, k_f, launch)  # GEMM launches overlap their own math: not counted
-    e_b = bound(T * ew_b / bw, k_b, launch)
+    x_f, l_f = _parts(T * ew_f / bw, k_f, launch, cpu)  # GEMM launches overlap their own math: not counted
+    x_b, l_b = _parts(T * ew_b / bw, k_b, launch, cpu)
+    e_f, e_b = x_f + l_f, x_b + l_b
     # weight gradients accumulate into the fp32 gradient buffer every micro-batch: read e, read-write 4·2
     params = (2 * q + 2 * kv) * d + 3 * d * f
     acc = params * (e + 8) / bw
     block_f = g_f + a_f + e_f
     block_b = g_b + a_b + e_b + acc
     t_f, t_b = layers * block_f, layers * block_b
+    # element-wise work and its launches apart (`launch_s`: kernels × launch where that is longer on a
+    # GPU, every dispatch on a CPU); the loss's launches are in launch_s too
     out = {"gemm_s": layers * (g_f + g_b), "attention_s": layers * (a_f + a_b),
-           "elementwise_s": layers * (e_f + e_b), "grad_accum_s": layers * acc, "head_s": 0.0, "loss_s": 0.0}
+           "elementwise_s": layers * (x_f + x_b), "launch_s": layers * (l_f + l_b), "grad_accum_s": layers * acc,
+           "head_s": 0.0, "loss_s": 0.0}
     if head:
         rows = vocab_rows(a, t)
         hf, hb = gemm3(T, rows, d)
         lb, lk = _loss(e, compiled and t == 1)
-        loss = bound(T * rows * lb / bw, lk, launch)
-        out["head_s"], out["loss_s"] = hf + hb, loss
+        lx, ll = _parts(T * rows * lb / bw, lk, launch, cpu)
+        loss = lx + ll
+        out["head_s"], out["loss_s"] = hf + hb, lx
+        out["launch_s"] += ll
         t_f += hf + loss / 3
         t_b += hb + 2 * loss / 3
     if ac == "full":

@@ -306,9 +306,13 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
-def find_resume(root: str, resume: str) -> str | None:
+def find_resume(root: str, resume: str, restarts: int = 0) -> str | None:
     """The checkpoint to start from: newest complete one for `auto`, none for `never`, else the given
-    path (a complete checkpoint: never a `.tmp` being written or left by a crash)."""
+    path (a complete checkpoint: never a `.tmp` being written or left by a crash). After a restart
+    (`restarts`: the job's agreed count, docs/fault_tolerance.md) the run's newest checkpoint, if it
+    has one, beats `checkpoint.resume`."""
+    if restarts > 0 and list_checkpoints(root):
+        resume = "auto"
     if resume == "never":
         return None
     if resume == "auto":
@@ -322,11 +326,12 @@ def find_resume(root: str, resume: str) -> str | None:
     return resume
 
 
-def preflight(cfg, run_dir: str) -> None:
+def preflight(cfg, run_dir: str, restarts: int = 0) -> None:
     """Refuse the checkpoint a run would resume from before any worker starts: a `.tmp`, a missing or
     unreadable index, a truncated data file, or tensors whose shapes differ from the configured model
-    (the first mismatching one, in model order, is named)."""
-    path = find_resume(os.path.join(run_dir, "checkpoints"), cfg.checkpoint.resume)
+    (the first mismatching one, in model order, is named). After a restart (`restarts`) that is the
+    newest checkpoint of the run, whatever `checkpoint.resume` says (`find_resume`)."""
+    path = find_resume(os.path.join(run_dir, "checkpoints"), cfg.checkpoint.resume, restarts)
     if path is None:
         return
     try:

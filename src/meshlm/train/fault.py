@@ -31,13 +31,6 @@ AUTO_FIRST = 5  # steps before the first, timed, checkpoint of checkpoint.every 
 NONE = 2 ** 62  # "no bad step yet" in the device-side record
 
 
-def resume_setting(resume: str, root: str, restarts: int) -> str:
-    """After a restart (`restarts`: the job's agreed count), the newest checkpoint of this run beats
-    `checkpoint.resume` (never / a path)."""
-    from .checkpoint import list_checkpoints
-    return "auto" if restarts > 0 and list_checkpoints(root) else resume
-
-
 def resize_record(meta: dict, layout: dict, accum: int) -> dict:
     """What a restart line says about the world: the checkpoint's and this run's size and layout
     (an elastic resize changes them; the global batch stays, the accumulation count makes up)."""

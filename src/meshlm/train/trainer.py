@@ -246,7 +246,7 @@ class Trainer:
 
     def maybe_resume(self) -> None:
         root = os.path.join(self.run_dir, "checkpoints")
-        path = ckpt.find_resume(root, fault.resume_setting(self.cfg.checkpoint.resume, root, self.ctx.restarts))
+        path = ckpt.find_resume(root, self.cfg.checkpoint.resume, self.ctx.restarts)
         if path is not None:
             self.load(path)
 

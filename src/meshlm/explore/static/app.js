@@ -120,7 +120,7 @@ function render(res, body) {
   // the per-operation model's breakdown of the compute (plan/ops.py); absent with a flat --efficiency
   const ops = r.ops || {};
   $("#ops-table").innerHTML = r.ops ? "<tr><th>compute by operation</th><th>s per step</th></tr>" +
-    ["gemm_s", "attention_s", "elementwise_s", "grad_accum_s", "head_s", "loss_s", "recompute_s"]
+    ["gemm_s", "attention_s", "elementwise_s", "launch_s", "grad_accum_s", "head_s", "loss_s", "recompute_s"]
       .map((k) => `<tr><td>${k.replace("_s", "").replace("_", " ")}</td><td id="ops-${k}">${fmtNum(ops[k], 3)}</td></tr>`).join("") : "";
   $("#comm-table").innerHTML = "<tr><th>group</th><th>collective</th><th>link</th><th>ranks</th><th>GB/step</th><th>time s</th><th>exposed s</th><th>hidden</th><th>behind</th></tr>" +
     (r.comm.length ? r.comm.map((c) => `<tr><td>${c.group}</td><td>${c.kind}</td><td>${c.link}</td><td>${c.group_size}</td><td>${(c.bytes / 1e9).toFixed(2)}</td>` +
