@@ -79,8 +79,8 @@ def _built(schedule: str, p: int, m: int, v: int, fbw: tuple | None = None):
     depends on the costs (ZB-V's list scheduling)."""
     if fbw is None:
         return _simulator()[0](schedule, p, m, v)
-    from ..schedule.simulate import action_costs
-    return _simulator()[0](schedule, p, m, v, costs=action_costs(v, *fbw))
+    from ..schedule.simulate import action_costs  # the bubble only: ZB-V's memory search is skipped
+    return _simulator()[0](schedule, p, m, v, costs=action_costs(v, *fbw), least_memory=False)
 
 
 def _v_shaped(schedule: str) -> bool:

@@ -218,16 +218,18 @@ def zb_h1(p: int, m: int, *, costs: dict | None = None) -> list[list[Action]]:
     return add_p2p(_zb_h1_compute(p, m), p, 1, costs=costs)
 
 
-def zbv(p: int, m: int, v: int = 2, *, costs: dict | None = None) -> list[list[Action]]:
+def zbv(p: int, m: int, v: int = 2, *, costs: dict | None = None, least_memory: bool = True) -> list[list[Action]]:
     """ZB-V (Qi et al. 2024): two chunks per rank in a V, split backward, W's fill the bubbles; peak
     activation memory as 1F1B's first rank. Build with the V stage order (actions.py). Of the orders
-    with the least simulated bubble, the one holding the fewest deferred W's (`_zbv_compute`)."""
+    with the least simulated bubble, the one holding the fewest deferred W's (`_zbv_compute`).
+    `least_memory=False`: the uncapped order only (the planner, which needs the bubble of many
+    layouts: the chosen order's bubble is at most the uncapped one's, equal where tests check it)."""
     _validate(p, m, v)
     if v != 2:
         raise ValueError(f"zbv runs exactly 2 chunks per rank (a V), got v={v}")
     c = {**STEER_COSTS, **(costs or {})}
     best = None
-    for cap in (None, 3, 2, 1):  # the fewest deferred weight-gradient inputs at the least bubble
+    for cap in (None, 3, 2, 1) if least_memory else (None,):  # the fewest deferred W inputs at the least bubble
         compute, held = _zbv_compute(p, m, c, cap)
         acts = add_p2p(compute, p, 2, costs=c, vshape=True)
         tl = simulate(acts, p, m, 2, cost_f=c["F"], cost_b=c["I"] + c["W"], cost_w=c["W"], vshape=True)
@@ -250,14 +252,18 @@ V_SHAPED = frozenset(PP_V_SHAPED)  # schedules whose chunks sit in a V (actions.
 assert tuple(SCHEDULES) == PP_SCHEDULES, (tuple(SCHEDULES), PP_SCHEDULES)
 
 
-def build_schedule(name: str, p: int, m: int, v: int = 1, *, costs: dict | None = None) -> list[list[Action]]:
+def build_schedule(name: str, p: int, m: int, v: int = 1, *, costs: dict | None = None,
+                   least_memory: bool = True) -> list[list[Action]]:
     """Build schedule `name` for p ranks, m micro-batches, v chunks per rank.
 
-    `costs` (relative F/B/I/W durations) only tunes where p2p is placed.
+    `costs` (relative F/B/I/W durations) only tunes where p2p is placed. `least_memory=False` skips
+    ZB-V's search for the order holding the fewest deferred W's (`zbv`).
     """
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
     _validate(p, m, v)
+    if name == "zbv":
+        return zbv(p, m, v, costs=costs, least_memory=least_memory)
     if name in TAKES_VIRTUAL:
         return SCHEDULES[name](p, m, v, costs=costs)
     if v != 1:
