@@ -25,6 +25,7 @@ def eager_under_compile(fn):
     at import), and an eager run never needs it (docs/architecture.md, "Choices")."""
     return torch._disable_dynamo(fn)
 
+
 def wanted(ctx, i: int) -> bool:
     """Will the running backward pass use the gradient of input `i`? (autograd.grad(out, [x]) skips
     weights, backward(inputs=weights) skips the input chain; compiled backward graphs want all.)"""

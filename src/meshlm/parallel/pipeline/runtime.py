@@ -178,6 +178,9 @@ class PipelineRuntime:
                 ops.append(("recv", buf, a.peer))
         works = self.comm.batch_p2p(ops)
         if len(works) == len(ops):  # one work per op: sends finish in the background (their tensors kept)
+            done = [w for w, _ in self.sending if w.is_completed()]  # let finished sends' tensors go now,
+            self.comm.wait_p2p(done)  # not at the step's end (wait: an error still surfaces, at no cost)
+            self.sending = [(w, t) for w, t in self.sending if w not in done]
             self.sending += [(w, op[1]) for w, op in zip(works, ops) if op[0] == "send"]
             works = [w for w, op in zip(works, ops) if op[0] == "recv"]
         self.comm.wait_p2p(works)
