@@ -150,6 +150,8 @@ class TestHooks:
     MESHLM_TEST_SLOW_RANK=R:S    rank R sleeps S seconds inside every step (a straggler)
     MESHLM_TEST_CORRUPT_BATCH=N  global batch N (0-based data position) becomes random tokens, the same
                                  in every layout (a corrupt shard: what the spike guard is for)
+    MESHLM_TEST_HOLD_ALONE=N     a job on one rank waits after step N until it is ended (a shrunk
+                                 elastic job stays alive, at a known step, until the lost node is back)
     """
 
     def __init__(self, rank: int, restarts: int):
@@ -163,15 +165,18 @@ class TestHooks:
         slow = env.get("MESHLM_TEST_SLOW_RANK", "")
         if slow and int(slow.split(":")[0]) == rank:
             self.sleep += float(slow.split(":")[1])
+        self.hold = int(env.get("MESHLM_TEST_HOLD_ALONE", "0") or 0)
 
     @classmethod
     def install(cls, trainer) -> "TestHooks":
         """Wrap the trainer's step, non-finite guard and checkpointer where a variable asks for it."""
         hooks = cls(trainer.ctx.rank, trainer.ctx.restarts)
-        if hooks.sleep:
+        if hooks.sleep or (hooks.hold and trainer.ctx.world_size == 1):
             step = trainer.train_step
 
             def slept(*a, **kw):
+                while hooks.hold and trainer.step >= hooks.hold and trainer.ctx.world_size == 1:
+                    time.sleep(0.1)  # the agent's restart (or SIGTERM) ends it here
                 time.sleep(hooks.sleep)
                 return step(*a, **kw)
             trainer.train_step = slept
