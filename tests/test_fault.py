@@ -60,18 +60,18 @@ CASE = {"checkpoint.every": 2, "checkpoint.keep": 10, "training.micro_batch": 1,
 
 
 def test_sigkilled_worker_restarts_and_resumes(tmp_path, pools):
-    ref = run_layout(pools, make_config(**{k.replace(".", "__"): v for k, v in CASE.items()}), 4)
+    ref = run_layout(pools, make_config(**{k.replace(".", "__"): v for k, v in CASE.items()}), 2)
     run = tmp_path / "run"
     owner = str(os.getpid())
-    proc = launch(run, 4, CASE, {"MESHLM_TEST_STEP_SLEEP": "0.3", "MESHLM_TEST_OWNER": owner})
+    proc = launch(run, 2, CASE, {"MESHLM_TEST_STEP_SLEEP": "0.3", "MESHLM_TEST_OWNER": owner})
     done = run / "checkpoints" / "step_00000004" / "meta.json"
     deadline = time.time() + 240
     while not done.exists():
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
         time.sleep(0.02)
     pids = workers(int(owner))
-    assert sorted(pids) == [0, 1, 2, 3]
-    os.kill(pids[2], signal.SIGKILL)
+    assert sorted(pids) == [0, 1]
+    os.kill(pids[1], signal.SIGKILL)
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, out[-3000:]
     restarts = [r for r in lines(run) if "restart" in r]
