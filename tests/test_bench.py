@@ -1,22 +1,49 @@
 """The benchmarks run (CI smoke: tiny shapes on the CPU). Their numbers go to docs/benchmarks.md,
 never into assertions: this machine is shared and noisy."""
+import contextlib
+import io
 import json
+import os
 import pathlib
-import subprocess
+import runpy
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).parents[1]
-pytestmark = pytest.mark.slow  # each starts a bench script in a fresh interpreter
+pytestmark = pytest.mark.slow  # each runs a whole bench script
 
 
-def run_json(*argv, lines: int = 1):
-    """The bench's last JSON line (or its last `lines` lines, as a list)."""
-    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = [json.loads(line) for line in proc.stdout.strip().splitlines()[-lines:]]
-    return out[0] if lines == 1 else out
+def run_json(script, *argv, lines: int = 1):
+    """The bench's last JSON line (or its last `lines` lines, as a list), from running `python SCRIPT
+    ARGV` as the interpreter would (runpy, `__name__ == "__main__"`, its own argv) but in this process:
+    a fresh interpreter per bench cost seconds of imports and a forkserver of its own, and the one the
+    harness started serves the bench's gloo workers the same. What a script changes in this process
+    (argv, sys.path, environment, cwd, torch's thread count) is put back."""
+    import spawn
+    from harness import PRELOAD
+    spawn.fork_context(PRELOAD)  # the session's forkserver, with everything the pools preload
+    saved = sys.argv, dict(os.environ), os.getcwd(), torch.get_num_threads(), list(sys.path)
+    out = io.StringIO()
+    sys.argv = [str(ROOT / script), *argv]
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(str(ROOT / script), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    finally:
+        sys.argv = saved[0]
+        os.environ.clear()
+        os.environ.update(saved[1])
+        os.chdir(saved[2])
+        torch.set_num_threads(saved[3])
+        sys.path[:] = saved[4]
+    assert code in (0, None), f"{script} exited {code}: {out.getvalue()[-2000:]}"
+    found = [json.loads(line) for line in out.getvalue().strip().splitlines()[-lines:]]
+    return found[0] if lines == 1 else found
 
 
 def test_gpu_bench_smoke():
