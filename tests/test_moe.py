@@ -117,6 +117,9 @@ def test_every_kth_block():
     assert [isinstance(b.feed_forward, MoE) for b in m.layers.values()] == [True, False, True, False]
     n = sum(p.numel() for p in m.parameters())
     assert n == args.num_params()
+    for layers, first, every in [(4, 0, 2), (5, 1, 2), (7, 2, 3), (2, 3, 1), (6, 0, 1)]:  # the planner's count
+        a = dataclasses.replace(ARGS, n_layers=layers, moe_first_dense=first, moe_every=every)
+        assert a.n_moe_blocks == sum(a.is_moe_block(i) for i in range(layers)), (layers, first, every)
 
 
 @pytest.mark.parametrize("overrides,key", [

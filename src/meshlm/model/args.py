@@ -52,7 +52,9 @@ class ModelArgs:
 
     @property
     def n_moe_blocks(self) -> int:
-        return sum(self.is_moe_block(i) for i in range(self.n_layers))
+        """How many i in range(n_layers) are `is_moe_block(i)`, counted without the loop (the planner
+        asks this for every layout it prices)."""
+        return max(0, -(-(self.n_layers - self.moe_first_dense) // self.moe_every)) if self.moe else 0
 
     @property
     def head_dim(self) -> int:
