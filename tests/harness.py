@@ -107,6 +107,10 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    # What exists now (torch, dynamo, the trainer's modules: millions of objects) lives as long as the
+    # worker: frozen, the collection after each case scans only what cases made (0.15-0.35 s less per
+    # rank and case on two cores; that was a quarter of a short equivalence row).
+    gc.freeze()
     while True:
         task = tasks.get()
         if task is None:
