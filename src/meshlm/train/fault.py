@@ -171,11 +171,13 @@ class TestHooks:
     def install(cls, trainer) -> "TestHooks":
         """Wrap the trainer's step, non-finite guard and checkpointer where a variable asks for it."""
         hooks = cls(trainer.ctx.rank, trainer.ctx.restarts)
-        if hooks.sleep or (hooks.hold and trainer.ctx.world_size == 1):
+        if trainer.ctx.world_size > 1:
+            hooks.hold = 0  # only a job that is alone holds
+        if hooks.sleep or hooks.hold:
             step = trainer.train_step
 
             def slept(*a, **kw):
-                while hooks.hold and trainer.step >= hooks.hold and trainer.ctx.world_size == 1:
+                while hooks.hold and trainer.step >= hooks.hold:
                     time.sleep(0.1)  # the agent's restart (or SIGTERM) ends it here
                 time.sleep(hooks.sleep)
                 return step(*a, **kw)
