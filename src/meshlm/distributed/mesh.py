@@ -7,6 +7,7 @@ order (c10d requires it), and handed around in a `ParallelContext`; nothing is k
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import os
@@ -118,6 +119,12 @@ class ParallelContext:
     def all_comms(self) -> list[Comm]:
         return list(self.comms.values())
 
+    def close(self) -> None:
+        """Let go of every process group: autograd graphs and optimizers keep Comms alive past the
+        trainer, and a group's C++ object (its gloo threads) lives as long as a Comm points at it."""
+        for c in self.comms.values():
+            c.group, c.watchdog = None, None
+
 
 def pick_device(kind: str = "auto") -> torch.device:
     if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
@@ -151,6 +158,11 @@ def _init_world(device: torch.device, timeout_s: float) -> bool:
     """The default process group of the torchrun environment (made once); False when running alone."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
+        # torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when it is
+        # imported, and torch._dynamo (the first optimizer) imports it: imported after the world group
+        # exists, those defaults would hold the group until the interpreter's finalization, past
+        # destroy_process_group, with its gloo threads. Imported first, they hold None.
+        import torch.distributed.nn.functional  # noqa: F401
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None,
@@ -226,6 +238,41 @@ def _make_comm(name: str, all_groups: list[list[int]], rank: int, world: int, ti
     return Comm(name, handle, mine, rank)
 
 
-def shutdown() -> None:
+def shutdown(ctx: ParallelContext | None = None, finished: bool = False) -> list[str]:
+    """Tear this rank's side of the job down while the interpreter is whole (docs/fault_tolerance.md,
+    "Exit status"): every group destroyed and its last reference dropped, so the C++ objects and their
+    gloo threads end here and not in the interpreter's finalization. `finished`: every rank got here
+    after the last step, so a barrier first (no rank closes a connection a peer still reads from);
+    after a failure there is none (the peers may be gone). Returns the threads still alive after it."""
+    if finished and ctx is not None and ctx.world_size > 1:
+        try:
+            ctx.comm("world").barrier()
+        except Exception:  # noqa: BLE001 - a peer that left early; tearing down goes on
+            pass
+    if ctx is not None:
+        ctx.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()  # groups held by reference cycles (modules, hooks, graphs) end now
+    return threads_alive()
+
+
+# Threads of c10d's gloo backend, by the names they give themselves (/proc/self/task/*/comm).
+GLOO_THREADS = ("gloo", "pt_gloo")
+
+
+def threads_alive() -> list[str]:
+    """This process's threads that outlive a teardown: Python threads other than the main one, and
+    gloo's C++ threads (a process group still referenced somewhere)."""
+    import threading
+    out = [f"{t.name} (python)" for t in threading.enumerate() if t is not threading.main_thread()]
+    tasks = "/proc/self/task"
+    for tid in sorted(os.listdir(tasks)) if os.path.isdir(tasks) else []:
+        try:
+            with open(os.path.join(tasks, tid, "comm")) as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        if name.startswith(GLOO_THREADS):
+            out.append(name)
+    return out

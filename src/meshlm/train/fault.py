@@ -152,7 +152,14 @@ class TestHooks:
                                  in every layout (a corrupt shard: what the spike guard is for)
     MESHLM_TEST_HOLD_ALONE=N     a job on one rank waits after step N until it is ended (a shrunk
                                  elastic job stays alive, at a known step, until the lost node is back)
+    MESHLM_TEST_ABORT_AT_EXIT=R  rank R aborts (SIGABRT) after its run finished and its teardown: the
+                                 exit abort the launcher must tell from a failed run
     """
+
+    @staticmethod
+    def at_exit(rank: int) -> None:
+        if os.environ.get("MESHLM_TEST_ABORT_AT_EXIT", "") == str(rank):
+            os.abort()
 
     def __init__(self, rank: int, restarts: int):
         env = os.environ

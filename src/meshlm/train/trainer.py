@@ -25,11 +25,23 @@ from .optim import LossScaler, MasterOptimizer, clip_, grad_norm, lr_at
 
 
 def run(cfg: Config, run_dir: str, restarts: int | None = None) -> dict:
-    """Entry point of one worker (or of the only process); `restarts` as in `start`."""
+    """Entry point of one worker (or of the only process); `restarts` as in `start`. A finished run
+    says so in the run directory before the teardown (train/launch.py `record_done`): the outcome, not
+    how the process ends, decides the job's exit status."""
+    from .launch import record_done, teardown
+    ctx, finished = None, False
     try:
-        return start(cfg, run_dir, restarts).fit()
+        trainer = start(cfg, run_dir, restarts)
+        ctx = trainer.ctx
+        try:
+            last = trainer.fit()
+        finally:
+            del trainer  # its graphs and hooks hold the groups: they go before the teardown
+        record_done(run_dir, ctx.rank, last)
+        finished = True
+        return last
     finally:
-        shutdown()
+        teardown(ctx, finished)
 
 
 def start(cfg: Config, run_dir: str, restarts: int | None = None) -> "Trainer":
@@ -41,7 +53,11 @@ def start(cfg: Config, run_dir: str, restarts: int | None = None) -> "Trainer":
         restarts = join_world(device, cfg.parallel.timeout_s)
     layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")), device_profile(device), restarts)
     ctx = init_context(layout.shape(), device, cfg.parallel.timeout_s, restarts)
-    trainer = Trainer(cfg, run_dir, ctx, layout)
+    try:
+        trainer = Trainer(cfg, run_dir, ctx, layout)
+    except BaseException:
+        shutdown(ctx)
+        raise
     fault.TestHooks.install(trainer)  # failure injection for the test suite; nothing unless asked
     return trainer
 
