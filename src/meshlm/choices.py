@@ -15,6 +15,7 @@ OFFLOAD = ("none", "optimizer", "nvme")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 CP_IMPLS = ("ring", "ulysses")
 ZERO_STAGES = (0, 1, 2, 3)
+ON_ERROR = ("stop", "continue")  # checkpoint.on_error: what a failed save or export does
 
 # Bytes per element of each dtype name (activations, reductions, parameters).
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

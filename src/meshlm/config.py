@@ -147,6 +147,8 @@ class CheckpointConfig:
     mtbf_hours: float = 0.0  # the job's mean time between failures (for every = "auto")
     export_hf: int | str = ""  # "": off, "end": a transformers directory after the last step, N: also every N steps
     export_dtype: str = "bf16"  # bf16 or fp32: the dtype of the exported safetensors
+    on_error: str = "stop"  # a save or export that fails (a full disk): stop (exit 1) or continue (retry when next due)
+    on_signal: list[str] = field(default_factory=lambda: ["SIGTERM"])  # signals that save and stop (preemption)
 
 
 @dataclass
@@ -191,6 +193,8 @@ def _coerce(value: Any, current: Any, typ: Any, where: str) -> Any:
             return str(value).strip()
     if t.startswith("list[list"):
         return _coerce_mix(value, where)
+    if t.startswith("list[str"):
+        return _coerce_str_list(value, where)
     if t.startswith("list"):
         return _coerce_int_list(value, where)
     if isinstance(value, str) and "str" not in t.split("|")[0]:
@@ -237,6 +241,16 @@ def _coerce_int_list(value: Any, where: str) -> list[int]:
         except (TypeError, ValueError):
             raise ConfigError(f"{where}: expected a list of integers, got {value!r}") from None
     return out
+
+
+def _coerce_str_list(value: Any, where: str) -> list[str]:
+    """A TOML array of strings or a command-line 'SIGTERM,SIGUSR1' (or '' for empty)."""
+    if isinstance(value, str):
+        text = value.strip().strip("[]").strip()
+        value = [x.strip().strip("'\"") for x in text.split(",")] if text else []
+    if not isinstance(value, (list, tuple)) or not all(isinstance(x, str) for x in value):
+        raise ConfigError(f"{where}: expected a list of names, got {value!r}")
+    return list(value)
 
 
 def _coerce_mix(value: Any, where: str) -> list[list]:

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 from dataclasses import dataclass
 
-from .choices import AC_MODES, CP_IMPLS, OFFLOAD, PP_SCHEDULES, PRECISIONS, REDUCE_DTYPES, ZERO_STAGES, choose
+from .choices import (AC_MODES, CP_IMPLS, OFFLOAD, ON_ERROR, PP_SCHEDULES, PRECISIONS, REDUCE_DTYPES, ZERO_STAGES,
+                      choose)
 from .config import Config, ConfigError
 from .model.args import PRESETS, ModelArgs
 
@@ -192,6 +194,11 @@ def check_checkpoint_keys(cfg: Config) -> None:
         raise ConfigError(f"checkpoint.export_hf: expected \"\" (off), \"end\" or a step count >= 1, "
                           f"got '{c.export_hf}'")
     _choice(c.export_dtype, ("bf16", "fp32"), "checkpoint.export_dtype")
+    _choice(c.on_error, ON_ERROR, "checkpoint.on_error")
+    for name in c.on_signal:
+        if name not in CATCHABLE_SIGNALS:
+            raise ConfigError(f"checkpoint.on_signal: '{name}' is not a signal a process can catch "
+                              f"(e.g. SIGTERM, SIGUSR1)")
 
 
 def check_fault_keys(cfg: Config) -> None:
@@ -215,6 +222,7 @@ def check_fault_keys(cfg: Config) -> None:
 
 
 SPIKE_ACTIONS = ("skip", "rollback")
+CATCHABLE_SIGNALS = tuple(s.name for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP))
 ELASTIC = ("fail", "replan")
 
 

@@ -106,7 +106,7 @@ class Trainer:
         self.step_line: dict | None = None  # this step's metrics line (None on unlogged steps)
         self.dp_comm = ctx.comm("dp_cp")  # loss sums: every data- and context-parallel rank's tokens
         self.checkpointer = ckpt.Checkpointer(os.path.join(run_dir, "checkpoints"), ctx.comm("world"),
-                                              cfg.checkpoint.keep, cfg.checkpoint.async_)
+                                              cfg.checkpoint.keep, cfg.checkpoint.async_, cfg.checkpoint.on_error)
         self.watchdog = Watchdog.for_job(ctx.rank, ctx.world_size, cfg.parallel.heartbeat_s, self._peer_lost)
         for c in ctx.all_comms():
             c.watchdog = self.watchdog
@@ -255,7 +255,8 @@ class Trainer:
             meta["metrics"] = dict(self.step_line)
         state, _ = self.checkpoint_state()
         out = self.checkpointer.save(self.step, state, meta)
-        self.saved_step = self.step
+        if "error" not in out:  # checkpoint.on_error = "continue": the next due step tries again
+            self.saved_step = self.step
         if self.cfg.checkpoint.async_:
             out["async"] = True
         return out
@@ -383,10 +384,11 @@ class Trainer:
         if not (due or self.exporting):  # an export streams this step's checkpoint
             return
         ck = self.save()
-        self.cadence.saved(self.step, ck["save_s"])
-        for done in self._saves_done():  # a synchronous save has just finished
+        if "error" not in ck:
+            self.cadence.saved(self.step, ck["save_s"])
+        for done in self._saves_done():  # a synchronous save has just finished (or failed)
             if done["step"] == self.step:
-                ck.update(write_s=done["write_s"], bytes=done["bytes"])
+                ck.update({k: v for k, v in done.items() if k != "step"})
             else:
                 self.log.write({"step": done["step"], "ckpt": done})
         if rec is None:
@@ -420,6 +422,7 @@ class Trainer:
             self.log.write({"step": done["step"], "ckpt": done})
 
     def _close(self) -> None:
+        self.checkpointer.close(finished=False)  # after a failure: its thread is not waited for
         if hasattr(self, "log"):
             self.log.close()
         if self.watchdog is not None:
@@ -450,9 +453,12 @@ class Trainer:
             except (ValueError, OSError, ckpt.CheckpointError) as e:
                 failed, error = 1.0, e
         if world.all_reduce_scalars([failed])[0]:
-            if self.ctx.rank == 0:
-                raise RuntimeError(f"checkpoint.export_hf: step {self.step}: {error}") from error
-            raise RuntimeError(f"checkpoint.export_hf: step {self.step}: failed on rank 0")
+            line = f"checkpoint.export_hf: step {self.step}: {error if self.ctx.rank == 0 else 'failed on rank 0'}"
+            if self.cfg.checkpoint.on_error == "continue":  # the next due export tries again
+                log.write({"step": self.step, "export_error": line})
+                log.message(f"{line}; training goes on (checkpoint.on_error = continue)")
+                return
+            raise RuntimeError(line) from (error if self.ctx.rank == 0 else None)
         log.message(f"step {self.step}: exported {out} ({time.perf_counter() - t0:.1f} s)")
 
     def _check_finite(self, rec: dict | None, log: MetricsLog) -> None:
