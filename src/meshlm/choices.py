@@ -15,6 +15,9 @@ OFFLOAD = ("none", "optimizer", "nvme")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 CP_IMPLS = ("ring", "ulysses")
 ZERO_STAGES = (0, 1, 2, 3)
+SPIKE_ACTIONS = ("skip", "rollback")  # training.spike_action
+ELASTIC = ("fail", "replan")  # parallel.elastic
+EXPORT_DTYPES = ("bf16", "fp32")  # checkpoint.export_dtype
 
 # Bytes per element of each dtype name (activations, reductions, parameters).
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

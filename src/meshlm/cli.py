@@ -14,7 +14,8 @@ def _fail(msg: str, code: int = 2) -> int:
 
 def cmd_train(args, extra: list[str]) -> int:
     from . import config as C
-    from .layout import check_data, pin_model_shape
+    from .layout import check_data
+    from .model.from_config import pin_model_shape
     from .plan.auto import resolve
     from .train.launch import incidents, record_error, spawn, under_launcher, worker_errors
 
