@@ -34,12 +34,14 @@ def cmd_train(args, extra: list[str]) -> int:
         if worker and args.max_restarts and not args.worker:
             raise C.ConfigError("--max-restarts: under torchrun pass torchrun's own --max-restarts")
         restarts, gpu = None, None
-        if worker:  # the world group forms and agrees on the job's restart count before the layout
-            from .distributed.mesh import join_world, pick_device  # (docs/fault_tolerance.md, "Growing back")
+        in_process = worker or not (world > 1 or args.max_restarts)  # this process trains: its layout is final
+        if in_process:
+            from .distributed.mesh import join_world, pick_device
             from .train.metrics import device_profile
             device = pick_device(cfg.training.device)
-            restarts = join_world(device, cfg.parallel.timeout_s)
-            gpu = device_profile(device)  # auto / replan choose for this device, as the trainer does
+            gpu = device_profile(device)  # auto / replan choose for the device that trains
+            if worker:  # the world group forms and agrees on the job's restart count before the layout
+                restarts = join_world(device, cfg.parallel.timeout_s)  # (docs/fault_tolerance.md, "Growing back")
         layout = resolve(cfg, world, gpu, restarts=restarts or 0)
         check_data(cfg)
         from .parallel.zero.nvme import preflight as offload_preflight
@@ -70,7 +72,7 @@ def cmd_train(args, extra: list[str]) -> int:
         return code and _fail(f"training failed (exit {code}); worker logs in {run_dir}/logs", code)
     from .train.trainer import run
     try:
-        last = run(cfg, run_dir, restarts)
+        last = run(cfg, run_dir, restarts, layout)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         prefix = f"rank {os.environ.get('RANK', '0')}: "
