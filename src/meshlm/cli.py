@@ -14,8 +14,7 @@ def _fail(msg: str, code: int = 2) -> int:
 
 def cmd_train(args, extra: list[str]) -> int:
     from . import config as C
-    from .layout import check_data
-    from .model.from_config import pin_model_shape
+    from .model.from_config import check_init_weights, pin_model_shape
     from .plan.auto import resolve
     from .train.launch import incidents, record_error, spawn, under_launcher, worker_errors
 
@@ -43,7 +42,8 @@ def cmd_train(args, extra: list[str]) -> int:
             if worker:  # the world group forms and agrees on the job's restart count before the layout
                 restarts = join_world(device, cfg.parallel.timeout_s)  # (docs/fault_tolerance.md, "Growing back")
         layout = resolve(cfg, world, gpu, restarts=restarts or 0)
-        check_data(cfg)
+        check_init_weights(cfg)
+        cfg.data.check_files()
         from .parallel.zero.nvme import preflight as offload_preflight
         offload_preflight(cfg, layout, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if worker else world)
         run_dir = args.run_dir or os.path.join("runs", f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")

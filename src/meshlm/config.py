@@ -93,6 +93,23 @@ class DataConfig:
         if self.mix and self.path:
             raise ConfigError("data.mix: give data.path or data.mix, not both")
 
+    def check_files(self) -> None:
+        """Missing data or an unreadable tokenizer (the files, not only the keys): before workers start."""
+        for key, path in [("data.path", self.path)] * bool(self.path) + [("data.mix", p) for p, _ in self.mix]:
+            if not os.path.exists(path):
+                raise ConfigError(f"{key}: no such directory: {path}")
+            if not os.path.isfile(os.path.join(path, "index.json")):
+                raise ConfigError(f"{key}: {path} has no index.json (run `meshlm prepare` first)")
+        if self.tokenizer != "bytes":
+            if not os.path.isfile(self.tokenizer):
+                raise ConfigError(f"data.tokenizer: cannot read tokenizer file {self.tokenizer}")
+            try:
+                from tokenizers import Tokenizer
+                Tokenizer.from_file(self.tokenizer)
+            except Exception as e:  # noqa: BLE001 - any failure means unusable
+                raise ConfigError(f"data.tokenizer: cannot read tokenizer {self.tokenizer}: "
+                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
 
 @dataclass
 class ParallelConfig:

@@ -3,12 +3,11 @@ need both (degrees against the model shape and each other). A section's own keys
 them (config.py, `Config.check`); the model arguments come from model/from_config.py."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from .config import Config, ConfigError
 from .model.args import ModelArgs
-from .model.from_config import model_args
+from .model.from_config import check_export, model_args
 
 
 @dataclass(frozen=True)
@@ -123,12 +122,7 @@ def resolve(cfg: Config, world_size: int) -> Layout:
     zpp_group = check_zeropp(p, dp_shard * p.cp)
     if p.pp > 1 or p.pp_virtual > 1 or p.pp_layers:
         _check_pipeline(cfg, args, microbatches)
-    if cfg.checkpoint.export_hf != "":  # what convert.to_hf refuses, refused before any step
-        from .model.hf_config import family_for
-        try:
-            family_for(args)
-        except ValueError as e:
-            raise ConfigError(f"checkpoint.export_hf: {e}") from None
+    check_export(cfg, args)
     return Layout(pp=p.pp, dp_replicate=dp // dp_shard, dp_shard=dp_shard, cp=p.cp, tp=p.tp,
                   micro_batch=t.micro_batch, accum=accum, microbatches=microbatches, ep=p.ep, zpp_group=zpp_group)
 
@@ -179,28 +173,3 @@ def _check_pipeline(cfg: Config, args: ModelArgs, microbatches: int) -> None:
         stage_blocks(args, cfg, microbatches)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-
-
-def check_data(cfg: Config) -> None:
-    """Missing data, an unreadable tokenizer or Hugging Face weights that do not match their
-    config.json (headers only): refused before workers start."""
-    if cfg.model.init_from:
-        from .model.hf import HFWeights
-        try:
-            HFWeights(cfg.model.init_from[3:]).check(model_args(cfg))
-        except ValueError as e:
-            raise ConfigError(f"model.init_from: {e}") from None
-    for key, path in [("data.path", cfg.data.path)] * bool(cfg.data.path) + [("data.mix", p) for p, _ in cfg.data.mix]:
-        if not os.path.exists(path):
-            raise ConfigError(f"{key}: no such directory: {path}")
-        if not os.path.isfile(os.path.join(path, "index.json")):
-            raise ConfigError(f"{key}: {path} has no index.json (run `meshlm prepare` first)")
-    if cfg.data.tokenizer != "bytes":
-        if not os.path.isfile(cfg.data.tokenizer):
-            raise ConfigError(f"data.tokenizer: cannot read tokenizer file {cfg.data.tokenizer}")
-        try:
-            from tokenizers import Tokenizer
-            Tokenizer.from_file(cfg.data.tokenizer)
-        except Exception as e:  # noqa: BLE001 - any failure means unusable
-            raise ConfigError(f"data.tokenizer: cannot read tokenizer {cfg.data.tokenizer}: "
-                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None

@@ -139,3 +139,24 @@ def set_model_shape(cfg: Config, args: ModelArgs) -> None:
         for key, field in keys.items():
             if getattr(sub, key) is None and (args.moe or section != "moe" or key == "num_experts"):
                 setattr(sub, key, getattr(args, field))  # a dense model sets no other model.moe key
+
+
+def check_export(cfg: Config, args: ModelArgs) -> None:
+    """checkpoint.export_hf: what convert.to_hf refuses for this model, refused before any step."""
+    if cfg.checkpoint.export_hf != "":
+        from .hf_config import family_for
+        try:
+            family_for(args)
+        except ValueError as e:
+            raise ConfigError(f"checkpoint.export_hf: {e}") from None
+
+
+def check_init_weights(cfg: Config) -> None:
+    """model.init_from: Hugging Face weights that do not match their config.json (headers only),
+    refused before workers start."""
+    if cfg.model.init_from:
+        from .hf import HFWeights
+        try:
+            HFWeights(cfg.model.init_from[3:]).check(model_args(cfg))
+        except ValueError as e:
+            raise ConfigError(f"model.init_from: {e}") from None
