@@ -114,6 +114,8 @@ class TrainingConfig:
     global_batch: int = 16
     micro_batch: int = 16
     precision: str = "fp32"
+    fp8_recipe: str = "tensorwise"  # precision = "fp8": torchao's float8 scaling (tensorwise, rowwise)
+    fp8_emulate: bool = False  # precision = "fp8" without float8 hardware (CPU tests): torchao's emulation
     ac: str = "none"
     seed: int = 0
     clip: float = 1.0

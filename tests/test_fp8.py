@@ -1,0 +1,123 @@
+"""fp8 training (training.precision = "fp8", parallel/float8.py) on the CPU through torchao's emulation:
+which linears convert, losses near bf16 in one process and in layouts, checkpoints interchangeable with
+bf16 runs, and the one-line refusals."""
+import shutil
+import sys
+
+import pytest
+import torch
+
+from harness import make_config, read_metrics, run_layout, run_local, reference
+from meshlm import config as C
+from meshlm.layout import resolve
+
+FP8 = {"training__precision": "fp8", "training__fp8_emulate": True}
+STEPS = {"training__steps": 30}
+# float8 e4m3 keeps 3 mantissa bits against bf16's 7: the debug model's emulated fp8 losses measured within
+# 0.3% of bf16's over 30 steps in one process; the issue's bound is 2%.
+WITHIN = 0.02
+
+
+def assert_near_bf16(ref: list[dict], got: list[dict]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, 31))
+    for a, b in zip(ref, got):
+        rel = abs(a["loss"] - b["loss"]) / a["loss"]
+        assert rel <= WITHIN, f"step {a['step']}: fp8 loss {b['loss']} vs bf16 {a['loss']} (rel {rel:.2e})"
+    assert ref[-1]["loss"] < ref[0]["loss"] - 1.0  # both trained, not only agreed
+
+
+def test_block_linears_convert_and_state_dict_keys_stay():
+    from torchao.float8.float8_linear import Float8Linear
+
+    from meshlm.layout import model_args
+    from meshlm.model import build_model
+    from meshlm.model.init import materialize
+    from meshlm.parallel.float8 import convert_to_float8
+    from meshlm.parallel.moe_plan import model_plan_for
+
+    model = build_model(model_args(make_config()))
+    materialize(model, 0, "cpu", torch.bfloat16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    done = convert_to_float8(model, model_plan_for(model), "rowwise", emulate=True)
+    assert len(done) == 4 * 7  # wq wk wv wo w1 w2 w3 in each of the 4 blocks
+    kinds = {n: type(m) for n, m in model.named_modules()}
+    assert all(kinds[n] is Float8Linear for n in done)
+    assert not any(issubclass(kinds[n], Float8Linear) for n in ("output", "tok_embeddings"))
+    after = model.state_dict()
+    assert list(after) == list(before)  # a bf16 run's checkpoint keys, in order
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    y = model(torch.randint(0, 256, (2, 16)))
+    assert y.dtype == torch.bfloat16
+    y.float().square().mean().backward()
+    assert model.layers["0"].attention.wq.weight.grad is not None
+
+
+def test_emulated_fp8_within_2_percent_of_bf16():
+    assert_near_bf16(reference(training__precision="bf16", **STEPS), run_local(make_config(**FP8, **STEPS)))
+
+
+LAYOUTS = [
+    ("dp2-tp2", 4, {"parallel__dp": 2, "parallel__tp": 2}),
+    ("tp2-gqa-kv1", 2, {"parallel__tp": 2, "model__n_kv_heads": 1}),  # kv heads replicated over TP ranks
+    ("zero3-dp2", 2, {"parallel__dp": 2, "parallel__zero": 3}),
+    ("pp2", 2, {"parallel__pp": 2}),
+]
+
+
+@pytest.mark.parametrize("name,world,overrides", [pytest.param(*c, id=c[0]) for c in LAYOUTS])
+def test_emulated_fp8_layout_within_2_percent_of_bf16(pools, name, world, overrides):
+    single = {k: v for k, v in overrides.items() if not k.startswith("parallel__")}
+    ref = reference(training__precision="bf16", **STEPS, **single)
+    assert_near_bf16(ref, run_layout(pools, make_config(**FP8, **STEPS, **overrides), world))
+
+
+def test_fp8_checkpoints_resume_exactly_and_load_into_bf16(tmp_path):
+    from test_train import truncate_run
+
+    every = {"checkpoint__every": 3, "checkpoint__keep": 3, "training__steps": 6}
+    ref = run_local(make_config(**FP8, **every), str(tmp_path / "a"))
+    truncate_run(str(tmp_path / "a"), 3)
+    for name in ("b", "c"):  # the same checkpoint resumed by an fp8 and by a bf16 run
+        (tmp_path / name).mkdir()
+        shutil.copytree(tmp_path / "a" / "checkpoints", tmp_path / name / "checkpoints")
+        shutil.copy(tmp_path / "a" / "metrics.jsonl", tmp_path / name / "metrics.jsonl")
+    resumed = run_local(make_config(**FP8, **every, checkpoint__resume="auto"), str(tmp_path / "b"))
+    assert [r["loss"] for r in resumed[3:]] == [r["loss"] for r in ref[3:]]  # exact
+    as_bf16 = run_local(make_config(**every, training__precision="bf16", checkpoint__resume="auto"),
+                        str(tmp_path / "c"))
+    assert [r["step"] for r in as_bf16] == list(range(1, 7))
+    for a, b in zip(ref[3:], as_bf16[3:]):
+        assert abs(a["loss"] - b["loss"]) / a["loss"] <= WITHIN
+    assert read_metrics(str(tmp_path / "c"))[3]["loss"] != ref[3]["loss"]  # bf16 really computed step 4
+
+
+REFUSALS = [
+    ({"training__precision": "fp8"}, "fp8 needs a GPU with float8 matmuls"),
+    ({**FP8, "training__fp8_recipe": "delayed"}, "training.fp8_recipe: 'delayed' is not one of tensorwise, rowwise"),
+    ({**FP8, "model__preset": "moe-debug"}, "not available for mixture-of-experts models"),
+    ({**FP8, "parallel__tp": 2, "parallel__sp": True}, "fp8 with parallel.sp = true is not available"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", REFUSALS, ids=["cpu", "recipe", "moe", "sp"])
+def test_fp8_refusals_are_one_line(overrides, message):
+    world = 2 if overrides.get("parallel__tp") else 1
+    with pytest.raises(C.ConfigError, match=message) as e:
+        resolve(make_config(**overrides), world)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_torchao_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # importlib.util.find_spec then answers None
+    with pytest.raises(C.ConfigError, match=r"pip install meshlm\[gpu\]"):
+        resolve(make_config(**FP8), 1)
+
+
+def test_cli_refuses_fp8_on_cpu_before_any_worker(tmp_path, capsys):
+    from meshlm.cli import main
+
+    code = main(["train", "--nproc", "2", "--run-dir", str(tmp_path / "run"), "--model.preset", "debug",
+                 "--training.micro_batch", "8", "--training.precision", "fp8", "--training.device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "fp8 needs a GPU" in err, err
+    assert not (tmp_path / "run").exists()
