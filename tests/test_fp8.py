@@ -3,11 +3,12 @@ which linears convert, losses near bf16 in one process and in layouts, checkpoin
 bf16 runs, and the one-line refusals."""
 import shutil
 import sys
+import tempfile
 
 import pytest
 import torch
 
-from harness import make_config, read_metrics, run_layout, run_local, reference
+from harness import make_config, read_metrics, run_local, reference, train_case
 from meshlm import config as C
 from meshlm.layout import resolve
 
@@ -56,19 +57,36 @@ def test_emulated_fp8_within_2_percent_of_bf16():
     assert_near_bf16(reference(training__precision="bf16", **STEPS), run_local(make_config(**FP8, **STEPS)))
 
 
+ALL = {"Float8Linear": 28}  # 7 linears in each of the debug model's 4 blocks
 LAYOUTS = [
-    ("dp2-tp2", 4, {"parallel__dp": 2, "parallel__tp": 2}),
-    ("tp2-gqa-kv1", 2, {"parallel__tp": 2, "model__n_kv_heads": 1}),  # kv heads replicated over TP ranks
-    ("zero3-dp2", 2, {"parallel__dp": 2, "parallel__zero": 3}),
-    ("pp2", 2, {"parallel__pp": 2}),
+    ("dp2-tp2", 4, {"parallel__dp": 2, "parallel__tp": 2}, ALL),
+    # one kv head replicated over both TP ranks: wk, wv sum their gradients in a float8 subclass
+    ("tp2-gqa-kv1", 2, {"parallel__tp": 2, "model__n_kv_heads": 1},
+     {"Float8Linear": 20, "Float8ReplicatedKVLinear": 8}),
+    ("zero3-dp2", 2, {"parallel__dp": 2, "parallel__zero": 3}, ALL),
+    ("zero1-dp2-offload", 2, {"parallel__dp": 2, "parallel__zero": 1, "parallel__offload": "optimizer"}, ALL),
+    ("pp2", 2, {"parallel__pp": 2}, {"Float8Linear": 14}),  # each stage holds 2 blocks
 ]
 
 
-@pytest.mark.parametrize("name,world,overrides", [pytest.param(*c, id=c[0]) for c in LAYOUTS])
-def test_emulated_fp8_layout_within_2_percent_of_bf16(pools, name, world, overrides):
+def float8_kinds(trainer) -> dict[str, int]:
+    """Runs in a pool rank: how many of its modules are of each float8 class."""
+    kinds: dict[str, int] = {}
+    for m in trainer.model.modules():
+        if "Float8" in type(m).__name__:
+            kinds[type(m).__name__] = kinds.get(type(m).__name__, 0) + 1
+    return kinds
+
+
+@pytest.mark.parametrize("name,world,overrides,kinds", [pytest.param(*c, id=c[0]) for c in LAYOUTS])
+def test_emulated_fp8_layout_within_2_percent_of_bf16(pools, name, world, overrides, kinds):
     single = {k: v for k, v in overrides.items() if not k.startswith("parallel__")}
     ref = reference(training__precision="bf16", **STEPS, **single)
-    assert_near_bf16(ref, run_layout(pools, make_config(**FP8, **STEPS, **overrides), world))
+    run_dir = tempfile.mkdtemp(prefix="meshlm-fp8-")
+    seen = pools(world).run(train_case, C.to_dict(make_config(**FP8, **STEPS, **overrides)), run_dir, 0,
+                            float8_kinds)
+    assert seen == [kinds] * world  # every rank multiplies its block linears in float8
+    assert_near_bf16(ref, read_metrics(run_dir))
 
 
 def test_fp8_checkpoints_resume_exactly_and_load_into_bf16(tmp_path):
