@@ -67,6 +67,9 @@ LAYOUTS = [
     # one kv head replicated over both TP ranks: wk, wv sum their gradients in a float8 subclass
     ("tp2-gqa-kv1", 2, {"parallel__tp": 2, "model__n_kv_heads": 1},
      {"Float8Linear": 20, "Float8ReplicatedKVLinear": 8}),
+    # SP: the region's entry gathers through a hook, so the column-parallel linears stay nn.Linear
+    ("tp2-sp-kv1", 2, {"parallel__tp": 2, "parallel__sp": True, "model__n_kv_heads": 1},
+     {"Float8Linear": 20, "Float8ReplicatedKVLinear": 8}),
     ("zero3-dp2", 2, {"parallel__dp": 2, "parallel__zero": 3}, ALL),
     ("zero1-dp2-offload", 2, {"parallel__dp": 2, "parallel__zero": 1, "parallel__offload": "optimizer"}, ALL),
     ("pp2", 2, {"parallel__pp": 2}, {"Float8Linear": 14}),  # each stage holds 2 blocks
@@ -118,15 +121,13 @@ REFUSALS = [
     ({"training__precision": "fp8"}, "fp8 needs a GPU with float8 matmuls"),
     ({**FP8, "training__fp8_recipe": "delayed"}, "training.fp8_recipe: 'delayed' is not one of tensorwise, rowwise"),
     ({**FP8, "model__preset": "moe-debug"}, "not available for mixture-of-experts models"),
-    ({**FP8, "parallel__tp": 2, "parallel__sp": True}, "fp8 with parallel.sp = true is not available"),
 ]
 
 
-@pytest.mark.parametrize("overrides,message", REFUSALS, ids=["cpu", "recipe", "moe", "sp"])
+@pytest.mark.parametrize("overrides,message", REFUSALS, ids=["cpu", "recipe", "moe"])
 def test_fp8_refusals_are_one_line(overrides, message):
-    world = 2 if overrides.get("parallel__tp") else 1
     with pytest.raises(C.ConfigError, match=message) as e:
-        resolve(make_config(**overrides), world)
+        resolve(make_config(**overrides), 1)
     assert "\n" not in str(e.value)
 
 

@@ -368,9 +368,6 @@ def check_fp8(cfg: Config, args: ModelArgs) -> None:
     if args.moe:
         raise ConfigError("training.precision: fp8 is not available for mixture-of-experts models: torchao's "
                           "float8 training converts nn.Linear, not the experts' grouped GEMMs; use bf16")
-    if cfg.parallel.sp and cfg.parallel.tp > 1:
-        raise ConfigError("training.precision: fp8 with parallel.sp = true is not available: the sequence-parallel "
-                          "column linears gather and multiply in one function with no float8 path; use sp = false")
     if t.fp8_emulate:
         return
     hint = "(training.fp8_emulate = true runs torchao's emulation, for tests)"

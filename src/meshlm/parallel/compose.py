@@ -127,7 +127,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
     cp = (apply_context_parallel(model, ctx.comm("cp"), cfg.parallel.cp_impl, plan, sp) if layout.cp > 1
           else None)
     # tp > 1: every tensor-parallel split (vocab-parallel, padded); tp = 1: only the vocabulary padding, if any
-    tp = (apply_tensor_parallel(model, ctx.comm("tp"), cfg.parallel.sp, plan, table, cp and cp.split)
+    tp = (apply_tensor_parallel(model, ctx.comm("tp"), cfg.parallel.sp, plan, table, cp and cp.split,
+                                fuse_entry=cfg.training.precision != "fp8")
           if layout.tp > 1 else pad_vocab(model, ctx.comm("tp"), plan, table))
     split = {fqn: table[canonical_name(fqn)] for fqn, _ in model.named_parameters()
              if table[canonical_name(fqn)].splits}

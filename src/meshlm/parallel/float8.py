@@ -5,7 +5,8 @@ blocks' linears multiplying in float8 through torchao's float8 training (an opti
 Applied after tensor parallelism and materialisation, before compile and ZeRO: each linear then holds
 its local shard, so a column- or row-parallel linear is a plain linear over its slice and converts as
 one (its float8 scales are its shard's). TP's kv-head replicas (`ReplicatedKVLinear`) keep their
-gradient summation in a float8 subclass. The embedding, the output head, the norms and MoE routers stay
+gradient summation in a float8 subclass; under SP the regions' entry gathers through a hook rather than
+inside the linears (tensor_parallel `fuse_entry`), so they stay convertible. The embedding, the output head, the norms and MoE routers stay
 bf16. Float8Linear keeps the ordinary `weight` / `bias` parameters and no buffers (dynamic scaling), so
 state_dict keys, placements and checkpoints are those of a bf16 run. ZeRO gathers the bf16 weights:
 torchao's float8 all-gather is a hook of torch FSDP2's DTensor parameters, which our flat-buffer ZeRO
@@ -58,14 +59,14 @@ def convertible(mod: nn.Module) -> bool:
 
 
 def convert_to_float8(model: nn.Module, plan, recipe: str, emulate: bool) -> list[str]:
-    """Swap the model plan's block linears (`plan.float8_linears`) for torchao's Float8Linear in place
-    of each (same parameters); returns the converted module names."""
+    """Replace the model plan's block linears (`plan.float8_linears`) by torchao's Float8Linear modules
+    holding the same parameters under the same names; returns the converted module names."""
     from torchao.float8 import convert_to_float8_training
 
     targets = set(plan.float8_linears(model))
     mods = dict(model.named_modules())
     for fqn in targets:
-        if type(mods[fqn]) not in (nn.Linear, ReplicatedKVLinear):  # sequence parallelism's are refused earlier
+        if type(mods[fqn]) not in (nn.Linear, ReplicatedKVLinear):  # SP's fused entry is off under fp8
             raise ValueError(f"training.precision: fp8 cannot convert {fqn} ({type(mods[fqn]).__name__})")
     chosen = {fqn for fqn in targets if convertible(mods[fqn])}
     replicas = {fqn: (mods[fqn].tp_comm, mods[fqn].tp_rep) for fqn in chosen
