@@ -57,8 +57,10 @@ def test_block_linears_convert_and_state_dict_keys_stay():
     assert model.layers["0"].attention.wq.weight.grad is not None
 
 
-def test_emulated_fp8_within_2_percent_of_bf16():
-    assert_near_bf16(reference(training__precision="bf16", **STEPS), run_local(make_config(**FP8, **STEPS)))
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_emulated_fp8_within_2_percent_of_bf16(recipe):
+    got = run_local(make_config(**FP8, **STEPS, training__fp8_recipe=recipe))
+    assert_near_bf16(reference(training__precision="bf16", **STEPS), got)
 
 
 ALL = {"Float8Linear": 28}  # 7 linears in each of the debug model's 4 blocks
@@ -129,6 +131,19 @@ def test_fp8_refusals_are_one_line(overrides, message):
     with pytest.raises(C.ConfigError, match=message) as e:
         resolve(make_config(**overrides), 1)
     assert "\n" not in str(e.value)
+
+
+def test_gpu_without_float8_is_refused_and_one_with_it_passes(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    cfg = make_config(training__precision="fp8")
+    with pytest.raises(C.ConfigError, match=r"compute capability >= 8.9 .*A100-SXM4-80GB has 8.0") as e:
+        resolve(cfg, 1)
+    assert "\n" not in str(e.value)
+    resolve(make_config(**FP8), 1)  # emulation runs anywhere
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert resolve(cfg, 1).tp == 1
 
 
 def test_missing_torchao_names_the_extra(monkeypatch):
