@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
-from .choices import (AC_MODES, CP_IMPLS, ELASTIC, EXPORT_DTYPES, OFFLOAD, PP_SCHEDULES, PRECISIONS,
+from .choices import (AC_MODES, CP_IMPLS, ELASTIC, EXPORT_DTYPES, FP8_RECIPES, OFFLOAD, PP_SCHEDULES, PRECISIONS,
                       REDUCE_DTYPES, SPIKE_ACTIONS, ZERO_STAGES, choose)
 
 if sys.version_info >= (3, 11):
@@ -173,6 +173,8 @@ class TrainingConfig:
     global_batch: int = 16
     micro_batch: int = 16
     precision: str = "fp32"
+    fp8_recipe: str = "tensorwise"  # precision = "fp8": torchao's float8 scaling (tensorwise, rowwise)
+    fp8_emulate: bool = False  # precision = "fp8" without float8 hardware (CPU tests): torchao's emulation
     ac: str = "none"
     seed: int = 0
     clip: float = 1.0
@@ -187,6 +189,7 @@ class TrainingConfig:
 
     def check(self, cfg: Config) -> None:
         _choice(self.precision, PRECISIONS, "training.precision")
+        _choice(self.fp8_recipe, FP8_RECIPES, "training.fp8_recipe")
         _choice(self.ac, AC_MODES, "training.ac")
         if self.steps < 0:
             raise ConfigError(f"training.steps: must be >= 0, got {self.steps}")

@@ -119,12 +119,38 @@ def resolve(cfg: Config, world_size: int) -> Layout:
         raise ConfigError(f"parallel.sp: data.seq_len {cfg.data.seq_len} is not divisible by tp {p.tp}")
     check_cp(args, p.cp, p.cp_impl, p.tp, p.sp, cfg.data.seq_len)
     check_ep(args, p.ep, dp, dp_shard, p.cp, p.zero)
+    check_fp8(cfg, args)
     zpp_group = check_zeropp(p, dp_shard * p.cp)
     if p.pp > 1 or p.pp_virtual > 1 or p.pp_layers:
         _check_pipeline(cfg, args, microbatches)
     check_export(cfg, args)
     return Layout(pp=p.pp, dp_replicate=dp // dp_shard, dp_shard=dp_shard, cp=p.cp, tp=p.tp,
                   micro_batch=t.micro_batch, accum=accum, microbatches=microbatches, ep=p.ep, zpp_group=zpp_group)
+
+
+def check_fp8(cfg: Config, args: ModelArgs) -> None:
+    """training.precision = "fp8" (parallel/float8.py) against the install, the model, the layout and the
+    device; torch is imported only to ask the GPU its compute capability."""
+    t = cfg.training
+    if t.precision != "fp8":
+        return
+    import importlib.util
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("training.precision: fp8 needs torchao's float8 training (pip install meshlm[gpu])")
+    if args.moe:
+        raise ConfigError("training.precision: fp8 is not available for mixture-of-experts models: torchao's "
+                          "float8 training converts nn.Linear, not the experts' grouped GEMMs; use bf16")
+    if t.fp8_emulate:
+        return
+    hint = "(training.fp8_emulate = true runs torchao's emulation, for tests)"
+    import torch
+    if t.device == "cpu" or not torch.cuda.is_available():
+        raise ConfigError(f"training.precision: fp8 needs a GPU with float8 matmuls (compute capability >= 8.9), "
+                          f"this run is on the CPU {hint}")
+    if torch.cuda.get_device_capability() < (8, 9):
+        cap = ".".join(map(str, torch.cuda.get_device_capability()))
+        raise ConfigError(f"training.precision: fp8 needs compute capability >= 8.9 (Ada, Hopper or newer); "
+                          f"{torch.cuda.get_device_name()} has {cap} {hint}")
 
 
 def check_zeropp(p, shard: int) -> int:

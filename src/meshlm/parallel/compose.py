@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..choices import torch_dtype
+from ..choices import param_dtype, torch_dtype
 from ..config import Config
 from ..distributed.mesh import ParallelContext
 from ..layout import Layout
@@ -29,6 +29,7 @@ from .adamw import Optimizer
 from .context_parallel import ContextParallel, apply_context_parallel
 from .data_parallel import GradBuckets
 from .expert_parallel import MoEStats, apply_expert_parallel, share_tokens_over_cp
+from .float8 import convert_to_float8
 from .grad_sync import GradSync, Reduction
 from .moe_plan import model_plan_for
 from .pipeline.build import attach as attach_pipeline, split_model
@@ -126,14 +127,17 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
     cp = (apply_context_parallel(model, ctx.comm("cp"), cfg.parallel.cp_impl, plan, sp) if layout.cp > 1
           else None)
     # tp > 1: every tensor-parallel split (vocab-parallel, padded); tp = 1: only the vocabulary padding, if any
-    tp = (apply_tensor_parallel(model, ctx.comm("tp"), cfg.parallel.sp, plan, table, cp and cp.split)
+    tp = (apply_tensor_parallel(model, ctx.comm("tp"), cfg.parallel.sp, plan, table, cp and cp.split,
+                                fuse_entry=cfg.training.precision != "fp8")
           if layout.tp > 1 else pad_vocab(model, ctx.comm("tp"), plan, table))
     split = {fqn: table[canonical_name(fqn)] for fqn, _ in model.named_parameters()
              if table[canonical_name(fqn)].splits}
-    materialize(model, cfg.training.seed, ctx.device, dtype=torch_dtype(cfg.training.precision),
+    materialize(model, cfg.training.seed, ctx.device, dtype=torch_dtype(param_dtype(cfg.training.precision)),
                 full_shapes={f: pl.full_shape for f, pl in split.items()},
                 slicers={f: pl.to_local for f, pl in split.items()},
                 source=init_source(cfg.model.init_from, model.args))  # model.init_from = "hf:DIR"
+    if cfg.training.precision == "fp8":  # after TP and materialize: each linear holds its local shard
+        convert_to_float8(model, plan, cfg.training.fp8_recipe, cfg.training.fp8_emulate)
     # op-level AC over a TP block: the region holds Comm's collectives, whose byte accounting dynamo will
     # not trace inside a checkpoint; such blocks stay eager (the policy then counts exactly what it keeps)
     if cfg.training.compile and not (cfg.training.ac == "op" and layout.tp > 1):
