@@ -63,6 +63,8 @@ class Calibration:
     # from a link probe beside the run (None without one: the profile's per-call latency, comm.LATENCY_S)
     latency_s: float | None = None       # seconds per collective call, wall, one rank per core
     latency_core_s: float | None = None  # of which on a core (the rest waits for the peer)
+    # a GPU run (calibrate_gpu.py): the card with its fitted efficiencies; overhead_s and split as above
+    card: GPU | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -78,6 +80,8 @@ class Measured:
     cores: int | None        # cores the process could run on
     available: float | None  # rank 0's seconds on a core / seconds runnable (CPU runs that logged it)
     cpu_s: float | None = None  # rank 0's seconds on a core per step, all its threads (CPU runs)
+    peak_label: str | None = None   # the device the run's MFU was read against (metrics `peak_label`)
+    peak_flops: float | None = None
 
 
 def _records(run_dir: str, skip: int = 0) -> list[dict]:
@@ -106,7 +110,8 @@ def measured(run_dir: str) -> Measured:
     timed = [r for r in recs if r.get("cpu_s") is not None and r.get("wait_s") is not None]
     avail = statistics.median(r["cpu_s"] / max(r["cpu_s"] + r["wait_s"], 1e-12) for r in timed) if timed else None
     cpu = statistics.median(r["cpu_s"] for r in timed) if timed else None
-    return Measured(step, comm, last.get("world"), last.get("threads"), last.get("cores"), avail, cpu)
+    return Measured(step, comm, last.get("world"), last.get("threads"), last.get("cores"), avail, cpu,
+                    last.get("peak_label"), last.get("peak_flops"))
 
 
 # ------------------------------------------------------------------ the profiler trace of one step
@@ -298,6 +303,9 @@ def fit(run_dir: str, cores: int | None = None, load: float | None = 0.0, trace:
     the core time the run actually got whatever other programs took (bench/calibrate.py's check)."""
     cfg = run_config(run_dir)
     m = measured(run_dir)
+    prof = read_profile(run_dir) if trace else None
+    if prof is not None and prof.get("device") == "cuda":
+        return _fit_gpu(run_dir, cfg, m, prof)
     if on_core:
         if m.cpu_s is None:
             raise PlanError(f"--calibrate: {run_dir}/metrics.jsonl has no cpu_s (seconds on a core per step)")
@@ -330,7 +338,6 @@ def fit(run_dir: str, cores: int | None = None, load: float | None = 0.0, trace:
         lo, hi = (mid, hi) if predict(mid, link)["step_s"] > m.step_s else (lo, mid)
     cal = Calibration(lo, link, cores, os.path.abspath(run_dir), load,
                       latency_s=probe[0] if probe else None, latency_core_s=probe[1] if probe else None)
-    prof = read_profile(run_dir) if trace else None
     if prof is None:
         return cal
     # per category: the planner's work of the run's own layout over the seconds the trace gave it
@@ -348,6 +355,17 @@ def fit(run_dir: str, cores: int | None = None, load: float | None = 0.0, trace:
         cal, gemm_flops=gemm, attn_flops=rate("attention", gemm), ew_bytes_s=rate("bytes", 1e300),
         dispatch_s=split["dispatch"] * share / w["dispatch"] if w["dispatch"] > 0 else 0.0,
         overhead_s=split["overhead"] * share, split=split)
+
+
+def _fit_gpu(run_dir: str, cfg: C.Config, m: Measured, prof: dict) -> Calibration:
+    """One rank per GPU: the card's efficiencies from the kernels of the profiled step (calibrate_gpu)."""
+    from .calibrate_gpu import fit_card
+    world = _world(run_dir, cfg, m)
+    gpu, overhead, split = fit_card(shape_from_config(cfg), spec_from_config(cfg, world), bool(cfg.training.compile),
+                                    m.step_s, prof, m.peak_label, m.peak_flops)
+    link = gpu.nvlink_bw  # the card's; a one-GPU run measures no link
+    return Calibration(gpu.peak_flops, link, 0, os.path.abspath(run_dir), overhead_s=overhead, split=split,
+                       card=gpu)
 
 
 def _rated(rates: Rates, compiled: bool) -> Options:
@@ -370,6 +388,8 @@ def device_and_options(cal: Calibration, ranks: int, compiled: bool = False,
                        threads: int | None = None) -> tuple[GPU, Options]:
     """The GPU profile and Options that price a layout of `ranks` ranks on the calibrated machine
     (`threads` per rank: default what `meshlm train --nproc` gives them)."""
+    if cal.card is not None:
+        return cal.card, Options(compiled=compiled, step_overhead_s=cal.overhead_s)
     probe = None if cal.latency_s is None else (cal.latency_s, cal.latency_core_s or 0.0)
     gpu = cpu_device(cal.rate_flops, cal.link_bytes_s, ranks, cal.cores, threads, cal.load, probe)
     if cal.gemm_flops is None:
@@ -389,6 +409,8 @@ def rate_sources(cal: Calibration, ranks: int, threads: int | None = None) -> tu
     """What `meshlm estimate --calibrate` says of its numbers: a line naming the run and the cores each
     of this layout's ranks keeps busy, and per step category (estimate.step_categories) the rate fitted
     from the run that priced it. Categories left out (the bubble) are the model's own."""
+    if cal.card is not None:
+        return _gpu_sources(cal)
     share = core_share(ranks, cal.cores, threads, cal.load)
     where = (f"{cal.cores} cores shared by {ranks} ranks: {share:.2f} of a core each" if cal.cores
              else "one device per rank")
@@ -412,3 +434,21 @@ def rate_sources(cal: Calibration, ranks: int, threads: int | None = None) -> tu
                  optimizer=f"at the fitted {bw}", recompute="at the fitted rates",
                  overhead=f"{cal.overhead_s:.3g} s per step{unit}, fitted")
     return line, notes
+
+
+def _gpu_sources(cal: Calibration) -> tuple[str, dict]:
+    """rate_sources for a GPU run: the card, and each category's fitted efficiency and kernel seconds."""
+    g, ms = cal.card, {k: v * 1e3 for k, v in (cal.split or {}).items()}
+    line = (f"calibrated from {cal.source}: {g.name}, peak {g.peak_flops / 1e12:.0f} TFLOP/s and "
+            f"{g.hbm_bytes / GB:.1f} GB HBM of the card; efficiencies fitted to the CUDA kernels of its profiled step")
+    bw = f"{g.hbm_eff * g.hbm_bw / 1e12:.2f} TB/s ({g.hbm_eff:.2f} of HBM)"
+    return line, {"gemm": f"ceiling {g.gemm_ceiling * g.peak_flops / 1e12:.0f} TFLOP/s ({g.gemm_ceiling:.3f} of peak), "
+                          f"fitted to {ms.get('gemm', 0):.1f} ms of GEMM kernels",
+                  "attention": f"{g.attn_scale:.3f} x the kernel table, fitted to {ms.get('attention', 0):.1f} ms "
+                               f"of attention kernels",
+                  "elementwise": f"{bw}, fitted to {ms.get('elementwise', 0):.1f} ms of other kernels",
+                  "loss": f"at the fitted {bw}", "grad_accum": f"at the fitted {bw}",
+                  "optimizer": f"at the fitted {bw}", "recompute": "at the fitted rates",
+                  "launch": "the card's launch cost (not fitted: kernels hide it)",
+                  "overhead": f"{cal.overhead_s * 1e3:.1f} ms per step: median step less the kernels",
+                  "comm": "the card's links (a one-GPU run measures none)"}
