@@ -22,6 +22,10 @@ class ConfigError(ValueError):
     """A configuration problem; its message is one line that names the key."""
 
 
+class LayoutError(ConfigError):
+    """A parallel layout or batch split that does not fit the ranks (another layout can fix it)."""
+
+
 @dataclass
 class MoEConfig:
     """Mixture-of-experts keys; None = the preset's value (model/args.py: ModelArgs' MoE fields)."""

@@ -40,7 +40,7 @@ from .comm import LATENCY_S, latency as call_latency
 from .estimate import Options, estimate
 from .hardware import GB, GPU, get_gpu
 from .ops import Rates, unit_rates
-from .spec import PlanError, shape_from_config, spec_from_config
+from .spec import PlanError, code_options, shape_from_config, spec_from_config
 
 WARMUP_RECORDS = 2  # the first logged steps include compilation, allocator growth and pool start-up
 REF_TFLOPS = 1.0    # the rate at which the link's bytes are read off the model (any works)
@@ -402,6 +402,7 @@ def device_and_options(cal: Calibration, ranks: int, compiled: bool = False,
 def predict(cal: Calibration, cfg: C.Config, ranks: int, threads: int | None = None) -> dict:
     """The planner's estimate of `cfg` on `ranks` ranks of the calibrated machine."""
     gpu, o = device_and_options(cal, ranks, bool(cfg.training.compile), threads)
+    o = dataclasses.replace(o, **code_options(cfg))
     return estimate(shape_from_config(cfg), spec_from_config(cfg, ranks), gpu, o)
 
 
