@@ -42,6 +42,10 @@ def test_document_mask_dense_sdpa_against_flex():
     assert flex_unknown >= causal  # FA2's rate, no skipping
     assert flex_short == pytest.approx(flex_unknown * causal_blocks(2048, 256) / causal_blocks(2048))
     assert flex_short < causal < dense
+    # the dense mask is a [B, 1, S, S] bool held through the step (the shared run's masked peak was 0.06
+    # GiB above the unmasked one: 16 · 2048² bytes)
+    mem = estimate(ONE_B, SEL, H100, Options(compiled=True, attn_mask="dense"))["memory_detail"]["buffers"]
+    assert mem["attn_mask"] == 16 * 2048 ** 2
 
 
 def test_config_keys_choose_the_mask():
@@ -105,3 +109,14 @@ def test_power_limited_profile():
     spec = Spec(dp=8, zero=3, zero_group=8, micro_batch=2, ac="op", seq_len=8192)
     sh = Shape(PRESETS["llama3-8b"], "llama3-8b")
     assert estimate(sh, spec, g)["step_s"] > estimate(sh, spec, full)["step_s"]
+
+
+def test_search_totals_carry_the_mask_and_the_chunked_loss():
+    """The search's lean totals (stage_totals) agree with stage_memory under both new options."""
+    from meshlm.plan.memory import stage_memory, stage_totals
+    s = Spec(micro_batch=4, ac="selective", seq_len=2048)
+    for chunks, mask in ((0, "dense"), (4, "causal"), (4, "dense")):
+        base, opt, acts = stage_totals(ONE_B, "only", 1, False, 1, 1, 1, 1, 0, 1, 1, 4, 1, "1f1b", 2048, "bf16",
+                                       compiled=True, loss_chunks=chunks, attn_mask=mask)
+        full = stage_memory(ONE_B, s, "only", compiled=True, loss_chunks=chunks, attn_mask=mask)["total"]
+        assert base + opt + acts["selective"] == pytest.approx(full)

@@ -331,8 +331,8 @@ def estimate(shape: Shape, s: Spec, gpu: GPU | None = None, o: Options | None = 
     if validate:
         check(shape, s)
     stages = pipeline_roles(s.pp)
-    mems = [stage_memory(shape, s, st, o.flash, o.attn_math_bytes, compiled=o.compiled, loss_chunks=o.loss_chunks)
-            for st in stages]
+    mems = [stage_memory(shape, s, st, o.flash, o.attn_math_bytes, compiled=o.compiled, loss_chunks=o.loss_chunks,
+                         attn_mask=o.attn_mask) for st in stages]
     worst = max(mems, key=lambda x: x["total"])
     usable = o.usable(gpu)
     out = {
@@ -359,5 +359,5 @@ def quick(shape: Shape, s: Spec, gpu: GPU, o: Options) -> tuple[float, float]:
     """(worst-rank bytes, predicted step seconds) with the bubble formula: what the search ranks by."""
     stages = pipeline_roles(s.pp)
     total = max(stage_memory(shape, s, st, o.flash, o.attn_math_bytes, compiled=o.compiled,
-                             loss_chunks=o.loss_chunks)["total"] for st in stages)
+                             loss_chunks=o.loss_chunks, attn_mask=o.attn_mask)["total"] for st in stages)
     return total, time_model(shape, s, gpu, o, simulate=False)["step_s"]
