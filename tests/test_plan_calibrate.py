@@ -360,6 +360,18 @@ def test_gpu_calibration_predicts_its_run_and_says_it_fits():
     assert 0 < cal.card.gemm_ceiling < 1 and 0 < cal.card.hbm_eff < 1 and cal.card.attn_scale < 1.5
 
 
+def test_gpu_run_without_a_trace_keeps_the_card(tmp_path):
+    """Without profile.json a GPU run still prices on its card (peak, HBM): one factor on the three
+    efficiencies, and its own step comes back."""
+    import shutil
+    for f in ("config.toml", "metrics.jsonl"):
+        shutil.copy(os.path.join(H100_RUN, f), tmp_path / f)
+    cal = K.fit(str(tmp_path))
+    assert cal.card is not None and cal.card.hbm_bytes == get_gpu("h100").hbm_bytes
+    pred = K.predict(cal, K.run_config(str(tmp_path)), 1)
+    assert pred["fits"] is True and pred["step_s"] == pytest.approx(K.measured(str(tmp_path)).step_s, rel=0.01)
+
+
 def test_gpu_calibration_prices_another_layout_and_prints_its_rates(capsys):
     cfg = os.path.join(H100_RUN, "config.toml")
     assert main(["estimate", "--calibrate", H100_RUN, "--config", cfg, "--gpus", "1", "--model.preset", "llama3-3b",

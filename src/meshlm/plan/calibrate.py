@@ -24,6 +24,9 @@ autograd engine); each category's rate is the planner's work of that category fo
 then costs its own work at those rates (ops.Rates): GEMMs shrink with tp, norms, dispatch and the
 per-step overhead do not (docs/planner.md, "Calibration from a run").
 
+A run on a GPU (its profile.json says "cuda") is fitted by calibrate_gpu.py instead: the card's own
+profile with its GEMM ceiling, attention factor and HBM efficiency fitted to the kernels of the trace.
+
 A link probe beside the run (RUN_DIR/link_probe.json: all-reduces of several sizes, bench/calibrate.py)
 gives the fixed cost of a collective call, which the run's own collectives (one bucket and a few scalars
 per step) cannot separate from the bandwidth; without one the GPU profile's per-call latency stays.
@@ -38,7 +41,7 @@ import statistics
 from .. import config as C
 from .comm import LATENCY_S, latency as call_latency
 from .estimate import Options, estimate
-from .hardware import GB, GPU, get_gpu
+from .hardware import GB, GPU, get_gpu, profile_of_device
 from .ops import Rates, unit_rates
 from .spec import PlanError, code_options, shape_from_config, spec_from_config
 
@@ -306,6 +309,8 @@ def fit(run_dir: str, cores: int | None = None, load: float | None = 0.0, trace:
     prof = read_profile(run_dir) if trace else None
     if prof is not None and prof.get("device") == "cuda":
         return _fit_gpu(run_dir, cfg, m, prof)
+    if (prof is None or not trace) and not m.cores and profile_of_device(m.peak_label or "") is not None:
+        return _fit_gpu(run_dir, cfg, m, None)  # a GPU run without a trace: the card, one factor
     if on_core:
         if m.cpu_s is None:
             raise PlanError(f"--calibrate: {run_dir}/metrics.jsonl has no cpu_s (seconds on a core per step)")
@@ -357,7 +362,7 @@ def fit(run_dir: str, cores: int | None = None, load: float | None = 0.0, trace:
         overhead_s=split["overhead"] * share, split=split)
 
 
-def _fit_gpu(run_dir: str, cfg: C.Config, m: Measured, prof: dict) -> Calibration:
+def _fit_gpu(run_dir: str, cfg: C.Config, m: Measured, prof: dict | None) -> Calibration:
     """One rank per GPU: the card's efficiencies from the kernels of the profiled step (calibrate_gpu)."""
     from .calibrate_gpu import fit_card
     world = _world(run_dir, cfg, m)
@@ -443,6 +448,9 @@ def _gpu_sources(cal: Calibration) -> tuple[str, dict]:
     line = (f"calibrated from {cal.source}: {g.name}, peak {g.peak_flops / 1e12:.0f} TFLOP/s and "
             f"{g.hbm_bytes / GB:.1f} GB HBM of the card; efficiencies fitted to the CUDA kernels of its profiled step")
     bw = f"{g.hbm_eff * g.hbm_bw / 1e12:.2f} TB/s ({g.hbm_eff:.2f} of HBM)"
+    if not cal.split:
+        return line.replace("fitted to the CUDA kernels of its profiled step", "scaled by one factor to its "
+                            "median step (no profile.json)"), {"overhead": "in the one factor"}
     return line, {"gemm": f"ceiling {g.gemm_ceiling * g.peak_flops / 1e12:.0f} TFLOP/s ({g.gemm_ceiling:.3f} of peak), "
                           f"fitted to {ms.get('gemm', 0):.1f} ms of GEMM kernels",
                   "attention": f"{g.attn_scale:.3f} x the kernel table, fitted to {ms.get('attention', 0):.1f} ms "

@@ -81,12 +81,20 @@ def _parts(shape: Shape, spec: Spec, gpu: GPU, o: Options) -> dict:
     return out
 
 
-def fit_card(shape: Shape, spec: Spec, compiled: bool, step_s: float, prof: dict, peak_label: str | None,
+def fit_card(shape: Shape, spec: Spec, compiled: bool, step_s: float, prof: dict | None, peak_label: str | None,
              peak_flops: float | None) -> tuple[GPU, float, dict]:
-    """(the fitted card, the per-step overhead seconds, the kernels' seconds per category)."""
+    """(the fitted card, the per-step overhead seconds, the kernels' seconds per category). Without a
+    trace (`prof` None) one factor scales all three efficiencies until the step is the run's median,
+    the overhead folded in."""
     gpu = card(peak_label, peak_flops)
-    measured = kernel_seconds(prof["ops"])
     o = Options(compiled=compiled, step_overhead_s=0.0)
+    if prof is None:
+        for _ in range(8):
+            f = time_model(shape, spec, gpu, o, simulate=False)["step_s"] / step_s
+            gpu = dataclasses.replace(gpu, gemm_ceiling=gpu.gemm_ceiling * f, attn_scale=gpu.attn_scale * f,
+                                      hbm_eff=gpu.hbm_eff * f)
+        return gpu, 0.0, {}
+    measured = kernel_seconds(prof["ops"])
     for _ in range(6):  # each part is inverse in its efficiency where compute- or bandwidth-bound
         model = _parts(shape, spec, gpu, o)
         if any(measured[k] <= 0 or model[k] <= 0 for k in model):

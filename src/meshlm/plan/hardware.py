@@ -44,9 +44,9 @@ class GPU:
     fp8_gemm_speedup: float = 1.58
     hbm_eff: float = 0.85          # achieved / datasheet HBM bandwidth: fused AdamW moved 30 B × 1.24e9
     #                                params in 13 ms = 2.86 of 3.35 TB/s (profiled step, docs/benchmarks.md)
-    launch_eager_s: float = 10e-6  # host dispatch per eager PyTorch op with autograd (assumed; a GPU run
-    #                                calibrates it: meshlm plan --calibrate)
-    launch_compiled_s: float = 5e-6  # per inductor-generated kernel launch (assumed, calibrated likewise)
+    launch_eager_s: float = 10e-6  # host dispatch per eager PyTorch op with autograd (assumed; on a compiled
+    #                                GPU step the kernels hide it, so a calibration does not fit it)
+    launch_compiled_s: float = 5e-6  # per inductor-generated kernel launch (assumed likewise)
     arch: str = "hopper"           # which attention-kernel table applies (plan/ops.py)
     link_latency_s: float | None = None  # fixed cost per collective call; None: comm.LATENCY_S (NVLink /
     #                                IB); a calibrated CPU sets what a probe of its collectives measured
@@ -63,8 +63,7 @@ PROFILES: dict[str, GPU] = {
     "h100-sxm-80gb": GPU("H100-SXM-80GB", 989e12, 81559 * 2 ** 20, 3.35e12, 450 * GB, 50 * GB, 8, 50 * GB),
     "h200": GPU("H200", 989e12, 143771 * 2 ** 20, 4.8e12, 450 * GB, 50 * GB, 8, 50 * GB),
     # Grand Teton H100 as torchtitan benchmarks it (docs/performance.md there): 96 GB HBM2e at 2.4 TB/s,
-    # 400 Gb/s RDMA per GPU, 500 W power limit (the planner keeps the 700 W datasheet peak: no source
-    # gives the clock at 500 W; docs/planner.md names it as the assumption behind that row)
+    # 400 Gb/s RDMA per GPU; at its 500 W power limit it is h100-96gb-500w below
     "h100-96gb": GPU("H100-96GB-HBM2e", 989e12, 96e9, 2.4e12, 450 * GB, 50 * GB, 8, 50 * GB),
     # the same card at the 500 W power limit torchtitan ran it at: the tensor-core clock a power limit
     # leaves is in no datasheet, so the peak is read off two datasheets of the same 132-SM GH100 die:

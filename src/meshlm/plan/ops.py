@@ -12,7 +12,8 @@ Every operation is priced by what bounds it:
              a region into one kernel that reads its inputs and writes its outputs once;
   launch     every kernel costs at least one host dispatch (eager op or compiled Triton launch).
 Byte counts per token follow meshlm's code (model/llama.py, model/ops.py); the tables below say where
-each number comes from. Nothing here is fitted to a validation row (tests/test_plan_validation.py).
+each number comes from. The one number read off validation rows, DENSE_MASK_FRACTION, names them, and
+tests/test_plan_validation.py marks them as fed; every other row is held out.
 """
 from __future__ import annotations
 
