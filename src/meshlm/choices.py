@@ -14,6 +14,7 @@ PP_V_SHAPED = ("zbv",)  # two chunks per rank placed in a V (pipeline/actions.py
 OFFLOAD = ("none", "optimizer", "nvme")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 CP_IMPLS = ("ring", "ulysses")
+ATTN_IMPLS = ("auto", "sdpa", "flex")  # model.attn_impl; auto resolves in layout.attn_kernel
 ZERO_STAGES = (0, 1, 2, 3)
 
 # Bytes per element of each dtype name (activations, reductions, parameters).

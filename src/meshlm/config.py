@@ -63,6 +63,7 @@ class ModelConfig:
     qk_norm: bool | None = None       # per-head q/k RMSNorm (Qwen3)
     vocab_multiple: int = 128  # embedding/head rows padded to a multiple of this × tp; 1: no padding
     init_from: str = ""  # "hf:DIR": start from a Hugging Face model (shape from its config.json)
+    attn_impl: str = "auto"  # auto: flex with data.document_mask (cp = 1), else sdpa (choices.ATTN_IMPLS)
     moe: MoEConfig = field(default_factory=MoEConfig)
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
 
@@ -125,6 +126,7 @@ class TrainingConfig:
     spike_zscore: float = 0.0  # > 0: a loss / grad norm this many σ above the window is a spike (train/spike.py)
     spike_window: int = 100  # steps the spike statistics look back over
     spike_action: str = "skip"  # skip (drop the update) or rollback (newest checkpoint before it)
+    loss_chunks: int = 0  # > 0: output head + loss over this many token chunks, logits never whole
 
 
 @dataclass

@@ -5,7 +5,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from .choices import AC_MODES, CP_IMPLS, OFFLOAD, PP_SCHEDULES, PRECISIONS, REDUCE_DTYPES, ZERO_STAGES, choose
+from .choices import AC_MODES, ATTN_IMPLS, CP_IMPLS, OFFLOAD, PP_SCHEDULES, PRECISIONS, REDUCE_DTYPES, ZERO_STAGES, choose
 from .config import Config, ConfigError
 from .model.args import PRESETS, ModelArgs
 
@@ -74,7 +74,7 @@ def model_args(cfg: Config) -> ModelArgs:
     changes = model_changes(m)
     if m.init_from:
         base = _hf_base(m.init_from, changes)
-    args = dataclasses.replace(base, **changes)
+    args = dataclasses.replace(base, **changes, attn_kernel=attn_kernel(cfg))
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
                 "vocab_multiple"):
         if getattr(args, key) < 1:
@@ -90,6 +90,20 @@ def model_args(cfg: Config) -> ModelArgs:
     _check_rope(args)
     _check_moe(args, m.moe)
     return args
+
+
+def attn_kernel(cfg: Config) -> str:
+    """model.attn_impl resolved: auto is flex under a document mask (a dense [B,1,S,S] mask takes SDPA
+    off its flash kernels) and sdpa otherwise; flex is refused under context parallelism, whose ring
+    and Ulysses cores run attention over key/value blocks of their own (docs/data.md)."""
+    impl = cfg.model.attn_impl
+    _choice(impl, ATTN_IMPLS, "model.attn_impl")
+    if impl == "flex" and cfg.parallel.cp > 1:
+        raise ConfigError("model.attn_impl: flex is not available with context parallelism (cp > 1): the ring "
+                          "and Ulysses cores run their own attention over key/value blocks; use sdpa or auto")
+    if impl == "auto":
+        return "flex" if cfg.data.document_mask and cfg.parallel.cp == 1 else "sdpa"
+    return impl
 
 
 def _check_rope(args: ModelArgs) -> None:
@@ -328,6 +342,11 @@ def resolve(cfg: Config, world_size: int) -> Layout:
                           "and Ulysses cores take no mask")
     if cfg.data.mix and cfg.data.path:
         raise ConfigError("data.mix: give data.path or data.mix, not both")
+    if t.loss_chunks < 0:
+        raise ConfigError(f"training.loss_chunks: must be >= 0 (0 = whole logits), got {t.loss_chunks}")
+    if t.loss_chunks and p.sp and p.tp > 1:
+        raise ConfigError("training.loss_chunks: not with parallel.sp: the sequence-parallel head gathers the "
+                          "sequence inside its matmul, so its tokens cannot be chunked before it")
     if p.pp > 1 or p.pp_virtual > 1 or p.pp_layers:
         _check_pipeline(cfg, args, microbatches)
     if t.steps < 0:
