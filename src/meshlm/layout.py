@@ -347,6 +347,9 @@ def resolve(cfg: Config, world_size: int) -> Layout:
     if t.loss_chunks and p.sp and p.tp > 1:
         raise ConfigError("training.loss_chunks: not with parallel.sp: the sequence-parallel head gathers the "
                           "sequence inside its matmul, so its tokens cannot be chunked before it")
+    if t.loss_chunks and p.zero == 3:
+        raise ConfigError("training.loss_chunks: not with parallel.zero = 3: ZeRO-3 may free the head's weight "
+                          "when the head module's forward ends, and the chunked loss reads it after that")
     if p.pp > 1 or p.pp_virtual > 1 or p.pp_layers:
         _check_pipeline(cfg, args, microbatches)
     if t.steps < 0:

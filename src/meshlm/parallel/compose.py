@@ -25,6 +25,7 @@ from ..distributed.mesh import ParallelContext
 from ..layout import Layout
 from ..model.init import canonical_name, init_source, materialize
 from .activation_checkpoint import apply_ac
+from .chunked_loss import chunk_the_loss
 from .adamw import Optimizer
 from .context_parallel import ContextParallel, apply_context_parallel
 from .data_parallel import GradBuckets
@@ -171,6 +172,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
         par.loss_fn = partial(cross_entropy, vocab=model.args.vocab_size)  # drops padded logits, if any
         if cfg.training.compile:  # the vocab-parallel loss has collectives inside; the plain one fuses well
             par.loss_fn = torch.compile(par.loss_fn, dynamic=False)
+    if cfg.training.loss_chunks:  # the head's matmul moves into the loss, over chunks of tokens
+        par.loss_fn = chunk_the_loss(model, plan, cfg.training.loss_chunks, par.loss_fn, tp and tp.vocab,
+                                     ctx.comm("tp") if layout.tp > 1 else None, cfg.training.compile)
     if pipe is not None:
         attach_pipeline(par, pipe, ctx, cfg, layout, plan)
     return par
