@@ -1,16 +1,19 @@
 """training.loss_chunks (parallel/chunked_loss.py): the chunked head + cross-entropy equals the plain one
 (loss and gradients), never makes or saves a whole [tokens, vocab] tensor, and gives one process's
-losses under vocab-parallel TP, a zero-bubble pipeline with tied embeddings and ZeRO-2."""
+losses under vocab-parallel TP (with SP too), a zero-bubble pipeline and ZeRO-3 with tied embeddings."""
+import json
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness import assert_same_losses, make_config, reference, rows, run_layout
+from harness import assert_same_losses, make_config, reference, rows, run_layout, train_in
 from meshlm.config import ConfigError
 from meshlm.layout import resolve
-from meshlm.parallel.chunked_loss import ChunkedLoss, DeferredHead
+from meshlm.parallel.chunked_loss import _FNS, LossHead
 
 N, D, ROWS, VOCAB = 61, 32, 512, 500  # 12 padded rows, as model.vocab_multiple makes them
 
@@ -27,9 +30,11 @@ def _plain(head, h, y):
 
 
 def _chunked(head, h, y, chunks):
-    head.__class__ = DeferredHead
+    """The head as parallelize makes it for one process (chunked_loss.head_in_loss), called by the loss."""
+    head.__class__ = LossHead
+    head.chunks, head.start, head.valid, head.comm, head.fns = chunks, 0, VOCAB, None, _FNS
     try:
-        return ChunkedLoss(head, chunks, None, 0, VOCAB, None)(head(h), y)
+        return head(h, y)
     finally:
         head.__class__ = nn.Linear
 
@@ -100,17 +105,14 @@ def test_chunks_never_make_or_save_the_whole_logits():
     assert saved <= 4 * logits / chunks  # per token: its target and one fp32 log-sum-exp
 
 
-def test_eval_without_gradients_gives_the_plain_loss():
+def test_without_gradients_the_loss_head_gives_the_plain_loss_and_logits():
     head, h, y = _head_and_input()
     with torch.no_grad():
-        ref = _plain(head, h, y)
-        head.__class__ = DeferredHead
-        got = ChunkedLoss(head, 4, _plain_logits, 0, VOCAB, None)(head(h), y)
-    assert torch.equal(got, ref)
-
-
-def _plain_logits(logits, y):
-    return F.cross_entropy(logits[..., :VOCAB].flatten(0, 1).float(), y.flatten())
+        ref, logits = _plain(head, h, y), head(h)
+        got = _chunked(head, h, y, 4)
+        head.__class__ = LossHead
+        assert torch.equal(head(h), logits)  # called without targets: the logits
+    assert abs(got.item() - ref.item()) <= 1e-6 * abs(ref.item())
 
 
 CHUNKS = {"training__loss_chunks": 3}
@@ -119,7 +121,8 @@ CASES = [
     # vocab 300 at tp 2: 512 rows, rank 1 holds 44 real ones (the max and sums cross the group per chunk)
     ("chunks-tp2-vocab-padded", 2, {"model__vocab_size": 300, "parallel__tp": 2}),
     ("chunks-pp2-zbh1-tied", 2, {"model__tie_embeddings": True, "parallel__pp": 2, "parallel__pp_schedule": "zb-h1"}),
-    ("chunks-zero2-dp2", 2, {"parallel__dp": 2, "parallel__zero": 2}),
+    ("chunks-tp2-sp", 2, {"parallel__tp": 2, "parallel__sp": True}),
+    ("chunks-zero3-dp2-tied", 2, {"model__tie_embeddings": True, "parallel__dp": 2, "parallel__zero": 3}),
 ]
 
 
@@ -131,12 +134,23 @@ def test_chunked_loss_gives_one_process_losses(pools, name, world, overrides):
     assert_same_losses(ref, got, 1e-5)
 
 
-@pytest.mark.parametrize("overrides,world,message", [
-    ({"training__loss_chunks": -1}, 1, "training.loss_chunks: must be >= 0"),
-    ({"training__loss_chunks": 2, "parallel__tp": 2, "parallel__sp": True}, 2, "not with parallel.sp"),
-    ({"training__loss_chunks": 2, "parallel__dp": 2, "parallel__zero": 3}, 2, "not with parallel.zero = 3"),
-])
-def test_chunked_loss_refusals_are_one_line(overrides, world, message):
-    with pytest.raises(ConfigError, match=message) as e:
-        resolve(make_config(**overrides), world)
+def _eval_losses(run_dir: str) -> list[float]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r["eval_loss"] for r in map(json.loads, f) if "eval_loss" in r]
+
+
+def test_eval_loss_through_the_loss_head(pools, tmp_path):
+    """Evaluation (no gradients) runs the head in the loss too, chunked, under ZeRO-3 which frees the
+    head's weight after the head's forward (compared with the same layout's plain loss: the eval
+    batch is micro_batch × dp sequences)."""
+    over = {"training__eval_every": 5, "training__steps": 5, "parallel__dp": 2, "parallel__zero": 3}
+    train_in(pools, make_config(**over), 2, str(tmp_path / "ref"))
+    train_in(pools, make_config(**over, **CHUNKS), 2, str(tmp_path / "got"))
+    ref, got = _eval_losses(str(tmp_path / "ref")), _eval_losses(str(tmp_path / "got"))
+    assert len(ref) == 1 and got == pytest.approx(ref, rel=1e-5)
+
+
+def test_negative_loss_chunks_are_refused_in_one_line():
+    with pytest.raises(ConfigError, match="training.loss_chunks: must be >= 0") as e:
+        resolve(make_config(training__loss_chunks=-1), 1)
     assert "\n" not in str(e.value)

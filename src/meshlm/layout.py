@@ -344,12 +344,6 @@ def resolve(cfg: Config, world_size: int) -> Layout:
         raise ConfigError("data.mix: give data.path or data.mix, not both")
     if t.loss_chunks < 0:
         raise ConfigError(f"training.loss_chunks: must be >= 0 (0 = whole logits), got {t.loss_chunks}")
-    if t.loss_chunks and p.sp and p.tp > 1:
-        raise ConfigError("training.loss_chunks: not with parallel.sp: the sequence-parallel head gathers the "
-                          "sequence inside its matmul, so its tokens cannot be chunked before it")
-    if t.loss_chunks and p.zero == 3:
-        raise ConfigError("training.loss_chunks: not with parallel.zero = 3: ZeRO-3 may free the head's weight "
-                          "when the head module's forward ends, and the chunked loss reads it after that")
     if p.pp > 1 or p.pp_virtual > 1 or p.pp_layers:
         _check_pipeline(cfg, args, microbatches)
     if t.steps < 0:

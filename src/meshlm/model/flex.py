@@ -42,7 +42,8 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torc
             warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
             return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
     fn = flex_attention
-    if q.device.type == "cuda":  # eager flex is a reference implementation: compiled is the kernel
+    if q.device.type == "cuda" and not torch.compiler.is_compiling():  # eager flex is a reference
+        # implementation, the compiled one the kernel (inside a compiled block it is compiled with it)
         fn = _COMPILED.get("flex")
         if fn is None:
             fn = _COMPILED["flex"] = torch.compile(flex_attention, dynamic=False)

@@ -154,7 +154,7 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """forward(tokens [B, S]) -> logits [B, S, V].
+    """forward(tokens [B, S]) -> logits [B, S, V] (the final norm's output [B, S, dim] when `head_in_loss`).
 
     A pipeline stage sets `tok_embeddings`, `norm` or `output` to None and drops blocks; it then takes
     or returns hidden states [B, S, dim] instead.
@@ -170,6 +170,9 @@ class Llama(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # True: forward ends at the final norm and the loss calls `output` with the targets
+        # (training.loss_chunks: the head's logits are made chunk by chunk inside the loss)
+        self.head_in_loss = False
 
     def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         # Kept out of the state dict and the parameter list: it is derived, never trained or saved.
@@ -206,5 +209,7 @@ class Llama(nn.Module):
         if cache is not None:
             cache.advance(x.shape[1])
         if head:
-            h = self.output(self.norm(h))
+            h = self.norm(h)
+            if not self.head_in_loss:
+                h = self.output(h)
         return h

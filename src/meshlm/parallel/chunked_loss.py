@@ -1,18 +1,20 @@
 """training.loss_chunks: the output head and the cross-entropy over chunks of tokens, logits never whole.
 
-The head module becomes a `DeferredHead` (the same parameter and the same hooks: TP's copy of its
-input, ZeRO-1/2's gradient hooks) that hands its input on while gradients are on. The loss then runs
-the head's matmul and the softmax one chunk of tokens at a time, keeps one fp32 log-sum-exp per token,
-and rebuilds each chunk's logits in backward. Without gradients (evaluation) the head computes whole
-logits and the plain loss runs: nothing is saved for a backward there.
+The model's forward stops at the final norm (`Llama.head_in_loss`) and the loss calls the head, a
+`LossHead`, with the targets: it runs its matmul and the softmax one chunk of tokens at a time, keeps
+one log-sum-exp per token, and rebuilds each chunk's logits in backward. The head keeps its parameter
+and the hooks other dimensions put on it, which now wrap the loss: TP's entry (a copy of the input,
+or under SP a gather of the whole sequence, since the chunks split tokens), ZeRO's gather before it
+and release after it.
 
 Under vocabulary parallelism each rank holds a slice of the head's rows (vocab_parallel.py): per chunk
 the max and the sums of exponentials and target logits cross the TP group as [tokens] vectors, and
-the input gradient each rank gets from its rows is summed by TP's copy of the head's input.
+the input gradient each rank gets from its rows is summed by TP's entry in backward.
 
 What one micro-batch holds (N tokens, V rows on this rank, D = model.dim, k chunks, c = N/k):
-- saved for backward: the head's input [N, D] (compute dtype; the plain head saves it too), the
-  targets, and one fp32 log-sum-exp per token ([N], 4·N bytes). No logits.
+- saved for backward: the head's input [N, D] (compute dtype; the plain head saves it too; under SP
+  the gathered sequence, where the plain fused head saves only this rank's shard), the targets, and
+  one fp32 log-sum-exp per token ([N], 4·N bytes). No logits.
 - transient, one chunk at a time: forward the chunk's logits [c, V] (compute dtype) and, eager, two
   fp32 [c, V] temporaries (compiled: fused away); backward the chunk's logits and their gradient
   [c, V] (compute dtype each; eager, two fp32 [c, V] temporaries more), beside the input gradient
@@ -30,14 +32,6 @@ from torch.autograd import Function
 from ..distributed.comm import Comm
 from ..distributed.functional import all_reduce_max
 from ..model.ops import edge, wanted
-
-
-class DeferredHead(nn.Linear):
-    """The output head under training.loss_chunks: with gradients on, its input goes to the loss
-    (`ChunkedLoss` runs the matmul chunk by chunk); without, the plain linear."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x if torch.is_grad_enabled() else super().forward(x)
 
 
 def _target_parts(targets: torch.Tensor, start: int, valid: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,6 +53,9 @@ def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, idx: torch.Tensor, hit:
     p = (logits.to(lse.dtype) - lse[:, None]).exp()
     p = p.scatter_add(1, idx[:, None], -hit.to(p.dtype)[:, None])
     return (p * scale).to(logits.dtype)
+
+
+_FNS = (_chunk_sums, _chunk_grad)  # element-wise per chunk: compiled under training.compile
 
 
 class _ChunkedHeadCE(Function):
@@ -117,34 +114,48 @@ def _bounds(n: int, chunks: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
 
 
-class ChunkedLoss:
-    """`loss_fn(model_output, targets)` for a model whose head is a `DeferredHead`: the model output is
-    the head's input [B, S, D] while gradients are on (chunked loss), whole logits otherwise (`plain`)."""
+class LossHead(nn.Linear):
+    """The output head under training.loss_chunks. The model's forward stops at the final norm
+    (`Llama.head_in_loss`) and the loss calls this module with the targets, so its hooks (TP's entry,
+    ZeRO's gather and release) wrap the chunked loss as they wrapped the matmul. `start`, `valid`:
+    the first vocabulary id and the real rows this rank holds; `comm`: the TP group splitting them."""
+    chunks: int
+    start: int
+    valid: int
+    comm: Comm | None
+    fns: tuple
 
-    def __init__(self, head: DeferredHead, chunks: int, plain: Callable, start: int, valid: int,
-                 comm: Comm | None, compile: bool = False):
-        self.head, self.chunks, self.plain = head, chunks, plain
-        self.start, self.valid, self.comm = start, valid, comm
-        fns = (_chunk_sums, _chunk_grad)
-        self.fns = tuple(torch.compile(f, dynamic=False) for f in fns) if compile else fns
-
-    def __call__(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():
-            return self.plain(out, targets)
-        return _ChunkedHeadCE.apply(out.flatten(0, 1), edge(self.head.weight), targets.flatten(), self.chunks,
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The mean token loss given `targets` [B, S]; the logits without them."""
+        if targets is None:
+            return super().forward(x)
+        return _ChunkedHeadCE.apply(x.flatten(0, 1), edge(self.weight), targets.flatten(), self.chunks,
                                     self.start, self.valid, self.comm, self.fns)
 
 
-def chunk_the_loss(model: nn.Module, plan, chunks: int, plain: Callable, vocab, comm: Comm | None,
-                   compile: bool) -> Callable:
-    """Swap this rank's head (if it holds one) for a `DeferredHead` and return the chunked loss.
-    `vocab`: the head rows' split (placement.DimSplit), or None when the head holds the whole
-    vocabulary unpadded; `comm`: the TP group when the rows are split over it."""
+def head_in_loss(model: nn.Module, plan, chunks: int) -> LossHead | None:
+    """Make this rank's head (if it holds one) a `LossHead` and end the model's forward before it.
+    Before tensor parallelism: under SP the head then gathers its input's sequence whole (the chunks
+    split tokens) instead of fusing the gather into its matmul."""
     head = plan.head(model)
     if head is None:  # a pipeline stage without the head never computes the loss
-        return plain
+        return None
     if type(head) is not nn.Linear or head.bias is not None:
         raise ValueError(f"training.loss_chunks: the head is a {type(head).__name__}, not a bias-free nn.Linear")
-    head.__class__ = DeferredHead
-    start, valid = (0, model.args.vocab_size) if vocab is None else (vocab.start, vocab.real)
-    return ChunkedLoss(head, chunks, plain, start, valid, comm, compile)
+    head.__class__ = LossHead
+    head.chunks, head.start, head.valid, head.comm, head.fns = chunks, 0, model.args.vocab_size, None, _FNS
+    model.head_in_loss = True
+    return head
+
+
+def chunked_loss(head: LossHead, vocab, comm: Comm | None, compile: bool) -> Callable:
+    """The loss_fn of a model whose head is in the loss: `loss_fn(final-norm output, targets)`.
+    `vocab`: the head rows' split (placement.DimSplit), None when the head holds the whole vocabulary
+    unpadded; `comm`: the TP group when the rows are split over it."""
+    if vocab is not None:
+        head.start, head.valid = vocab.start, vocab.real
+    head.comm = comm
+    if compile:
+        head.fns = tuple(torch.compile(f, dynamic=False) for f in _FNS)
+    return head
+
