@@ -14,6 +14,7 @@ from harness import assert_same_losses, make_config, reference, rows, run_layout
 from meshlm.config import ConfigError
 from meshlm.layout import resolve
 from meshlm.parallel.chunked_loss import _FNS, LossHead
+from meshlm.parallel.swap import swap_in
 
 N, D, ROWS, VOCAB = 61, 32, 512, 500  # 12 padded rows, as model.vocab_multiple makes them
 
@@ -29,14 +30,13 @@ def _plain(head, h, y):
     return F.cross_entropy(head(h)[..., :VOCAB].flatten(0, 1).float(), y.flatten())
 
 
+def _loss_head(head, chunks) -> LossHead:
+    """The head as parallelize makes it for one process (chunked_loss.head_in_loss)."""
+    return swap_in(nn.Sequential(head), head, LossHead, chunks=chunks, start=0, valid=VOCAB, comm=None, fns=_FNS)
+
+
 def _chunked(head, h, y, chunks):
-    """The head as parallelize makes it for one process (chunked_loss.head_in_loss), called by the loss."""
-    head.__class__ = LossHead
-    head.chunks, head.start, head.valid, head.comm, head.fns = chunks, 0, VOCAB, None, _FNS
-    try:
-        return head(h, y)
-    finally:
-        head.__class__ = nn.Linear
+    return _loss_head(head, chunks)(h, y)
 
 
 @pytest.mark.parametrize("chunks", [1, 4, 7, N + 5])
@@ -110,8 +110,7 @@ def test_without_gradients_the_loss_head_gives_the_plain_loss_and_logits():
     with torch.no_grad():
         ref, logits = _plain(head, h, y), head(h)
         got = _chunked(head, h, y, 4)
-        head.__class__ = LossHead
-        assert torch.equal(head(h), logits)  # called without targets: the logits
+        assert torch.equal(_loss_head(head, 4)(h), logits)  # called without targets: the logits
     assert abs(got.item() - ref.item()) <= 1e-6 * abs(ref.item())
 
 

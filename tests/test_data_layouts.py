@@ -100,7 +100,7 @@ def test_document_mask_changes_the_loss_and_isolates_documents(corpora):
     plain = run_local(make_config(data__path=corpora["docs"], training__steps=2))
     masked = run_local(make_config(data__path=corpora["docs"], data__document_mask=True, training__steps=2))
     assert abs(plain[0]["loss"] - masked[0]["loss"]) > 1e-4
-    from meshlm.layout import model_args
+    from meshlm.model.from_config import model_args
     from meshlm.model import Llama
     torch.manual_seed(0)
     model = Llama(model_args(make_config())).eval()
@@ -132,7 +132,8 @@ def test_mixture_resumes_across_layouts(pools, corpora, tmp_path):
 
 def test_attn_impl_resolves_and_refuses():
     """auto is flex under a document mask and sdpa otherwise (and under cp, where flex is refused)."""
-    from meshlm.layout import model_args, resolve
+    from meshlm.layout import resolve
+    from meshlm.model.from_config import model_args
     assert model_args(make_config(data__document_mask=True)).attn_kernel == "flex"
     assert model_args(make_config()).attn_kernel == "sdpa"
     assert model_args(make_config(model__attn_impl="flex")).attn_kernel == "flex"

@@ -32,6 +32,7 @@ from torch.autograd import Function
 from ..distributed.comm import Comm
 from ..distributed.functional import all_reduce_max
 from ..model.ops import edge, wanted
+from .swap import swap_in
 
 
 def _target_parts(targets: torch.Tensor, start: int, valid: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,10 +143,8 @@ def head_in_loss(model: nn.Module, plan, chunks: int) -> LossHead | None:
         return None
     if type(head) is not nn.Linear or head.bias is not None:
         raise ValueError(f"training.loss_chunks: the head is a {type(head).__name__}, not a bias-free nn.Linear")
-    head.__class__ = LossHead
-    head.chunks, head.start, head.valid, head.comm, head.fns = chunks, 0, model.args.vocab_size, None, _FNS
     model.head_in_loss = True
-    return head
+    return swap_in(model, head, LossHead, chunks=chunks, start=0, valid=model.args.vocab_size, comm=None, fns=_FNS)
 
 
 def chunked_loss(head: LossHead, vocab, comm: Comm | None, compile: bool) -> Callable:
