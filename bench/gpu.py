@@ -7,6 +7,7 @@ out-of-memory), for --steps measured steps after --warmup. MFU uses the trainer'
 
     python bench/gpu.py [--presets llama3-1b,small,llama3-3b] [--seq-len 2048] [--ac selective]
                         [--compile] [--profile] [--offload-compare PRESET] [--json]
+                        [--loss-chunks K] [--attn-impl auto|sdpa|flex] [--document-mask]
     python bench/gpu.py --presets "" --fp8-compare llama3-3b --steps 200   # fp8 vs bf16, same shapes
                         [--set training.fp8_recipe=rowwise]
     python bench/gpu.py --smoke        # tiny shape on the CPU (CI)
@@ -24,6 +25,7 @@ import tempfile
 import torch
 
 from meshlm import config as C
+from meshlm.choices import ATTN_IMPLS
 from meshlm.distributed.mesh import init_context, pick_device
 from meshlm.layout import resolve
 from meshlm.train.trainer import Trainer
@@ -176,6 +178,10 @@ def main() -> int:
     ap.add_argument("--micro-batches", default="16,8,4,2,1", help="sizes to try, largest first")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra config override for every run, e.g. model.n_layers=18")
+    ap.add_argument("--loss-chunks", type=int, default=None, metavar="K",
+                    help="training.loss_chunks: head + loss over K token chunks (0: whole logits)")
+    ap.add_argument("--attn-impl", default=None, choices=ATTN_IMPLS, help="model.attn_impl")
+    ap.add_argument("--document-mask", action="store_true", help="data.document_mask = true")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--device", default="auto")
@@ -202,6 +208,10 @@ def main() -> int:
     if bad:
         ap.error(f"--set wants KEY=VALUE, got {bad[0]}")
     overrides = dict(pairs)
+    for key, value in (("training.loss_chunks", a.loss_chunks), ("model.attn_impl", a.attn_impl),
+                       ("data.document_mask", a.document_mask or None)):
+        if value is not None:
+            overrides[key] = value
     sizes = [int(x) for x in a.micro_batches.split(",")]
     results = []
     for preset in [p for p in a.presets.split(",") if p]:
@@ -213,7 +223,8 @@ def main() -> int:
             else:
                 print(f"{preset}: mb {r['micro_batch']} x seq {r['seq_len']}: {r['tokens_per_s']:.0f} tok/s, "
                       f"{r['tflops']:.1f} TFLOP/s, MFU {100 * r['mfu']:.1f}% ({r['peak_label']}), "
-                      f"peak {r['peak_mem_gib']:.2f} GiB, loss {r['final_loss']:.3f}")
+                      f"peak {r['peak_mem_gib']:.2f} GiB, loss {r['final_loss']:.3f}"
+                      + "".join(f", {k} {r[k]}" for k in ("loss_chunks", "attn_impl", "document_mask") if k in r))
                 if "top_kernels" in r:
                     print(f"    one profiled step: {r['top_kernels']['kernel_ms']:.1f} ms of kernels")
                 for k in r.get("top_kernels", {}).get("top", []):

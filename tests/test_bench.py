@@ -63,6 +63,12 @@ def test_gpu_bench_fp8_compare_smoke():
     assert ratio["speedup"] > 0 and 0 < ratio["final_loss_rel"] < 0.02  # fp8 ran, and near bf16
 
 
+def test_gpu_bench_takes_loss_chunks_and_flex():
+    out = run_json("bench/gpu.py", "--smoke", "--json", "--loss-chunks", "4", "--attn-impl", "flex", "--document-mask")
+    r = out["results"][0]
+    assert (r["loss_chunks"], r["attn_impl"], r["document_mask"]) == (4, "flex", True) and r["tokens_per_s"] > 0
+
+
 def test_overhead_bench_smoke():
     out = run_json("bench/overhead.py", "--json", "--preset", "debug", "--seq-len", "32", "--batch", "2",
                    "--steps", "4", "--rounds", "1", "--skip", "1")

@@ -15,6 +15,7 @@ PP_V_SHAPED = ("zbv",)  # two chunks per rank placed in a V (pipeline/actions.py
 OFFLOAD = ("none", "optimizer", "nvme")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 CP_IMPLS = ("ring", "ulysses")
+ATTN_IMPLS = ("auto", "sdpa", "flex")  # model.attn_impl; auto resolves in layout.attn_kernel
 ZERO_STAGES = (0, 1, 2, 3)
 SPIKE_ACTIONS = ("skip", "rollback")  # training.spike_action
 ELASTIC = ("fail", "replan")  # parallel.elastic

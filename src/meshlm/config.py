@@ -76,6 +76,7 @@ class ModelConfig:
     qk_norm: bool | None = None       # per-head q/k RMSNorm (Qwen3)
     vocab_multiple: int = 128  # embedding/head rows padded to a multiple of this × tp; 1: no padding
     init_from: str = ""  # "hf:DIR": start from a Hugging Face model (shape from its config.json)
+    attn_impl: str = "auto"  # auto: flex with data.document_mask (cp = 1), else sdpa (choices.ATTN_IMPLS)
     moe: MoEConfig = field(default_factory=MoEConfig)
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
 
@@ -191,6 +192,7 @@ class TrainingConfig:
     spike_zscore: float = 0.0  # > 0: a loss / grad norm this many σ above the window is a spike (train/spike.py)
     spike_window: int = 100  # steps the spike statistics look back over
     spike_action: str = "skip"  # skip (drop the update) or rollback (newest checkpoint before it)
+    loss_chunks: int = 0  # > 0: output head + loss over this many token chunks, logits never whole
 
     def check(self, cfg: Config) -> None:
         _choice(self.precision, PRECISIONS, "training.precision")
@@ -208,6 +210,8 @@ class TrainingConfig:
         _choice(self.spike_action, SPIKE_ACTIONS, "training.spike_action")
         if self.spike_zscore and self.spike_action == "rollback" and not cfg.checkpoint.every:
             raise ConfigError('training.spike_action: "rollback" needs checkpoints (set checkpoint.every)')
+        if self.loss_chunks < 0:
+            raise ConfigError(f"training.loss_chunks: must be >= 0 (0 = whole logits), got {self.loss_chunks}")
 
 
 @dataclass

@@ -25,6 +25,7 @@ from ..distributed.mesh import ParallelContext
 from ..layout import Layout
 from ..model.init import canonical_name, init_source, materialize
 from .activation_checkpoint import apply_ac
+from .chunked_loss import chunked_loss, head_in_loss
 from .adamw import Optimizer
 from .context_parallel import ContextParallel, apply_context_parallel
 from .data_parallel import GradBuckets
@@ -123,6 +124,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
     if layout.cp > 1 and model.args.moe:
         share_tokens_over_cp(model, ctx.comm("cp"), plan)
     apply_ac(model, cfg.training.ac, plan)
+    # training.loss_chunks: the head moves into the loss (before TP, which hooks the head it finds)
+    loss_head = head_in_loss(model, plan, cfg.training.loss_chunks) if cfg.training.loss_chunks else None
     sp = cfg.parallel.sp and layout.tp > 1
     cp = (apply_context_parallel(model, ctx.comm("cp"), cfg.parallel.cp_impl, plan, sp) if layout.cp > 1
           else None)
@@ -175,6 +178,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
         par.loss_fn = partial(cross_entropy, vocab=model.args.vocab_size)  # drops padded logits, if any
         if cfg.training.compile:  # the vocab-parallel loss has collectives inside; the plain one fuses well
             par.loss_fn = torch.compile(par.loss_fn, dynamic=False)
+    if loss_head is not None:
+        par.loss_fn = chunked_loss(loss_head, tp and tp.vocab, ctx.comm("tp") if layout.tp > 1 else None,
+                                   cfg.training.compile)
     if pipe is not None:
         attach_pipeline(par, pipe, ctx, cfg, layout, plan)
     return par

@@ -32,6 +32,7 @@ from ..layout import check_shape
 from ..model.args import padded_vocab
 from ..model.init import canonical_name
 from .placement import DimSplit
+from .chunked_loss import LossHead
 from .swap import swap_in
 from .vocab_parallel import VocabParallelEmbedding, VocabParallelLoss
 
@@ -226,7 +227,7 @@ def _vocab_parallel(model: nn.Module, tp: TensorParallel, plan, enter_hook) -> N
     if emb is not None:
         plan.set_embedding(model, VocabParallelEmbedding(emb.weight, comm, tp.vocab.start, tp.sp))
     if head is not None:
-        if tp.sp:
+        if tp.sp and not isinstance(head, LossHead):  # a loss head chunks tokens: it takes them gathered
             _ColumnGroup(model, [head], comm)
         else:
             head.register_forward_pre_hook(enter_hook)
