@@ -238,12 +238,13 @@ def _make_comm(name: str, all_groups: list[list[int]], rank: int, world: int, ti
     return Comm(name, handle, mine, rank)
 
 
-def shutdown(ctx: ParallelContext | None = None, finished: bool = False) -> list[str]:
+def shutdown(ctx: ParallelContext | None = None, finished: bool = False, since: set[int] | None = None) -> list[str]:
     """Tear this rank's side of the job down while the interpreter is whole (docs/fault_tolerance.md,
     "Exit status"): every group destroyed and its last reference dropped, so the C++ objects and their
     gloo threads end here and not in the interpreter's finalization. `finished`: every rank got here
     after the last step, so a barrier first (no rank closes a connection a peer still reads from);
-    after a failure there is none (the peers may be gone). Returns the threads still alive after it."""
+    after a failure there is none (the peers may be gone). Returns the threads still alive after it
+    that were not there before `since` (`thread_ids()` taken at start-up)."""
     if finished and ctx is not None and ctx.world_size > 1:
         try:
             ctx.comm("world").barrier()
@@ -254,25 +255,34 @@ def shutdown(ctx: ParallelContext | None = None, finished: bool = False) -> list
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()  # groups held by reference cycles (modules, hooks, graphs) end now
-    return threads_alive()
+    return threads_alive(since)
 
 
 # Threads of c10d's gloo backend, by the names they give themselves (/proc/self/task/*/comm).
 GLOO_THREADS = ("gloo", "pt_gloo")
+TASKS = "/proc/self/task"
 
 
-def threads_alive() -> list[str]:
-    """This process's threads that outlive a teardown: Python threads other than the main one, and
-    gloo's C++ threads (a process group still referenced somewhere)."""
+def thread_ids() -> set[int]:
+    """This process's OS thread ids (Linux; empty elsewhere)."""
+    return {int(t) for t in os.listdir(TASKS)} if os.path.isdir(TASKS) else set()
+
+
+def threads_alive(since: set[int] | None = None) -> list[str]:
+    """Threads that outlive a teardown: gloo's C++ threads (a process group still referenced
+    somewhere), and Python threads other than the main one (with `since`: started after it; a caller's
+    own threads are not the run's). Other C++ threads (torch's intra-op pool) end with the process."""
     import threading
-    out = [f"{t.name} (python)" for t in threading.enumerate() if t is not threading.main_thread()]
-    tasks = "/proc/self/task"
-    for tid in sorted(os.listdir(tasks)) if os.path.isdir(tasks) else []:
+    python = {t.native_id: t.name for t in threading.enumerate() if t is not threading.main_thread()}
+    out = []
+    for tid in sorted(thread_ids()):
         try:
-            with open(os.path.join(tasks, tid, "comm")) as f:
+            with open(os.path.join(TASKS, str(tid), "comm")) as f:
                 name = f.read().strip()
         except OSError:
             continue
-        if name.startswith(GLOO_THREADS):
+        if tid in python and tid not in (since or set()):
+            out.append(f"{python[tid]} (python)")
+        elif tid not in python and name.startswith(GLOO_THREADS):
             out.append(name)
     return out

@@ -28,8 +28,9 @@ def run(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout |
     """Entry point of one worker (or of the only process); `restarts` and `layout` as in `start`. A
     finished run says so in the run directory before the teardown (train/launch.py `record_done`):
     the outcome, not how the process ends, decides the job's exit status."""
+    from ..distributed.mesh import thread_ids
     from .launch import record_done, teardown
-    ctx, finished = None, False
+    ctx, finished, before = None, False, thread_ids()
     try:
         trainer = start(cfg, run_dir, restarts, layout)
         ctx = trainer.ctx
@@ -41,7 +42,7 @@ def run(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout |
         finished = True
         return last
     finally:
-        teardown(ctx, finished)
+        teardown(ctx, finished, before)
 
 
 def start(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout | None = None) -> "Trainer":
