@@ -52,6 +52,30 @@ def add_into_view(p: nn.Parameter, view: torch.Tensor) -> None:
         p.grad = None
 
 
+def flat_groups(keys: list) -> list[list[int]]:
+    """Indices of the parameters that share one flat buffer: one group per distinct key, each in
+    reverse registration order (the order backward produces gradients in; groups too, by the first),
+    so the buckets cut from a group fill one after another. The DP buffers and MasterOptimizer's flat
+    masters use the same groups, so a group's gradient buffer is its master's `.grad` as a whole."""
+    groups: dict = {}
+    for i in reversed(range(len(keys))):
+        groups.setdefault(keys[i], []).append(i)
+    return list(groups.values())
+
+
+def accumulate_into_view(p: nn.Parameter, view: torch.Tensor, first: bool) -> None:
+    """Moves the gradient autograd made for `p` into its view of a flat buffer: copied on the step's
+    first backward (the buffer needs no zero fill, and a bf16 gradient is read once, not added to an
+    fp32 zero), added on later ones. Then `p.grad` is the view where the dtypes match (autograd adds
+    the next micro-batches in place) and None otherwise (the low-precision gradient is freed)."""
+    if p.grad is not view:
+        if first:
+            view.copy_(p.grad)
+        else:
+            view.add_(p.grad)
+    p.grad = view if p.dtype == view.dtype else None
+
+
 class GradSync(Protocol):
     """What the trainer (and the pipeline runtime) drive, once per optimizer step:
     begin_step → backward passes (set_sync(True) before the last micro-batch's) → finish → read

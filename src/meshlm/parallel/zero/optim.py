@@ -1,7 +1,7 @@
 """AdamW on this rank's shard of every ZeRO unit, on the device or in CPU memory (parallel.offload).
 
 Each unit's fp32 master shard and Adam moments are flat tensors of the shard size; the optimizer sees
-one view per parameter piece (`Unit.segments`, units.py), so weight decay stays per tensor (none on 1-D gains, as
+one view per parameter piece (`Unit.segments`, units.py), so weight decay stays per tensor (`adamw.decays`, as
 in train/optim.MasterOptimizer) and results match the unsharded optimizer element for element.
 With fp32 compute and no offload the master *is* the parameter shard (no copy). With offload the
 masters, moments and a gradient staging buffer live in (pinned) host memory, the step runs on the CPU
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ...config import OptimConfig
-from ..adamw import adamw_step, fused_adamw_supported
+from ..adamw import adamw_step, decays, fused_adamw_supported
 from .sync import ZeroSync
 from .units import Unit
 
@@ -55,7 +55,7 @@ class ZeroOptimizer:
                     seg.grad = grad[s0:s1]
                 else:
                     self.bind.append((u, s0, s1, seg))
-                (decay if len(u.shapes[piece.param]) >= 2 else no_decay).append(seg)
+                (decay if decays(u.shapes[piece.param]) else no_decay).append(seg)
                 segs.append((seg, m[s0:s1], v[s0:s1]))
         self.masters = [s[1] for s in self.slots]
         self.fused = fused = fused_adamw_supported(host)
