@@ -50,7 +50,7 @@ def measure(preset: str, mb: int, a, **extra) -> dict:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         recs = [json.loads(line) for line in f if '"step_s"' in line][a.warmup:]
     step_s = statistics.median(r["step_s"] for r in recs)
-    tokens = mb * a.seq_len
+    tokens = trainer.cfg.training.global_batch * a.seq_len  # global_batch in `extra`: accumulation
     flops = trainer.flops_per_step
     out = {"preset": preset, "params": trainer.args.num_params(), "seq_len": a.seq_len, "micro_batch": mb,
            "step_s": step_s, "tokens_per_s": tokens / step_s, "tflops": flops / step_s / 1e12,
