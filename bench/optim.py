@@ -10,7 +10,8 @@ Per row, the median over `reps` of
 - `step`: the AdamW update (fused where torch has it for the CPU, else foreach) and the copy of the
   updated masters into the bf16 parameters;
 - `accum`: one micro-batch's bf16 gradients into the fp32 buffer: a zero fill and an add per tensor
-  (`grad_sync.add_into_view`), against the copy of `grad_sync.accumulate_into_view` on a first backward.
+  (each bf16 gradient added to its fp32 view), against the copy of `grad_sync.accumulate_into_view` on a
+  step's first backward.
 ratio = list time / flat time (> 1: flat is faster). Speed goals are read from the printed ratios.
 """
 from __future__ import annotations
@@ -85,7 +86,7 @@ def run_row(name: str, shapes, reps: int) -> dict:
     import torch
 
     from meshlm.config import OptimConfig
-    from meshlm.parallel.grad_sync import accumulate_into_view, add_into_view
+    from meshlm.parallel.grad_sync import accumulate_into_view
     from meshlm.train.optim import MasterOptimizer
     cfg = OptimConfig()
     g = torch.Generator().manual_seed(1)
@@ -117,9 +118,8 @@ def run_row(name: str, shapes, reps: int) -> dict:
     def accum_list():
         for b in bufs:
             b.zero_()
-        for p, v, gr in zip(params, views, grads):
-            p.grad = gr
-            add_into_view(p, v)
+        for v, gr in zip(views, grads):
+            v.add_(gr)
 
     def accum_flat():
         for p, v, gr in zip(params, views, grads):

@@ -34,24 +34,6 @@ class Reduction:
         return (self.scatter.name if self.scatter else None, names(self.all_reduce_over), names(self.sum_at_finish), self.divisor)
 
 
-def bind_flat_grads(params: list[nn.Parameter], views: list[torch.Tensor], hook=None) -> list:
-    """The flat gradient buffer both synchronisers keep (DP buckets, ZeRO units): a parameter whose
-    dtype is the buffer's gets its view as `.grad`, so autograd accumulates into the buffer in place;
-    the others add theirs in `add_into_view` (post-accumulate hook), so accumulation happens in the
-    buffer's dtype. `hook`: registered as each parameter's post-accumulate-grad hook (handles returned)."""
-    for p, v in zip(params, views):
-        if p.dtype == v.dtype:
-            p.grad = v
-    return [p.register_post_accumulate_grad_hook(hook) for p in params] if hook is not None else []
-
-
-def add_into_view(p: nn.Parameter, view: torch.Tensor) -> None:
-    """A gradient autograd made outside the buffer (another dtype) goes into its view and is freed."""
-    if p.grad is not view:
-        view.add_(p.grad)
-        p.grad = None
-
-
 def flat_groups(keys: list) -> list[list[int]]:
     """Indices of the parameters that share one flat buffer: one group per distinct key, each in
     reverse registration order (the order backward produces gradients in; groups too, by the first),

@@ -72,6 +72,7 @@ class Unit:
         self.handle: Handle | None = None
         self.grad_full: torch.Tensor | None = None
         self.grad_views: list[torch.Tensor] = []  # per-parameter views of grad_full
+        self.unfilled: set[int] = set(range(len(params)))  # parameters whose view holds no gradient yet
         self.grad_shard: torch.Tensor | None = None  # fp32, what the optimizer reads (zero 2-3: per step)
         self.pending = len(params)
         self.in_backward = False
@@ -81,6 +82,13 @@ class Unit:
     def segments(self) -> list[Segment]:
         """The pieces this rank holds something of."""
         return [s for s in self.pieces if s.start < s.end]
+
+    @property
+    def gaps(self) -> list[tuple[int, int]]:
+        """[start, end) ranges of the flat buffer that no parameter covers (alignment, padding)."""
+        ends = [o + k for o, k in zip(self.offsets, self.numels)]
+        starts = self.offsets[1:] + [self.padded]
+        return [(a, b) for a, b in zip(ends, starts) if a < b]
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         o = self.offsets[i]
