@@ -6,7 +6,7 @@ from torch import nn
 from meshlm.config import OptimConfig
 from meshlm.parallel.adamw import decays
 from meshlm.parallel.data_parallel import GradBuckets
-from meshlm.parallel.grad_sync import Reduction
+from meshlm.parallel.grad_sync import Reduction, flat_groups
 from meshlm.train.optim import MasterOptimizer
 
 SHAPES = [("emb", (16, 8)), ("norm", (8,)), ("experts", (4, 6, 8)), ("bias", (6,)), ("head", (16, 8))]
@@ -73,3 +73,11 @@ def test_first_gradient_is_copied_and_a_missing_one_is_zero():
     (a * x).sum().backward()
     sync.finish()
     assert torch.equal(views[id(a)], x.float()) and torch.equal(views[id(b)], torch.zeros(4))
+
+
+def test_flat_groups_follow_backward_order_and_the_size_cap():
+    """Groups by key, each in reverse registration order, cut where the next parameter would pass the
+    cap; a parameter larger than the cap stands alone."""
+    keys, numels = ["a", "b", "a", "a", "b", "a"], [4, 1, 4, 9, 1, 4]
+    assert flat_groups(keys, numels) == [[5, 3, 2, 0], [4, 1]]
+    assert flat_groups(keys, numels, cap=8) == [[5], [3], [2, 0], [4, 1]]

@@ -45,7 +45,8 @@ class GradBuckets:
                  dtype: torch.dtype = torch.float32, groups: list[list[int]] | None = None):
         self.dtype = dtype
         self.sync = True
-        groups = groups if groups is not None else flat_groups([r.key for r in reductions])
+        groups = groups if groups is not None else flat_groups([r.key for r in reductions],
+                                                                [p.numel() for p in params])
         elt = torch.tensor([], dtype=dtype).element_size()
         self.flat: list[torch.Tensor] = []  # one buffer per group
         self.buckets: list[Bucket] = []

@@ -34,15 +34,28 @@ class Reduction:
         return (self.scatter.name if self.scatter else None, names(self.all_reduce_over), names(self.sum_at_finish), self.divisor)
 
 
-def flat_groups(keys: list) -> list[list[int]]:
-    """Indices of the parameters that share one flat buffer: one group per distinct key, each in
-    reverse registration order (the order backward produces gradients in; groups too, by the first),
-    so the buckets cut from a group fill one after another. The DP buffers and MasterOptimizer's flat
-    masters use the same groups, so a group's gradient buffer is its master's `.grad` as a whole."""
-    groups: dict = {}
+FLAT_MAX = 2 ** 30  # elements per flat buffer: offsets stay far inside 32-bit kernel indexing
+
+
+def flat_groups(keys: list, numels: list[int], cap: int = FLAT_MAX) -> list[list[int]]:
+    """Indices of the parameters that share one flat buffer: those of one key, in reverse registration
+    order (the order backward produces gradients in; groups too, by their first), cut into runs of at
+    most `cap` elements (a larger parameter alone). The DP buffers and MasterOptimizer's flat masters
+    use the same groups, so a group's gradient buffer is its master's `.grad` as a whole."""
+    by_key: dict = {}
     for i in reversed(range(len(keys))):
-        groups.setdefault(keys[i], []).append(i)
-    return list(groups.values())
+        by_key.setdefault(keys[i], []).append(i)
+    out = []
+    for group in by_key.values():
+        run, size = [], 0
+        for i in group:
+            if run and size + numels[i] > cap:
+                out.append(run)
+                run, size = [], 0
+            run.append(i)
+            size += numels[i]
+        out.append(run)
+    return out
 
 
 def accumulate_into_view(p: nn.Parameter, view: torch.Tensor, first: bool) -> None:

@@ -16,10 +16,11 @@ from ..parallel.grad_sync import flat_groups
 class MasterOptimizer:  # implements parallel.adamw.Optimizer
     """AdamW on fp32 masters kept in flat buffers, one per group of parameters that share weight decay
     (`adamw.decays`), dtype and the caller's `group_key` (parallelize passes the gradient reduction,
-    so that each group's DP gradient buffer is one tensor, `bind_grads`). The step is then one fused
-    kernel per group instead of a list over every tensor (an MoE model has thousands), and the
-    parameters become views of one flat buffer per group: with fp32 compute that buffer *is* the master
-    (no copy); with bf16/fp16 the updated masters reach it in one copy per group.
+    so that each group's DP gradient buffer is one tensor, `bind_grads`), cut at `grad_sync.FLAT_MAX`
+    elements. The step is then one fused call per weight-decay setting over a handful of buffers
+    instead of a list over every tensor (a model may have thousands), and the parameters become views
+    of one flat buffer per group: with fp32 compute that buffer *is* the master (no copy); with
+    bf16/fp16 the updated masters reach it in one copy per group.
 
     Fused AdamW wherever torch has it for the device (see `fused_adamw_supported`), else foreach.
     Checkpoints see every parameter's own views (`state_storage`), so their format does not depend on
@@ -31,12 +32,14 @@ class MasterOptimizer:  # implements parallel.adamw.Optimizer
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         key = group_key or (lambda name: None)
-        self.groups = flat_groups([(decays(p.shape), p.dtype, key(n)) for n, p in named_params])
+        self.groups = flat_groups([(decays(p.shape), p.dtype, key(n)) for n, p in named_params],
+                                  [p.numel() for p in self.params])
         self.fused = fused_adamw_supported(device)
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (flat parameters, flat master)
         self.flat_masters: list[torch.Tensor] = []
         self.views: list = [None] * len(self.params)  # per parameter: (master, exp_avg, exp_avg_sq)
-        param_groups, moments = [], []
+        by_decay: dict[bool, list[torch.Tensor]] = {}  # torch param groups: one fused call each
+        moments = []
         with torch.no_grad():
             for group in self.groups:
                 flat = self._flatten([self.params[i] for i in group])
@@ -53,9 +56,9 @@ class MasterOptimizer:  # implements parallel.adamw.Optimizer
                     off += n
                 self.flat_masters.append(master)
                 moments.append((m, v))
-                param_groups.append({"params": [master],
-                                     "weight_decay": cfg.weight_decay if decays(self.params[group[0]].shape) else 0.0})
+                by_decay.setdefault(decays(self.params[group[0]].shape), []).append(master)
         self.masters = [v[0] for v in self.views]
+        param_groups = [{"params": ms, "weight_decay": cfg.weight_decay if d else 0.0} for d, ms in by_decay.items()]
         self.opt = torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                      **({"fused": True} if self.fused else {"foreach": True}))
         for master, (m, v) in zip(self.flat_masters, moments):
