@@ -10,7 +10,8 @@ Peers (each in a fresh process, through bench/gpu.py's `attempt`, largest micro-
   compiled; needs a CUDA GPU with fp8 (compute capability 8.9+), skipped elsewhere.
 Every peer: SDPA attention, fused AdamW (decay on >= 2-D tensors, as meshlm), clipping at
 `training.clip`, random tokens, loss through the model's own `labels` path.
-meshlm's row is bench/gpu.py's measurement (trainer, `--precision`, `--ac`) on the same shape.
+meshlm's row is bench/gpu.py's measurement on the same shape (its own command line: `--precision`,
+`--ac`, and any other bench/gpu.py flags through `--meshlm-args`).
 tokens/s from the median step after warm-up; MFU with meshlm's FLOP count (6·N + 12·L·d·seq per
 token) against the same peak (`train.metrics.device_peak`); peak = torch's max allocated (CUDA).
 
@@ -25,12 +26,14 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
 import statistics
+import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gpu  # noqa: E402  (bench/gpu.py: meshlm's row and the fresh-process measurement)
+import gpu  # noqa: E402  (bench/gpu.py: the fresh-process measurement, largest micro-batch first)
 import torch  # noqa: E402
 
 from meshlm import config as C  # noqa: E402
@@ -124,10 +127,20 @@ def measure_peer(preset: str, mb: int, a, peer: str) -> dict:
             "final_loss": float(loss)}
 
 
-def meshlm_args(a) -> argparse.Namespace:
-    """bench/gpu.py's arguments for meshlm's row on this shape."""
-    return argparse.Namespace(precision=a.precision, ac=a.ac, compile=a.compile, device=a.device,
-                              warmup=a.warmup, steps=a.steps, profile=False, seq_len=a.seq_len)
+def meshlm_row(preset: str, a) -> dict | None:
+    """meshlm's row: bench/gpu.py on the same shape, run as its own command line (its defaults and
+    flags apply, `--meshlm-args` adds to them); None if no micro-batch fits."""
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu.py"),
+           "--presets", preset, "--seq-len", str(a.seq_len), "--micro-batches", a.micro_batches,
+           "--precision", a.precision, "--ac", a.ac, "--warmup", str(a.warmup), "--steps", str(a.steps),
+           "--device", a.device, "--compile" if a.compile else "--no-compile", *shlex.split(a.meshlm_args),
+           "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    if proc.returncode != 0 or not last.startswith("{"):
+        raise RuntimeError(f"meshlm's row failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    row = json.loads(last)["results"][0]
+    return None if row.get("fits") is False else row
 
 
 def print_table(report: dict) -> None:
@@ -158,6 +171,8 @@ def main() -> int:
     ap.add_argument("--peers", default=",".join(PEERS), help=f"some of {', '.join(PEERS)}")
     ap.add_argument("--precision", default="bf16", help="meshlm's training.precision for its row")
     ap.add_argument("--ac", default="selective", help="meshlm's training.ac for its row")
+    ap.add_argument("--meshlm-args", default="", metavar="'ARGS'",
+                    help="more bench/gpu.py flags for meshlm's row, e.g. '--loss-chunks 8'")
     ap.add_argument("--no-meshlm", action="store_true", help="peers only (no meshlm row, no ratios)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile (default: on for CUDA)")
@@ -197,9 +212,10 @@ def main() -> int:
     for preset in presets:
         mine = None
         if not a.no_meshlm:
-            mine = gpu.largest_fitting(preset, meshlm_args(a), sizes)
-            report["results"].append({**mine, "run": f"meshlm {a.precision} ac={a.ac}", "ratio": 1.0} if mine
-                                     else {"preset": preset, "run": "meshlm", "fits": False})
+            mine = meshlm_row(preset, a)
+            label = " ".join(["meshlm", a.precision, f"ac={a.ac}", a.meshlm_args]).strip()
+            report["results"].append({**mine, "run": label, "ratio": 1.0} if mine
+                                     else {"preset": preset, "run": label, "fits": False})
         for peer in runnable:
             r = gpu.largest_fitting(preset, a, sizes, os.path.abspath(__file__), peer=peer)
             if r is None:

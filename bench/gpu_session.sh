@@ -10,6 +10,7 @@
 #   bash bench/gpu_session.sh moe        # deepseek-moe-16b cut to 4 blocks, with the top kernels
 #   bash bench/gpu_session.sh peers-1b   # bench/gpu_peers.py at llama3-1b (meshlm's row and the ratios)
 #   bash bench/gpu_session.sh peers-3b   # bench/gpu_peers.py at llama3-3b
+#   bash bench/gpu_session.sh peers-3b-chunks   # the same, meshlm with the chunked loss at mb 8 or 4
 #   bash bench/gpu_session.sh calibrate  # `meshlm train` with metrics.profile_step, `meshlm estimate --calibrate`
 #   bash bench/gpu_session.sh sizes | offload | checks | nocompile   # small, 8b offload, CLI paths, eager
 #   bash bench/gpu_session.sh all        # every piece above in turn (a machine without the 10-minute limit)
@@ -120,6 +121,12 @@ peers-3b)
   timeout 560 $PY bench/gpu_peers.py --presets llama3-3b --micro-batches 4,2 --ac selective --warmup 3 \
       --steps 15 --peers bf16,liger,float8 --out "$OUT/peers-llama3-3b.json"
   ;;
+peers-3b-chunks)
+  # meshlm at 3b with the chunked loss and the larger micro-batch it buys, against the best bf16 peer
+  card peers-3b-chunks
+  timeout 560 $PY bench/gpu_peers.py --presets llama3-3b --micro-batches 8,4 --ac selective --warmup 3 \
+      --steps 15 --peers bf16 --meshlm-args "--loss-chunks 8" --out "$OUT/peers-llama3-3b-chunks.json"
+  ;;
 calibrate)
   # a real `meshlm train` run with one profiled step, then the planner calibrated from it: the same layout
   # (within 10% of the run's median step, and it fits) and another one on the same machine
@@ -176,7 +183,7 @@ nocompile)
 esac
 }
 
-PIECES="mfu docmask 3b 3b-noac fp8 fp8-loss moe peers-1b peers-3b calibrate"
+PIECES="mfu docmask 3b 3b-noac fp8 fp8-loss moe peers-1b peers-3b peers-3b-chunks calibrate"
 if [ "${1:-mfu}" = all ]; then
   for p in $PIECES sizes offload checks nocompile; do piece "$p"; done
 else
