@@ -130,6 +130,12 @@ class MasterOptimizer:  # implements parallel.adamw.Optimizer
         tensors = [t for st in self.opt.state.values() for t in (st["exp_avg"], st["exp_avg_sq"])]
         return sum(t.numel() * t.element_size() for t in tensors + [m for _, m in self.copies])
 
+    def backing(self, name: str, kind: str) -> None:
+        return None  # the state is in memory: `state_storage` holds no meta tensors
+
+    def close(self) -> None:
+        pass  # nothing outside memory to release
+
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     """Linear warmup to `lr`, then cosine decay to `lr × min_lr_ratio` at the last step."""
