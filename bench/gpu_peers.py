@@ -161,9 +161,7 @@ def print_table(report: dict) -> None:
 
 def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        def run(preset, mb, a, peer):
-            return measure_peer(preset, mb, a, peer)
-        return gpu.child(sys.argv[2], run)
+        return gpu.child(sys.argv[2], measure_peer)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="llama3-1b,llama3-3b")
     ap.add_argument("--seq-len", type=int, default=2048)
