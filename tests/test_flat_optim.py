@@ -81,3 +81,17 @@ def test_flat_groups_follow_backward_order_and_the_size_cap():
     keys, numels = ["a", "b", "a", "a", "b", "a"], [4, 1, 4, 9, 1, 4]
     assert flat_groups(keys, numels) == [[5, 3, 2, 0], [4, 1]]
     assert flat_groups(keys, numels, cap=8) == [[5], [3], [2, 0], [4, 1]]
+
+
+def test_zero_unit_steps_runs_of_equal_decay():
+    """A ZeRO unit's optimizer runs merge neighbouring pieces with the same weight decay over the
+    alignment padding between them; the padding is what the gradient buffer zeroes (`gaps`)."""
+    from types import SimpleNamespace
+
+    from meshlm.parallel.zero.units import Unit
+    ps = [nn.Parameter(torch.zeros(s)) for s in [(3,), (5, 4), (6, 4), (3,), (7,)]]  # fp32: 4-element align
+    one_rank = Reduction(SimpleNamespace(size=1, rank=0, name="x"), ())
+    u = Unit("u", ps, [f"p{i}" for i in range(5)], None, None, one_rank)
+    assert u.offsets == [0, 4, 24, 48, 52] and u.padded == 60
+    assert u.decay_runs() == [(False, 0, 3), (True, 4, 48), (False, 48, 59)]
+    assert u.gaps == [(3, 4), (51, 52), (59, 60)]

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ...distributed.comm import Comm, Handle
+from ..adamw import decays
 from ..grad_sync import Reduction
 
 SHARDED, GATHERING, GATHERED = 0, 1, 2
@@ -82,6 +83,20 @@ class Unit:
     def segments(self) -> list[Segment]:
         """The pieces this rank holds something of."""
         return [s for s in self.pieces if s.start < s.end]
+
+    def decay_runs(self) -> list[tuple[bool, int, int]]:
+        """(weight decay?, start, end) in shard terms: this rank's pieces, neighbours with the same
+        `adamw.decays` merged into one run over the alignment padding between them, which is zero in
+        masters, moments and gradients and stays zero under AdamW. The optimizers step runs, not
+        pieces: a handful per unit, whatever the number of parameters."""
+        runs: list[tuple[bool, int, int]] = []
+        for seg in self.segments:
+            d = decays(self.shapes[seg.param])
+            if runs and runs[-1][0] == d:
+                runs[-1] = (d, runs[-1][1], seg.end)
+            else:
+                runs.append((d, seg.start, seg.end))
+        return runs
 
     @property
     def gaps(self) -> list[tuple[int, int]]:
