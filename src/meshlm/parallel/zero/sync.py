@@ -199,7 +199,7 @@ class ZeroSync:
         u = self.unit_of[id(p)]
         g = p.grad
         if self.switches.shard_grads and not u.in_backward:  # backward reached the unit without its output hook
-            self._alloc_grad(u)  # (rebinds p.grad to the new view: put autograd's gradient back)
+            self._alloc_grad(u)  # (clears every p.grad of the unit: put autograd's gradient back)
             p.grad = g
         i = u.index[id(p)]
         accumulate_into_view(p, u.grad_views[i], i in u.unfilled)
