@@ -16,10 +16,9 @@
 #   bash bench/gpu_session.sh all        # every piece above in turn (a machine without the 10-minute limit)
 # Results go to $OUT (or ./gpu-out) as JSON plus a log (log.txt); each piece starts with the card, driver,
 # clocks and power, so a row can be read at the clock it ran.
-# Flags that other branches add (not on main when this was written): bench/gpu.py `--precision fp8`
-# (training.precision = "fp8"), `--attn-impl sdpa|flex` (model.attn_impl) and `--loss-chunks N`
-# (training.loss_chunks). Until they land the rows that use them fail with argparse's one-line error
-# and the others still run.
+# fp8 rows use bench/gpu.py --fp8-compare (bf16 at the largest micro-batch that fits, then fp8 on the same
+# shapes and batches, with the tokens/s ratio and the loss gap); masking rows --document-mask and
+# --attn-impl; the 3b rows --loss-chunks.
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -60,10 +59,10 @@ docmask)
   # goal: flex with the mask >= 0.95x the no-mask tokens/s
   card docmask
   timeout 170 $GPU --presets llama3-1b --ac selective --micro-batches 16,8 --out "$OUT/llama3-1b_nomask.json"
-  timeout 180 $GPU --presets llama3-1b --ac selective --micro-batches 16,8 --set data.document_mask=true \
-      --attn-impl sdpa --out "$OUT/llama3-1b_docmask_sdpa.json"
-  timeout 200 $GPU --presets llama3-1b --ac selective --micro-batches 16,8 --set data.document_mask=true \
-      --attn-impl flex --out "$OUT/llama3-1b_docmask_flex.json"
+  timeout 180 $GPU --presets llama3-1b --ac selective --micro-batches 16,8 --document-mask --attn-impl sdpa \
+      --out "$OUT/llama3-1b_docmask_sdpa.json"
+  timeout 200 $GPU --presets llama3-1b --ac selective --micro-batches 16,8 --document-mask --attn-impl flex \
+      --out "$OUT/llama3-1b_docmask_flex.json"
   ;;
 3b)
   card 3b
@@ -79,29 +78,18 @@ docmask)
       --out "$OUT/llama3-3b_selective_mb4_chunks8.json"
   ;;
 fp8)
-  # goal: fp8 >= 1.2x bf16 at 3b; the bf16 rows are re-measured here, on the same warm card
+  # goal: fp8 >= 1.2x bf16 at 3b; each pair on the same warm card, same shapes and batches
   card fp8
-  timeout 120 $GPU --presets llama3-1b --ac selective --micro-batches 16 --precision bf16 \
-      --out "$OUT/llama3-1b_bf16.json"
-  timeout 130 $GPU --presets llama3-1b --ac selective --micro-batches 16 --precision fp8 \
-      --out "$OUT/llama3-1b_fp8.json"
-  timeout 150 $GPU --presets llama3-3b --ac selective --micro-batches 4 --precision bf16 \
-      --out "$OUT/llama3-3b_bf16.json"
-  timeout 160 $GPU --presets llama3-3b --ac selective --micro-batches 4 --precision fp8 \
-      --out "$OUT/llama3-3b_fp8.json"
+  timeout 250 $GPU --presets "" --fp8-compare llama3-1b --ac selective --micro-batches 16,8 \
+      --out "$OUT/fp8-compare-llama3-1b.json"
+  timeout 300 $GPU --presets "" --fp8-compare llama3-3b --ac selective --micro-batches 4 \
+      --out "$OUT/fp8-compare-llama3-3b.json"
   ;;
 fp8-loss)
   # goal: the fp8 loss within 1% of bf16 after 200 steps (same data, same seed)
   card fp8-loss
-  timeout 270 $PY bench/gpu.py --presets llama3-3b --ac selective --micro-batches 4 --precision bf16 \
-      --warmup 0 --steps 200 --out "$OUT/llama3-3b_bf16_200.json"
-  timeout 270 $PY bench/gpu.py --presets llama3-3b --ac selective --micro-batches 4 --precision fp8 \
-      --warmup 0 --steps 200 --out "$OUT/llama3-3b_fp8_200.json"
-  $PY - "$OUT/llama3-3b_bf16_200.json" "$OUT/llama3-3b_fp8_200.json" <<'EOF'
-import json, sys
-bf16, fp8 = (json.load(open(p))["results"][0]["final_loss"] for p in sys.argv[1:])
-print(f"final loss after 200 steps: bf16 {bf16:.4f}, fp8 {fp8:.4f}, fp8/bf16 = {fp8 / bf16:.4f}")
-EOF
+  timeout 560 $PY bench/gpu.py --presets "" --fp8-compare llama3-3b --ac selective --micro-batches 4 \
+      --warmup 0 --steps 200 --out "$OUT/fp8-compare-llama3-3b_200.json"
   ;;
 moe)
   # goal: >= 45% MFU; the profile shows what the optimizer and the gradient accumulation cost now
