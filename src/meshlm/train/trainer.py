@@ -24,8 +24,8 @@ from ..plan.auto import resolve
 from . import checkpoint as ckpt
 from . import fault, plugins
 from .evaluate import evaluate
-from .export import export_due, export_hf
 from .metrics import MetricsLog, StepMeter, StepProfiler, device_profile, log_auto, memory
+from .saving import Saving
 from .optim import LossScaler, MasterOptimizer, clip_, grad_norm, lr_at
 from .spike import SpikeDetector, count_rollback, rollback_message, rollback_target, skipped_message
 from .state import TrainState
@@ -97,8 +97,9 @@ class Trainer:
             raise
         self.log = MetricsLog(run_dir, ctx.is_logger, t.steps, self.state.step, m.progress, m.tensorboard)
         self.profiled = StepProfiler(run_dir, m.profile_step, ctx.is_logger, ctx.device)
-        self.cadence = fault.Cadence(cfg.checkpoint.every, cfg.checkpoint.mtbf_hours, self.state.step,
-                                     ctx.comm("world"), self.log)
+        cadence = fault.Cadence(cfg.checkpoint.every, cfg.checkpoint.mtbf_hours, self.state.step,
+                                ctx.comm("world"), self.log)
+        self.saving = Saving(cfg, self.checkpointer, self.guard, cadence, self.log, ctx.comm("world"), run_dir)
 
     def _resume(self) -> dict | None:
         """Load the checkpoint `checkpoint.resume` (or a restart) asks for, then fix up metrics.jsonl."""
@@ -134,21 +135,18 @@ class Trainer:
                     continue
                 self.meter.window_steps += 1
                 rec = self._line(out) if logging else None
-                exporting = export_due(self.cfg.checkpoint.export_hf, state.step, state.step == t.steps)
-                self._checkpoint_if_due(rec, exporting)
+                exporting = self.saving.after_step(state, rec)  # a checkpoint, if due
                 log.advance()
                 if rec is not None:
                     last = rec
                     log.write(rec)
                 if exporting:
-                    export_hf(self.checkpointer, self.ctx.comm("world"), self.run_dir, state.step,
-                              self.cfg.checkpoint.export_dtype, log)
+                    self.saving.export(state.step)
                 if rec is not None:  # the next window starts after this line (and its save, export)
                     self.meter.new_window()
                 if t.eval_every and (state.step % t.eval_every == 0 or state.step == t.steps):
                     last = dict(last, eval_loss=self._evaluate())
-            self.checkpointer.close()  # the last background write, committed and logged
-            self._log_saves_done()
+            self.saving.finish()
         finally:
             self.close()
         return last
@@ -230,47 +228,6 @@ class Trainer:
         if named:
             rec["stragglers"] = named
         return rec
-
-    def _checkpoint_if_due(self, rec: dict | None, exporting: bool) -> None:
-        """Save when the cadence or an export asks (the export streams this step's checkpoint); a bad
-        state (non-finite) is never saved. The step's line `rec` goes into meta.json too: it is written
-        after the save, and a resume from this checkpoint puts it back if a crash lost it (fault.py)."""
-        step = self.state.step
-        due = self.cadence.due(step, step == self.cfg.training.steps)
-        if rec is not None or due or exporting:  # read the non-finite record
-            self._check_finite(rec)
-        if not (due or exporting):
-            return
-        ck = self.state.save(self.checkpointer, {"metrics": dict(rec)} if rec is not None else None)
-        if self.cfg.checkpoint.async_:
-            ck["async"] = True
-        self.cadence.saved(step, ck["save_s"])
-        for done in self._log_saves_done(but=step):  # a synchronous save has just finished
-            ck.update(write_s=done["write_s"], bytes=done["bytes"])
-        if rec is None:
-            self.log.write({"step": step, "ckpt": ck})
-        else:
-            rec["ckpt"] = ck
-
-    def _check_finite(self, rec: dict | None) -> None:
-        """Stop on a non-finite loss or grad norm (train/fault.py); the step's metrics line is still
-        written and a checkpoint still being written (async, checked before it was taken) is committed."""
-        try:
-            self.guard.check(self.state.saved_step)
-        except fault.NonFiniteError:
-            if rec is not None:
-                self.log.write(rec)
-            self.checkpointer.wait()
-            raise
-
-    def _log_saves_done(self, but: int | None = None) -> list[dict]:
-        """Log the checkpoints committed since the last call (rank 0 measured their bytes); the one of
-        step `but` is returned instead (its save's own line reports it)."""
-        done, self.checkpointer.done = self.checkpointer.done, []
-        for d in done:
-            if d["step"] != but:
-                self.log.write({"step": d["step"], "ckpt": d})
-        return [d for d in done if d["step"] == but]
 
     def _evaluate(self) -> float:
         ev = evaluate(self.par, self.data, self.ctx, self.layout, self.cfg.training.eval_batches)
