@@ -8,17 +8,18 @@ from ..data.sampler import Batch
 
 
 @torch.no_grad()
-def evaluate(par, data, ctx, layout, n_batches: int) -> float:
+def evaluate(runner, local_tokens, data, ctx, layout, n_batches: int) -> float:
     """The mean token loss over the evaluation batches, the same on every rank (every micro-batch and
-    context-parallel share has the same token count)."""
+    context-parallel share has the same token count). `local_tokens`: this rank's part of full
+    sequences (`Parallelized.local_tokens`)."""
     dp, r = layout.dp, ctx.index("dp")
     total, count = 0.0, 0
     for batch in data.eval_batches(layout.micro_batch * dp, n_batches):
         n = batch.inputs.shape[0] // dp
         if n:
-            mine = Batch(*(None if t is None else par.local_tokens(t[r * n:(r + 1) * n]).to(ctx.device)
+            mine = Batch(*(None if t is None else local_tokens(t[r * n:(r + 1) * n]).to(ctx.device)
                            for t in batch))
-            total += float(par.runner.eval_loss(mine)) * n
+            total += float(runner.eval_loss(mine)) * n
         count += batch.inputs.shape[0] - batch.inputs.shape[0] % dp
     total = ctx.comm("dp_cp").all_reduce_scalars([total])[0]
     total = ctx.comm("pp").all_reduce_scalars([total])[0]  # pp > 1: only the last stage's is not 0

@@ -330,6 +330,10 @@ class StepMeter:
         self.window_start, self.window_steps = time.perf_counter(), 0
         self.sched = sched_seconds()
 
+    def count_step(self) -> None:
+        """One more step in this window (a step undone by a rollback is not counted)."""
+        self.window_steps += 1
+
     def new_window(self) -> None:
         """The next line averages the steps from now on."""
         self.window_start, self.window_steps = time.perf_counter(), 0

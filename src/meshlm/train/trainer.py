@@ -133,7 +133,7 @@ class Trainer:
                     out = self.train_step(measure=logging)
                 if self._spiked(out["spike"]):  # rolled back to a checkpoint: go on from there
                     continue
-                self.meter.window_steps += 1
+                self.meter.count_step()
                 rec = self._line(out) if logging else None
                 exporting = self.saving.after_step(state, rec)  # a checkpoint, if due
                 log.advance()
@@ -230,7 +230,8 @@ class Trainer:
         return rec
 
     def _evaluate(self) -> float:
-        ev = evaluate(self.par, self.data, self.ctx, self.layout, self.cfg.training.eval_batches)
+        ev = evaluate(self.runner, self.par.local_tokens, self.data, self.ctx, self.layout,
+                      self.cfg.training.eval_batches)
         self.log.write({"step": self.state.step, "eval_loss": ev})
         self.log.message(f"step {self.state.step}: eval loss {ev:.4f}")
         return ev
