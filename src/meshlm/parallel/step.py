@@ -59,3 +59,14 @@ class Accumulation:
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> torch.Tensor:
         return self.loss(*batch)
+
+
+def local_batch(batch: Batch, local_tokens: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> Batch:
+    """This rank's part of a host batch (`local_tokens`: its context-parallel chunks,
+    `Parallelized.local_tokens`) on `device`; CUDA: an async copy from pinned memory."""
+    def move(x: torch.Tensor) -> torch.Tensor:
+        x = local_tokens(x)
+        if device.type == "cuda":
+            x = x.pin_memory()
+        return x.to(device, non_blocking=True)
+    return Batch(*(None if x is None else move(x) for x in batch))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..data.sampler import Batch
+from ..parallel.step import local_batch
 
 
 @torch.no_grad()
@@ -17,8 +18,8 @@ def evaluate(runner, local_tokens, data, ctx, layout, n_batches: int) -> float:
     for batch in data.eval_batches(layout.micro_batch * dp, n_batches):
         n = batch.inputs.shape[0] // dp
         if n:
-            mine = Batch(*(None if t is None else local_tokens(t[r * n:(r + 1) * n]).to(ctx.device)
-                           for t in batch))
+            mine = local_batch(Batch(*(None if t is None else t[r * n:(r + 1) * n] for t in batch)),
+                               local_tokens, ctx.device)
             total += float(runner.eval_loss(mine)) * n
         count += batch.inputs.shape[0] - batch.inputs.shape[0] % dp
     total = ctx.comm("dp_cp").all_reduce_scalars([total])[0]

@@ -14,19 +14,19 @@ import torch
 from ..config import Config
 from ..data import default_data_dir
 from ..data.dataset import open_data
-from ..data.sampler import Batch
 from ..distributed.comm import Watchdog, exit_silent
 from ..distributed.mesh import ParallelContext, init_context, join_world, pick_device, shutdown
 from ..layout import Layout, model_args
 from ..model import build_model
 from ..parallel import Parallelized, parallelize
+from ..parallel.step import local_batch
 from ..plan.auto import resolve
 from . import checkpoint as ckpt
 from . import fault, plugins
 from .evaluate import evaluate
 from .metrics import MetricsLog, StepMeter, StepProfiler, device_profile, log_auto, memory
-from .saving import Saving
 from .optim import LossScaler, MasterOptimizer, clip_, grad_norm, lr_at
+from .saving import Saving
 from .spike import SpikeDetector, count_rollback, rollback_message, rollback_target, skipped_message
 from .state import TrainState
 from .straggler import StragglerWatch
@@ -159,8 +159,8 @@ class Trainer:
         tensors (`loss_sum`, `norm`, `skipped`) are read by the metrics line on logged steps only."""
         t, par, state, scaler = self.cfg.training, self.par, self.state, self.state.scaler
         t0 = time.perf_counter()
-        batch = self.data.next_batch(self.ctx.index("dp"), self.layout.dp)
-        batch = Batch(*(None if x is None else self._to_device(par.local_tokens(x)) for x in batch))
+        batch = local_batch(self.data.next_batch(self.ctx.index("dp"), self.layout.dp), par.local_tokens,
+                            self.ctx.device)
         self.meter.data_s += time.perf_counter() - t0  # the data share of the step (train/straggler.py)
         lr = lr_at(state.step, self.cfg.optim, t.steps)
         # fp16: a 0-dim device tensor (scale / accum); otherwise the plain 1 / accum
@@ -189,12 +189,6 @@ class Trainer:
         state.step += 1
         return {"loss_sum": loss_sum, "norm": norm, "lr": lr, "spike": spike,
                 "skipped": found_inf if found_inf is not None else False, "mem": mem}
-
-    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
-        """CUDA: an async host-to-device copy from pinned memory."""
-        if self.ctx.device.type == "cuda":
-            x = x.pin_memory()
-        return x.to(self.ctx.device, non_blocking=True)
 
     # -- the stages of a step after it ran ------------------------------------------------------
     def _spiked(self, spike: dict | None) -> bool:
