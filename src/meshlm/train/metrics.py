@@ -7,11 +7,15 @@ import os
 import resource
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..distributed.comm import merge_stats, reset_stats
 from .straggler import split
+
+if TYPE_CHECKING:
+    from .state import TrainState
 
 # Dense bf16 tensor-core peaks (FLOP/s), from the vendors' datasheets.
 PEAK_FLOPS = {
@@ -351,7 +355,7 @@ class StepMeter:
             total = comm.all_reduce_scalars([total])[0]
         return total / self.loss_divisor
 
-    def line(self, state, out: dict) -> dict:
+    def line(self, state: "TrainState", out: dict) -> dict:
         """The metrics line of `state.step`, whose `train_step` returned `out`."""
         device, n = self.ctx.device, self.window_steps
         if device.type == "cuda":

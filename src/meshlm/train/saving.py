@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import os
 import time
+from typing import TYPE_CHECKING
 
 from . import checkpoint as ckpt
 from .fault import Cadence, FiniteGuard, NonFiniteError
 from .metrics import MetricsLog
+
+if TYPE_CHECKING:
+    from .state import TrainState
 
 
 class Saving:
@@ -17,7 +21,7 @@ class Saving:
         self.cfg, self.checkpointer, self.guard, self.cadence = cfg, checkpointer, guard, cadence
         self.log, self.world, self.run_dir = log, world, run_dir
 
-    def after_step(self, state, rec: dict | None) -> bool:
+    def after_step(self, state: "TrainState", rec: dict | None) -> bool:
         """Save `state` when the cadence or an export asks; `rec`: the step's metrics line (logged
         steps), which gets the save's `ckpt` report and goes into meta.json too: it is written after
         the save, and a resume from this checkpoint puts it back if a crash lost it (fault.py).
@@ -42,7 +46,7 @@ class Saving:
             rec["ckpt"] = ck
         return exporting
 
-    def check_finite(self, state, rec: dict | None) -> None:
+    def check_finite(self, state: "TrainState", rec: dict | None) -> None:
         """Stop on a non-finite loss or grad norm (train/fault.py); the step's metrics line is still
         written and a checkpoint still being written (async, checked before it was taken) is committed."""
         try:

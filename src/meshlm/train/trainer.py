@@ -58,12 +58,16 @@ def start(cfg: Config, run_dir: str, restarts: int | None = None) -> "Trainer":
 
 
 class Trainer:
+    """One rank's run: built and resumed by the constructor, trained by `fit`. Plugins (plugins.py) may
+    wrap `runner` and `data`; everything else is read, not replaced."""
+
     def __init__(self, cfg: Config, run_dir: str, ctx: ParallelContext, layout: Layout):
         self.cfg, self.run_dir, self.ctx, self.layout = cfg, run_dir, ctx, layout
         t, m = cfg.training, cfg.metrics
         os.makedirs(run_dir, exist_ok=True)
         if ctx.rank == 0 and getattr(cfg, "auto_record", None):
             log_auto(cfg.auto_record, run_dir)
+        # data and this rank's part of the model
         torch.manual_seed(t.seed)
         self.args = model_args(cfg)
         d = cfg.data
@@ -76,7 +80,8 @@ class Trainer:
             model = build_model(self.args)
         self.par: Parallelized = parallelize(model, ctx, cfg, layout, MasterOptimizer)
         self.model = self.par.model
-        self.runner = self.par.runner  # plugins may wrap it
+        self.runner = self.par.runner
+        # what checkpoints hold, and what keeps a run alive (watchdog, non-finite guard, stragglers)
         self.state = TrainState(self.par, self.data.sampler, LossScaler(t.precision == "fp16", device=ctx.device),
                                 SpikeDetector(t.spike_zscore, t.spike_window, t.spike_action), cfg, layout, ctx.rank)
         self.checkpointer = ckpt.Checkpointer(os.path.join(run_dir, "checkpoints"), ctx.comm("world"),
@@ -88,7 +93,8 @@ class Trainer:
         self.stragglers = StragglerWatch(self.watchdog.store if self.watchdog else None, ctx.rank, ctx.world_size,
                                          m.straggler_factor, m.straggler_steps)
         self.meter = StepMeter(ctx, cfg, self.args, layout, self.par, run_dir)
-        self.rollbacks: dict[int, int] = {}  # checkpoint step -> rollbacks to it
+        self.rollbacks: dict[int, int] = {}  # checkpoint step -> spike rollbacks to it
+        # resume, then the metrics log and the checkpoint cadence from the resumed step
         try:
             self.guard.replay()  # a restart after a non-finite stop stops at once
             self.resumed = self._resume()  # meta.json of the checkpoint resumed from, or None
