@@ -1,6 +1,6 @@
 """One step interface (parallel/step.py `StepRunner`) for gradient accumulation and the pipeline runtime;
 `parallelize()` returns a finished, frozen `Parallelized`; MESHLM_PLUGINS names only importable
-modules with an `install`."""
+modules with an `install`, and the product has no test switches."""
 import dataclasses
 import inspect
 import tempfile
@@ -65,3 +65,19 @@ def test_plugins_must_be_importable_modules_with_install(monkeypatch):
         plugins.load()
     monkeypatch.setenv("MESHLM_PLUGINS", "fault_plugin")
     assert [m.__name__ for m in plugins.load()] == ["fault_plugin"]
+
+
+def test_the_product_has_no_test_switches():
+    """Fault injection enters from tests/fault_plugin.py through MESHLM_PLUGINS; src/ reads no
+    test-only variable."""
+    import os
+
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    found = []
+    for root, _, files in os.walk(src):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                text = open(path, encoding="utf-8").read()
+                found += [path for word in ("MESHLM_TEST", "TestHooks") if word in text]
+    assert found == []
