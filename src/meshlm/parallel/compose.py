@@ -2,9 +2,10 @@
 
 `parallelize` turns a meta-device model into this rank's part of the job and returns what the
 trainer drives, built once and frozen: the model, the optimizer over its masters, the gradient
-synchroniser, the step runner (parallel/step.py) and the placement record of every parameter. Each dimension adds to the records as it is applied (placement.py); the
-model-specific questions (which linears TP splits, what a ZeRO unit is, what AC wraps, what a pipeline
-stage keeps) go to the model plan (llama_plan.py).
+synchroniser, the step runner (parallel/step.py) and the placement record of every parameter. Each
+dimension adds to the records as it is applied (placement.py); the model-specific questions (which
+linears TP splits, what a ZeRO unit is, what AC wraps, what a pipeline stage keeps) go to the model
+plan (llama_plan.py).
 The optimizer class comes from the trainer (train/ sits above parallel/); it must accept
 `(named_params, optim_cfg, device)`, implement `adamw.Optimizer` (as ZeRO's optimizers do) and expose
 `.params`, `.names`, `.masters` (fp32, one per param) for the DP gradient buckets.
