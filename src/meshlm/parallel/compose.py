@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,9 @@ from .step import Accumulation, StepRunner
 from .tensor_parallel import apply_tensor_parallel, pad_vocab
 from .zero import ZeroOptimizer, shard_model
 from .zero.nvme import NvmeOptimizer
+
+if TYPE_CHECKING:
+    from .pipeline.runtime import PipelineRuntime
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
@@ -67,7 +70,7 @@ class Parallelized:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     runner: StepRunner
     names: dict[int, str]  # id() of each parameter -> its placement's name
-    pipeline: object | None = None  # pp > 1: the runner, a PipelineRuntime
+    pipeline: PipelineRuntime | None = None  # pp > 1: the runner
     moe: MoEStats | None = None  # MoE models: routing metrics and the aux-loss gradient scale
     cp: ContextParallel | None = None  # cp > 1: which tokens of each sequence this rank holds
 
