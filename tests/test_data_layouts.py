@@ -89,7 +89,7 @@ def test_document_mask_changes_the_loss_and_isolates_documents(corpora):
     plain = run_local(make_config(data__path=corpora["docs"], training__steps=2))
     masked = run_local(make_config(data__path=corpora["docs"], data__document_mask=True, training__steps=2))
     assert abs(plain[0]["loss"] - masked[0]["loss"]) > 1e-4
-    from meshlm.layout import model_args
+    from meshlm.model.from_config import model_args
     from meshlm.model import Llama
     torch.manual_seed(0)
     model = Llama(model_args(make_config())).eval()

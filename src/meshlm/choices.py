@@ -1,4 +1,4 @@
-"""Every enumerated configuration value, in one place: the config checks (layout.resolve), the
+"""Every enumerated configuration value, in one place: the config checks (config.py), the
 runtime (parallelize, the trainer) and the planner all read these lists, so a value exists everywhere
 or nowhere. A pipeline schedule is listed here only once it has a runtime (pipeline/schedules.py
 asserts that its registry is exactly this list), so an unimplemented name gets the same one-line
@@ -15,6 +15,9 @@ OFFLOAD = ("none", "optimizer", "nvme")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 CP_IMPLS = ("ring", "ulysses")
 ZERO_STAGES = (0, 1, 2, 3)
+SPIKE_ACTIONS = ("skip", "rollback")  # training.spike_action
+ELASTIC = ("fail", "replan")  # parallel.elastic
+EXPORT_DTYPES = ("bf16", "fp32")  # checkpoint.export_dtype
 
 # Bytes per element of each dtype name (activations, reductions, parameters).
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, asdict
 
+ROPE_TYPES = ("default", "linear", "llama3")  # the values of ModelArgs.rope_type (model/llama.py rope_frequencies)
+
 
 @dataclass(frozen=True)
 class ModelArgs:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .args import ModelArgs
+from .args import ROPE_TYPES, ModelArgs
 from .feed_forward import FeedForward
 from .moe import MoE
 from .ops import rms_norm
@@ -30,9 +30,6 @@ class RMSNorm(nn.Module):
     def gain(self) -> torch.Tensor:
         """The weight as the forward uses it (sequence parallelism wraps it to sum its gradient)."""
         return self.weight
-
-
-ROPE_TYPES = ("default", "linear", "llama3")
 
 
 class HeadRMSNorm(RMSNorm):

@@ -16,8 +16,9 @@ from ..data import default_data_dir
 from ..data.dataset import open_data
 from ..distributed.comm import Watchdog, exit_silent
 from ..distributed.mesh import ParallelContext, init_context, join_world, pick_device, shutdown
-from ..layout import Layout, model_args
+from ..layout import Layout
 from ..model import build_model
+from ..model.from_config import model_args
 from ..parallel import Parallelized, parallelize
 from ..parallel.step import local_batch
 from ..plan.auto import resolve
@@ -32,24 +33,26 @@ from .state import TrainState
 from .straggler import StragglerWatch
 
 
-def run(cfg: Config, run_dir: str, restarts: int | None = None) -> dict:
-    """Entry point of one worker (or of the only process); `restarts` as in `start`."""
+def run(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout | None = None) -> dict:
+    """Entry point of one worker (or of the only process); `restarts` and `layout` as in `start`."""
     try:
-        return start(cfg, run_dir, restarts).fit()
+        return start(cfg, run_dir, restarts, layout).fit()
     finally:
         shutdown()
 
 
-def start(cfg: Config, run_dir: str, restarts: int | None = None) -> "Trainer":
+def start(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout | None = None) -> "Trainer":
     """One worker's start-up, in the order docs/fault_tolerance.md ("Growing back") needs: the world
     group and the job's restart count every rank agreed on (`restarts`, if the caller already joined),
-    then the layout (its parallel.elastic message depends on that count), then the mesh's groups.
-    MESHLM_PLUGINS (plugins.py) are installed on the built Trainer."""
+    then the layout (its parallel.elastic message depends on that count; `layout`, if the caller already
+    resolved it for this world and device, as cli.py does), then the mesh's groups. MESHLM_PLUGINS
+    (plugins.py) are imported first and installed on the built Trainer."""
     extensions = plugins.load()
     device = pick_device(cfg.training.device)
     if restarts is None:
         restarts = join_world(device, cfg.parallel.timeout_s)
-    layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")), device_profile(device), restarts)
+    if layout is None:
+        layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")), device_profile(device), restarts)
     ctx = init_context(layout.shape(), device, cfg.parallel.timeout_s, restarts)
     trainer = Trainer(cfg, run_dir, ctx, layout)
     for ext in extensions:
@@ -244,5 +247,4 @@ class Trainer:
     def _release(self) -> None:
         if self.watchdog is not None:
             self.watchdog.close()
-        if hasattr(self.par.optimizer, "close"):  # offload = "nvme": its scratch files go
-            self.par.optimizer.close()
+        self.par.optimizer.close()  # offload = "nvme": its scratch files go
