@@ -137,9 +137,10 @@ def _drop_sub_groups(dist) -> None:
     gc.collect()  # a group's threads end with its last reference (the case's objects, in cycles)
 
 
-def train_case(cfg_dict: dict, run_dir: str, stop: int = 0) -> dict | None:
-    """Runs inside a pool worker: train the config (`stop`: end after that step); rank 0 returns nothing
-    (metrics are on disk)."""
+def train_case(cfg_dict: dict, run_dir: str, stop: int = 0, probe=None):
+    """Runs inside a pool worker: train the config (`stop`: end after that step, Trainer.fit's
+    `stop_at`); returns nothing (metrics are on disk), or what `probe(trainer)` (a module-level
+    function) said before training."""
     from meshlm.distributed.mesh import init_context, pick_device
     from meshlm.plan.auto import resolve  # the trainer's entry: parallel.auto chooses first
     from meshlm.train.trainer import Trainer
@@ -147,8 +148,10 @@ def train_case(cfg_dict: dict, run_dir: str, stop: int = 0) -> dict | None:
     cfg = C.from_dict(cfg_dict)
     layout = resolve(cfg, int(os.environ["WORLD_SIZE"]))
     ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=120)
-    Trainer(cfg, run_dir, ctx, layout).fit(stop or None)
-    return None
+    trainer = Trainer(cfg, run_dir, ctx, layout)
+    seen = probe(trainer) if probe is not None else None
+    trainer.fit(stop or None)
+    return seen
 
 
 # The pool's workers also run the harness's own functions.

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
-from .choices import (AC_MODES, CP_IMPLS, ELASTIC, EXPORT_DTYPES, OFFLOAD, PP_SCHEDULES, PRECISIONS,
+from .choices import (AC_MODES, CP_IMPLS, ELASTIC, EXPORT_DTYPES, FP8_RECIPES, OFFLOAD, PP_SCHEDULES, PRECISIONS,
                       REDUCE_DTYPES, SPIKE_ACTIONS, ZERO_STAGES, choose)
 
 if sys.version_info >= (3, 11):
@@ -24,6 +24,11 @@ else:  # pragma: no cover
 
 class ConfigError(ValueError):
     """A configuration problem; its message is one line that names the key."""
+
+
+class LayoutError(ConfigError):
+    """A parallel layout or batch split that does not fit the world size or the model (layout.resolve's
+    checks that need both): another layout can fix it, so parallel.elastic = "replan" may replace it."""
 
 
 def _choice(value, allowed, key: str) -> None:
@@ -71,6 +76,7 @@ class ModelConfig:
     qk_norm: bool | None = None       # per-head q/k RMSNorm (Qwen3)
     vocab_multiple: int = 128  # embedding/head rows padded to a multiple of this × tp; 1: no padding
     init_from: str = ""  # "hf:DIR": start from a Hugging Face model (shape from its config.json)
+    attn_impl: str = "auto"  # auto: flex with data.document_mask (cp = 1), else sdpa (choices.ATTN_IMPLS)
     moe: MoEConfig = field(default_factory=MoEConfig)
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
 
@@ -173,6 +179,8 @@ class TrainingConfig:
     global_batch: int = 16
     micro_batch: int = 16
     precision: str = "fp32"
+    fp8_recipe: str = "tensorwise"  # precision = "fp8": torchao's float8 scaling (tensorwise, rowwise)
+    fp8_emulate: bool = False  # precision = "fp8" without float8 hardware (CPU tests): torchao's emulation
     ac: str = "none"
     seed: int = 0
     clip: float = 1.0
@@ -184,9 +192,11 @@ class TrainingConfig:
     spike_zscore: float = 0.0  # > 0: a loss / grad norm this many σ above the window is a spike (train/spike.py)
     spike_window: int = 100  # steps the spike statistics look back over
     spike_action: str = "skip"  # skip (drop the update) or rollback (newest checkpoint before it)
+    loss_chunks: int = 0  # > 0: output head + loss over this many token chunks, logits never whole
 
     def check(self, cfg: Config) -> None:
         _choice(self.precision, PRECISIONS, "training.precision")
+        _choice(self.fp8_recipe, FP8_RECIPES, "training.fp8_recipe")
         _choice(self.ac, AC_MODES, "training.ac")
         if self.steps < 0:
             raise ConfigError(f"training.steps: must be >= 0, got {self.steps}")
@@ -200,6 +210,8 @@ class TrainingConfig:
         _choice(self.spike_action, SPIKE_ACTIONS, "training.spike_action")
         if self.spike_zscore and self.spike_action == "rollback" and not cfg.checkpoint.every:
             raise ConfigError('training.spike_action: "rollback" needs checkpoints (set checkpoint.every)')
+        if self.loss_chunks < 0:
+            raise ConfigError(f"training.loss_chunks: must be >= 0 (0 = whole logits), got {self.loss_chunks}")
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import Config, ConfigError
+from .config import Config, ConfigError, LayoutError
 from .model.args import ModelArgs
 from .model.from_config import check_export, model_args
 
@@ -43,21 +43,21 @@ def batch_split(p, t, world: int, flag: str = "--nproc") -> tuple[int, int]:
     planner, whose `flag` is --gpus."""
     inner = p.pp * p.cp * p.tp
     if world % inner:
-        raise ConfigError(f"parallel: pp×cp×tp = {inner} does not divide the world size {world}")
+        raise LayoutError(f"parallel: pp×cp×tp = {inner} does not divide the world size {world}")
     dp = world // inner if p.dp == -1 else p.dp
     if dp < 1:
-        raise ConfigError(f"parallel.dp: must be >= 1 or -1, got {p.dp}")
+        raise LayoutError(f"parallel.dp: must be >= 1 or -1, got {p.dp}")
     if dp * inner != world:
-        raise ConfigError(f"{flag}: {world} ranks but the layout pp×dp×cp×tp = "
+        raise LayoutError(f"{flag}: {world} ranks but the layout pp×dp×cp×tp = "
                           f"{p.pp}×{dp}×{p.cp}×{p.tp} needs {dp * inner}")
     if t.micro_batch < 1 or t.global_batch < 1:
-        raise ConfigError("training.micro_batch: batch sizes must be >= 1")
+        raise LayoutError("training.micro_batch: batch sizes must be >= 1")
     if t.global_batch % (t.micro_batch * dp):
-        raise ConfigError(f"training.global_batch: {t.global_batch} is not divisible by "
+        raise LayoutError(f"training.global_batch: {t.global_batch} is not divisible by "
                           f"micro_batch×dp = {t.micro_batch}×{dp}")
     accum = t.global_batch // (t.micro_batch * dp)
     if p.microbatches and p.microbatches != accum:
-        raise ConfigError(f"parallel.microbatches: {p.microbatches} must equal the accumulation count "
+        raise LayoutError(f"parallel.microbatches: {p.microbatches} must equal the accumulation count "
                           f"global_batch/(micro_batch×dp) = {accum}")
     return dp, accum
 
@@ -65,15 +65,15 @@ def batch_split(p, t, world: int, flag: str = "--nproc") -> tuple[int, int]:
 def check_shape(args: ModelArgs, tp: int, pp: int, pp_virtual: int) -> None:
     """The model shape against the tp and pp degrees (shared with the planner)."""
     if args.n_heads % tp:
-        raise ConfigError(f"parallel.tp: {tp} does not divide model.n_heads {args.n_heads}")
+        raise LayoutError(f"parallel.tp: {tp} does not divide model.n_heads {args.n_heads}")
     if args.n_kv_heads % tp and tp % args.n_kv_heads:
-        raise ConfigError(f"parallel.tp: {tp} and model.n_kv_heads {args.n_kv_heads} do not divide one another")
+        raise LayoutError(f"parallel.tp: {tp} and model.n_kv_heads {args.n_kv_heads} do not divide one another")
     if args.ffn_dim % tp:
-        raise ConfigError(f"parallel.tp: {tp} does not divide model.ffn_dim {args.ffn_dim}")
+        raise LayoutError(f"parallel.tp: {tp} does not divide model.ffn_dim {args.ffn_dim}")
     if args.moe and args.expert_dim % tp:
-        raise ConfigError(f"parallel.tp: {tp} does not divide model.moe.ffn_dim {args.expert_dim}")
+        raise LayoutError(f"parallel.tp: {tp} does not divide model.moe.ffn_dim {args.expert_dim}")
     if args.n_layers < pp * pp_virtual:
-        raise ConfigError(f"parallel.pp: {args.n_layers} layers cannot fill pp×pp_virtual = {pp * pp_virtual} stages")
+        raise LayoutError(f"parallel.pp: {args.n_layers} layers cannot fill pp×pp_virtual = {pp * pp_virtual} stages")
 
 
 def check_cp(args: ModelArgs, cp: int, impl: str, tp: int, sp: bool, seq_len: int) -> None:
@@ -86,11 +86,11 @@ def check_cp(args: ModelArgs, cp: int, impl: str, tp: int, sp: bool, seq_len: in
         raise ConfigError(f"data.seq_len: {seq_len} is not divisible by {chunks} "
                           f"({'2×cp: ring attention holds 2 chunks per rank' if impl == 'ring' else 'cp'})")
     if sp and tp > 1 and (seq_len // cp) % tp:
-        raise ConfigError(f"parallel.sp: each CP rank's {seq_len // cp} tokens are not divisible by tp {tp}")
+        raise LayoutError(f"parallel.sp: each CP rank's {seq_len // cp} tokens are not divisible by tp {tp}")
     if impl == "ulysses":
         heads, kv = args.n_heads // tp, max(1, args.n_kv_heads // tp)
         if heads % cp:
-            raise ConfigError(f"parallel.cp: ulysses splits the {heads} heads per TP rank over cp = {cp}; "
+            raise LayoutError(f"parallel.cp: ulysses splits the {heads} heads per TP rank over cp = {cp}; "
                               f"cp does not divide them")
         if kv % cp and cp % kv:
             raise ConfigError(f"model.n_kv_heads: ulysses needs the {kv} kv heads per TP rank and cp = {cp} "
@@ -106,19 +106,20 @@ def resolve(cfg: Config, world_size: int) -> Layout:
     args = model_args(cfg)
     cfg.check()
     if world_size < 1:
-        raise ConfigError(f"--nproc: must be >= 1, got {world_size}")
+        raise LayoutError(f"--nproc: must be >= 1, got {world_size}")
     dp, accum = batch_split(p, t, world_size)
     microbatches = accum
     group = p.zero_group or dp
     if dp % group:
-        raise ConfigError(f"parallel.zero_group: {group} does not divide dp {dp}")
+        raise LayoutError(f"parallel.zero_group: {group} does not divide dp {dp}")
     dp_shard = group if p.zero else 1
     check_shape(args, p.tp, p.pp, p.pp_virtual)
     # sp splits the sequence over the tp group; at tp = 1 it is a no-op (docs/tensor_parallel.md)
     if p.sp and p.tp > 1 and cfg.data.seq_len % p.tp:
-        raise ConfigError(f"parallel.sp: data.seq_len {cfg.data.seq_len} is not divisible by tp {p.tp}")
+        raise LayoutError(f"parallel.sp: data.seq_len {cfg.data.seq_len} is not divisible by tp {p.tp}")
     check_cp(args, p.cp, p.cp_impl, p.tp, p.sp, cfg.data.seq_len)
     check_ep(args, p.ep, dp, dp_shard, p.cp, p.zero)
+    check_fp8(cfg, args)
     zpp_group = check_zeropp(p, dp_shard * p.cp)
     if p.pp > 1 or p.pp_virtual > 1 or p.pp_layers:
         _check_pipeline(cfg, args, microbatches)
@@ -127,22 +128,47 @@ def resolve(cfg: Config, world_size: int) -> Layout:
                   micro_batch=t.micro_batch, accum=accum, microbatches=microbatches, ep=p.ep, zpp_group=zpp_group)
 
 
+def check_fp8(cfg: Config, args: ModelArgs) -> None:
+    """training.precision = "fp8" (parallel/float8.py) against the install, the model, the layout and the
+    device; torch is imported only to ask the GPU its compute capability."""
+    t = cfg.training
+    if t.precision != "fp8":
+        return
+    import importlib.util
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("training.precision: fp8 needs torchao's float8 training (pip install meshlm[gpu])")
+    if args.moe:
+        raise ConfigError("training.precision: fp8 is not available for mixture-of-experts models: torchao's "
+                          "float8 training converts nn.Linear, not the experts' grouped GEMMs; use bf16")
+    if t.fp8_emulate:
+        return
+    hint = "(training.fp8_emulate = true runs torchao's emulation, for tests)"
+    import torch
+    if t.device == "cpu" or not torch.cuda.is_available():
+        raise ConfigError(f"training.precision: fp8 needs a GPU with float8 matmuls (compute capability >= 8.9), "
+                          f"this run is on the CPU {hint}")
+    if torch.cuda.get_device_capability() < (8, 9):
+        cap = ".".join(map(str, torch.cuda.get_device_capability()))
+        raise ConfigError(f"training.precision: fp8 needs compute capability >= 8.9 (Ada, Hopper or newer); "
+                          f"{torch.cuda.get_device_name()} has {cap} {hint}")
+
+
 def check_zeropp(p, shard: int) -> int:
     """ZeRO++ keys against the stage and the shard group (size `shard` = dp_shard × cp); the group size
     its hpZ copies and qgZ's intra level use (0: ZeRO++ off). Shared with the planner."""
     on = [k for k in ("quantize_weights", "quantize_grads") if getattr(p, k)] + (["hpz_group"] if p.hpz_group else [])
     if p.hpz_group < 0:
-        raise ConfigError(f"parallel.hpz_group: must be >= 0 (0 = off), got {p.hpz_group}")
+        raise LayoutError(f"parallel.hpz_group: must be >= 0 (0 = off), got {p.hpz_group}")
     if not on:
         return 0
     if p.zero != 3:
-        raise ConfigError(f"parallel.{on[0]}: ZeRO++ works on sharded parameters (zero = 3), got zero = {p.zero}")
+        raise LayoutError(f"parallel.{on[0]}: ZeRO++ works on sharded parameters (zero = 3), got zero = {p.zero}")
     if p.ep > 1:
-        raise ConfigError(f"parallel.{on[0]}: ZeRO++ with expert parallelism (ep > 1) is not available yet")
+        raise LayoutError(f"parallel.{on[0]}: ZeRO++ with expert parallelism (ep > 1) is not available yet")
     if p.offload == "nvme":
-        raise ConfigError(f"parallel.{on[0]}: ZeRO++ with nvme offload is not available yet")
+        raise LayoutError(f"parallel.{on[0]}: ZeRO++ with nvme offload is not available yet")
     if p.hpz_group and shard % p.hpz_group:
-        raise ConfigError(f"parallel.hpz_group: {p.hpz_group} does not divide the shard group size {shard} "
+        raise LayoutError(f"parallel.hpz_group: {p.hpz_group} does not divide the shard group size {shard} "
                           f"(dp_shard × cp)")
     return p.hpz_group or shard
 
@@ -156,13 +182,13 @@ def check_ep(args: ModelArgs, ep: int, dp: int, dp_shard: int, cp: int, zero: in
     if ep == 1:
         return
     if not args.moe:
-        raise ConfigError("parallel.ep: expert parallelism needs a mixture-of-experts model (model.moe.num_experts > 0)")
+        raise LayoutError("parallel.ep: expert parallelism needs a mixture-of-experts model (model.moe.num_experts > 0)")
     if args.num_experts % ep:
-        raise ConfigError(f"parallel.ep: {ep} does not divide model.moe.num_experts {args.num_experts}")
+        raise LayoutError(f"parallel.ep: {ep} does not divide model.moe.num_experts {args.num_experts}")
     if (dp * cp) % ep:
-        raise ConfigError(f"parallel.ep: {ep} does not divide dp×cp = {dp * cp}")
+        raise LayoutError(f"parallel.ep: {ep} does not divide dp×cp = {dp * cp}")
     if zero and (dp_shard * cp) % ep:
-        raise ConfigError(f"parallel.ep: {ep} does not divide the ZeRO shard group × cp = {dp_shard * cp} "
+        raise LayoutError(f"parallel.ep: {ep} does not divide the ZeRO shard group × cp = {dp_shard * cp} "
                           f"(parallel.zero_group)")
 
 
@@ -172,4 +198,4 @@ def _check_pipeline(cfg: Config, args: ModelArgs, microbatches: int) -> None:
     try:
         stage_blocks(args, cfg, microbatches)
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        raise LayoutError(str(e)) from None

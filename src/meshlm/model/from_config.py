@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..choices import ATTN_IMPLS, choose
 from ..config import Config, ConfigError
 from .args import PRESETS, ROPE_TYPES, ModelArgs
 
@@ -40,7 +41,7 @@ def model_args(cfg: Config) -> ModelArgs:
     changes = model_changes(m)
     if m.init_from:
         base = _hf_base(m.init_from, changes)
-    args = dataclasses.replace(base, **changes)
+    args = dataclasses.replace(base, **changes, attn_kernel=attn_kernel(cfg))
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
                 "vocab_multiple"):
         if getattr(args, key) < 1:
@@ -56,6 +57,20 @@ def model_args(cfg: Config) -> ModelArgs:
     _check_rope(args)
     _check_moe(args, m.moe)
     return args
+
+
+def attn_kernel(cfg: Config) -> str:
+    """model.attn_impl resolved: auto is flex under a document mask (a dense [B,1,S,S] mask takes SDPA
+    off its flash kernels) and sdpa otherwise; flex is refused under context parallelism, whose ring
+    and Ulysses cores run attention over key/value blocks of their own (docs/data.md)."""
+    impl = cfg.model.attn_impl
+    choose(impl, ATTN_IMPLS, "model.attn_impl", ConfigError)
+    if impl == "flex" and cfg.parallel.cp > 1:
+        raise ConfigError("model.attn_impl: flex is not available with context parallelism (cp > 1): the ring "
+                          "and Ulysses cores run their own attention over key/value blocks; use sdpa or auto")
+    if impl == "auto":
+        return "flex" if cfg.data.document_mask and cfg.parallel.cp == 1 else "sdpa"
+    return impl
 
 
 def _check_rope(args: ModelArgs) -> None:

@@ -1,6 +1,6 @@
 """How a dimension gives a model module its parallel form: `swap_in` builds a new instance of a
-documented subclass (ParallelMoE, ReplicatedKVLinear, GatheredLinear, SumGradLinear, the summed-gain
-norms) from the module the model built and seats it where that module was. The new module holds the
+documented subclass (ParallelMoE, ReplicatedKVLinear, GatheredLinear, SumGradLinear, LossHead, the
+summed-gain norms) from the module the model built and seats it where that module was. The new module holds the
 same parameters, buffers, children and hooks under the same names, so state_dict keys, placement
 records, checkpoints and Hugging Face conversion see no difference; the subclass adds fields and
 overrides the seam methods only (docs/architecture.md, "Layers")."""

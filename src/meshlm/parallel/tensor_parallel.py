@@ -32,6 +32,7 @@ from ..layout import check_shape
 from ..model.args import padded_vocab
 from ..model.init import canonical_name
 from .placement import DimSplit
+from .chunked_loss import LossHead
 from .swap import swap_in
 from .vocab_parallel import VocabParallelEmbedding, VocabParallelLoss
 
@@ -142,10 +143,13 @@ def _split(table, fqn: str, dim: int, size: int, comm: Comm, rep: int = 1, padde
         table.update(name, lambda pl: pl.replicate(comm.name, r % rep))
 
 
-def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table, cp_split=None) -> TensorParallel:
+def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table, cp_split=None,
+                          fuse_entry: bool = True) -> TensorParallel:
     """Module swaps, hooks and placement records on a meta-device model (activation checkpointing may
     already wrap its blocks). `plan` names the regions, linears and norms (parallel/llama_plan.py);
-    `cp_split`: context parallelism's split, composed into SP's positions hook."""
+    `cp_split`: context parallelism's split, composed into SP's positions hook. `fuse_entry` = False
+    keeps the blocks' column-parallel linears plain nn.Linear under SP (a hook gathers the region's
+    input instead), so fp8 can convert them (parallel/float8.py)."""
     args, t = model.args, comm.size
     check_shape(args, t, 1, 1)  # layout.resolve reports these before workers start
     tp = TensorParallel(comm=comm, sp=sp, vocab=_vocab_rows(model, comm, plan, table))
@@ -175,7 +179,7 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table, c
                 split.add(canonical_name(f"{lin.fqn}.bias"))
             if rep > 1:
                 seated[lin.fqn] = swap_in(model, lin.module, ReplicatedKVLinear, tp_comm=comm, tp_rep=rep)
-        if sp and region.fused_entry:  # the entry's all-gather is fused into the column-parallel linears
+        if sp and region.fused_entry and fuse_entry:  # the entry's all-gather is fused into the column-parallel linears
             _ColumnGroup(model, [seated.get(lin.fqn, lin.module) for lin in region.linears if lin.style == "rows"],
                          comm)
         else:
@@ -223,7 +227,7 @@ def _vocab_parallel(model: nn.Module, tp: TensorParallel, plan, enter_hook) -> N
     if emb is not None:
         plan.set_embedding(model, VocabParallelEmbedding(emb.weight, comm, tp.vocab.start, tp.sp))
     if head is not None:
-        if tp.sp:
+        if tp.sp and not isinstance(head, LossHead):  # a loss head chunks tokens: it takes them gathered
             _ColumnGroup(model, [head], comm)
         else:
             head.register_forward_pre_hook(enter_hook)
