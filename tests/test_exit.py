@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from fault_plugin import plugin_env
 from harness import TINY
 from meshlm.distributed.comm import Watchdog
 from meshlm.train.launch import after_done, exit_codes
@@ -32,7 +33,7 @@ def launch(run_dir, overrides: dict, env: dict | None = None) -> subprocess.Comp
     short = {**TINY, "training.steps": 2, "metrics.straggler_steps": 0, **overrides}
     for k, v in short.items():
         args += [f"--{k}", str(v)]
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC), OMP_NUM_THREADS="1", **(env or {}))
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC), OMP_NUM_THREADS="1", **(env or {}))  # env may add tests/
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -71,7 +72,7 @@ def test_soak_every_launch_exits_zero(tmp_path):
 def test_abort_after_the_run_finished_is_named_and_exits_zero(tmp_path):
     """A worker that aborts after its run finished (and wrote so): the launcher names the rank and
     the signal, and the job's status is the run's: 0."""
-    proc = launch(tmp_path / "run", LAYOUTS[0], {"MESHLM_TEST_ABORT_AT_EXIT": "1"})
+    proc = launch(tmp_path / "run", LAYOUTS[0], plugin_env(MESHLM_TEST_ABORT_AT_EXIT="1"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "meshlm: rank 1 ended with signal SIGABRT after its run finished" in proc.stderr
 

@@ -64,14 +64,11 @@ def teardown(ctx, finished: bool, since: set[int] | None = None) -> None:
     """A worker's last act (distributed/mesh.py `shutdown`); a thread started since `since` that
     outlives it is named on stderr (the rank's log): it may end the process abnormally at exit."""
     from ..distributed.mesh import shutdown
-    from .fault import TestHooks
     rank = ctx.rank if ctx is not None else int(os.environ.get("RANK", "0"))
     left = shutdown(ctx, finished, since)
     if left:
         print(f"meshlm: rank {rank}: threads alive after the teardown: {', '.join(left)}", file=sys.stderr,
               flush=True)
-    if finished:
-        TestHooks.at_exit(rank)
 
 
 def record_done(run_dir: str, rank: int, last: dict) -> None:
