@@ -33,7 +33,7 @@ def launch(run_dir, overrides: dict, env: dict | None = None) -> subprocess.Comp
     short = {**TINY, "training.steps": 2, "metrics.straggler_steps": 0, **overrides}
     for k, v in short.items():
         args += [f"--{k}", str(v)]
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC), OMP_NUM_THREADS="1", **(env or {}))  # env may add tests/
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(SRC), "OMP_NUM_THREADS": "1", **(env or {})}  # env: plugins
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
 
 
