@@ -81,6 +81,9 @@ def cmd_train(args, extra: list[str]) -> int:
         if worker:
             record_error(run_dir, int(os.environ.get("RANK", "0")), f"meshlm: {line}")
         return _fail(line, 1)
+    if "preempted" in last:  # saved and stopped on checkpoint.on_signal; rank 0 said so (train/preempt.py)
+        from .train.preempt import exit_status  # meshlm's launcher gives the status (its torchrun would restart)
+        return 0 if args.worker else exit_status(last["preempted"]["signal"])
     if last and int(os.environ.get("RANK", "0")) == 0:
         print(f"meshlm: done, step {last.get('step')} loss {last.get('loss', float('nan')):.4f}; "
               f"run dir {run_dir}", file=sys.stderr)
