@@ -16,7 +16,7 @@ def cmd_train(args, extra: list[str]) -> int:
     from . import config as C
     from .model.from_config import check_init_weights, pin_model_shape
     from .plan.auto import resolve
-    from .train.launch import incidents, record_error, spawn, under_launcher, worker_errors
+    from .train.launch import incidents, preempted, record_error, spawn, under_launcher, worker_errors
 
     try:
         pairs, rest = C.parse_overrides(extra)
@@ -67,6 +67,8 @@ def cmd_train(args, extra: list[str]) -> int:
         code = spawn(world, os.path.join(run_dir, "config.toml"), run_dir, args.max_restarts)
         for line in incidents(run_dir):  # stragglers, spikes, restarts: what the job lived through
             print(line, file=sys.stderr)
+        if code and len(preempted(run_dir)) == world:  # saved on checkpoint.on_signal: spawn said so
+            return code
         if code:
             for line in worker_errors(run_dir):  # the failing ranks' own one-line reasons
                 print(line, file=sys.stderr)
