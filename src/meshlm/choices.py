@@ -20,6 +20,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 SPIKE_ACTIONS = ("skip", "rollback")  # training.spike_action
 ELASTIC = ("fail", "replan")  # parallel.elastic
 EXPORT_DTYPES = ("bf16", "fp32")  # checkpoint.export_dtype
+OPTIMIZERS = ("adamw", "muon")  # optim.name
 
 # Bytes per element of each dtype name (activations, reductions, parameters).
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

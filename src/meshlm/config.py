@@ -15,6 +15,7 @@ from typing import Any
 
 from .choices import (AC_MODES, CP_IMPLS, ELASTIC, EXPORT_DTYPES, FP8_RECIPES, OFFLOAD, PP_SCHEDULES, PRECISIONS,
                       REDUCE_DTYPES, SPIKE_ACTIONS, ZERO_STAGES, choose)
+from .choices import OPTIMIZERS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -223,6 +224,24 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    name: str = "adamw"  # adamw, or muon: Muon on the blocks' matrices, AdamW on the rest (docs/muon.md)
+    muon_lr: float = 0.0  # 0: optim.lr (the update is scaled to AdamW's RMS, so one rate serves both)
+    muon_momentum: float = 0.95  # Nesterov momentum of the Muon parameters
+    muon_ns_steps: int = 5  # quintic Newton-Schulz iterations
+
+    def check(self, cfg: Config) -> None:
+        _choice(self.name, OPTIMIZERS, "optim.name")
+        if self.muon_lr < 0:
+            raise ConfigError(f"optim.muon_lr: must be >= 0 (0 = optim.lr), got {self.muon_lr}")
+        if not 0 <= self.muon_momentum < 1:
+            raise ConfigError(f"optim.muon_momentum: must be in [0, 1), got {self.muon_momentum}")
+        if self.muon_ns_steps < 1:
+            raise ConfigError(f"optim.muon_ns_steps: must be >= 1, got {self.muon_ns_steps}")
+        if self.name == "muon":
+            p = cfg.parallel
+            if p.zero or p.offload != "none" or p.auto:
+                raise ConfigError("optim.name: muon runs without ZeRO (parallel.zero = 0, offload = none, no "
+                                  "parallel.auto) for now: its sharded-optimizer path is not built")
 
 
 @dataclass

@@ -33,6 +33,7 @@ from .expert_parallel import MoEStats, apply_expert_parallel, share_tokens_over_
 from .float8 import convert_to_float8
 from .grad_sync import GradSync, Reduction
 from .moe_plan import model_plan_for
+from .muon import MuonAdamW
 from .pipeline.build import attach as attach_pipeline, split_model
 from .placement import PlacementTable
 from .tensor_parallel import apply_tensor_parallel, pad_vocab
@@ -119,6 +120,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
     for name, p in named_params(model):
         table.add(name, tuple(p.shape))
     experts = plan.expert_params(model)
+    muon = plan.muon_params(model) & set(table.names()) if cfg.optim.name == "muon" else set()
     if layout.ep > 1:
         apply_expert_parallel(model, ctx.comm("ep"), plan, table, experts)
     if layout.cp > 1 and model.args.moe:
@@ -160,7 +162,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
             for seg, name in zip(u.pieces, u.names):
                 table.update(name, lambda pl: pl.shard_flat(seg.param_start, seg.param_end, u.comm.name))
     else:
-        opt = make_optimizer(named, cfg.optim, ctx.device)
+        opt = (MuonAdamW(named, cfg.optim, ctx.device, make_optimizer, muon, table, ctx.comm) if muon
+               else make_optimizer(named, cfg.optim, ctx.device))
         grads = GradBuckets(opt.params, opt.masters, [reduction_of(n) for n in opt.names],
                             int(cfg.parallel.bucket_mb * 2 ** 20), reduce_dtype)
     for name in table.names():  # the copies a reduction sums are replicas of one another
