@@ -109,7 +109,7 @@ def ddp_case(bucket_mb: float) -> float:
     ddp = DistributedDataParallel(ref, bucket_cap_mb=bucket_mb)
     params = list(ours.parameters())
     comm = Comm("dp", dist.group.WORLD, list(range(world)), rank)
-    sync = GradBuckets(params, params, [Reduction(None, (comm,), (), world)] * len(params), int(bucket_mb * 2 ** 20))
+    sync = GradBuckets(params, [Reduction(None, (comm,), (), world)] * len(params), int(bucket_mb * 2 ** 20))
     g = torch.Generator().manual_seed(100 + rank)
     batches = [(torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g))
                for _ in range(2)]

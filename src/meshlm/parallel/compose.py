@@ -6,8 +6,9 @@ record of every parameter. Each dimension adds to the records as it is applied (
 model-specific questions (which linears TP splits, what a ZeRO unit is, what AC wraps, what a pipeline
 stage keeps) go to the model plan (llama_plan.py).
 The optimizer class comes from the trainer (train/ sits above parallel/); it must accept
-`(named_params, optim_cfg, device)`, implement `adamw.Optimizer` (as ZeRO's optimizers do) and expose
-`.params`, `.names`, `.masters` (fp32, one per param) for the DP gradient buckets.
+`(named_params, optim_cfg, device, group_key=)`, implement `adamw.Optimizer` (as ZeRO's optimizers do)
+and expose `.params`, `.names`, `.groups` (the parameters of each flat master, `grad_sync.flat_groups`,
+given the reductions as `group_key`) and `bind_grads` for the DP gradient buffers, one per group.
 """
 from __future__ import annotations
 
@@ -162,10 +163,12 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
             for seg, name in zip(u.pieces, u.names):
                 table.update(name, lambda pl: pl.shard_flat(seg.param_start, seg.param_end, u.comm.name))
     else:
-        opt = (MuonAdamW(named, cfg.optim, ctx.device, make_optimizer, muon, table, ctx.comm) if muon
-               else make_optimizer(named, cfg.optim, ctx.device))
-        grads = GradBuckets(opt.params, opt.masters, [reduction_of(n) for n in opt.names],
-                            int(cfg.parallel.bucket_mb * 2 ** 20), reduce_dtype)
+        key = lambda n: reduction_of(n).key  # noqa: E731
+        opt = (MuonAdamW(named, cfg.optim, ctx.device, make_optimizer, muon, table, ctx.comm, key) if muon
+               else make_optimizer(named, cfg.optim, ctx.device, group_key=key))
+        grads = GradBuckets(opt.params, [reduction_of(n) for n in opt.names],
+                            int(cfg.parallel.bucket_mb * 2 ** 20), reduce_dtype, opt.groups)
+        opt.bind_grads(grads.flat)
     for name in table.names():  # the copies a reduction sums are replicas of one another
         red = reduction_of(name)
         for c in red.all_reduce_over + red.sum_at_finish:

@@ -15,12 +15,13 @@ model plan (`muon_params`); this module knows no model names.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 from torch import nn
 
 from ..config import OptimConfig
+from .grad_sync import flat_groups
 from .placement import DimSplit, Placement, PlacementTable
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the quintic of Jordan et al.'s reference implementation
@@ -56,6 +57,7 @@ class MuonMatrix:
         self.name, self.param = name, param
         self.master = param if param.dtype == torch.float32 else param.detach().float().clone()
         self.momentum = torch.zeros_like(self.master)
+        self.grad: torch.Tensor | None = None  # its view of a DP gradient buffer (MuonAdamW.bind_grads)
         nd = param.dim()
         self.splits: list[tuple[DimSplit, object]] = [(s, comm_of(s.comm)) for s in placement.splits
                                                       if s.dim >= nd - 2 and s.parts > 1]
@@ -87,20 +89,34 @@ class MuonAdamW:  # implements parallel.adamw.Optimizer
     """Muon on `muon` parameters, the AdamW optimizer `make_optimizer` builds on the others.
 
     The Muon learning rate follows AdamW's schedule: `set_lr(lr)` gives Muon `muon_lr · lr / optim.lr`.
-    Decoupled weight decay at optim.weight_decay, as AdamW's on matrices. Exposes `.names`, `.params`,
-    `.masters` over every parameter (model order) for the DP gradient buckets."""
+    Decoupled weight decay at optim.weight_decay, as AdamW's on matrices. For the DP gradient buffers
+    it exposes `.names`, `.params` and `.groups` (AdamW's flat groups, then the Muon matrices grouped by
+    `group_key` with `grad_sync.flat_groups`) and takes the buffers back in `bind_grads`."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], cfg: OptimConfig, device: torch.device,
-                 make_optimizer: Callable, muon: set[str], table: PlacementTable, comm_of: Callable):
+                 make_optimizer: Callable, muon: set[str], table: PlacementTable, comm_of: Callable,
+                 group_key: Callable[[str], Hashable] | None = None):
         self.cfg = cfg
-        self.adamw = make_optimizer([(n, p) for n, p in named if n not in muon], cfg, device)
+        self.adamw = make_optimizer([(n, p) for n, p in named if n not in muon], cfg, device, group_key=group_key)
         self.matrices = [MuonMatrix(n, p, table[n], comm_of) for n, p in named if n in muon]
-        by_name = dict(zip(self.adamw.names, zip(self.adamw.params, self.adamw.masters)))
-        by_name.update({m.name: (m.param, m.master) for m in self.matrices})
-        self.names = [n for n, _ in named]
-        self.params = [by_name[n][0] for n in self.names]
-        self.masters = [by_name[n][1] for n in self.names]
+        key = group_key or (lambda name: None)
+        self.muon_groups = flat_groups([key(m.name) for m in self.matrices], [m.param.numel() for m in self.matrices])
+        first = len(self.adamw.params)
+        self.names = self.adamw.names + [m.name for m in self.matrices]
+        self.params = self.adamw.params + [m.param for m in self.matrices]
+        self.groups = self.adamw.groups + [[first + i for i in g] for g in self.muon_groups]
         self.lr = cfg.muon_lr or cfg.lr
+
+    def bind_grads(self, flat_grads: list[torch.Tensor]) -> None:
+        """The gradient buffers of `groups`, in order: AdamW's go to it, each Muon matrix takes its view."""
+        n = len(self.adamw.groups)
+        self.adamw.bind_grads(flat_grads[:n])
+        for group, buf in zip(self.muon_groups, flat_grads[n:], strict=True):
+            off = 0
+            for i in group:
+                m = self.matrices[i]
+                m.grad = buf[off:off + m.param.numel()].view(m.param.shape)
+                off += m.param.numel()
 
     def set_lr(self, lr: float) -> None:
         self.adamw.set_lr(lr)
@@ -115,7 +131,7 @@ class MuonAdamW:  # implements parallel.adamw.Optimizer
             return
         cfg = self.cfg
         for m in self.matrices:
-            update = m.orthogonal_update(m.master.grad, cfg.muon_momentum, cfg.muon_ns_steps)
+            update = m.orthogonal_update(m.grad, cfg.muon_momentum, cfg.muon_ns_steps)
             m.master.mul_(1.0 - self.lr * cfg.weight_decay).add_(update, alpha=-self.lr)
         self._publish()
 
