@@ -239,9 +239,9 @@ class OptimConfig:
             raise ConfigError(f"optim.muon_ns_steps: must be >= 1, got {self.muon_ns_steps}")
         if self.name == "muon":
             p = cfg.parallel
-            if p.zero or p.offload != "none" or p.auto:
-                raise ConfigError("optim.name: muon runs without ZeRO (parallel.zero = 0, offload = none, no "
-                                  "parallel.auto) for now: its sharded-optimizer path is not built")
+            if p.offload != "none" or p.auto:
+                raise ConfigError("optim.name: muon runs without optimizer offload (parallel.offload = none) and "
+                                  "with a layout given, not parallel.auto")
 
 
 @dataclass

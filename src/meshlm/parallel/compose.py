@@ -39,6 +39,7 @@ from .pipeline.build import attach as attach_pipeline, split_model
 from .placement import PlacementTable
 from .tensor_parallel import apply_tensor_parallel, pad_vocab
 from .zero import ZeroOptimizer, shard_model
+from .zero.muon import ZeroMuon
 from .zero.nvme import NvmeOptimizer
 
 
@@ -158,13 +159,15 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
         if cfg.parallel.offload == "nvme":
             opt = NvmeOptimizer(grads, cfg.optim, cfg.parallel.offload_dir, cfg.parallel.offload_buffer_mb, ctx.rank)
         else:
-            opt = ZeroOptimizer(grads, cfg.optim, cfg.parallel.offload == "optimizer")
+            opt = ZeroOptimizer(grads, cfg.optim, cfg.parallel.offload == "optimizer", frozenset(muon))
+            if muon:
+                opt = MuonAdamW(opt, ZeroMuon(opt, muon, table, ctx.comm, cfg.optim), cfg.optim)
         for u in grads.units:  # ZeRO's ranges, computed once by the unit (zero/units.py `Segment`)
             for seg, name in zip(u.pieces, u.names):
                 table.update(name, lambda pl: pl.shard_flat(seg.param_start, seg.param_end, u.comm.name))
     else:
         key = lambda n: reduction_of(n).key  # noqa: E731
-        opt = (MuonAdamW(named, cfg.optim, ctx.device, make_optimizer, muon, table, ctx.comm, key) if muon
+        opt = (MuonAdamW.local(named, cfg.optim, ctx.device, make_optimizer, muon, table, ctx.comm, key) if muon
                else make_optimizer(named, cfg.optim, ctx.device, group_key=key))
         grads = GradBuckets(opt.params, [reduction_of(n) for n in opt.names],
                             int(cfg.parallel.bucket_mb * 2 ** 20), reduce_dtype, opt.groups)

@@ -49,23 +49,20 @@ def rms_scale(rows: int, cols: int) -> float:
     return 0.2 * math.sqrt(max(rows, cols))
 
 
-class MuonMatrix:
-    """One Muon parameter on this rank: its fp32 master, momentum, and the TP splits of its matrix
-    dimensions with the `Comm` each is gathered over."""
+class Orthogonaliser:
+    """Newton-Schulz for one Muon parameter whose local piece has `local_shape`: the TP splits of its
+    matrix dimensions (from the placement record) with the `Comm` each is gathered over, and the
+    Moonlight scale of the whole matrix."""
 
-    def __init__(self, name: str, param: nn.Parameter, placement: Placement, comm_of: Callable):
-        self.name, self.param = name, param
-        self.master = param if param.dtype == torch.float32 else param.detach().float().clone()
-        self.momentum = torch.zeros_like(self.master)
-        self.grad: torch.Tensor | None = None  # its view of a DP gradient buffer (MuonAdamW.bind_grads)
-        nd = param.dim()
+    def __init__(self, local_shape: tuple[int, ...], placement: Placement, comm_of: Callable, steps: int):
+        nd, self.steps = len(local_shape), steps
         self.splits: list[tuple[DimSplit, object]] = [(s, comm_of(s.comm)) for s in placement.splits
                                                       if s.dim >= nd - 2 and s.parts > 1]
-        whole = list(param.shape)
+        whole = list(local_shape)
         for s, _ in self.splits:
             whole[s.dim] = s.size
         # the gathered tensor's own placement: slicing it back is `to_local` (padding and all)
-        self.slicer = Placement(name, tuple(whole), tuple(s for s, _ in self.splits))
+        self.slicer = Placement(placement.name, tuple(whole), tuple(s for s, _ in self.splits))
         self.scale = rms_scale(whole[-2], whole[-1])
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -77,46 +74,97 @@ class MuonMatrix:
             t = torch.cat(list(out.view((comm.size,) + tuple(t.shape))[::rep]), dim=s.dim).narrow(s.dim, 0, s.size)
         return t
 
-    def orthogonal_update(self, grad: torch.Tensor, momentum: float, steps: int) -> torch.Tensor:
-        """Momentum in place, then this rank's slice of the scaled orthogonalised Nesterov update."""
-        self.momentum.mul_(momentum).add_(grad)
-        update = grad.add(self.momentum, alpha=momentum)
-        ortho = newton_schulz(self.gather(update), steps)
+    def __call__(self, update: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the scaled, orthogonalised whole of `update` (a collective over the
+        TP splits' comms, where there are any)."""
+        ortho = newton_schulz(self.gather(update), self.steps)
         return (self.slicer.to_local(ortho) if self.splits else ortho).mul_(self.scale)
 
 
-class MuonAdamW:  # implements parallel.adamw.Optimizer
-    """Muon on `muon` parameters, the AdamW optimizer `make_optimizer` builds on the others.
+def nesterov_(momentum: torch.Tensor, grad: torch.Tensor, beta: float) -> torch.Tensor:
+    """Momentum in place; the Nesterov update g + β·m."""
+    momentum.mul_(beta).add_(grad)
+    return grad.add(momentum, alpha=beta)
 
-    The Muon learning rate follows AdamW's schedule: `set_lr(lr)` gives Muon `muon_lr · lr / optim.lr`.
-    Decoupled weight decay at optim.weight_decay, as AdamW's on matrices. For the DP gradient buffers
-    it exposes `.names`, `.params` and `.groups` (AdamW's flat groups, then the Muon matrices grouped by
-    `group_key` with `grad_sync.flat_groups`) and takes the buffers back in `bind_grads`."""
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]], cfg: OptimConfig, device: torch.device,
-                 make_optimizer: Callable, muon: set[str], table: PlacementTable, comm_of: Callable,
-                 group_key: Callable[[str], Hashable] | None = None):
-        self.cfg = cfg
-        self.adamw = make_optimizer([(n, p) for n, p in named if n not in muon], cfg, device, group_key=group_key)
-        self.matrices = [MuonMatrix(n, p, table[n], comm_of) for n, p in named if n in muon]
+class LocalMuon:
+    """Muon over whole local tensors (no ZeRO): each matrix's fp32 master (the parameter itself in
+    fp32), momentum and its view of a DP gradient buffer (`bind_grads`)."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], cfg: OptimConfig, table: PlacementTable,
+                 comm_of: Callable, group_key: Callable[[str], Hashable] | None = None):
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
+        self.momenta = [torch.zeros_like(m) for m in self.masters]
+        self.ortho = [Orthogonaliser(tuple(p.shape), table[n], comm_of, cfg.muon_ns_steps) for n, p in named]
+        self.grads: list[torch.Tensor | None] = [None] * len(named)
         key = group_key or (lambda name: None)
-        self.muon_groups = flat_groups([key(m.name) for m in self.matrices], [m.param.numel() for m in self.matrices])
-        first = len(self.adamw.params)
-        self.names = self.adamw.names + [m.name for m in self.matrices]
-        self.params = self.adamw.params + [m.param for m in self.matrices]
-        self.groups = self.adamw.groups + [[first + i for i in g] for g in self.muon_groups]
-        self.lr = cfg.muon_lr or cfg.lr
+        self.groups = flat_groups([key(n) for n in self.names], [p.numel() for p in self.params])
 
     def bind_grads(self, flat_grads: list[torch.Tensor]) -> None:
-        """The gradient buffers of `groups`, in order: AdamW's go to it, each Muon matrix takes its view."""
-        n = len(self.adamw.groups)
-        self.adamw.bind_grads(flat_grads[:n])
-        for group, buf in zip(self.muon_groups, flat_grads[n:], strict=True):
+        """One DP gradient buffer per group of `groups`; each matrix takes its view."""
+        for group, buf in zip(self.groups, flat_grads, strict=True):
             off = 0
             for i in group:
-                m = self.matrices[i]
-                m.grad = buf[off:off + m.param.numel()].view(m.param.shape)
-                off += m.param.numel()
+                n = self.params[i].numel()
+                self.grads[i] = buf[off:off + n].view(self.params[i].shape)
+                off += n
+
+    def step(self, lr: float, cfg: OptimConfig) -> None:
+        for master, mom, grad, ortho in zip(self.masters, self.momenta, self.grads, self.ortho):
+            update = ortho(nesterov_(mom, grad, cfg.muon_momentum))
+            master.mul_(1.0 - lr * cfg.weight_decay).add_(update, alpha=-lr)
+        self.publish()
+
+    def publish(self) -> None:
+        copies = [(p, m) for p, m in zip(self.params, self.masters) if m is not p]
+        if copies:
+            torch._foreach_copy_([p for p, _ in copies], [m for _, m in copies])
+
+    def storage(self) -> list[tuple[str, str, torch.Tensor]]:
+        return [(n, kind, t) for n, m, mom in zip(self.names, self.masters, self.momenta)
+                for kind, t in (("master", m), ("momentum", mom))]
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        return self.params
+
+    def own_tensors(self) -> list[torch.Tensor]:
+        """Optimizer-only tensors: momenta and separate masters."""
+        return self.momenta + [m for p, m in zip(self.params, self.masters) if m is not p]
+
+
+class MuonAdamW:  # implements parallel.adamw.Optimizer
+    """Muon (`muon`: LocalMuon, or zero/muon.ZeroMuon over ZeRO's shards) next to an AdamW optimizer
+    over the other parameters (`adamw`).
+
+    The Muon learning rate follows AdamW's schedule: `set_lr(lr)` gives Muon `muon_lr · lr / optim.lr`.
+    Decoupled weight decay at optim.weight_decay, as AdamW's on matrices. Muon steps first: under ZeRO
+    AdamW's step ends by releasing the gradient shards and publishing the masters, Muon's included.
+    Without ZeRO it exposes `.names`, `.params` and `.groups` (AdamW's flat groups, then Muon's) for
+    the DP gradient buffers and takes them back in `bind_grads`."""
+
+    def __init__(self, adamw, muon, cfg: OptimConfig):
+        self.adamw, self.muon, self.cfg = adamw, muon, cfg
+        self.names = adamw.names + muon.names
+        self.params = adamw.params + muon.params
+        first = len(adamw.params)
+        self.groups = getattr(adamw, "groups", []) + [[first + i for i in g] for g in getattr(muon, "groups", [])]
+        self.lr = cfg.muon_lr or cfg.lr
+
+    @classmethod
+    def local(cls, named: list[tuple[str, nn.Parameter]], cfg: OptimConfig, device: torch.device,
+              make_optimizer: Callable, muon: set[str], table: PlacementTable, comm_of: Callable,
+              group_key: Callable[[str], Hashable] | None = None) -> "MuonAdamW":
+        """Without ZeRO: `make_optimizer` (train/optim.MasterOptimizer) on the parameters outside `muon`."""
+        adamw = make_optimizer([(n, p) for n, p in named if n not in muon], cfg, device, group_key=group_key)
+        return cls(adamw, LocalMuon([(n, p) for n, p in named if n in muon], cfg, table, comm_of, group_key), cfg)
+
+    def bind_grads(self, flat_grads: list[torch.Tensor]) -> None:
+        """The gradient buffers of `groups`, in order: AdamW's first, then Muon's."""
+        n = len(self.adamw.groups)
+        self.adamw.bind_grads(flat_grads[:n])
+        self.muon.bind_grads(flat_grads[n:])
 
     def set_lr(self, lr: float) -> None:
         self.adamw.set_lr(lr)
@@ -124,44 +172,30 @@ class MuonAdamW:  # implements parallel.adamw.Optimizer
 
     @torch.no_grad()
     def step(self, found_inf: torch.Tensor | None = None) -> None:
-        """AdamW's step (it skips itself on `found_inf`), then Muon's unless `found_inf` is set (a host
-        read: the fused kernel's on-device skip has no Muon counterpart)."""
+        """Muon's step unless `found_inf` is set (a host read: the fused AdamW kernel's on-device skip
+        has no Muon counterpart), then AdamW's (which skips itself)."""
+        if found_inf is None or not bool(found_inf):
+            self.muon.step(self.lr, self.cfg)
         self.adamw.step(found_inf)
-        if found_inf is not None and bool(found_inf):
-            return
-        cfg = self.cfg
-        for m in self.matrices:
-            update = m.orthogonal_update(m.grad, cfg.muon_momentum, cfg.muon_ns_steps)
-            m.master.mul_(1.0 - self.lr * cfg.weight_decay).add_(update, alpha=-self.lr)
-        self._publish()
-
-    def _publish(self) -> None:
-        copies = [(m.param, m.master) for m in self.matrices if m.master is not m.param]
-        if copies:
-            torch._foreach_copy_([p for p, _ in copies], [m for _, m in copies])
 
     def param_tensors(self) -> list[torch.Tensor]:
-        return self.params
+        return self.adamw.param_tensors() + self.muon.param_tensors()
 
     def state_bytes(self) -> int:
-        """AdamW's state, Muon's momentum and its separate fp32 masters."""
-        own = [m.momentum for m in self.matrices] + [m.master for m in self.matrices if m.master is not m.param]
-        return self.adamw.state_bytes() + sum(t.numel() * t.element_size() for t in own)
+        """AdamW's state, Muon's momenta and its separate fp32 masters."""
+        return self.adamw.state_bytes() + sum(t.numel() * t.element_size() for t in self.muon.own_tensors())
 
     def step_count(self) -> int:
         return self.adamw.step_count()
 
     def state_storage(self) -> list[tuple[str, str, torch.Tensor]]:
         """AdamW's pieces, then each Muon matrix's master and `momentum` (laid out like an Adam moment)."""
-        out = self.adamw.state_storage()
-        for m in self.matrices:
-            out += [(m.name, "master", m.master), (m.name, "momentum", m.momentum)]
-        return out
+        return self.adamw.state_storage() + self.muon.storage()
 
     @torch.no_grad()
     def loaded(self, step: int) -> None:
+        self.muon.publish()
         self.adamw.loaded(step)
-        self._publish()
 
     def backing(self, name: str, kind: str) -> None:
         return None  # in memory
