@@ -182,3 +182,32 @@ def test_checkpoint_carries_momentum_and_reshards(pools, a, b):
     assert_same_losses(ref[4:], got, FP32)
     shutil.rmtree(dir_a, ignore_errors=True)
     shutil.rmtree(dir_b, ignore_errors=True)
+
+
+# -- planner --------------------------------------------------------------------------------------
+def test_planner_counts_the_runtime_muon_matrices_and_prices_them():
+    from meshlm.plan.estimate import estimate
+    from meshlm.plan.hardware import get_gpu
+    from meshlm.plan.memory import block_matrices
+    from meshlm.plan.spec import Spec, shape_from_config
+
+    for preset in ("debug", "moe-debug"):
+        cfg = make_config(model__preset=preset)
+        model, named = _model(preset)
+        runtime = sum(p.numel() for n, p in named if n in model_plan_for(model).muon_params(model))
+        shape = shape_from_config(cfg)
+        planned = shape.args.n_layers * sum(r * c * k for r, c, k in block_matrices(shape))
+        assert planned == pytest.approx(runtime), preset
+    shape, gpu = shape_from_config(make_config(model__preset="debug")), get_gpu("h100-sxm-80gb")
+    for layout in ({}, {"tp": 2, "dp": 2}, {"dp": 4, "zero": 3, "zero_group": 4}):
+        adamw, muon = (estimate(shape, Spec(**layout, optim=o, seq_len=64), gpu) for o in ("adamw", "muon"))
+        a, m = adamw["per_gpu"], muon["per_gpu"]
+        local = shape.args.n_layers * sum(r * c * k for r, c, k in block_matrices(shape)) / layout.get("tp", 1)
+        want = 4 * local / 4 if layout.get("zero") else -4 * local  # one momentum for two moments, or beside them
+        assert m["optim"] - a["optim"] == pytest.approx(want)
+        assert muon["time"]["muon_ns_s"] > 0 and muon["step_s"] > adamw["step_s"]
+        def per_step(r):
+            return {(c["group"], c["kind"]) for c in r["comm"] if c["per"] == "step" and c["bytes"] > 0}
+        extra = per_step(muon) - per_step(adamw)
+        assert extra == ({("tp", "all_gather")} if layout.get("tp") else set()) | (
+            {("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter")} if layout.get("zero") else set())

@@ -104,6 +104,7 @@ class Spec:
     quantize_weights: bool = False  # ZeRO++ qwZ (docs/zero.md)
     hpz_group: int = 0              # ZeRO++ hpZ: secondary shards over this many ranks; 0: off
     quantize_grads: bool = False    # ZeRO++ qgZ
+    optim: str = "adamw"            # optim.name: "muon" adds plan/muon.py's memory, time and traffic
 
     @property
     def world(self) -> int:
@@ -157,7 +158,7 @@ def spec_from_config(cfg: Config, world: int) -> Spec:
                 offload_buffer_mb=p.offload_buffer_mb,
                 seq_len=cfg.data.seq_len, cp_impl=p.cp_impl, bucket_mb=p.bucket_mb, reduce_dtype=p.reduce_dtype,
                 pp_layers=tuple(p.pp_layers), quantize_weights=bool(p.quantize_weights), hpz_group=p.hpz_group,
-                quantize_grads=bool(p.quantize_grads))
+                quantize_grads=bool(p.quantize_grads), optim=cfg.optim.name)
 
 
 def attention_mask(document_mask: bool, attn_impl: str = "auto") -> str:
