@@ -55,11 +55,11 @@ def measure(preset: str, mb: int, a, **extra) -> dict:
         recs = [json.loads(line) for line in f if '"step_s"' in line][a.warmup:]
     step_s = statistics.median(r["step_s"] for r in recs)
     tokens = trainer.cfg.training.global_batch * a.seq_len  # global_batch in `extra`: accumulation
-    flops = trainer.flops_per_step
+    flops = trainer.meter.flops_per_step
     out = {"preset": preset, "params": trainer.args.num_params(), "seq_len": a.seq_len, "micro_batch": mb,
            "step_s": step_s, "tokens_per_s": tokens / step_s, "tflops": flops / step_s / 1e12,
-           "mfu": flops / step_s / trainer.peak_flops if trainer.peak_flops else 0.0,
-           "peak_label": trainer.peak_label, "peak_mem_gib": recs[-1]["mem"]["peak"] / 2 ** 30,
+           "mfu": flops / step_s / trainer.meter.peak_flops if trainer.meter.peak_flops else 0.0,
+           "peak_label": trainer.meter.peak_label, "peak_mem_gib": recs[-1]["mem"]["peak"] / 2 ** 30,
            "final_loss": recs[-1]["loss"], "tail_loss": statistics.mean(r["loss"] for r in recs[-10:]),
            **{k.split(".")[-1]: v for k, v in extra.items()}}
     if a.profile and trainer.ctx.device.type == "cuda":
@@ -102,15 +102,15 @@ def sync_check(a) -> dict[str, str]:
         try:
             for _ in range(2):
                 trainer.train_step(measure=False)
-            if trainer.scaler.enabled:
-                trainer.scaler.scale = 2.0 ** 40
+            if trainer.state.scaler.enabled:
+                trainer.state.scaler.scale = 2.0 ** 40
                 skipped = trainer.train_step(measure=False)["skipped"]
             out[name] = "ok"
         except RuntimeError as e:
             out[name] = str(e).splitlines()[0]
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        if trainer.scaler.enabled and out[name] == "ok" and not bool(skipped):
+        if trainer.state.scaler.enabled and out[name] == "ok" and not bool(skipped):
             out[name] = "the overflow step was not skipped"
     return out
 

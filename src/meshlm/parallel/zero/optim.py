@@ -106,7 +106,7 @@ class ZeroOptimizer:
         self.zero.publish()
 
     def param_tensors(self) -> list[torch.Tensor]:
-        """The parameter memory this rank keeps (Trainer.memory): full flat buffers for zero 1-2, the
+        """The parameter memory this rank keeps (train/metrics.py `memory`): full flat buffers for zero 1-2, the
         shards for zero 3 (gathered blocks are transient and show in the peak only)."""
         return [u.shard if self.zero.switches.shard_params else u.full for u, *_ in self.slots]
 

@@ -325,7 +325,7 @@ class ZeroSync:
         return [u.grad_shard for u in self.units]
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """What gradient memory this rank holds (Trainer.memory): zero 1 keeps full buffers."""
+        """What gradient memory this rank holds (train/metrics.py `memory`): zero 1 keeps full buffers."""
         return self.grad_tensors() if self.switches.shard_grads else [u.grad_full for u in self.units]
 
     def param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
