@@ -211,3 +211,16 @@ def test_planner_counts_the_runtime_muon_matrices_and_prices_them():
         extra = per_step(muon) - per_step(adamw)
         assert extra == ({("tp", "all_gather")} if layout.get("tp") else set()) | (
             {("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter")} if layout.get("zero") else set())
+
+
+@pytest.mark.slow
+def test_optim_muon_bench_smoke():
+    from test_bench import run_json
+
+    out = run_json("bench/optim_muon.py", "--models", "tiny", "--steps", "6", "--lrs", "3e-3", "--eval-every", "3",
+                   "--json")
+    runs = out["tiny"]
+    assert {r["optim"] for r in runs} == {"adamw", "muon"}
+    assert all(set(r["evals"]) == {"3", "6"} for r in runs)
+    adamw = next(r for r in runs if r["optim"] == "adamw")
+    assert adamw["steps_to_target"] == 6  # AdamW's last held-out loss is the target it sets
