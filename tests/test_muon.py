@@ -143,6 +143,11 @@ CASES = [
     ("hsdp-zero2-dp4-g2", 4, {"parallel__dp": 4, "parallel__zero": 2, "parallel__zero_group": 2}),
     ("zero3-dp2-tp2", 4, {"parallel__dp": 2, "parallel__tp": 2, "parallel__zero": 3}),
     ("zero1-dp2-pp2", 4, {"parallel__dp": 2, "parallel__pp": 2, "parallel__zero": 1}),
+    ("cp2-ring", 2, {"parallel__cp": 2}),
+    ("dp2-cp2-zero3", 4, {"parallel__dp": 2, "parallel__cp": 2, "parallel__zero": 3}),
+    ("pp2-zbv-tied", 2, {"parallel__pp": 2, "parallel__pp_schedule": "zbv", "parallel__pp_virtual": 2,
+                         "model__tie_embeddings": True}),
+    ("dp2-fp16", 2, {"parallel__dp": 2, "training__precision": "fp16"}),
     ("zero3-dp2-bf16", 2, {"parallel__dp": 2, "parallel__zero": 3, "training__precision": "bf16"}),
     ("ep2-moe", 2, {**MOE, "parallel__dp": 2, "parallel__ep": 2}),
     ("ep2-tp2-moe", 4, {**MOE, "parallel__dp": 2, "parallel__ep": 2, "parallel__tp": 2}),
@@ -157,7 +162,7 @@ def test_muon_layout_matches_one_process(pools, name, world, overrides):
     adamw = reference(**{k: v for k, v in single.items() if k != "optim__name"})
     assert abs(ref[-1]["loss"] - adamw[-1]["loss"]) > 1e-3  # Muon's losses are its own
     got = run_layout(pools, make_config(**MUON, **overrides), world)
-    assert_same_losses(ref, got, BF16 if overrides.get("training__precision") == "bf16" else FP32)
+    assert_same_losses(ref, got, BF16 if overrides.get("training__precision") in ("bf16", "fp16") else FP32)
 
 
 # -- checkpoints ----------------------------------------------------------------------------------
