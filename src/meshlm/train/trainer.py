@@ -293,7 +293,8 @@ class Trainer:
         self.maybe_resume()
         fault.on_start(self.run_dir, self.step, self.ctx.is_logger, self.ctx.restarts, self.resumed_record,
                        self.resumed_layout)
-        self.log = MetricsLog(self.run_dir, self.ctx.is_logger, t.steps, self.step, m.progress, m.tensorboard)
+        self.log = MetricsLog(self.run_dir, self.ctx.is_logger, t.steps, self.step, m.progress, m.tensorboard,
+                              self.cfg)
         self.profiled = StepProfiler(self.run_dir, m.profile_step, self.ctx.is_logger, self.ctx.device)
         self.comms = self.ctx.all_comms()
         reset_stats(self.comms)
