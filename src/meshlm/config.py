@@ -47,7 +47,7 @@ class RopeScalingConfig:
 
 @dataclass
 class ModelConfig:
-    preset: str = "small"
+    preset: str = "tiny"
     dim: int | None = None
     n_layers: int | None = None
     n_heads: int | None = None
@@ -110,15 +110,15 @@ class ParallelConfig:
 
 @dataclass
 class TrainingConfig:
-    steps: int = 80
-    global_batch: int = 16
-    micro_batch: int = 16
+    steps: int = 1000
+    global_batch: int = 8
+    micro_batch: int = 8
     precision: str = "auto"  # auto: bf16 (fp32 masters) on a GPU with bf16, fp32 on a CPU (resolve_auto)
     ac: str = "none"
     seed: int = 0
     clip: float = 1.0
     compile: bool | str = "auto"  # auto: on for CUDA, off for a CPU (resolve_auto)
-    eval_every: int = 40
+    eval_every: int = 250
     eval_batches: int = 4
     device: str = "auto"  # auto, cpu, cuda
     peak_tflops: float = 0.0  # peak per device behind MFU; 0: datasheet (GPU) or measured (CPU)
@@ -129,9 +129,9 @@ class TrainingConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3
+    lr: float = 1e-2
     min_lr_ratio: float = 0.1
-    warmup: int = 10
+    warmup: int = 50
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
