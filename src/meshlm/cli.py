@@ -105,7 +105,11 @@ def _print_sample(cfg, run_dir: str) -> None:
     if model_args(cfg).num_params() > SAMPLE_MAX_PARAMS or not list_checkpoints(os.path.join(run_dir, "checkpoints")):
         return
     from .generate import continuation
-    text = continuation(run_dir, SAMPLE_PROMPT, 60, temperature=0.0).split("\n\n")[0]
+    try:
+        text = continuation(run_dir, SAMPLE_PROMPT, 60, temperature=0.0).split("\n\n")[0]
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # the run itself succeeded: say so, go on
+        print(f"meshlm: no sample: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return
     print(f"meshlm: sample (greedy, `meshlm generate {run_dir} --prompt {SAMPLE_PROMPT!r} --temperature 0`):\n"
           f"{SAMPLE_PROMPT}{text}", file=sys.stderr)
 
