@@ -88,7 +88,7 @@ def main() -> None:
         res = {v: run_variant(v, a) for v in VARIANTS}
     finally:
         shutil.rmtree(a.out, ignore_errors=True)
-    from meshlm.layout import model_args
+    from meshlm.model.from_config import model_args
     n = model_args(make_cfg(a, "none")).num_params()
     for v in VARIANTS:
         res[v]["peak_growth_x_state"] = (res[v]["peak_rank0"] - res["none"]["peak_rank0"]) / (12 * n)

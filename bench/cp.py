@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--ac", default="none")
     a = ap.parse_args()
 
-    from meshlm.layout import model_args
+    from meshlm.model.from_config import model_args
     from meshlm.plan.volume import cp_step_bytes as expected_bytes
     from meshlm.plan.estimate import estimate
     from meshlm.plan.spec import shape_from_config, spec_from_config

@@ -7,6 +7,9 @@ out-of-memory), for --steps measured steps after --warmup. MFU uses the trainer'
 
     python bench/gpu.py [--presets llama3-1b,small,llama3-3b] [--seq-len 2048] [--ac selective]
                         [--compile] [--profile] [--offload-compare PRESET] [--json]
+                        [--loss-chunks K] [--attn-impl auto|sdpa|flex] [--document-mask]
+    python bench/gpu.py --presets "" --fp8-compare llama3-3b --steps 200   # fp8 vs bf16, same shapes
+                        [--set training.fp8_recipe=rowwise]
     python bench/gpu.py --smoke        # tiny shape on the CPU (CI)
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ import tempfile
 import torch
 
 from meshlm import config as C
+from meshlm.choices import ATTN_IMPLS
 from meshlm.distributed.mesh import init_context, pick_device
 from meshlm.layout import resolve
 from meshlm.train.trainer import Trainer
@@ -56,7 +60,8 @@ def measure(preset: str, mb: int, a, **extra) -> dict:
            "step_s": step_s, "tokens_per_s": tokens / step_s, "tflops": flops / step_s / 1e12,
            "mfu": flops / step_s / trainer.peak_flops if trainer.peak_flops else 0.0,
            "peak_label": trainer.peak_label, "peak_mem_gib": recs[-1]["mem"]["peak"] / 2 ** 30,
-           "final_loss": recs[-1]["loss"], **{k.split(".")[-1]: v for k, v in extra.items()}}
+           "final_loss": recs[-1]["loss"], "tail_loss": statistics.mean(r["loss"] for r in recs[-10:]),
+           **{k.split(".")[-1]: v for k, v in extra.items()}}
     if a.profile and trainer.ctx.device.type == "cuda":
         out["top_kernels"] = profile_step(trainer)
     return out
@@ -144,6 +149,22 @@ def largest_fitting(preset: str, a, sizes: list[int], **extra) -> dict | None:
     return None
 
 
+def fp8_compare(preset: str, a, sizes: list[int], overrides: dict) -> list[dict]:
+    """bf16 at the largest micro-batch that fits, then fp8 (training.precision = "fp8") on the same
+    shapes and batches: both rows and their ratios (tokens/s; final and last-10-step mean loss)."""
+    bf16 = largest_fitting(preset, a, sizes, **overrides, **{"training.precision": "bf16"})
+    if bf16 is None:
+        return [{"preset": preset, "fits": False, "precision": "bf16"}]
+    fp8 = largest_fitting(preset, a, [bf16["micro_batch"]], **overrides, **{"training.precision": "fp8"})
+    if fp8 is None:
+        return [bf16, {"preset": preset, "fits": False, "precision": "fp8"}]
+    ratio = {"fp8_compare": preset, "micro_batch": bf16["micro_batch"], "steps": a.warmup + a.steps,
+             "speedup": fp8["tokens_per_s"] / bf16["tokens_per_s"],
+             "final_loss_rel": abs(fp8["final_loss"] - bf16["final_loss"]) / bf16["final_loss"],
+             "tail_loss_rel": abs(fp8["tail_loss"] - bf16["tail_loss"]) / bf16["tail_loss"]}
+    return [bf16, fp8, ratio]
+
+
 def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         return child(sys.argv[2])
@@ -157,6 +178,10 @@ def main() -> int:
     ap.add_argument("--micro-batches", default="16,8,4,2,1", help="sizes to try, largest first")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra config override for every run, e.g. model.n_layers=18")
+    ap.add_argument("--loss-chunks", type=int, default=None, metavar="K",
+                    help="training.loss_chunks: head + loss over K token chunks (0: whole logits)")
+    ap.add_argument("--attn-impl", default=None, choices=ATTN_IMPLS, help="model.attn_impl")
+    ap.add_argument("--document-mask", action="store_true", help="data.document_mask = true")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--device", default="auto")
@@ -166,6 +191,8 @@ def main() -> int:
     ap.add_argument("--offload-compare", default="", metavar="PRESET",
                     help="also run PRESET with and without CPU optimizer offload (zero=1)")
     ap.add_argument("--offload-micro-batch", type=int, default=1, help="micro-batch of both offload runs")
+    ap.add_argument("--fp8-compare", default="", metavar="PRESET",
+                    help="also run PRESET in bf16 and in fp8 on the same shapes and print the ratios")
     ap.add_argument("--out", default="", help="also write the JSON result to this file")
     ap.add_argument("--sync-check", action="store_true",
                     help="also run train steps under torch's CUDA sync checker (CUDA only)")
@@ -181,6 +208,10 @@ def main() -> int:
     if bad:
         ap.error(f"--set wants KEY=VALUE, got {bad[0]}")
     overrides = dict(pairs)
+    for key, value in (("training.loss_chunks", a.loss_chunks), ("model.attn_impl", a.attn_impl),
+                       ("data.document_mask", a.document_mask or None)):
+        if value is not None:
+            overrides[key] = value
     sizes = [int(x) for x in a.micro_batches.split(",")]
     results = []
     for preset in [p for p in a.presets.split(",") if p]:
@@ -192,7 +223,8 @@ def main() -> int:
             else:
                 print(f"{preset}: mb {r['micro_batch']} x seq {r['seq_len']}: {r['tokens_per_s']:.0f} tok/s, "
                       f"{r['tflops']:.1f} TFLOP/s, MFU {100 * r['mfu']:.1f}% ({r['peak_label']}), "
-                      f"peak {r['peak_mem_gib']:.2f} GiB, loss {r['final_loss']:.3f}")
+                      f"peak {r['peak_mem_gib']:.2f} GiB, loss {r['final_loss']:.3f}"
+                      + "".join(f", {k} {r[k]}" for k in ("loss_chunks", "attn_impl", "document_mask") if k in r))
                 if "top_kernels" in r:
                     print(f"    one profiled step: {r['top_kernels']['kernel_ms']:.1f} ms of kernels")
                 for k in r.get("top_kernels", {}).get("top", []):
@@ -205,6 +237,20 @@ def main() -> int:
                 label = "offload" if extra else "no offload"
                 print(f"{a.offload_compare} {label}: " + ("does not fit" if r is None else
                       f"mb {r['micro_batch']}, step {r['step_s'] * 1e3:.0f} ms, peak {r['peak_mem_gib']:.2f} GiB"))
+    if a.fp8_compare:
+        rows = fp8_compare(a.fp8_compare, a, sizes, overrides)
+        results += rows
+        if not a.json:
+            for r in rows:
+                if "fp8_compare" in r:
+                    print(f"{r['fp8_compare']} fp8 / bf16 at mb {r['micro_batch']}, {r['steps']} steps: "
+                          f"{r['speedup']:.3f}x tokens/s, loss {100 * r['final_loss_rel']:.2f}% apart at the "
+                          f"last step, {100 * r['tail_loss_rel']:.2f}% over the last 10")
+                elif r.get("fits") is False:
+                    print(f"{r['preset']} {r['precision']}: does not fit")
+                else:
+                    print(f"{r['preset']} {r['precision']}: {r['tokens_per_s']:.0f} tok/s, MFU {100 * r['mfu']:.1f}%, "
+                          f"peak {r['peak_mem_gib']:.2f} GiB, loss {r['final_loss']:.4f}")
     failed = False
     if a.sync_check:
         checks = sync_check(a)

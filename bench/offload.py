@@ -127,7 +127,8 @@ def worker(rank: int, world: int, port: int, variant: tuple, a, out) -> None:
     import torch.distributed as dist
 
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.layout import model_args, resolve
+    from meshlm.layout import resolve
+    from meshlm.model.from_config import model_args
     from meshlm.train.trainer import Trainer
 
     offload, regime = variant

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from meshlm import config as C
 from meshlm.data import GlobalBatchSampler, TokenShards, default_data_dir
 from meshlm.distributed.mesh import init_context, pick_device
-from meshlm.layout import model_args, resolve
+from meshlm.layout import resolve
+from meshlm.model.from_config import model_args
 from meshlm.model import Llama, materialize
 from meshlm.train.optim import lr_at
 from meshlm.train.trainer import Trainer

@@ -154,7 +154,7 @@ def pp_peer(cfg, rank: int, world: int):
     import torch.distributed as dist
     from torch.distributed import pipelining
 
-    from meshlm.layout import model_args
+    from meshlm.model.from_config import model_args
     from meshlm.model import Llama, materialize
     from meshlm.parallel import cross_entropy
     from meshlm.parallel.llama_plan import LLAMA_PLAN

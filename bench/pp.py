@@ -36,7 +36,7 @@ def _worker(rank: int, world: int, port: int, tasks, out) -> None:
     from meshlm import config as C
     from meshlm.distributed.mesh import init_context, pick_device
     from meshlm.layout import resolve
-    from meshlm.schedule.p2p import p2p_batches
+    from meshlm.schedule.replay import p2p_batches
     from meshlm.parallel.pipeline.trace import gather_spans, measured_bubble
     from meshlm.train.trainer import Trainer
 

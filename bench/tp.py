@@ -86,7 +86,8 @@ def main() -> None:
     a = ap.parse_args()
 
     from meshlm import config as C
-    from meshlm.layout import model_args, resolve
+    from meshlm.layout import resolve
+    from meshlm.model.from_config import model_args
     from meshlm.plan.volume import tp_step_bytes as expected_bytes
 
     base = {"model.preset": a.preset, "data.seq_len": a.seq_len, "training.micro_batch": a.micro_batch,

@@ -107,7 +107,7 @@ def plain_model(cfg):
     """meshlm's Llama as one process builds it (same name-seeded init), as a plain nn.Module."""
     import torch
 
-    from meshlm.layout import model_args
+    from meshlm.model.from_config import model_args
     from meshlm.model import Llama, materialize
 
     torch.manual_seed(cfg.training.seed)
@@ -251,7 +251,7 @@ def main() -> None:
     if a.json:
         print(json.dumps(report, indent=1))
         return
-    from meshlm.layout import model_args
+    from meshlm.model.from_config import model_args
     psi = model_args(make_cfg(a, dp_layout(a, 0))).num_params()
     custom = ", ".join(f"{k} {getattr(a, k)}" for k in ("dim", "n_layers", "n_heads", "ffn_dim")
                        if getattr(a, k) is not None)

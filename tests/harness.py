@@ -152,9 +152,9 @@ def stop_after(trainer, step: int) -> None:
             trainer.cfg.training.steps = trainer.step  # the loop's bound, read once more before it ends
     trainer._evaluate_if_due = end_of_step
 
-def train_case(cfg_dict: dict, run_dir: str, stop: int = 0) -> dict | None:
-    """Runs inside a pool worker: train the config (`stop`: end after that step); rank 0 returns nothing
-    (metrics are on disk)."""
+def train_case(cfg_dict: dict, run_dir: str, stop: int = 0, probe=None):
+    """Runs inside a pool worker: train the config (`stop`: end after that step); returns nothing
+    (metrics are on disk), or what `probe(trainer)` (a module-level function) said before training."""
     from meshlm.distributed.mesh import init_context, pick_device
     from meshlm.plan.auto import resolve  # the trainer's entry: parallel.auto chooses first
     from meshlm.train.trainer import Trainer
@@ -163,10 +163,11 @@ def train_case(cfg_dict: dict, run_dir: str, stop: int = 0) -> dict | None:
     layout = resolve(cfg, int(os.environ["WORLD_SIZE"]))
     ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=120)
     trainer = Trainer(cfg, run_dir, ctx, layout)
+    seen = probe(trainer) if probe is not None else None
     if stop:
         stop_after(trainer, stop)
     trainer.fit()
-    return None
+    return seen
 
 
 # The pool's workers also run the harness's own functions.

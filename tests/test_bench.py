@@ -53,6 +53,22 @@ def test_gpu_bench_smoke():
     assert r["peak_mem_gib"] > 0 and r["micro_batch"] == 2
 
 
+@pytest.mark.slow
+def test_gpu_bench_fp8_compare_smoke():
+    out = run_json("bench/gpu.py", "--presets", "", "--fp8-compare", "debug", "--device", "cpu", "--seq-len", "32",
+                   "--micro-batches", "2", "--warmup", "1", "--steps", "2", "--set", "training.fp8_emulate=true",
+                   "--json")
+    bf16, fp8, ratio = out["results"]
+    assert (bf16["precision"], fp8["precision"]) == ("bf16", "fp8") and fp8["micro_batch"] == 2
+    assert ratio["speedup"] > 0 and 0 < ratio["final_loss_rel"] < 0.02  # fp8 ran, and near bf16
+
+
+def test_gpu_bench_takes_loss_chunks_and_flex():
+    out = run_json("bench/gpu.py", "--smoke", "--json", "--loss-chunks", "4", "--attn-impl", "flex", "--document-mask")
+    r = out["results"][0]
+    assert (r["loss_chunks"], r["attn_impl"], r["document_mask"]) == (4, "flex", True) and r["tokens_per_s"] > 0
+
+
 def test_overhead_bench_smoke():
     out = run_json("bench/overhead.py", "--json", "--preset", "debug", "--seq-len", "32", "--batch", "2",
                    "--steps", "4", "--rounds", "1", "--skip", "1")

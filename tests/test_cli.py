@@ -81,6 +81,17 @@ def test_config_file_and_overrides(tmp_path, capsys):
     assert recs[-1]["tokens"] == 3 * 4 * 16
 
 
+def test_one_process_resolves_the_layout_once(tmp_path, capsys, monkeypatch):
+    import meshlm.plan.auto as auto
+    calls, real = [], auto.resolve_layout
+    monkeypatch.setattr(auto, "resolve_layout", lambda cfg, world: calls.append(world) or real(cfg, world))
+    code, err = run(capsys, "train", "--run-dir", str(tmp_path / "run"), "--model.preset", "debug",
+                    "--training.steps", "1", "--training.global_batch", "2", "--training.micro_batch", "2",
+                    "--data.seq_len", "16", "--training.eval_every", "0", "--metrics.progress", "false")
+    assert code == 0, err
+    assert calls == [1]  # the command line's; the trainer takes that layout
+
+
 def test_prepare_and_report(tmp_path, capsys):
     src = tmp_path / "a.txt"
     src.write_text("hello world, this is meshlm. " * 400)

@@ -15,7 +15,8 @@ from harness import assert_same_losses, make_config, reference, run_layout, run_
 from test_tp import comm_task
 from meshlm import config as C
 from meshlm.config import ConfigError
-from meshlm.layout import model_args, resolve
+from meshlm.layout import resolve
+from meshlm.model.from_config import model_args
 from meshlm.parallel.context_parallel import CPSplit, PlainKernel, RingCounter
 from meshlm.plan.volume import cp_step_bytes as expected_bytes
 

@@ -54,7 +54,8 @@ def _cfg(corpora, overrides: dict) -> dict:
     return out
 
 
-MASK = {"data__path": "$docs", "data__document_mask": True}
+MASK = {"data__path": "$docs", "data__document_mask": True, "model__attn_impl": "sdpa"}
+FLEX = {**MASK, "model__attn_impl": "flex"}  # compared with the SDPA-mask reference
 MIX = {"data__mix": [("$docs", 0.7), ("$code", 0.3)]}
 CASES = [
     ("mask-dp2", 2, {**MASK, "parallel__dp": 2}),
@@ -62,20 +63,30 @@ CASES = [
     ("mask-tp2-sp", 2, {**MASK, "parallel__tp": 2, "parallel__sp": True}),
     ("mask-pp2-1f1b", 2, {**MASK, "parallel__pp": 2}),
     ("mask-tp2-pp2-ac-selective", 4, {**MASK, "parallel__tp": 2, "parallel__pp": 2, "training__ac": "selective"}),
+    ("flex-one-process", 1, FLEX),
+    ("flex-dp2-zero2", 2, {**FLEX, "parallel__dp": 2, "parallel__zero": 2}),
+    ("flex-tp2-sp", 2, {**FLEX, "parallel__tp": 2, "parallel__sp": True}),
+    ("flex-pp2-zbh1-ac-selective", 2, {**FLEX, "parallel__pp": 2, "parallel__pp_schedule": "zb-h1",
+                                       "training__ac": "selective"}),
     ("mix-dp2", 2, {**MIX, "parallel__dp": 2}),
     ("mix-zero3-dp4", 4, {**MIX, "parallel__dp": 4, "parallel__zero": 3}),
     ("mix-tp2-pp2", 4, {**MIX, "parallel__tp": 2, "parallel__pp": 2}),
     ("mix-mask-dp2-tp2", 4, {**MIX, **MASK, "data__path": "", "parallel__dp": 2, "parallel__tp": 2}),
 ]
 def _reference(corpora, overrides: dict) -> list:
-    return reference(**{k: v for k, v in overrides.items() if not k.startswith("parallel__")})
+    """One process with SDPA's dense mask (flex rows are compared with it too)."""
+    one = {k: v for k, v in overrides.items() if not k.startswith("parallel__")}
+    if one.get("model__attn_impl") == "flex":
+        one["model__attn_impl"] = "sdpa"
+    return reference(**one)
 
 
 @pytest.mark.parametrize("name,world,overrides", CASES, ids=[c[0] for c in CASES])
 def test_data_layout_matches_one_process(pools, corpora, name, world, overrides):
     o = _cfg(corpora, overrides)
     ref = _reference(corpora, o)
-    assert_same_losses(ref, run_layout(pools, make_config(**o), world), 1e-5)
+    got = run_local(make_config(**o)) if world == 1 else run_layout(pools, make_config(**o), world)
+    assert_same_losses(ref, got, 1e-5)
     if "data__mix" in o:  # tokens drawn per source, logged every step
         n = len(ref)
         assert ref[-1]["data"] == {os.path.normpath(corpora["docs"]): n * 6 * 32,   # 0.7·8 -> 6 sequences
@@ -89,7 +100,7 @@ def test_document_mask_changes_the_loss_and_isolates_documents(corpora):
     plain = run_local(make_config(data__path=corpora["docs"], training__steps=2))
     masked = run_local(make_config(data__path=corpora["docs"], data__document_mask=True, training__steps=2))
     assert abs(plain[0]["loss"] - masked[0]["loss"]) > 1e-4
-    from meshlm.layout import model_args
+    from meshlm.model.from_config import model_args
     from meshlm.model import Llama
     torch.manual_seed(0)
     model = Llama(model_args(make_config())).eval()
@@ -117,6 +128,21 @@ def test_mixture_resumes_across_layouts(pools, corpora, tmp_path):
     assert [r["step"] for r in got] == list(range(6, 11))
     assert_same_losses(ref[5:], got, 1e-5)
     assert got[-1]["data"] == ref[-1]["data"]
+
+
+def test_attn_impl_resolves_and_refuses():
+    """auto is flex under a document mask and sdpa otherwise (and under cp, where flex is refused)."""
+    from meshlm.layout import resolve
+    from meshlm.model.from_config import model_args
+    assert model_args(make_config(data__document_mask=True)).attn_kernel == "flex"
+    assert model_args(make_config()).attn_kernel == "sdpa"
+    assert model_args(make_config(model__attn_impl="flex")).attn_kernel == "flex"
+    assert model_args(make_config(data__document_mask=True, model__attn_impl="sdpa")).attn_kernel == "sdpa"
+    assert model_args(make_config(parallel__cp=2)).attn_kernel == "sdpa"
+    with pytest.raises(C.ConfigError, match="model.attn_impl: flex is not available with context parallelism"):
+        resolve(make_config(model__attn_impl="flex", parallel__cp=2), 2)
+    with pytest.raises(C.ConfigError, match="model.attn_impl: 'xformers' is not one of auto, sdpa, flex"):
+        resolve(make_config(model__attn_impl="xformers"), 1)
 
 
 def test_mixture_and_mask_refusals(corpora):

@@ -175,7 +175,7 @@ BAD = [  # (body, key the page shows it next to, a piece of the one-line reason)
     ({"parallel.tp": True}, "parallel.tp", "expected a number"),
     ({"parallel.ep": 2}, "parallel.ep", "needs a mixture-of-experts model"),
     ({"model.preset": "gpt5"}, "model.preset", "unknown preset"),
-    ({"training.precision": "fp8"}, "training.precision", "is not one of"),
+    ({"training.precision": "int4"}, "training.precision", "is not one of"),
     ({"efficiency": 1.5}, "efficiency", "must be in (0, 1]"),
     ({"parallel.nonsense": 1}, "parallel.nonsense", "unknown input"),
     ({"model.dim": {"a": 1}}, "model.dim", "expected a value"),

@@ -34,7 +34,7 @@ def check_export(run: str, step: int) -> None:
 
 
 def model_at_init():
-    from meshlm.layout import model_args
+    from meshlm.model.from_config import model_args
     from meshlm.model import Llama, materialize
     cfg = make_config()
     with torch.device("meta"):

@@ -275,7 +275,7 @@ def test_init_from_pins_the_shape_in_the_run_config(hf_models, tmp_path, family)
     """The run's config.toml alone (model.rope_scaling.*, head_dim, qk_norm, model.moe.*) describes the
     imported model: a checkpoint's config rebuilds it without the Hugging Face directory."""
     from meshlm import config as C
-    from meshlm.layout import model_args, pin_model_shape
+    from meshlm.model.from_config import model_args, pin_model_shape
     from meshlm.model.hf_config import args_from_hf
     hf_dir, _ = hf_models[family]
     cfg = make_config(model__init_from=f"hf:{hf_dir}")
@@ -334,7 +334,7 @@ def test_trained_in_a_layout_exports_to_transformers(hf_models, pools, tmp_path,
     from harness import train_case
     from meshlm import config as C
     from meshlm.train.convert import load_model
-    from meshlm.layout import pin_model_shape
+    from meshlm.model.from_config import pin_model_shape
     hf_dir, hf = hf_models[family]
     cfg = make_config(model__init_from=f"hf:{hf_dir}", training__steps=2, data__seq_len=64,
                       checkpoint__export_hf="end", checkpoint__export_dtype="fp32", **layout)

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from harness import make_config
 from meshlm.config import ConfigError
-from meshlm.layout import model_args, resolve
+from meshlm.layout import resolve
+from meshlm.model.from_config import model_args
 from meshlm.model import Llama
 from meshlm.model.args import PRESETS
 from meshlm.model.init import init_tensor, materialize

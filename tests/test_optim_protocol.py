@@ -13,7 +13,7 @@ MEMBERS = [n for n, v in vars(Optimizer).items() if callable(v) and not n.starts
 
 def test_protocol_names_what_the_trainer_calls():
     assert set(MEMBERS) == {"set_lr", "step", "param_tensors", "state_bytes", "step_count", "state_storage",
-                            "loaded"}
+                            "loaded", "backing", "close"}
 
 
 @pytest.mark.parametrize("cls", [MasterOptimizer, ZeroOptimizer, NvmeOptimizer], ids=lambda c: c.__name__)

@@ -13,6 +13,7 @@ from meshlm import config as C
 from meshlm.cli import main
 from meshlm.plan import calibrate as K
 from meshlm.plan.estimate import estimate
+from meshlm.plan.hardware import get_gpu
 from meshlm.plan.ops import unit_rates
 from meshlm.plan.spec import PlanError, shape_from_config, spec_from_config
 
@@ -314,3 +315,68 @@ def test_fit_on_core_seconds(tmp_path):
                                                for x in lines) + "\n")
     with pytest.raises(PlanError, match="has no cpu_s"):
         K.fit(str(a), on_core=True)
+
+
+# ---------------------------------------------------------------- a real GPU run (shared H100, 2026-11-25)
+H100_RUN = os.path.join(os.path.dirname(__file__), "data", "h100-run-llama3-1b")
+
+
+def _median_tokens_s(run_dir: str) -> float:
+    """The run's tokens/s per GPU over its logged steps after warm-up, less the profiled one."""
+    import statistics
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        recs = [json.loads(x) for x in f if x.strip()]
+    prof = K.read_profile(run_dir)
+    return statistics.median(r["tokens_per_s"] for r in recs[K.WARMUP_RECORDS:] if r["step"] != prof["step"])
+
+
+def test_gpu_trace_counts_kernels_only():
+    """Device time comes from kernels: compiled-graph wrappers, "Command Buffer Full", aten ops and
+    annotations launch kernels the trace also lists, and an Inductor kernel's launch shares its name."""
+    from meshlm.plan.calibrate_gpu import kernel_category, kernel_seconds
+    prof = K.read_profile(H100_RUN)
+    for host in ("## Call CompiledFxGraph None ##", "Command Buffer Full", "aten::mm", "Optimizer.step#AdamW.step",
+                 "cudaLaunchKernel", "meshlm::swiglu_down", "CompiledFunctionBackward"):
+        assert kernel_category(host) is None
+    assert kernel_category("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NTT") == "gemm"
+    assert kernel_category("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7") == "attention"
+    assert kernel_category("triton_poi_fused__unsafe_view_mul_silu_silu_backward_0") == "elementwise"
+    k = kernel_seconds(prof["ops"])
+    # the GEMM kernels are aten::mm's device time, and all kernels fit in the profiled step's wall time
+    assert k["gemm"] == pytest.approx(prof["ops"]["aten::mm"]["device_s"], rel=0.01)
+    assert 0.9 * prof["wall_s"] < sum(k.values()) < prof["wall_s"]
+
+
+def test_gpu_calibration_predicts_its_run_and_says_it_fits():
+    cal = K.fit(H100_RUN)
+    assert cal.card is not None and cal.card.peak_flops == 989e12  # the run's own peak (metrics peak_flops)
+    assert cal.card.hbm_bytes == get_gpu("h100").hbm_bytes           # and the card's HBM
+    pred = K.predict(cal, K.run_config(H100_RUN), 1)
+    measured = _median_tokens_s(H100_RUN)
+    print(f"calibrated {pred['tokens_per_s_per_gpu']:,.0f} tok/s against the run's median {measured:,.0f}")
+    assert abs(pred["tokens_per_s_per_gpu"] / measured - 1) <= 0.10
+    assert pred["fits"] is True
+    # the fitted efficiencies are physical: no category runs above the card's datasheet
+    assert 0 < cal.card.gemm_ceiling < 1 and 0 < cal.card.hbm_eff < 1 and cal.card.attn_scale < 1.5
+
+
+def test_gpu_run_without_a_trace_keeps_the_card(tmp_path):
+    """Without profile.json a GPU run still prices on its card (peak, HBM): one factor on the three
+    efficiencies, and its own step comes back."""
+    import shutil
+    for f in ("config.toml", "metrics.jsonl"):
+        shutil.copy(os.path.join(H100_RUN, f), tmp_path / f)
+    cal = K.fit(str(tmp_path))
+    assert cal.card is not None and cal.card.hbm_bytes == get_gpu("h100").hbm_bytes
+    pred = K.predict(cal, K.run_config(str(tmp_path)), 1)
+    assert pred["fits"] is True and pred["step_s"] == pytest.approx(K.measured(str(tmp_path)).step_s, rel=0.01)
+
+
+def test_gpu_calibration_prices_another_layout_and_prints_its_rates(capsys):
+    cfg = os.path.join(H100_RUN, "config.toml")
+    assert main(["estimate", "--calibrate", H100_RUN, "--config", cfg, "--gpus", "1", "--model.preset", "llama3-3b",
+                 "--data.seq_len", "8192", "--training.micro_batch", "1", "--training.global_batch", "4"]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    assert "llama3-3b" in out and "seq_len=8192" in out and "fits: yes" in out
+    assert "ceiling 7" in out and "TFLOP/s" in out and "of HBM" in out and "ms per step" in out

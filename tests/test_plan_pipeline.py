@@ -66,9 +66,9 @@ def test_lighter_end_stages_are_searched_and_modelled():
     # the first rank holds the most micro-batches: one block less there shows up in its activations
     first = [estimate(sh, x, gpu)["memory_detail"] for x in (even, light)]
     assert e_light["per_gpu"]["activations"] <= e_even["per_gpu"]["activations"]
-    # the balanced split [9, 9, 8, 6] already has a 9-block stage: a 9-block middle stage sets the
-    # pace of both, so the lighter first stage saves memory at (almost) no time
-    assert e_light["step_s"] == pytest.approx(e_even["step_s"], rel=0.01)
+    # the balanced split [9, 9, 8, 6] already has a 9-block stage, so the lighter first stage costs no
+    # time; it saves some, as the embedding's gradient accumulation no longer sits on a 9-block stage
+    assert e_light["step_s"] <= e_even["step_s"]
     assert first[1]["layers"] == 7 and first[0]["layers"] == 9
     with pytest.raises(PlanError, match="pp_layers"):
         check(sh, dataclasses.replace(even, pp_layers=(8, 8, 8)))

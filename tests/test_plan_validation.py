@@ -1,11 +1,15 @@
 """The planner's validation table (docs/planner.md, "Validation"): predictions of the per-operation
-time model against published and measured runs, each row within 15% in tokens/s per GPU (or 6 MFU
-points), or inside the band docs/planner.md documents together with the assumption that differs.
+time model against published and measured runs. Every row is held to 10% in tokens/s per GPU or 4
+MFU points, and no prediction may be optimistic by more than 10%. A row that still misses is an
+xfail (strict) that says why; no row has a wider range of its own.
 
 Every row sets seq_len explicitly and depends on no preset's max_seq_len. Measured values are copied
-from their sources (named per row); nothing in plan/ is fitted to them.
+from their sources (named per row). `FED` names the rows that a constant of plan/ was read off (with
+the constant); every other row is held out, and held-out and fed rows are asserted alike.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -17,10 +21,12 @@ from meshlm.plan.search import plan
 from meshlm.plan.spec import Shape, Spec
 
 H100 = get_gpu("h100")
+TOL, TOL_MFU = 0.10, 0.04
+SHARED = "shared/gpu/h100-2026-11-25"
 
 
-def _preset(name: str) -> Shape:
-    return Shape(PRESETS[name], name)
+def _preset(name: str, **changes) -> Shape:
+    return Shape(dataclasses.replace(PRESETS[name], **changes) if changes else PRESETS[name], name)
 
 
 def _tok_from_mfu(shape: Shape, seq: int, mfu: float, peak: float) -> float:
@@ -28,27 +34,59 @@ def _tok_from_mfu(shape: Shape, seq: int, mfu: float, peak: float) -> float:
     return mfu * peak / shape.flops_per_token(seq)
 
 
-# ---------------------------------------------------------------------------------------------- rows
-# (name, shape, spec, gpu, options, measured tokens/s per GPU, source, band): band None = met (within 15%
-# in tokens/s or 6 MFU points); otherwise the (low, high) of predicted/measured − 1 that docs/planner.md
-# documents next to the assumption that differs.
-OK = None
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str
+    shape: Shape
+    spec: Spec
+    gpu: object
+    options: Options
+    measured: float          # tokens/s per GPU
+    source: str
+    miss: str = ""           # why the row still misses (it is then an xfail); "" = held to the tolerance
+    mfu_peak: float = 989e12  # the peak its MFU points are read against (the datasheet's)
 
 
-def _meshlm_h100():
+# constant of plan/ -> the rows it was read off (docs/planner.md says how); every other row is held out
+FED = {
+    "estimate.STEP_GAP_S, OPT_KERNEL_BYTES, GRAD_ACCUM_BYTES (the profiled step's kernels)":
+        ("meshlm llama3-1b mb16 selective (meshlm train CLI, profiled)",),
+    "ops.DENSE_MASK_FRACTION (the masked step less the unmasked one)":
+        ("meshlm llama3-1b mb16 selective docmask (dense-mask SDPA)", "meshlm llama3-1b mb16 selective"),
+}
+
+
+def _shared_h100():
+    """shared/gpu/h100-2026-11-25/README.md: one H100 80GB SXM, seq 2048 unless noted, compiled, bf16
+    params and compute with fp32 masters, fused AdamW; SDPA ran cuDNN (the mask: memory-efficient)."""
+    c = Options(compiled=True)
+    return [
+        Row("meshlm llama3-1b mb16 selective", _preset("llama3-1b"), Spec(micro_batch=16, ac="selective"), H100, c,
+            65454, f"{SHARED} bench-llama3-1b-selective.json"),
+        Row("meshlm llama3-1b mb16 none", _preset("llama3-1b"), Spec(micro_batch=16, ac="none"), H100, c, 67011,
+            f"{SHARED} bench-llama3-1b-noac.json"),
+        # the median of steps 3-10 less the profiled 8 (64,450-67,433 logged)
+        Row("meshlm llama3-1b mb16 selective (meshlm train CLI, profiled)", _preset("llama3-1b"),
+            Spec(micro_batch=16, ac="selective"), H100, c, 65160, f"{SHARED} run-llama3-1b/metrics.jsonl"),
+        Row("meshlm llama3-1b mb4 none seq 8192", _preset("llama3-1b"), Spec(micro_batch=4, ac="none", seq_len=8192),
+            H100, c, 55740, f"{SHARED} bench-llama3-1b-seq8192.json"),
+        Row("meshlm llama3-1b mb16 selective docmask (dense-mask SDPA)", _preset("llama3-1b"),
+            Spec(micro_batch=16, ac="selective"), H100, dataclasses.replace(c, attn_mask="dense"), 55157,
+            f"{SHARED} bench-llama3-1b-docmask.json"),
+        Row("meshlm llama3-3b mb4 selective", _preset("llama3-3b"), Spec(micro_batch=4, ac="selective"), H100, c,
+            22591, f"{SHARED} bench-llama3-3b.json"),
+        Row("meshlm deepseek-moe-16b 4 blocks mb8 selective", _preset("deepseek-moe-16b", n_layers=4),
+            Spec(micro_batch=8, ac="selective"), H100, c, 98468, f"{SHARED} bench-deepseek-moe-4blocks.json"),
+    ]
+
+
+def _benchmarks_md():
     """docs/benchmarks.md "GPU (bench/gpu.py)": one H100 80GB SXM, seq 2048, bf16, SDPA picked cuDNN."""
-    rows = []
-    for name, mb, ac, compiled, tok in [("llama3-1b", 16, "selective", True, 66834),
-                                         ("llama3-1b", 8, "none", True, 64823),
-                                         ("llama3-1b", 8, "selective", False, 43066),
-                                         ("llama3-3b", 4, "selective", True, 22748)]:
-        rows.append((f"meshlm {name} mb{mb} {ac} {'compiled' if compiled else 'eager'}", _preset(name),
-                     Spec(micro_batch=mb, ac=ac, seq_len=2048), H100, Options(compiled=compiled), tok,
-                     "docs/benchmarks.md", OK))
-    # small (dim 256): 23.9% MFU measured; the model's GEMMs are HBM-bound at this width
-    rows.append(("meshlm small mb64 none compiled", _preset("small"), Spec(micro_batch=64, ac="none", seq_len=2048),
-                 H100, Options(compiled=True), 3218404, "docs/benchmarks.md", OK))
-    return rows
+    return [Row("meshlm llama3-1b mb8 selective eager", _preset("llama3-1b"), Spec(micro_batch=8, ac="selective"),
+                H100, Options(compiled=False), 43066, "docs/benchmarks.md"),
+            # small (dim 256): 23.9% MFU measured; the model's GEMMs are HBM-bound at this width
+            Row("meshlm small mb64 none compiled", _preset("small"), Spec(micro_batch=64, ac="none"), H100,
+                Options(compiled=True), 3218404, "docs/benchmarks.md")]
 
 
 # torchtitan's selective AC "op" (torchtitan/models/llama/parallelize_llama.py, _apply_ac_to_transformer_block):
@@ -60,32 +98,43 @@ TORCHTITAN_OP_AC = ("wk", "wo", "w3")
 
 
 def _torchtitan():
-    """torchtitan docs/performance.md Table 1: Llama 3.1 8B, 8 H100 96GB HBM2e at 500 W, FSDP, seq 8192,
-    local batch 2, selective (op) AC, bf16; torch's SDPA of Dec. 2024 ran FlashAttention-2."""
+    """torchtitan docs/performance.md Table 1: Llama 3.1 8B, 8 H100 96GB HBM2e at 500 W (the profile of
+    that power limit, hardware.py), FSDP, seq 8192, local batch 2, selective (op) AC, bf16; torch's SDPA
+    of Dec. 2024 ran FlashAttention-2. The host gap per step is meshlm's, not theirs: none is priced."""
     spec = Spec(dp=8, zero=3, zero_group=8, micro_batch=2, ac="op", seq_len=8192)
-    g = get_gpu("h100-96gb")
-    # not met: the 500 W power limit (clock unknown; the model keeps the 700 W peak) - docs/planner.md
-    return [("torchtitan llama3-8b FSDP8 eager", _preset("llama3-8b"), spec, g,
-             Options(compiled=False, attn_kernel="fa2", recompute_gemms=TORCHTITAN_OP_AC), 5762,
-             "torchtitan docs/performance.md", (0.15, 0.35)),
-            ("torchtitan llama3-8b FSDP8 compiled", _preset("llama3-8b"), spec, g,
-             Options(compiled=True, attn_kernel="fa2", recompute_gemms=TORCHTITAN_OP_AC), 6667,
-             "torchtitan docs/performance.md", (0.35, 0.55))]
+    g = get_gpu("h100-500w")
+    o = Options(attn_kernel="fa2", recompute_gemms=TORCHTITAN_OP_AC, step_overhead_s=0.0)
+    return [Row("torchtitan llama3-8b FSDP8 eager", _preset("llama3-8b"), spec, g,
+                dataclasses.replace(o, compiled=False), 5762, "torchtitan docs/performance.md",
+                miss="optimistic by 12%: their eager step has costs this model of meshlm's eager code does not "
+                     "see (FSDP2's per-parameter casts and copies, their own RMSNorm / RoPE kernels)"),
+            Row("torchtitan llama3-8b FSDP8 compiled", _preset("llama3-8b"), spec, g,
+                dataclasses.replace(o, compiled=True), 6667, "torchtitan docs/performance.md",
+                miss="optimistic by 26%: their compile gained 1.16x over eager, the model's fused kernels 1.3x; "
+                     "torchtitan compiles per block without fusing across FSDP2's hooks, which is not priced")]
 
 
 def _llama3_table4():
     """Llama 3 paper (Dubey et al. 2024) Table 4: 405B, TP 8 + SP, PP 16, 16M-token batches, H100 80GB;
-    interleaved v 4, ZeRO-1 over DP, compiled, no AC (docs/planner.md reads the setup)."""
+    interleaved v 4, ZeRO-1 over DP, compiled, no AC (docs/planner.md reads the setup). Meta's host
+    gap per step is not meshlm's: none is priced."""
     sh = _preset("llama3-405b")
     rows = []
-    for gpus, dp, cp, seq, m, mfu, band in [(8192, 64, 1, 8192, 32, 0.43, (0.10, 0.25)),
-                                            (16384, 128, 1, 8192, 16, 0.41, OK),
-                                            (16384, 8, 16, 131072, 16, 0.38, (0.35, 0.55))]:
+    for gpus, dp, cp, seq, m, mfu, miss in [
+            (8192, 64, 1, 8192, 32, 0.43, "optimistic by 14%: Meta's layout at dp 64 (32 micro-batches in "
+             "flight on rank 0) does not fit 80 GB under meshlm's memory model (tests/test_plan_pipeline.py), "
+             "so the run cannot have been the priced layout; what it did instead (recompute, a lighter "
+             "schedule) is not known"),
+            (16384, 128, 1, 8192, 16, 0.41, ""),
+            (16384, 8, 16, 131072, 16, 0.38, "optimistic by 44% against the MFU read with causal attention "
+             "counted in full (meshlm's 6N + 12·L·d·S); the paper does not give its formula, and with causal "
+             "attention counted as half the 38% is 92.9 tok/s and the row is met (+2.5%)")]:
         s = Spec(dp=dp, tp=8, sp=True, pp=16, cp=cp, zero=1, zero_group=dp, pp_schedule="interleaved",
                  pp_virtual=4, micro_batch=1, accum=m, ac="none", precision="bf16", seq_len=seq)
-        assert s.world == gpus
-        rows.append((f"Llama 3 405B {gpus} GPUs cp{cp} seq {seq}", sh, s, H100, Options(compiled=True),
-                     _tok_from_mfu(sh, seq, mfu, H100.peak_flops), "Llama 3 paper Table 4", band))
+        assert s.world == gpus and s.global_batch * seq == 16 * 2 ** 20
+        rows.append(Row(f"Llama 3 405B {gpus} GPUs cp{cp} seq {seq}", sh, s, H100,
+                        Options(compiled=True, step_overhead_s=0.0),
+                        _tok_from_mfu(sh, seq, mfu, H100.peak_flops), "Llama 3 paper Table 4", miss))
     return rows
 
 
@@ -93,7 +142,9 @@ def _llama3_table4():
 # fp16, full recomputation; (name, heads, hidden, layers, tp, pp, gpus, global batch, TFLOP/s per GPU)
 MEGATRON = [("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137), ("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135),
             ("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148), ("1T", 160, 25600, 128, 8, 64, 3072, 3072, 163)]
-MEGATRON_BAND = {"18.4B": (0.10, 0.25)}
+_A100 = ("the A100's GEMM ceiling and attention rates are the H100's measured fractions (hardware.py: no A100 "
+         "measurement here); the rows least bound by the pipeline and communication show it most")
+MEGATRON_MISS = {"1.7B": "optimistic by 12%: " + _A100, "18.4B": "optimistic by 16%: " + _A100}
 
 
 def _megatron_shape(heads: int, h: int, layers: int) -> Shape:
@@ -119,38 +170,51 @@ def _megatron_predicted(name, heads, h, layers, tp, pp, gpus, batch) -> dict:
     if pp > 1:
         fixed.update(pp_schedule="interleaved", micro_batch=1)
     res = plan(_megatron_shape(heads, h, layers), get_gpu("a100-80gb"), gpus, 2048, batch * 2048, "fp16", top=1,
-               fixed=fixed, o=Options(compiled=True, flash=False, attn_dropout=True))
+               fixed=fixed, o=Options(compiled=True, flash=False, attn_dropout=True, step_overhead_s=0.0))
     assert res.ranked, res.reasons
     return res.ranked[0]
 
 
-ROWS = _meshlm_h100() + _torchtitan() + _llama3_table4()
+ROWS = _shared_h100() + _benchmarks_md() + _torchtitan() + _llama3_table4()
 
 
-def _check(name: str, pred: float, meas: float, band: tuple | None, flops_per_token: float, peak: float) -> None:
+def _params(rows):
+    return [pytest.param(r, id=r.name, marks=[pytest.mark.xfail(strict=True, reason=r.miss)] if r.miss else [])
+            for r in rows]
+
+
+def _check(name: str, pred: float, meas: float, flops_per_token: float, peak: float) -> None:
     err = pred / meas - 1
     dmfu = (pred - meas) * flops_per_token / peak
     print(f"{name}: predicted {pred:,.1f} tok/s/GPU, measured {meas:,.1f} ({err:+.1%}, {100 * dmfu:+.1f} MFU points)")
-    if band is None:
-        assert abs(err) <= 0.15 or abs(dmfu) <= 0.06, f"{name}: {err:+.1%}, {100 * dmfu:+.1f} MFU points"
-    else:
-        assert band[0] <= err <= band[1] and not (abs(err) <= 0.15 or abs(dmfu) <= 0.06), \
-            f"{name}: {err:+.1%} outside the documented {band} (or now met: update docs/planner.md)"
+    assert abs(err) <= TOL or abs(dmfu) <= TOL_MFU, f"{name}: {err:+.1%}, {100 * dmfu:+.1f} MFU points"
+    assert err <= TOL, f"{name}: optimistic by {err:+.1%}"
 
 
-@pytest.mark.parametrize("row", ROWS, ids=[r[0] for r in ROWS])
+@pytest.mark.parametrize("row", _params(ROWS))
 def test_validation_row(row):
-    name, sh, spec, gpu, o, measured, _, band = row
-    est = estimate(sh, spec, gpu, o)
-    _check(name, est["tokens_per_s_per_gpu"], measured, band, sh.flops_per_token(spec.seq_len), gpu.peak_flops)
+    est = estimate(row.shape, row.spec, row.gpu, row.options)
+    _check(row.name, est["tokens_per_s_per_gpu"], row.measured, row.shape.flops_per_token(row.spec.seq_len),
+           row.mfu_peak)
 
 
-@pytest.mark.parametrize("row", MEGATRON, ids=[r[0] for r in MEGATRON])
+@pytest.mark.parametrize("row", [pytest.param(r, id=r[0], marks=[pytest.mark.xfail(strict=True, reason=MEGATRON_MISS[r[0]])]
+                                              if r[0] in MEGATRON_MISS else []) for r in MEGATRON])
 def test_validation_megatron(row):
     name, heads, h, layers, tp, pp, gpus, batch, tflops = row
     r = _megatron_predicted(name, heads, h, layers, tp, pp, gpus, batch)
     _check(f"Megatron {name}", r["tokens_per_s_per_gpu"], _megatron_tokens(h, layers, tflops),
-           MEGATRON_BAND.get(name, OK), _megatron_shape(heads, h, layers).flops_per_token(2048), 312e12)
+           _megatron_shape(heads, h, layers).flops_per_token(2048), 312e12)
+
+
+def test_fed_rows_are_in_the_table_and_the_rest_are_held_out():
+    """Every row a constant was read off is a row of the table; the held-out rows are the others (and
+    include rows of every source)."""
+    names = {r.name for r in ROWS}
+    fed = {n for rows in FED.values() for n in rows}
+    assert fed <= names
+    held_out = [r for r in ROWS if r.name not in fed]
+    assert {r.source.split()[0] for r in held_out} >= {SHARED, "torchtitan", "Llama", "docs/benchmarks.md"}
 
 
 def test_compile_and_size_move_the_prediction_as_measured():

@@ -58,7 +58,7 @@ def test_predicted_state_bytes_match_measured(pools, name, world, overrides):
 def test_planner_tp_traffic_matches_runtime_count(sp, ac):
     """The planner's TP collectives per step equal the runtime's count and bytes (verified byte for byte
     against Comm's books in test_tp), every kind."""
-    from meshlm.layout import model_args
+    from meshlm.model.from_config import model_args
     from meshlm.plan.volume import tp_step_bytes as expected_bytes
     from meshlm.plan.comm import collectives
 
@@ -97,7 +97,8 @@ def activation_task(cfg_dict: dict) -> int:
 
     from meshlm import config as C
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.layout import model_args, resolve
+    from meshlm.layout import resolve
+    from meshlm.model.from_config import model_args
     from meshlm.model import Llama
     from meshlm.parallel import parallelize
     from meshlm.train.saved import saved_bytes
@@ -143,7 +144,7 @@ def _local(task, cfg):
 def test_planner_cp_traffic_matches_runtime_count(impl, ac, kv):
     """The planner's CP bytes per step equal the runtime's formula (checked against Comm's books in
     test_cp.test_cp_bytes_match_theory), for cp = 4."""
-    from meshlm.layout import model_args
+    from meshlm.model.from_config import model_args
     from meshlm.plan.volume import cp_step_bytes as expected_bytes
     from meshlm.plan.comm import collectives
 

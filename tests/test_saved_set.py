@@ -5,7 +5,7 @@ from harness import make_config
 from test_tp import activation_task
 
 from meshlm import config as C
-from meshlm.layout import model_args
+from meshlm.model.from_config import model_args
 from meshlm.plan.memory import minimal_block_bytes
 
 SHAPE = {"model__dim": 128, "model__n_layers": 2, "model__n_heads": 8, "model__n_kv_heads": 2,

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from harness import assert_same_losses, make_config, read_metrics, reference, run_layout, run_local, train_case
 from meshlm import config as C
 from meshlm.config import ConfigError
-from meshlm.layout import model_args, resolve
+from meshlm.layout import resolve
+from meshlm.model.from_config import model_args
 
 FP32 = 1e-5
 

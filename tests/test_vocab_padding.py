@@ -95,7 +95,7 @@ def test_padding_at_tp1_never_changes_the_loss(tied):
 def shapes_task(cfg_dict: dict):
     """This rank's embedding and head shapes after parallelize."""
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.layout import model_args
+    from meshlm.model.from_config import model_args
     from meshlm.model import Llama
     from meshlm.parallel import parallelize
     from meshlm.train.optim import MasterOptimizer

@@ -17,7 +17,8 @@ from harness import (
 
 from meshlm import config as C
 from meshlm.config import ConfigError
-from meshlm.layout import model_args, resolve
+from meshlm.layout import resolve
+from meshlm.model.from_config import model_args
 from meshlm.plan.memory import state_bytes_per_param, zero_state_bytes
 
 FP32 = 1e-5

@@ -173,7 +173,7 @@ def secondary_bytes(cfg_dict: dict) -> tuple:
 def test_hpz_secondary_memory_is_psi_over_k(pools):
     """hpZ's extra memory, measured from the live secondary shards after a forward and backward: 1/K of
     every unit (p·Ψ/K plus padding, what the planner's `hpz_secondary` buffer counts), gone after the step."""
-    from meshlm.layout import model_args
+    from meshlm.model.from_config import model_args
     from meshlm.plan.memory import state_bytes_per_param
 
     cfg = make_config(parallel__dp=4, parallel__zero=3, parallel__hpz_group=2)

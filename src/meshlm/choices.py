@@ -1,4 +1,4 @@
-"""Every enumerated configuration value, in one place: the config checks (layout.resolve), the
+"""Every enumerated configuration value, in one place: the config checks (config.py), the
 runtime (parallelize, the trainer) and the planner all read these lists, so a value exists everywhere
 or nowhere. A pipeline schedule is listed here only once it has a runtime (pipeline/schedules.py
 asserts that its registry is exactly this list), so an unimplemented name gets the same one-line
@@ -6,7 +6,8 @@ refusal as any unknown value. Pure Python: the planner imports it without torch.
 """
 from __future__ import annotations
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+FP8_RECIPES = ("tensorwise", "rowwise")  # torchao float8 recipe names (training.fp8_recipe)
 AC_MODES = ("none", "op", "selective", "full")  # in order of recompute cost (the planner's search)
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 PP_TAKES_VIRTUAL = ("interleaved", "zbv")
@@ -14,10 +15,15 @@ PP_V_SHAPED = ("zbv",)  # two chunks per rank placed in a V (pipeline/actions.py
 OFFLOAD = ("none", "optimizer", "nvme")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 CP_IMPLS = ("ring", "ulysses")
+ATTN_IMPLS = ("auto", "sdpa", "flex")  # model.attn_impl; auto resolves in layout.attn_kernel
 ZERO_STAGES = (0, 1, 2, 3)
+SPIKE_ACTIONS = ("skip", "rollback")  # training.spike_action
+ELASTIC = ("fail", "replan")  # parallel.elastic
+EXPORT_DTYPES = ("bf16", "fp32")  # checkpoint.export_dtype
 
 # Bytes per element of each dtype name (activations, reductions, parameters).
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES["fp8"] = 2  # fp8 training holds bf16 parameters and activations; only the matmuls cast
 # torch attribute of each dtype name (`torch_dtype` looks it up; torch is imported only there).
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -27,6 +33,12 @@ def choose(value, allowed, key: str, error: type[Exception] = ValueError):
     if value not in allowed:
         raise error(f"{key}: '{value}' is not one of {', '.join(map(str, allowed))}")
     return value
+
+
+def param_dtype(precision: str) -> str:
+    """The dtype parameters and activations are held in: fp8 training is bf16 with its block linears'
+    matmuls in float8 (parallel/float8.py)."""
+    return "bf16" if precision == "fp8" else precision
 
 
 def torch_dtype(name: str):

@@ -14,7 +14,8 @@ def _fail(msg: str, code: int = 2) -> int:
 
 def cmd_train(args, extra: list[str]) -> int:
     from . import config as C
-    from .layout import check_data, device_defaults, pin_model_shape
+    from .layout import device_defaults
+    from .model.from_config import check_init_weights, pin_model_shape
     from .plan.auto import resolve
     from .train.launch import incidents, record_error, spawn, under_launcher, worker_errors
 
@@ -34,14 +35,17 @@ def cmd_train(args, extra: list[str]) -> int:
         if worker and args.max_restarts and not args.worker:
             raise C.ConfigError("--max-restarts: under torchrun pass torchrun's own --max-restarts")
         restarts, gpu = None, None
-        if worker:  # the world group forms and agrees on the job's restart count before the layout
-            from .distributed.mesh import join_world, pick_device  # (docs/fault_tolerance.md, "Growing back")
+        in_process = worker or not (world > 1 or args.max_restarts)  # this process trains: its layout is final
+        if in_process:
+            from .distributed.mesh import join_world, pick_device
             from .train.metrics import device_profile
             device = pick_device(cfg.training.device)
-            restarts = join_world(device, cfg.parallel.timeout_s)
-            gpu = device_profile(device)  # auto / replan choose for this device, as the trainer does
+            gpu = device_profile(device)  # auto / replan choose for the device that trains
+            if worker:  # the world group forms and agrees on the job's restart count before the layout
+                restarts = join_world(device, cfg.parallel.timeout_s)  # (docs/fault_tolerance.md, "Growing back")
         layout = resolve(cfg, world, gpu, restarts=restarts or 0)
-        check_data(cfg)
+        check_init_weights(cfg)
+        cfg.data.check_files()
         from .train.wandb_sink import check as check_wandb
         check_wandb(cfg)
         from .parallel.zero.nvme import preflight as offload_preflight
@@ -77,7 +81,7 @@ def cmd_train(args, extra: list[str]) -> int:
         return code and _fail(f"training failed (exit {code}); worker logs in {run_dir}/logs", code)
     from .train.trainer import run
     try:
-        last = run(cfg, run_dir, restarts)
+        last = run(cfg, run_dir, restarts, layout)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         prefix = f"rank {os.environ.get('RANK', '0')}: "
@@ -100,7 +104,7 @@ SAMPLE_MAX_PARAMS = 50e6  # a greedy line from a model this small takes a second
 def _print_sample(cfg, run_dir: str) -> None:
     """A small model's greedy continuation of "def " from the newest checkpoint, so the user sees what
     it learnt without asking (README, quick start); larger models and runs without a checkpoint: none."""
-    from .layout import model_args
+    from .model.from_config import model_args
     from .train.checkpoint import list_checkpoints
     if model_args(cfg).num_params() > SAMPLE_MAX_PARAMS or not list_checkpoints(os.path.join(run_dir, "checkpoints")):
         return

@@ -1,7 +1,8 @@
 """Configuration: one dataclass per section, loaded from TOML, overridden by `--section.key value`.
 
-Everything that can be checked without starting a worker is checked here (`validate`), so a bad run
-fails in the parent process with one line naming the key and the reason.
+Each section checks its own keys (`check`, beside the keys it checks; `Config.check` runs them all);
+what depends on the world size or the model shape is checked by layout.resolve. Every check runs in the
+parent process before any worker starts, so a bad run fails with one line naming the key and the reason.
 """
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import sys
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
+from .choices import (AC_MODES, CP_IMPLS, ELASTIC, EXPORT_DTYPES, FP8_RECIPES, OFFLOAD, PP_SCHEDULES, PRECISIONS,
+                      REDUCE_DTYPES, SPIKE_ACTIONS, ZERO_STAGES, choose)
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -20,6 +24,15 @@ else:  # pragma: no cover
 
 class ConfigError(ValueError):
     """A configuration problem; its message is one line that names the key."""
+
+
+class LayoutError(ConfigError):
+    """A parallel layout or batch split that does not fit the world size or the model (layout.resolve's
+    checks that need both): another layout can fix it, so parallel.elastic = "replan" may replace it."""
+
+
+def _choice(value, allowed, key: str) -> None:
+    choose(value, allowed, key, ConfigError)
 
 
 @dataclass
@@ -63,6 +76,7 @@ class ModelConfig:
     qk_norm: bool | None = None       # per-head q/k RMSNorm (Qwen3)
     vocab_multiple: int = 128  # embedding/head rows padded to a multiple of this × tp; 1: no padding
     init_from: str = ""  # "hf:DIR": start from a Hugging Face model (shape from its config.json)
+    attn_impl: str = "auto"  # auto: flex with data.document_mask (cp = 1), else sdpa (choices.ATTN_IMPLS)
     moe: MoEConfig = field(default_factory=MoEConfig)
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
 
@@ -75,6 +89,32 @@ class DataConfig:
     tokenizer: str = "bytes"
     seq_len: int = 256
     document_mask: bool = False  # attention never crosses a document boundary inside a window
+
+    def check(self, cfg: Config) -> None:
+        if self.seq_len < 1:
+            raise ConfigError(f"data.seq_len: must be >= 1, got {self.seq_len}")
+        if self.document_mask and cfg.parallel.cp > 1:
+            raise ConfigError("data.document_mask: not available with context parallelism (cp > 1) yet: the ring "
+                              "and Ulysses cores take no mask")
+        if self.mix and self.path:
+            raise ConfigError("data.mix: give data.path or data.mix, not both")
+
+    def check_files(self) -> None:
+        """Missing data or an unreadable tokenizer (the files, not only the keys): before workers start."""
+        for key, path in [("data.path", self.path)] * bool(self.path) + [("data.mix", p) for p, _ in self.mix]:
+            if not os.path.exists(path):
+                raise ConfigError(f"{key}: no such directory: {path}")
+            if not os.path.isfile(os.path.join(path, "index.json")):
+                raise ConfigError(f"{key}: {path} has no index.json (run `meshlm prepare` first)")
+        if self.tokenizer != "bytes":
+            if not os.path.isfile(self.tokenizer):
+                raise ConfigError(f"data.tokenizer: cannot read tokenizer file {self.tokenizer}")
+            try:
+                from tokenizers import Tokenizer
+                Tokenizer.from_file(self.tokenizer)
+            except Exception as e:  # noqa: BLE001 - any failure means unusable
+                raise ConfigError(f"data.tokenizer: cannot read tokenizer {self.tokenizer}: "
+                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
 @dataclass
@@ -107,6 +147,31 @@ class ParallelConfig:
     auto: bool = False  # the planner picks every key above and training.micro_batch / ac (plan/auto.py)
     elastic: str = "fail"  # after a resize: "fail" if the layout does not fit the new world, "replan"
 
+    def check(self, cfg: Config) -> None:
+        """The keys alone; the degrees against the world and the model: layout.resolve."""
+        _choice(self.pp_schedule, PP_SCHEDULES, "parallel.pp_schedule")
+        _choice(self.offload, OFFLOAD, "parallel.offload")
+        _choice(self.reduce_dtype, REDUCE_DTYPES, "parallel.reduce_dtype")
+        _choice(self.cp_impl, CP_IMPLS, "parallel.cp_impl")
+        for key in ("tp", "pp", "cp", "ep", "pp_virtual"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"parallel.{key}: must be >= 1, got {getattr(self, key)}")
+        _choice(self.zero, ZERO_STAGES, "parallel.zero")
+        if self.offload != "none" and self.zero < 1:
+            raise ConfigError(f"parallel.offload: {self.offload} offload needs a ZeRO stage that shards the "
+                              f"optimizer (zero >= 1)")
+        if self.offload == "nvme" and not self.offload_dir:
+            raise ConfigError('parallel.offload_dir: offload = "nvme" needs a directory for the optimizer state files')
+        if self.offload == "nvme" and not self.offload_buffer_mb > 0:
+            raise ConfigError(f"parallel.offload_buffer_mb: must be > 0, got {self.offload_buffer_mb}")
+        if self.zero_group and self.zero == 0:
+            raise ConfigError("parallel.zero_group: HSDP groups need a ZeRO stage (zero >= 1)")
+        _choice(self.elastic, ELASTIC, "parallel.elastic")
+        hb = self.heartbeat_s
+        if hb < 0 or 0 < hb < 3:
+            raise ConfigError(f"parallel.heartbeat_s: must be 0 (off) or >= 3 s (stamps go out every second), "
+                              f"got {hb}")
+
 
 @dataclass
 class TrainingConfig:
@@ -114,6 +179,8 @@ class TrainingConfig:
     global_batch: int = 8
     micro_batch: int = 8
     precision: str = "auto"  # auto: bf16 (fp32 masters) on a GPU with bf16, fp32 on a CPU (resolve_auto)
+    fp8_recipe: str = "tensorwise"  # precision = "fp8": torchao's float8 scaling (tensorwise, rowwise)
+    fp8_emulate: bool = False  # precision = "fp8" without float8 hardware (CPU tests): torchao's emulation
     ac: str = "none"
     seed: int = 0
     clip: float = 1.0
@@ -125,6 +192,26 @@ class TrainingConfig:
     spike_zscore: float = 0.0  # > 0: a loss / grad norm this many σ above the window is a spike (train/spike.py)
     spike_window: int = 100  # steps the spike statistics look back over
     spike_action: str = "skip"  # skip (drop the update) or rollback (newest checkpoint before it)
+    loss_chunks: int = 0  # > 0: output head + loss over this many token chunks, logits never whole
+
+    def check(self, cfg: Config) -> None:
+        _choice(self.precision, PRECISIONS, "training.precision")
+        _choice(self.fp8_recipe, FP8_RECIPES, "training.fp8_recipe")
+        _choice(self.ac, AC_MODES, "training.ac")
+        if self.steps < 0:
+            raise ConfigError(f"training.steps: must be >= 0, got {self.steps}")
+        if self.peak_tflops < 0:
+            raise ConfigError(f"training.peak_tflops: must be >= 0 (0 = datasheet or measured), got {self.peak_tflops}")
+        # loss spikes (docs/fault_tolerance.md)
+        if self.spike_zscore < 0:
+            raise ConfigError(f"training.spike_zscore: must be >= 0 (0 = off), got {self.spike_zscore}")
+        if self.spike_window < 2:
+            raise ConfigError(f"training.spike_window: must be >= 2 steps, got {self.spike_window}")
+        _choice(self.spike_action, SPIKE_ACTIONS, "training.spike_action")
+        if self.spike_zscore and self.spike_action == "rollback" and not cfg.checkpoint.every:
+            raise ConfigError('training.spike_action: "rollback" needs checkpoints (set checkpoint.every)')
+        if self.loss_chunks < 0:
+            raise ConfigError(f"training.loss_chunks: must be >= 0 (0 = whole logits), got {self.loss_chunks}")
 
 
 @dataclass
@@ -148,6 +235,23 @@ class CheckpointConfig:
     export_hf: int | str = ""  # "": off, "end": a transformers directory after the last step, N: also every N steps
     export_dtype: str = "bf16"  # bf16 or fp32: the dtype of the exported safetensors
 
+    def check(self, cfg: Config) -> None:
+        if isinstance(self.every, str):
+            if self.every != "auto":
+                raise ConfigError(f"checkpoint.every: expected a step count or \"auto\", got '{self.every}'")
+            if not self.mtbf_hours or self.mtbf_hours <= 0:
+                raise ConfigError("checkpoint.mtbf_hours: checkpoint.every = \"auto\" needs the job's mean time "
+                                  "between failures in hours (> 0)")
+        elif self.every < 0:
+            raise ConfigError(f"checkpoint.every: must be >= 0 or \"auto\", got {self.every}")
+        if self.mtbf_hours < 0:
+            raise ConfigError(f"checkpoint.mtbf_hours: must be >= 0, got {self.mtbf_hours}")
+        if isinstance(self.export_hf, str) and self.export_hf not in ("", "end") or \
+                not isinstance(self.export_hf, str) and self.export_hf < 1:
+            raise ConfigError(f"checkpoint.export_hf: expected \"\" (off), \"end\" or a step count >= 1, "
+                              f"got '{self.export_hf}'")
+        _choice(self.export_dtype, EXPORT_DTYPES, "checkpoint.export_dtype")
+
 
 @dataclass
 class MetricsConfig:
@@ -162,6 +266,15 @@ class MetricsConfig:
     wandb_run: str = ""  # run name; empty: the run directory's name
     wandb_entity: str = ""  # team or user; empty: wandb's default
 
+    def check(self, cfg: Config) -> None:
+        if not self.straggler_factor > 1:
+            raise ConfigError(f"metrics.straggler_factor: must be > 1, got {self.straggler_factor}")
+        if self.straggler_steps < 0:
+            raise ConfigError(f"metrics.straggler_steps: must be >= 0 (0 = off), got {self.straggler_steps}")
+        if not 0 <= self.profile_step <= cfg.training.steps:  # train/metrics.StepProfiler
+            raise ConfigError(f"metrics.profile_step: expected 0 (off) or a step in 1..{cfg.training.steps}, got "
+                              f"{self.profile_step}")
+
 
 @dataclass
 class Config:
@@ -172,6 +285,13 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def check(self) -> None:
+        """Every section's own checks (the model section's: model.from_config.model_args)."""
+        for f in fields(self):
+            section = getattr(self, f.name)
+            if hasattr(section, "check"):
+                section.check(self)
 
 
 # TOML keys that are Python keywords get a trailing underscore in the dataclass.
@@ -188,7 +308,7 @@ def _coerce(value: Any, current: Any, typ: Any, where: str) -> Any:
     t = str(typ)
     if value is None and "None" in t:
         return None
-    if t == "int | str":  # a count or a word (checkpoint.every = "auto"), checked by layout.resolve
+    if t == "int | str":  # a count or a word (checkpoint.every = "auto"), checked by CheckpointConfig.check
         try:
             return int(value) if not isinstance(value, bool) else value
         except (TypeError, ValueError):

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, asdict
 
+ROPE_TYPES = ("default", "linear", "llama3")  # the values of ModelArgs.rope_type (model/llama.py rope_frequencies)
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -38,6 +40,7 @@ class ModelArgs:
     moe_every: int = 1            # every k-th block (after the dense ones) is a MoE block
     moe_first_dense: int = 0      # leading blocks that keep the dense FFN (DeepSeek's first_k_dense)
     aux_loss_coef: float = 0.01   # weight of each MoE block's load-balancing loss
+    attn_kernel: str = "sdpa"     # sdpa or flex (FlexAttention with a block mask); model.attn_impl resolved
 
     @property
     def moe(self) -> bool:

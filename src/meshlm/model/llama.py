@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .args import ModelArgs
+from .args import ROPE_TYPES, ModelArgs
 from .feed_forward import FeedForward
 from .moe import MoE
+from .flex import flex_attend, flex_block_mask
 from .ops import rms_norm
 
 
@@ -30,9 +31,6 @@ class RMSNorm(nn.Module):
     def gain(self) -> torch.Tensor:
         """The weight as the forward uses it (sequence parallelism wraps it to sum its gradient)."""
         return self.weight
-
-
-ROPE_TYPES = ("default", "linear", "llama3")
 
 
 class HeadRMSNorm(RMSNorm):
@@ -85,11 +83,20 @@ def document_mask(docs: torch.Tensor) -> torch.Tensor:
     return (docs[:, None, :, None] == docs[:, None, None, :]) & causal
 
 
+def attention_mask(kernel: str, docs: torch.Tensor | None, seq: int, device: torch.device):
+    """The mask every block of one forward shares: None (causal SDPA), the dense document mask (SDPA),
+    or a FlexAttention BlockMask (causal, and inside one document when `docs` is given)."""
+    if kernel == "flex":
+        return flex_block_mask(docs, seq, device)
+    return None if docs is None else document_mask(docs)
+
+
 class AttentionCore(nn.Module):
     """The softmax(QK^T)V part alone, a module so selective checkpointing can wrap just it."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+        if mask is not None and not isinstance(mask, torch.Tensor):  # a BlockMask (model.attn_impl = flex)
+            return flex_attend(q, k, v, mask)
         # Grouped-query attention: SDPA shares each kv head across its q heads without copying them.
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                               enable_gqa=k.shape[1] != q.shape[1])
@@ -144,7 +151,7 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """forward(tokens [B, S]) -> logits [B, S, V].
+    """forward(tokens [B, S]) -> logits [B, S, V] (the final norm's output [B, S, dim] when `head_in_loss`).
 
     A pipeline stage sets `tok_embeddings`, `norm` or `output` to None and drops blocks; it then takes
     or returns hidden states [B, S, dim] instead.
@@ -160,6 +167,9 @@ class Llama(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # True: forward ends at the final norm and the loss calls `output` with the targets
+        # (training.loss_chunks: the head's logits are made chunk by chunk inside the loss)
+        self.head_in_loss = False
 
     def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         # Kept out of the state dict and the parameter list: it is derived, never trained or saved.
@@ -186,7 +196,8 @@ class Llama(nn.Module):
             cos, sin = cos[: h.shape[1]], sin[: h.shape[1]]
         else:
             cos, sin = cos[positions], sin[positions]
-        mask = None if docs is None else document_mask(docs)
+        # cos covers the positions attention sees (under SP more than this rank's shard of h)
+        mask = None if cache is not None else attention_mask(self.args.attn_kernel, docs, cos.shape[0], h.device)
         for key in self.layers if blocks is None else blocks:
             if cache is not None:
                 h = self.layers[key](h, cos, sin, cache.layers[key])
@@ -195,5 +206,7 @@ class Llama(nn.Module):
         if cache is not None:
             cache.advance(x.shape[1])
         if head:
-            h = self.output(self.norm(h))
+            h = self.norm(h)
+            if not self.head_in_loss:
+                h = self.output(h)
         return h

@@ -19,9 +19,10 @@ from ..choices import AC_MODES, choose
 from ..model.ops import eager_under_compile
 
 _aten = torch.ops.aten
-# The ops whose outputs `op` mode keeps: matmuls and attention kernels (whichever SDPA picks).
+# The ops whose outputs `op` mode keeps: matmuls (_scaled_mm: fp8's float8 GEMMs) and attention kernels
+# (whichever SDPA picks).
 SAVED_OPS = frozenset(getattr(_aten, n).default for n in (
-    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
     if hasattr(_aten, n))
 

@@ -3,9 +3,12 @@ device. Shared by train/optim.MasterOptimizer (whole tensors) and zero/'s ZeroOp
 NvmeOptimizer (this rank's flat shards), so that one process and ZeRO run the same arithmetic."""
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from .zero.nvme import FileRange
 
 
 class Optimizer(Protocol):
@@ -34,6 +37,13 @@ class Optimizer(Protocol):
 
     def loaded(self, step: int) -> None:
         """`state_storage` was filled from a checkpoint: set the step count, publish the masters."""
+
+    def backing(self, name: str, kind: str) -> FileRange | None:
+        """Where a meta tensor of `state_storage` lives (offload = "nvme": a stretch of a state file that
+        checkpoints read and write through); None for optimizers whose state is in memory."""
+
+    def close(self) -> None:
+        """Release what outlives the run otherwise (nvme: the scratch files); nothing for the others."""
 
 
 def fused_adamw_supported(device: torch.device | str) -> bool:

@@ -19,16 +19,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..choices import torch_dtype
+from ..choices import param_dtype, torch_dtype
 from ..config import Config
 from ..distributed.mesh import ParallelContext
 from ..layout import Layout
 from ..model.init import canonical_name, init_source, materialize
 from .activation_checkpoint import apply_ac
+from .chunked_loss import chunked_loss, head_in_loss
 from .adamw import Optimizer
 from .context_parallel import ContextParallel, apply_context_parallel
 from .data_parallel import GradBuckets
 from .expert_parallel import MoEStats, apply_expert_parallel, share_tokens_over_cp
+from .float8 import convert_to_float8
 from .grad_sync import GradSync, Reduction
 from .moe_plan import model_plan_for
 from .pipeline.build import attach as attach_pipeline, split_model
@@ -122,18 +124,23 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
     if layout.cp > 1 and model.args.moe:
         share_tokens_over_cp(model, ctx.comm("cp"), plan)
     apply_ac(model, cfg.training.ac, plan)
+    # training.loss_chunks: the head moves into the loss (before TP, which hooks the head it finds)
+    loss_head = head_in_loss(model, plan, cfg.training.loss_chunks) if cfg.training.loss_chunks else None
     sp = cfg.parallel.sp and layout.tp > 1
     cp = (apply_context_parallel(model, ctx.comm("cp"), cfg.parallel.cp_impl, plan, sp) if layout.cp > 1
           else None)
     # tp > 1: every tensor-parallel split (vocab-parallel, padded); tp = 1: only the vocabulary padding, if any
-    tp = (apply_tensor_parallel(model, ctx.comm("tp"), cfg.parallel.sp, plan, table, cp and cp.split)
+    tp = (apply_tensor_parallel(model, ctx.comm("tp"), cfg.parallel.sp, plan, table, cp and cp.split,
+                                fuse_entry=cfg.training.precision != "fp8")
           if layout.tp > 1 else pad_vocab(model, ctx.comm("tp"), plan, table))
     split = {fqn: table[canonical_name(fqn)] for fqn, _ in model.named_parameters()
              if table[canonical_name(fqn)].splits}
-    materialize(model, cfg.training.seed, ctx.device, dtype=torch_dtype(cfg.training.precision),
+    materialize(model, cfg.training.seed, ctx.device, dtype=torch_dtype(param_dtype(cfg.training.precision)),
                 full_shapes={f: pl.full_shape for f, pl in split.items()},
                 slicers={f: pl.to_local for f, pl in split.items()},
                 source=init_source(cfg.model.init_from, model.args))  # model.init_from = "hf:DIR"
+    if cfg.training.precision == "fp8":  # after TP and materialize: each linear holds its local shard
+        convert_to_float8(model, plan, cfg.training.fp8_recipe, cfg.training.fp8_emulate)
     # op-level AC over a TP block: the region holds Comm's collectives, whose byte accounting dynamo will
     # not trace inside a checkpoint; such blocks stay eager (the policy then counts exactly what it keeps)
     if cfg.training.compile and not (cfg.training.ac == "op" and layout.tp > 1):
@@ -171,6 +178,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
         par.loss_fn = partial(cross_entropy, vocab=model.args.vocab_size)  # drops padded logits, if any
         if cfg.training.compile:  # the vocab-parallel loss has collectives inside; the plain one fuses well
             par.loss_fn = torch.compile(par.loss_fn, dynamic=False)
+    if loss_head is not None:
+        par.loss_fn = chunked_loss(loss_head, tp and tp.vocab, ctx.comm("tp") if layout.tp > 1 else None,
+                                   cfg.training.compile)
     if pipe is not None:
         attach_pipeline(par, pipe, ctx, cfg, layout, plan)
     return par

@@ -30,6 +30,7 @@ from ..distributed.functional import all_to_all, copy_to, reduce_from
 from ..model.moe import BALANCE, CALLS, DROPPED, MoE
 from ..model.ops import eager_under_compile
 from .placement import DimSplit
+from .swap import swap_in
 
 
 class ParallelMoE(MoE):
@@ -78,12 +79,12 @@ class ParallelMoE(MoE):
         return super().aux_scale() * self.aux_share
 
 
-def parallel_moe(m: MoE) -> ParallelMoE:
-    """`m` as a ParallelMoE (swapped in place once; each dimension then sets its own field)."""
-    if not isinstance(m, ParallelMoE):
-        m.__class__ = ParallelMoE
-        m.ep_comm, m.ep_split, m.token_comm, m.aux_share = None, None, None, 1.0
-    return m
+def parallel_moe(model: nn.Module, m: MoE) -> ParallelMoE:
+    """`m` in its ParallelMoE form, seated in `model` by the first dimension that asks; each dimension
+    then sets its own field."""
+    if isinstance(m, ParallelMoE):
+        return m
+    return swap_in(model, m, ParallelMoE, ep_comm=None, ep_split=None, token_comm=None, aux_share=1.0)
 
 
 def apply_expert_parallel(model: nn.Module, comm: Comm, plan, table, experts: set[str]) -> None:
@@ -94,14 +95,14 @@ def apply_expert_parallel(model: nn.Module, comm: Comm, plan, table, experts: se
         if name in experts:
             table.update(name, lambda pl: pl.split(split))
     for m in plan.moe_layers(model).values():
-        m = parallel_moe(m)
+        m = parallel_moe(model, m)
         m.ep_comm, m.ep_split = comm, split
 
 
 def share_tokens_over_cp(model: nn.Module, comm: Comm, plan) -> None:
     """Context parallelism: the balance term sums over `comm` (ParallelMoE.token_totals)."""
     for m in plan.moe_layers(model).values():
-        parallel_moe(m).token_comm = comm
+        parallel_moe(model, m).token_comm = comm
 
 
 class MoEStats:

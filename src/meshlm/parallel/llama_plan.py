@@ -103,6 +103,11 @@ class LlamaModelPlan:
             out.append(TPRegion(fqn, mod, lins))
         return out
 
+    def float8_linears(self, model: nn.Module) -> list[str]:
+        """The linears fp8 training multiplies in float8 (parallel/float8.py): every block's attention and
+        feed-forward projections, the TP regions' nn.Linear weights; the head stays bf16."""
+        return [lin.fqn for r in self.tp_regions(model) for lin in r.linears if lin.param == "weight"]
+
     def tp_extra(self, model: nn.Module, comm) -> None:
         """Module changes TP needs beyond the regions (none for a dense Llama; moe_plan.py)."""
 

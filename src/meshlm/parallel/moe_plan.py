@@ -19,6 +19,7 @@ from ..model.init import canonical_name
 from ..model.moe import MoE
 from .expert_parallel import parallel_moe
 from .llama_plan import LlamaModelPlan, TPLinear, TPRegion, UnitSpec
+from .swap import swap_in
 from .tensor_parallel import SumGradLinear
 
 
@@ -48,11 +49,10 @@ class MoEModelPlan(LlamaModelPlan):
         return out
 
     def tp_extra(self, model: nn.Module, comm) -> None:
-        for m in model.modules():
-            if isinstance(m, MoE) and comm.size > 1:
-                m.router.__class__ = SumGradLinear
-                m.router.tp_comm = comm
-                parallel_moe(m).aux_share = 1.0 / comm.size
+        for m in [m for m in model.modules() if isinstance(m, MoE)] if comm.size > 1 else []:
+            m = parallel_moe(model, m)
+            m.aux_share = 1.0 / comm.size
+            swap_in(model, m.router, SumGradLinear, tp_comm=comm)
 
     # -- ZeRO ----------------------------------------------------------------------------------
     def zero_units(self, model: nn.Module, split_tied: bool) -> tuple[list[UnitSpec], list[UnitSpec]]:

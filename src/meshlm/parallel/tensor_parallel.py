@@ -32,6 +32,8 @@ from ..layout import check_shape
 from ..model.args import padded_vocab
 from ..model.init import canonical_name
 from .placement import DimSplit
+from .chunked_loss import LossHead
+from .swap import swap_in
 from .vocab_parallel import VocabParallelEmbedding, VocabParallelLoss
 
 
@@ -51,11 +53,12 @@ def _summed_gain_class(cls: type) -> type:
     return type(f"SummedGain{cls.__name__}", (_SummedGain, cls), {})
 
 
-def sum_gain_grad(mod: nn.Module, comm: Comm) -> None:
-    """Swap `mod` (any norm class with `gain()`) for its `_SummedGain` form over `comm`."""
-    if not isinstance(mod, _SummedGain):
-        mod.__class__ = _summed_gain_class(type(mod))
-    mod.tp_comm = comm
+def sum_gain_grad(model: nn.Module, mod: nn.Module, comm: Comm) -> None:
+    """Seat `mod` (any norm class with `gain()`) in `model` in its `_SummedGain` form over `comm`."""
+    if isinstance(mod, _SummedGain):
+        mod.tp_comm = comm
+    else:
+        swap_in(model, mod, _summed_gain_class(type(mod)), tp_comm=comm)
 
 
 def _bias(mod: nn.Module) -> torch.Tensor | None:
@@ -78,14 +81,12 @@ class _ColumnGroup:
     them at once on the gathered input (`gather_linears`: only the sequence shard is saved, and
     backward gathers it again); the others hand back their share."""
 
-    def __init__(self, linears: list[nn.Module], comm: Comm):
-        self.linears, self.comm = linears, comm
+    def __init__(self, model: nn.Module, linears: list[nn.Module], comm: Comm):
+        self.comm = comm
         self.x: torch.Tensor | None = None
         self.outs: list = []
-        for slot, mod in enumerate(linears):
-            rep = getattr(mod, "tp_rep", 1)
-            mod.__class__ = GatheredLinear
-            mod.tp_comm, mod.tp_rep, mod.group, mod.slot = comm, rep, self, slot
+        self.linears = [swap_in(model, mod, GatheredLinear, tp_comm=comm, tp_rep=getattr(mod, "tp_rep", 1),
+                                group=self, slot=slot) for slot, mod in enumerate(linears)]
 
     def output(self, x: torch.Tensor, slot: int) -> torch.Tensor:
         if self.x is not x or self.outs[slot] is None:
@@ -97,10 +98,9 @@ class _ColumnGroup:
         return out
 
 
-class GatheredLinear(nn.Linear):
-    """A column-parallel linear under SP that takes the sequence shard (see `_ColumnGroup`)."""
-    tp_comm: Comm
-    tp_rep: int
+class GatheredLinear(ReplicatedKVLinear):
+    """A column-parallel linear under SP that takes the sequence shard (see `_ColumnGroup`); extends
+    ReplicatedKVLinear so that a replicated kv projection may take this form too (tp_rep = 1 otherwise)."""
     group: _ColumnGroup
     slot: int
 
@@ -143,10 +143,13 @@ def _split(table, fqn: str, dim: int, size: int, comm: Comm, rep: int = 1, padde
         table.update(name, lambda pl: pl.replicate(comm.name, r % rep))
 
 
-def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table, cp_split=None) -> TensorParallel:
+def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table, cp_split=None,
+                          fuse_entry: bool = True) -> TensorParallel:
     """Module swaps, hooks and placement records on a meta-device model (activation checkpointing may
     already wrap its blocks). `plan` names the regions, linears and norms (parallel/llama_plan.py);
-    `cp_split`: context parallelism's split, composed into SP's positions hook."""
+    `cp_split`: context parallelism's split, composed into SP's positions hook. `fuse_entry` = False
+    keeps the blocks' column-parallel linears plain nn.Linear under SP (a hook gathers the region's
+    input instead), so fp8 can convert them (parallel/float8.py)."""
     args, t = model.args, comm.size
     check_shape(args, t, 1, 1)  # layout.resolve reports these before workers start
     tp = TensorParallel(comm=comm, sp=sp, vocab=_vocab_rows(model, comm, plan, table))
@@ -161,7 +164,7 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table, c
     def leave_hook(module, inputs, output):
         return leave(output)
 
-    split = set()
+    split, seated = set(), {}
     for region in plan.tp_regions(model):
         for lin in region.linears:
             rep = kv_rep if lin.kv else 1
@@ -175,17 +178,17 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table, c
                 _split(table, f"{lin.fqn}.bias", 0, lin.size, comm, rep)
                 split.add(canonical_name(f"{lin.fqn}.bias"))
             if rep > 1:
-                lin.module.__class__ = ReplicatedKVLinear
-                lin.module.tp_comm, lin.module.tp_rep = comm, rep
-        if sp and region.fused_entry:  # the entry's all-gather is fused into the column-parallel linears
-            _ColumnGroup([lin.module for lin in region.linears if lin.style == "rows"], comm)
+                seated[lin.fqn] = swap_in(model, lin.module, ReplicatedKVLinear, tp_comm=comm, tp_rep=rep)
+        if sp and region.fused_entry and fuse_entry:  # the entry's all-gather is fused into the column-parallel linears
+            _ColumnGroup(model, [seated.get(lin.fqn, lin.module) for lin in region.linears if lin.style == "rows"],
+                         comm)
         else:
             region.module.register_forward_pre_hook(enter_hook)
         region.module.register_forward_hook(leave_hook)
     for mod in plan.norms(model) if sp else []:
-        sum_gain_grad(mod, comm)
+        sum_gain_grad(model, mod, comm)
     for mod in plan.head_norms(model):  # replicated over tp (never split): gradients summed
-        sum_gain_grad(mod, comm)
+        sum_gain_grad(model, mod, comm)
     plan.tp_extra(model, comm)
     split |= {n for n in plan.vocab_params() if n in table}
     _vocab_parallel(model, tp, plan, enter_hook)
@@ -224,8 +227,8 @@ def _vocab_parallel(model: nn.Module, tp: TensorParallel, plan, enter_hook) -> N
     if emb is not None:
         plan.set_embedding(model, VocabParallelEmbedding(emb.weight, comm, tp.vocab.start, tp.sp))
     if head is not None:
-        if tp.sp:
-            _ColumnGroup([head], comm)
+        if tp.sp and not isinstance(head, LossHead):  # a loss head chunks tokens: it takes them gathered
+            _ColumnGroup(model, [head], comm)
         else:
             head.register_forward_pre_hook(enter_hook)
 

@@ -12,13 +12,13 @@ import dataclasses
 import os
 
 from .. import config as C
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, LayoutError
 from ..layout import Layout
 from ..layout import resolve as resolve_layout
 from .estimate import Options
 from .hardware import GB, GPU, get_gpu
 from .search import plan
-from .spec import PlanError, Shape, Spec, shape_from_config, to_config
+from .spec import PlanError, Shape, Spec, code_options, shape_from_config, to_config
 
 # A CPU has no profile: the host's RAM is its memory, its measured matmul peak (training.peak_tflops,
 # else 0.1 TFLOP/s, assumed) its compute, gloo over loopback its links (1 GB/s, assumed). The choice
@@ -43,8 +43,8 @@ def choose(cfg: Config, world: int, gpu: GPU | None = None, o: Options | None = 
     cfg = C.resolve_auto(dataclasses.replace(cfg), cuda=gpu is not None)  # training.precision / compile "auto"
     if gpu is None:
         gpu = cpu_profile(cfg.training.peak_tflops)
-        o = o or Options(efficiency=CPU_EFFICIENCY, compiled=bool(cfg.training.compile))
-    o = o or Options(compiled=bool(cfg.training.compile))
+        o = o or Options(efficiency=CPU_EFFICIENCY, **code_options(cfg))
+    o = o or Options(**code_options(cfg))
     shape: Shape = shape_from_config(cfg)
     seq, G = cfg.data.seq_len, cfg.training.global_batch
     try:
@@ -88,10 +88,10 @@ def resolve(cfg: Config, world: int, gpu: GPU | None = None, restarts: int = 0) 
         return resolve_layout(cfg, world)
     try:
         return resolve_layout(cfg, world)
-    except ConfigError as e:
-        if cfg.parallel.elastic != "replan" or not _layout_error(str(e)):
-            if cfg.parallel.elastic == "fail" and _layout_error(str(e)) and restarts > 0:
-                raise ConfigError(f"{e} (after an elastic resize to {world} ranks; parallel.elastic = "
+    except LayoutError as e:
+        if cfg.parallel.elastic != "replan":
+            if cfg.parallel.elastic == "fail" and restarts > 0:
+                raise LayoutError(f"{e} (after an elastic resize to {world} ranks; parallel.elastic = "
                                   f"\"replan\" lets the planner pick a layout that fits)") from None
             raise
         before = _short(cfg)
@@ -104,11 +104,6 @@ def resolve(cfg: Config, world: int, gpu: GPU | None = None, restarts: int = 0) 
         cfg.training = new.training
         cfg.auto_record = dict(record, replanned_from=before, reason=str(e))
         return resolve_layout(cfg, world)
-
-
-def _layout_error(msg: str) -> bool:
-    """A ConfigError about the parallel degrees or the batch split (what another layout can fix)."""
-    return msg.startswith(("parallel", "training.global_batch", "training.micro_batch", "--nproc"))
 
 
 def _short(cfg: Config) -> str:

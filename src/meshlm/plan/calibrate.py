@@ -24,6 +24,9 @@ autograd engine); each category's rate is the planner's work of that category fo
 then costs its own work at those rates (ops.Rates): GEMMs shrink with tp, norms, dispatch and the
 per-step overhead do not (docs/planner.md, "Calibration from a run").
 
+A run on a GPU (its profile.json says "cuda") is fitted by calibrate_gpu.py instead: the card's own
+profile with its GEMM ceiling, attention factor and HBM efficiency fitted to the kernels of the trace.
+
 A link probe beside the run (RUN_DIR/link_probe.json: all-reduces of several sizes, bench/calibrate.py)
 gives the fixed cost of a collective call, which the run's own collectives (one bucket and a few scalars
 per step) cannot separate from the bandwidth; without one the GPU profile's per-call latency stays.
@@ -38,9 +41,9 @@ import statistics
 from .. import config as C
 from .comm import LATENCY_S, latency as call_latency
 from .estimate import Options, estimate
-from .hardware import GB, GPU, get_gpu
+from .hardware import GB, GPU, get_gpu, profile_of_device
 from .ops import Rates, unit_rates
-from .spec import PlanError, shape_from_config, spec_from_config
+from .spec import PlanError, code_options, shape_from_config, spec_from_config
 
 WARMUP_RECORDS = 2  # the first logged steps include compilation, allocator growth and pool start-up
 REF_TFLOPS = 1.0    # the rate at which the link's bytes are read off the model (any works)
@@ -63,6 +66,8 @@ class Calibration:
     # from a link probe beside the run (None without one: the profile's per-call latency, comm.LATENCY_S)
     latency_s: float | None = None       # seconds per collective call, wall, one rank per core
     latency_core_s: float | None = None  # of which on a core (the rest waits for the peer)
+    # a GPU run (calibrate_gpu.py): the card with its fitted efficiencies; overhead_s and split as above
+    card: GPU | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -78,6 +83,8 @@ class Measured:
     cores: int | None        # cores the process could run on
     available: float | None  # rank 0's seconds on a core / seconds runnable (CPU runs that logged it)
     cpu_s: float | None = None  # rank 0's seconds on a core per step, all its threads (CPU runs)
+    peak_label: str | None = None   # the device the run's MFU was read against (metrics `peak_label`)
+    peak_flops: float | None = None
 
 
 def _records(run_dir: str, skip: int = 0) -> list[dict]:
@@ -106,7 +113,8 @@ def measured(run_dir: str) -> Measured:
     timed = [r for r in recs if r.get("cpu_s") is not None and r.get("wait_s") is not None]
     avail = statistics.median(r["cpu_s"] / max(r["cpu_s"] + r["wait_s"], 1e-12) for r in timed) if timed else None
     cpu = statistics.median(r["cpu_s"] for r in timed) if timed else None
-    return Measured(step, comm, last.get("world"), last.get("threads"), last.get("cores"), avail, cpu)
+    return Measured(step, comm, last.get("world"), last.get("threads"), last.get("cores"), avail, cpu,
+                    last.get("peak_label"), last.get("peak_flops"))
 
 
 # ------------------------------------------------------------------ the profiler trace of one step
@@ -298,6 +306,11 @@ def fit(run_dir: str, cores: int | None = None, load: float | None = 0.0, trace:
     the core time the run actually got whatever other programs took (bench/calibrate.py's check)."""
     cfg = run_config(run_dir)
     m = measured(run_dir)
+    prof = read_profile(run_dir) if trace else None
+    if prof is not None and prof.get("device") == "cuda":
+        return _fit_gpu(run_dir, cfg, m, prof)
+    if (prof is None or not trace) and not m.cores and profile_of_device(m.peak_label or "") is not None:
+        return _fit_gpu(run_dir, cfg, m, None)  # a GPU run without a trace: the card, one factor
     if on_core:
         if m.cpu_s is None:
             raise PlanError(f"--calibrate: {run_dir}/metrics.jsonl has no cpu_s (seconds on a core per step)")
@@ -330,7 +343,6 @@ def fit(run_dir: str, cores: int | None = None, load: float | None = 0.0, trace:
         lo, hi = (mid, hi) if predict(mid, link)["step_s"] > m.step_s else (lo, mid)
     cal = Calibration(lo, link, cores, os.path.abspath(run_dir), load,
                       latency_s=probe[0] if probe else None, latency_core_s=probe[1] if probe else None)
-    prof = read_profile(run_dir) if trace else None
     if prof is None:
         return cal
     # per category: the planner's work of the run's own layout over the seconds the trace gave it
@@ -348,6 +360,17 @@ def fit(run_dir: str, cores: int | None = None, load: float | None = 0.0, trace:
         cal, gemm_flops=gemm, attn_flops=rate("attention", gemm), ew_bytes_s=rate("bytes", 1e300),
         dispatch_s=split["dispatch"] * share / w["dispatch"] if w["dispatch"] > 0 else 0.0,
         overhead_s=split["overhead"] * share, split=split)
+
+
+def _fit_gpu(run_dir: str, cfg: C.Config, m: Measured, prof: dict | None) -> Calibration:
+    """One rank per GPU: the card's efficiencies from the kernels of the profiled step (calibrate_gpu)."""
+    from .calibrate_gpu import fit_card
+    world = _world(run_dir, cfg, m)
+    gpu, overhead, split = fit_card(shape_from_config(cfg), spec_from_config(cfg, world), bool(cfg.training.compile),
+                                    m.step_s, prof, m.peak_label, m.peak_flops)
+    link = gpu.nvlink_bw  # the card's; a one-GPU run measures no link
+    return Calibration(gpu.peak_flops, link, 0, os.path.abspath(run_dir), overhead_s=overhead, split=split,
+                       card=gpu)
 
 
 def _rated(rates: Rates, compiled: bool) -> Options:
@@ -370,6 +393,8 @@ def device_and_options(cal: Calibration, ranks: int, compiled: bool = False,
                        threads: int | None = None) -> tuple[GPU, Options]:
     """The GPU profile and Options that price a layout of `ranks` ranks on the calibrated machine
     (`threads` per rank: default what `meshlm train --nproc` gives them)."""
+    if cal.card is not None:
+        return cal.card, Options(compiled=compiled, step_overhead_s=cal.overhead_s)
     probe = None if cal.latency_s is None else (cal.latency_s, cal.latency_core_s or 0.0)
     gpu = cpu_device(cal.rate_flops, cal.link_bytes_s, ranks, cal.cores, threads, cal.load, probe)
     if cal.gemm_flops is None:
@@ -382,6 +407,7 @@ def device_and_options(cal: Calibration, ranks: int, compiled: bool = False,
 def predict(cal: Calibration, cfg: C.Config, ranks: int, threads: int | None = None) -> dict:
     """The planner's estimate of `cfg` on `ranks` ranks of the calibrated machine."""
     gpu, o = device_and_options(cal, ranks, bool(cfg.training.compile), threads)
+    o = dataclasses.replace(o, **code_options(cfg))
     return estimate(shape_from_config(cfg), spec_from_config(cfg, ranks), gpu, o)
 
 
@@ -389,6 +415,8 @@ def rate_sources(cal: Calibration, ranks: int, threads: int | None = None) -> tu
     """What `meshlm estimate --calibrate` says of its numbers: a line naming the run and the cores each
     of this layout's ranks keeps busy, and per step category (estimate.step_categories) the rate fitted
     from the run that priced it. Categories left out (the bubble) are the model's own."""
+    if cal.card is not None:
+        return _gpu_sources(cal)
     share = core_share(ranks, cal.cores, threads, cal.load)
     where = (f"{cal.cores} cores shared by {ranks} ranks: {share:.2f} of a core each" if cal.cores
              else "one device per rank")
@@ -412,3 +440,24 @@ def rate_sources(cal: Calibration, ranks: int, threads: int | None = None) -> tu
                  optimizer=f"at the fitted {bw}", recompute="at the fitted rates",
                  overhead=f"{cal.overhead_s:.3g} s per step{unit}, fitted")
     return line, notes
+
+
+def _gpu_sources(cal: Calibration) -> tuple[str, dict]:
+    """rate_sources for a GPU run: the card, and each category's fitted efficiency and kernel seconds."""
+    g, ms = cal.card, {k: v * 1e3 for k, v in (cal.split or {}).items()}
+    line = (f"calibrated from {cal.source}: {g.name}, peak {g.peak_flops / 1e12:.0f} TFLOP/s and "
+            f"{g.hbm_bytes / GB:.1f} GB HBM of the card; efficiencies fitted to the CUDA kernels of its profiled step")
+    bw = f"{g.hbm_eff * g.hbm_bw / 1e12:.2f} TB/s ({g.hbm_eff:.2f} of HBM)"
+    if not cal.split:
+        return line.replace("fitted to the CUDA kernels of its profiled step", "scaled by one factor to its "
+                            "median step (no profile.json)"), {"overhead": "in the one factor"}
+    return line, {"gemm": f"ceiling {g.gemm_ceiling * g.peak_flops / 1e12:.0f} TFLOP/s ({g.gemm_ceiling:.3f} of peak), "
+                          f"fitted to {ms.get('gemm', 0):.1f} ms of GEMM kernels",
+                  "attention": f"{g.attn_scale:.3f} x the kernel table, fitted to {ms.get('attention', 0):.1f} ms "
+                               f"of attention kernels",
+                  "elementwise": f"{bw}, fitted to {ms.get('elementwise', 0):.1f} ms of other kernels",
+                  "loss": f"at the fitted {bw}", "grad_accum": f"at the fitted {bw}",
+                  "optimizer": f"at the fitted {bw}", "recompute": "at the fitted rates",
+                  "launch": "the card's launch cost (not fitted: kernels hide it)",
+                  "overhead": f"{cal.overhead_s * 1e3:.1f} ms per step: median step less the kernels",
+                  "comm": "the card's links (a one-GPU run measures none)"}

@@ -6,6 +6,7 @@ config can be estimated as it is. Bad input prints one line on stderr and return
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -15,7 +16,7 @@ from .goodput import Resilience, describe as describe_goodput, goodput
 from .hardware import GIB, HardwareError, describe, get_gpu, names
 from .ops import KERNELS
 from .search import PlanError, parse_fix, plan
-from .spec import Shape, presets, shape_from_config, spec_from_config, to_config
+from .spec import Shape, code_options, presets, shape_from_config, spec_from_config, to_config
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -67,7 +68,7 @@ def add_parsers(subparsers) -> None:
     _hardware_flags(p, gpu_required=True)
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: config data.seq_len, else the model's pretraining context: max_seq_len, or rope_scaling's original_max_position_embeddings)")
     p.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (default 4Mi)")
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32", "fp8"))
     p.add_argument("--top", type=int, default=10, help="how many layouts to print (default %(default)s)")
     p.add_argument("--explain", action="store_true", help="also say why the other layouts were discarded")
     p.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
@@ -96,7 +97,7 @@ def _options(args, cfg) -> Options:
     if (args.efficiency is not None and not 0 < args.efficiency <= 1) or not 0 < args.comm_efficiency <= 1:
         raise PlanError("--efficiency / --comm-efficiency: must be in (0, 1]")
     return Options(efficiency=args.efficiency, comm_efficiency=args.comm_efficiency, flash=not args.no_flash,
-                   compiled=bool(cfg.training.compile), attn_kernel=args.attn_kernel)
+                   attn_kernel=args.attn_kernel, **code_options(cfg))
 
 
 def _gpu(args):
@@ -114,7 +115,8 @@ def _device(args, cfg, ranks: int):
         if args.gpu:
             raise PlanError("--calibrate: leave out --gpu (the run's machine is the device)")
         cal = fit(args.calibrate)
-        return (*device_and_options(cal, ranks, bool(cfg.training.compile)), cal)
+        gpu, o = device_and_options(cal, ranks, bool(cfg.training.compile))
+        return gpu, dataclasses.replace(o, **code_options(cfg)), cal
     return _gpu(args), _options(args, cfg), None
 
 

@@ -5,7 +5,7 @@ Time model, per step on the slowest pipeline stage:
   step   = m · slot · (1 + bubble) + exposed per-step communication + optimizer (+ offload)
 Compute time comes from the per-operation model (plan/ops.py: GEMMs by shape, attention by kernel,
 element-wise work at HBM bandwidth, launches), or with `efficiency` set from FLOPs / (peak ×
-efficiency) as before issue 23. Overlap: TP and EP traffic is exposed (it sits on
+efficiency) (the flat model). Overlap: TP and EP traffic is exposed (it sits on
 the critical path of every block); PP sends overlap the next micro-batch except on the fill and drain
 path; ring-CP hides behind the attention kernels; ZeRO-3 gathers hide
 behind the forward/backward they prefetch for, ZeRO-2/3 reduce-scatters behind the backward, plain
@@ -43,6 +43,13 @@ class Options:
     # ac = "op" under another framework's policy: the block matmuls (wq wk wv wo w1 w3 w2) whose outputs
     # it does not keep, so the recompute runs them again (meshlm's own "op" keeps every one)
     recompute_gemms: tuple = ()
+    # how the attention is masked (ops.StageWork.attn_mask): causal; dense = SDPA with a document mask
+    # (data.document_mask under model.attn_impl = "sdpa"); flex = a BlockMask (attn_impl "flex", or
+    # "auto" with the document mask); doc_tokens: mean document length flex skips blocks by (0: unknown)
+    attn_mask: str = "causal"
+    doc_tokens: int = 0
+    loss_chunks: int = 0           # training.loss_chunks: logits of one chunk alive at a time (0: off)
+    step_overhead_s: float | None = None  # GPU idle per step outside every kernel (None: STEP_GAP_S)
 
     def usable(self, gpu: GPU | None) -> float | None:
         return None if gpu is None else gpu.hbm_bytes * self.mem_fraction - self.reserve_gib * GIB
@@ -90,7 +97,7 @@ def _v_shaped(schedule: str) -> bool:
 
 @lru_cache(maxsize=4096)
 def bubble_simulated(schedule: str, p: int, m: int, v: int, f: float, b: float, w: float) -> float | None:
-    """The same ratio from the schedule simulator (issue #5), or None when it cannot run this case.
+    """The same ratio from the schedule simulator, or None when it cannot run this case.
     With equal stage costs it reproduces the formulas; it matters for zb-h1, whose bubble depends on
     the F : B : W ratio, and as a cross-check (tests/test_plan.py)."""
     sim = _simulator()
@@ -107,6 +114,39 @@ def bubble_simulated(schedule: str, p: int, m: int, v: int, f: float, b: float, 
 
 
 # ---------------------------------------------------------------------------------- compute
+
+# Bytes per parameter the kernels of one optimizer step move, after the profiled step of the shared
+# H100 run (shared/gpu/h100-2026-11-25/run-llama3-1b/profile.json, kernel name: measured ms for 1.236e9
+# parameters; at 0.85 of 3.35 TB/s the bytes below take within 10% of each): clipping's norm reads
+# the fp32 gradient (LpNorm multi_tensor_apply: 4 B, 1.87 ms) and its scaling reads and writes it
+# (TensorListMetadata<1> mul: 8 B, 3.66 ms); fused AdamW reads and writes master, m and v and reads the
+# gradient (FusedOptimizerTensorListMetadata<4>: 28 B, 13.2 ms); the compute copy is written from the
+# master (TensorListMetadata<2> copy: 4 + 2 B, 2.73 ms); the gradients are zeroed for the next step
+# (FillFunctor<float>: 4 B, 1.57 ms). fp32 (the master is the parameter) has no copy.
+# The GPU's idle time per step between kernels (host launches, the optimizer's and the clip's host work):
+# the shared H100 run's median step (0.5029 s, metrics.jsonl steps 3-10 less the profiled 8) less the
+# kernel time of its profiled step (0.4903 s). Taken as the trainer's, on any GPU.
+STEP_GAP_S = 0.5029 - 0.4903
+OPT_KERNEL_BYTES = {"norm": 4, "clip": 8, "adamw": 28, "copy": 6, "zero_grad": 4}
+# Gradient accumulation: each micro-batch's bf16 gradient is added into the fp32 buffer, every
+# parameter including experts no token reached (CUDAFunctor_add<float>: read 4 + 4, write 4; 5.71 ms
+# for 1.236e9 parameters in the same profile; 9.65 ms for deepseek-moe's 2.27e9, bench-deepseek-moe-4blocks)
+GRAD_ACCUM_BYTES = 12
+
+
+def optimizer_bytes_per_param(precision: str) -> float:
+    b = sum(OPT_KERNEL_BYTES.values())
+    return b - OPT_KERNEL_BYTES["copy"] if precision == "fp32" else b
+
+
+def grad_accum_seconds(params: float, bw: float) -> float:
+    return params * GRAD_ACCUM_BYTES / bw
+
+
+def _bandwidth(gpu: GPU, o: Options) -> float:
+    """Element-wise bytes/s of the per-operation model: a calibrated machine's, else HBM × hbm_eff."""
+    return o.rates.ew_bytes_s if o.rates is not None else gpu.hbm_bw * gpu.hbm_eff
+
 
 def fwd_flops_per_token(shape: Shape, s: Spec, layers: int, head: bool) -> tuple[float, float]:
     """(forward FLOPs per local token on one rank of the stage, of which attention scores·values)."""
@@ -146,9 +186,10 @@ def micro_times(shape: Shape, tp: int, sp: bool, ep: int, cp: int, seq_len: int,
     """t_f, t_b, t_rc, t_attn (and `ops`, the per-operation breakdown) of one micro-batch on one rank."""
     tokens = micro_batch * seq_len / cp
     if o.efficiency is None:
-        from .ops import stage_compute
-        return stage_compute(shape, tp, sp, ep, seq_len, cp, layers, head, tokens, ac, precision, gpu,
-                             o.compiled, o.flash, o.attn_kernel, o.attn_dropout, o.rates, o.recompute_gemms)
+        from .ops import StageWork, stage_compute
+        return stage_compute(StageWork(shape, tp, sp, ep, seq_len, cp, layers, head, tokens, ac, precision,
+                                       o.compiled, o.flash, o.attn_kernel, o.attn_dropout, o.recompute_gemms,
+                                       o.attn_mask, o.doc_tokens, o.loss_chunks), gpu, o.rates)
     t_f, t_b, t_rc, t_attn = compute_times(shape, tp, seq_len, layers, head, tokens, ac,
                                            gpu.peak(precision) * o.efficiency, o.block_overhead_s)
     return {"t_f": t_f, "t_b": t_b, "t_rc": t_rc, "t_attn": t_attn, "ops": None}
@@ -161,6 +202,11 @@ def _stage_time(shape: Shape, s: Spec, stage: str, gpu: GPU, o: Options) -> dict
     mt = micro_times(shape, s.tp, s.sp, s.ep, s.cp, s.seq_len, sp.layers, sp.head, s.micro_batch, ac,
                      s.precision, gpu, o)
     t_f, t_b, t_rc, t_attn = mt["t_f"], mt["t_b"], mt["t_rc"], mt["t_attn"]
+    ops = mt["ops"]
+    if ops is not None:  # per-operation model: gradients accumulate into the fp32 buffer every micro-batch
+        acc = grad_accum_seconds(sp.dense + sp.expert, _bandwidth(gpu, o))
+        ops = dict(ops, grad_accum_s=acc)
+        t_b += acc
     colls = C.collectives(shape, s, sp.dense, sp.expert, sp.layers, sp.embed, sp.head, gpu, o.comm_efficiency)
     m = s.accum
     windows = {"forward": m * t_f, "backward": m * (t_b + t_rc), "attention": m * t_attn}
@@ -189,7 +235,7 @@ def _stage_time(shape: Shape, s: Spec, stage: str, gpu: GPU, o: Options) -> dict
         else:
             exposed_mb += exposed
     return {"t_f": t_f, "t_b": t_b, "t_rc": t_rc, "exposed_mb": exposed_mb, "exposed_step": exposed_step,
-            "collectives": colls, "params": sp, "ops": mt["ops"]}
+            "collectives": colls, "params": sp, "ops": ops}
 
 
 def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | None = None) -> dict:
@@ -225,11 +271,14 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
         # write-behind threads overlap that with the host's staging and AdamW (docs/zero.md)
         io_s = 12 * shard / gpu.disk_read_bw + 12 * shard / gpu.disk_write_bw
         offload_s = max(io_s, shard * (gb + pb) / gpu.pcie_bw + shard / gpu.cpu_adam_params_per_s)
+    elif o.efficiency is not None:  # the flat model: read and write the state, read the gradient once
+        opt_s = shard * (2 * ob + gb + (pb if s.precision != "fp32" else 0)) / gpu.hbm_bw
     else:
-        flat = o.efficiency is not None
-        bw = o.rates.ew_bytes_s if o.rates is not None else gpu.hbm_bw * (1.0 if flat else gpu.hbm_eff)
-        opt_s = shard * (2 * ob + gb * (1 if flat else 2) + (pb if s.precision != "fp32" else 0)) / bw
-    overhead_s = o.rates.step_overhead_s if o.rates is not None and o.efficiency is None else 0.0
+        opt_s = shard * optimizer_bytes_per_param(s.precision) / _bandwidth(gpu, o)
+    overhead_s = 0.0
+    if o.efficiency is None:
+        overhead_s = o.rates.step_overhead_s if o.rates is not None else \
+            STEP_GAP_S if o.step_overhead_s is None else o.step_overhead_s
     step = busy * (1 + bubble) + step_exposed + opt_s + offload_s + overhead_s
     tokens = s.global_batch * s.seq_len
     model_flops = shape.flops_per_token(s.seq_len) * tokens
@@ -282,7 +331,8 @@ def estimate(shape: Shape, s: Spec, gpu: GPU | None = None, o: Options | None = 
     if validate:
         check(shape, s)
     stages = pipeline_roles(s.pp)
-    mems = [stage_memory(shape, s, st, o.flash, o.attn_math_bytes, compiled=o.compiled) for st in stages]
+    mems = [stage_memory(shape, s, st, o.flash, o.attn_math_bytes, compiled=o.compiled, loss_chunks=o.loss_chunks,
+                         attn_mask=o.attn_mask) for st in stages]
     worst = max(mems, key=lambda x: x["total"])
     usable = o.usable(gpu)
     out = {
@@ -308,5 +358,6 @@ def estimate(shape: Shape, s: Spec, gpu: GPU | None = None, o: Options | None = 
 def quick(shape: Shape, s: Spec, gpu: GPU, o: Options) -> tuple[float, float]:
     """(worst-rank bytes, predicted step seconds) with the bubble formula: what the search ranks by."""
     stages = pipeline_roles(s.pp)
-    total = max(stage_memory(shape, s, st, o.flash, o.attn_math_bytes, compiled=o.compiled)["total"] for st in stages)
+    total = max(stage_memory(shape, s, st, o.flash, o.attn_math_bytes, compiled=o.compiled,
+                             loss_chunks=o.loss_chunks, attn_mask=o.attn_mask)["total"] for st in stages)
     return total, time_model(shape, s, gpu, o, simulate=False)["step_s"]

@@ -37,18 +37,25 @@ class GPU:
     disk_write_bw: float = 3.5 * GB
     # Per-operation time model (plan/ops.py). Defaults are the H100 SXM's:
     sms: int = 132                 # streaming multiprocessors (NVIDIA H100 whitepaper: 132 on SXM5)
-    gemm_ceiling: float = 0.80     # large bf16 GEMM / peak: 792 of 989 TFLOP/s measured, 8192³ cuBLAS on
-    #                                the H100 of docs/benchmarks.md
+    gemm_ceiling: float = 0.775    # large bf16 GEMM / peak: 767 of 989 TFLOP/s, 8192³ cuBLAS on one H100 SXM
+    #                                (shared/gpu/h100-2026-11-25/ceilings.json, square8192)
+    # fp8 e4m3 GEMM (torch._scaled_mm, tensorwise scales) / bf16 GEMM of the same shape: the least of the
+    # six shapes of ceilings.json (1.58-1.81x; 8b-w13 is the least), so an fp8 estimate is not optimistic
+    fp8_gemm_speedup: float = 1.58
     hbm_eff: float = 0.85          # achieved / datasheet HBM bandwidth: fused AdamW moved 30 B × 1.24e9
     #                                params in 13 ms = 2.86 of 3.35 TB/s (profiled step, docs/benchmarks.md)
-    launch_eager_s: float = 10e-6  # host dispatch per eager PyTorch op with autograd (assumed; a GPU run
-    #                                calibrates it: meshlm plan --calibrate)
-    launch_compiled_s: float = 5e-6  # per inductor-generated kernel launch (assumed, calibrated likewise)
+    launch_eager_s: float = 10e-6  # host dispatch per eager PyTorch op with autograd (assumed; on a compiled
+    #                                GPU step the kernels hide it, so a calibration does not fit it)
+    launch_compiled_s: float = 5e-6  # per inductor-generated kernel launch (assumed likewise)
     arch: str = "hopper"           # which attention-kernel table applies (plan/ops.py)
     link_latency_s: float | None = None  # fixed cost per collective call; None: comm.LATENCY_S (NVLink /
     #                                IB); a calibrated CPU sets what a probe of its collectives measured
 
+    attn_scale: float = 1.0        # achieved / table attention rate; a calibration from a GPU run fits it
+
     def peak(self, precision: str) -> float:
+        """The dense peak MFU is reported against: fp8 runs report against the bf16 peak (the blocks'
+        GEMMs run faster, see fp8_gemm_speedup, but the output head and attention stay bf16)."""
         return self.peak_flops * (self.fp32_ratio if precision == "fp32" else 1.0)
 
 
@@ -56,9 +63,14 @@ PROFILES: dict[str, GPU] = {
     "h100-sxm-80gb": GPU("H100-SXM-80GB", 989e12, 81559 * 2 ** 20, 3.35e12, 450 * GB, 50 * GB, 8, 50 * GB),
     "h200": GPU("H200", 989e12, 143771 * 2 ** 20, 4.8e12, 450 * GB, 50 * GB, 8, 50 * GB),
     # Grand Teton H100 as torchtitan benchmarks it (docs/performance.md there): 96 GB HBM2e at 2.4 TB/s,
-    # 400 Gb/s RDMA per GPU, 500 W power limit (the planner keeps the 700 W datasheet peak: no source
-    # gives the clock at 500 W; docs/planner.md names it as the assumption behind that row)
+    # 400 Gb/s RDMA per GPU; at its 500 W power limit it is h100-96gb-500w below
     "h100-96gb": GPU("H100-96GB-HBM2e", 989e12, 96e9, 2.4e12, 450 * GB, 50 * GB, 8, 50 * GB),
+    # the same card at the 500 W power limit torchtitan ran it at: the tensor-core clock a power limit
+    # leaves is in no datasheet, so the peak is read off two datasheets of the same 132-SM GH100 die:
+    # H100 NVL at 400 W, 835 TFLOP/s dense bf16 (1,671 with sparsity), and H100 SXM at 700 W, 989; linear
+    # in the power limit between the two -> 886 TFLOP/s at 500 W (an interpolation, not a measurement)
+    "h100-96gb-500w": GPU("H100-96GB-HBM2e-500W", 835e12 + (989e12 - 835e12) * (500 - 400) / (700 - 400), 96e9,
+                          2.4e12, 450 * GB, 50 * GB, 8, 50 * GB),
     # A100: 108 SMs (NVIDIA A100 whitepaper); the GEMM ceiling is the H100's measured fraction (assumed:
     # no A100 measurement in this repository)
     # DGX A100: 4 × 3.84 TB U.2 data drives for 8 GPUs (DGX A100 user guide), half a drive per GPU
@@ -69,7 +81,11 @@ PROFILES: dict[str, GPU] = {
     "b200": GPU("B200", 2250e12, 183359 * 2 ** 20, 8.0e12, 900 * GB, 50 * GB, 8, 50 * GB, sms=148),
 }
 ALIASES = {"h100": "h100-sxm-80gb", "h100-sxm": "h100-sxm-80gb", "a100": "a100-80gb",
-           "a100-80": "a100-80gb", "a100-40": "a100-40gb"}
+           "a100-80": "a100-80gb", "a100-40": "a100-40gb", "h100-500w": "h100-96gb-500w"}
+# torch.cuda.get_device_name() -> profile, for runs that logged their device (metrics `peak_label`)
+DEVICE_NAMES = (("H100 80GB HBM3", "h100-sxm-80gb"), ("H100 SXM", "h100-sxm-80gb"), ("H200", "h200"),
+                ("A100-SXM4-80GB", "a100-80gb"), ("A100 80GB", "a100-80gb"), ("A100-SXM4-40GB", "a100-40gb"),
+                ("B200", "b200"))
 
 # Command-line flag -> (GPU field, multiplier from the flag's unit to SI bytes or FLOP/s).
 FLAG_FIELDS = {
@@ -125,6 +141,14 @@ def get_gpu(name: str | None, **overrides) -> GPU | None:
             raise HardwareError(f"--{flag.replace('_', '-')}: must be positive, got {value}")
         changes[field] = int(value) if field == "gpus_per_node" else float(value) * unit
     return dataclasses.replace(base, **changes)
+
+
+def profile_of_device(label: str) -> GPU | None:
+    """The profile of a CUDA device name (as metrics' peak_label starts), or None for an unknown one."""
+    for key, name in DEVICE_NAMES:
+        if key.lower() in label.lower():
+            return PROFILES[name]
+    return None
 
 
 def describe(gpu: GPU) -> str:

@@ -278,18 +278,27 @@ def _per_token(shape: Shape, seq_len: int, e: int, t: int, sp: bool, ac: str, fl
     return block_activation_bytes(shape, 1.0, seq_len, e, t, sp, ac, flash, amb, compiled, cp, cp_impl)
 
 
-def head_bytes(a, t: int, dsp: float, e: int, compiled: bool) -> tuple[float, float]:
+def head_bytes(a, t: int, dsp: float, e: int, compiled: bool, chunks: int = 0) -> tuple[float, float]:
     """(saved, loss backward buffer) bytes per local token of the final norm, the head and the loss.
     Eager: the norm's input and rstd, the head input (under SP the shard, gathered again in backward),
     the fp32 log-probs (real ids
     only) and the target ids; backward holds fp32 grads of the log-probs and of the (padded) logits.
     A compiled loss (tp = 1; the vocab-parallel one has collectives and stays eager) saves the logits
     in the compute dtype plus two fp32 statistics per token, and its backward writes only the logits'
-    gradient in the compute dtype."""
+    gradient in the compute dtype. A chunked loss (training.loss_chunks > 0) saves no logits: one
+    chunk's fp32 logits and their gradient are alive at a time, made again in backward."""
     norm_head = 2 * e * dsp + 4 * dsp / a.dim + 8
+    if chunks > 0:
+        return norm_head, 8 * vocab_rows(a, t) / chunks
     if compiled and t == 1:
         return norm_head + e * vocab_rows(a, t) + 8, e * vocab_rows(a, t)
     return norm_head + 4 * vocab_real(a, t), (vocab_real(a, t) + vocab_rows(a, t)) * 4
+
+
+def dense_mask_bytes(micro_batch: int, seq_len: int) -> float:
+    """The [B, 1, S, S] boolean document mask SDPA is given (model.attn_impl = "sdpa"), held for the
+    micro-batch's forward and backward; flex's BlockMask is a few index tensors per block row."""
+    return float(micro_batch) * seq_len * seq_len
 
 
 def cp_buffer_bytes(a, t: int, cp: int, impl: str, e: int) -> float:
@@ -335,7 +344,8 @@ def _stage_params_cached(shape: Shape, key: Spec, stage: str) -> StageParams:
 
 
 def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
-                 attn_math_bytes: int | None = None, detail: bool = True, compiled: bool = False) -> dict:
+                 attn_math_bytes: int | None = None, detail: bool = True, compiled: bool = False,
+                 loss_chunks: int = 0, attn_mask: str = "causal") -> dict:
     """Bytes on one rank of `stage` ('first', 'last' or 'only'): the per_gpu breakdown plus details."""
     a = shape.args
     e = ACT_BYTES[s.precision]
@@ -358,7 +368,7 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
     acts = held_layers(s.pp_schedule, s.pp, s.accum, s.pp_virtual, sp.rank, sp.chunks) * blk
     if sp.embed:
         acts += units * tokens * 8  # token ids kept by the embedding backward
-    head_saved, loss_buf = head_bytes(a, t, dsp, e, compiled)
+    head_saved, loss_buf = head_bytes(a, t, dsp, e, compiled, loss_chunks)
     if sp.head:
         head_units = s.accum if (s.pp > 1 and s.pp_schedule == "gpipe") else 1
         acts += head_units * tokens * head_saved
@@ -377,6 +387,8 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
         buffers["hpz_secondary"] = state_bytes_per_param(s.precision)[0] * (sp.dense + sp.expert) / s.hpz_group
     if s.zero >= 3 and s.quantize_weights:  # qwZ: the int8 rows of one unit's gather
         buffers["qwz_int8"] = packed_bytes(int(sp.unit))
+    if attn_mask == "dense":
+        buffers["attn_mask"] = dense_mask_bytes(s.micro_batch, s.seq_len)
     if t > 1:
         buffers["tp"] = 2 * e * a.dim * tokens
     if s.pp > 1:
@@ -407,7 +419,8 @@ def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, 
                  n: int, dp: int, mb: int, accum: int, schedule: str, seq_len: int, precision: str,
                  cp_impl: str = "ring", bucket_mb: float = 25.0, flash: bool = True,
                  amb: int | None = None, compiled: bool = False,
-                 pp_layers: tuple = ()) -> tuple[float, float, dict[str, float]]:
+                 pp_layers: tuple = (), loss_chunks: int = 0,
+                 attn_mask: str = "causal") -> tuple[float, float, dict[str, float]]:
     """The same totals as stage_memory, split for the search: (bytes that depend on neither AC nor
     offload, optimizer-state bytes, {ac: activation + backward working-set bytes}). Kept lean because
     the search calls it for every candidate; tests check it against stage_memory."""
@@ -424,8 +437,10 @@ def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, 
         base += units * tokens * 8
     if spp.head:
         head_units = accum if (pp > 1 and schedule == "gpipe") else 1
-        head_saved, loss_buf = head_bytes(a, tp, dsp, e, compiled)
+        head_saved, loss_buf = head_bytes(a, tp, dsp, e, compiled, loss_chunks)
         base += head_units * tokens * head_saved + tokens * loss_buf
+    if attn_mask == "dense":
+        base += dense_mask_bytes(mb, seq_len)
     if tp > 1:
         base += 2 * e * a.dim * tokens
     if pp > 1:

@@ -12,7 +12,8 @@ Every operation is priced by what bounds it:
              a region into one kernel that reads its inputs and writes its outputs once;
   launch     every kernel costs at least one host dispatch (eager op or compiled Triton launch).
 Byte counts per token follow meshlm's code (model/llama.py, model/ops.py); the tables below say where
-each number comes from. Nothing here is fitted to a validation row (tests/test_plan_validation.py).
+each number comes from. The one number read off validation rows, DENSE_MASK_FRACTION, names them, and
+tests/test_plan_validation.py marks them as fed; every other row is held out.
 """
 from __future__ import annotations
 
@@ -167,17 +168,23 @@ def _loss(e: int, compiled: bool) -> tuple[float, int]:
     return (3 * e, 3) if compiled else ((e + 4) + 12 + 12 + (4 + e), 8)
 
 
-def elementwise(a, t: int, sp: bool, compiled: bool, e: int) -> tuple[float, float, float, float]:
-    """(forward bytes, backward bytes, forward kernels, backward kernels) per token of one block."""
+def elementwise(a, t: int, sp: bool, compiled: bool, e: int, ffn: float | None = None,
+                permute: float = 0.0) -> tuple[float, float, float, float]:
+    """(forward bytes, backward bytes, forward kernels, backward kernels) per token of one block.
+    `ffn`: the SwiGLU width a token passes through on this rank (default the dense ffn_dim / t; an
+    MoE block's is its top_k and shared experts' widths); `permute`: an MoE block's routed copies of
+    the token (top_k), each gathered to its expert and scattered back (d read and written, forward
+    and again in backward)."""
     ops = _compiled(e) if compiled else _eager(e)
     d_norm = a.dim / t if sp and t > 1 else a.dim  # SP norms run on the token shard: d/t per token
     q = a.n_heads // t * a.head_dim
     k = -(-a.n_kv_heads // t) * a.head_dim
-    f = a.ffn_dim / t
+    f = a.ffn_dim / t if ffn is None else ffn
+    moe = 4 * e * a.dim * permute
     fwd = 2 * ops["norm_f"][0] * d_norm + ops["rope_f"][0] * (q + k) + ops["copy"][0] * q \
-        + 2 * ops["add"][0] * d_norm + ops["swiglu_f"][0] * f
+        + 2 * ops["add"][0] * d_norm + ops["swiglu_f"][0] * f + moe
     bwd = 2 * ops["norm_b"][0] * d_norm + ops["rope_b"][0] * (q + k) + ops["copy"][0] * q \
-        + 2 * ops["add"][0] * d_norm + ops["swiglu_b"][0] * f
+        + 2 * ops["add"][0] * d_norm + ops["swiglu_b"][0] * f + moe
     kf = 2 * ops["norm_f"][1] + 2 * ops["rope_f"][1] + ops["copy"][1] + 2 * ops["add"][1] + ops["swiglu_f"][1]
     kb = 2 * ops["norm_b"][1] + 2 * ops["rope_b"][1] + ops["copy"][1] + 2 * ops["add"][1] + ops["swiglu_b"][1]
     return fwd, bwd, kf, kb
@@ -190,43 +197,121 @@ def _parts(seconds: float, kernels: float, launch: float, cpu: bool) -> tuple[fl
     return (seconds, kernels * launch) if cpu else (seconds, max(0.0, kernels * launch - seconds))
 
 
+# ------------------------------------------------------------------ masked attention
+# SDPA with a dense [B, 1, S, S] boolean mask (data.document_mask under attn_impl = "sdpa") leaves the
+# cuDNN flash kernels for the memory-efficient one, which computes every query-key pair (a mask skips
+# nothing). Its rate, as a fraction of the dense bf16 peak over forward and backward FLOPs (the full
+# S×S, backward 2.5x), is read off two runs of the shared H100 (shared/gpu/h100-2026-11-25, llama3-1b,
+# mb 16, selective AC, compiled): the masked run's step is 93.5 ms longer than the unmasked one's
+# (0.5941 s against 0.5006 s), on top of the 67.1 ms the profiled unmasked step spent in its cuDNN
+# attention kernels; 16 blocks × 5.5e11 FLOPs × (2 forwards + 2.5) in 160.6 ms is 0.249 of 989 TFLOP/s.
+# Rows that fed it: "meshlm llama3-1b docmask" (tests/test_plan_validation.py marks it).
+DENSE_MASK_FRACTION = 0.249
+FLEX_BLOCK = 128  # FlexAttention's default BlockMask block (torch.nn.attention.flex_attention._DEFAULT_SPARSE_BLOCK_SIZE)
+
+
+@lru_cache(maxsize=1024)
+def causal_blocks(seq: int, doc_tokens: int = 0, block: int = FLEX_BLOCK) -> int:
+    """Query×key blocks a block-sparse kernel computes for causal attention over `seq` tokens packed
+    with documents of `doc_tokens` each (0: one document): the diagonal and every block below it that
+    holds a same-document pair."""
+    n = -(-seq // block)
+    if doc_tokens <= 0 or doc_tokens >= seq:
+        return n * (n + 1) // 2
+    return sum(i - (i * block // doc_tokens) * doc_tokens // block + 1 for i in range(n))
+
+
+def attention_seconds(w: "StageWork", gpu: GPU, peak: float, full_flops: float, chunk: float,
+                      rates: "Rates | None") -> tuple[float, float]:
+    """(forward, backward) seconds of one block's attention core; `full_flops`: QKᵀ and PV over every
+    query-key pair, forward."""
+    a = w.shape.args
+    if rates is not None:  # a calibrated CPU: the fitted rate holds the kernel's forward : backward mix
+        return full_flops / 2 / rates.attn_flops_s, 2.5 * full_flops / 2 / rates.attn_flops_s
+    arch = gpu.arch
+    if w.attn_mask == "dense":
+        rate = peak * DENSE_MASK_FRACTION * gpu.attn_scale
+        return full_flops / rate, 2.5 * full_flops / rate
+    kernel = "fa2" if w.attn_mask == "flex" or arch != "hopper" else w.kernel
+    # flex: a Triton kernel of FlashAttention-2's structure, priced at FA2's rate (no flex measurement
+    # here), over the blocks its BlockMask keeps (the causal kernel's share of them)
+    kept = causal_blocks(int(chunk), w.doc_tokens) / causal_blocks(int(chunk)) if w.attn_mask == "flex" else 1.0
+    frac = attention_fraction(kernel, a.head_dim, int(chunk), True, arch) * gpu.attn_scale
+    a_f = kept * full_flops / 2 / (peak * frac)
+    return a_f, 2.5 * a_f / BWD_RATIO[kernel]
+
+
+# ------------------------------------------------------------------ one stage's micro-batch
+
+@dataclass(frozen=True)
+class StageWork:
+    """What one micro-batch computes on one rank of a stage: the model, its local share (tp, ep, cp,
+    sp, the stage's blocks and whether it holds the head) and how the code runs it."""
+    shape: object                 # spec.Shape
+    tp: int
+    sp: bool
+    ep: int
+    seq_len: int
+    cp: int
+    layers: int
+    head: bool
+    tokens: float                 # local tokens of the micro-batch
+    ac: str
+    precision: str
+    compiled: bool
+    flash: bool = True
+    kernel: str = "cudnn"
+    attn_dropout: bool = False
+    recompute_gemms: tuple = ()   # estimate.Options.recompute_gemms
+    attn_mask: str = "causal"     # causal | dense (SDPA with a document mask) | flex (a BlockMask)
+    doc_tokens: int = 0           # mean document length the flex BlockMask skips by (0: unknown)
+    loss_chunks: int = 0          # training.loss_chunks: the head and loss run over this many chunks
+
+
+# torchao float8 training (tensorwise scales) casts per linear and micro-batch: its input (amax read,
+# cast: e read, 1 written) forward, the output gradient likewise in backward, and the weight (2-byte
+# compute copy: amax read, cast read, 1 written) once each way (torchao float8/float8_linear.py)
+def _fp8_cast_bytes(e: int) -> float:
+    return 2 * e + 1
+
+
 @lru_cache(maxsize=65536)
-def stage_compute(shape, t: int, sp: bool, ep: int, seq_len: int, cp: int, layers: int, head: bool,
-                  tokens: float, ac: str, precision: str, gpu: GPU, compiled: bool, flash: bool,
-                  kernel: str, attn_dropout: bool = False, rates: Rates | None = None,
-                  recompute_gemms: tuple = ()) -> dict:
+def stage_compute(w: StageWork, gpu: GPU, rates: Rates | None = None) -> dict:
     """Seconds of one micro-batch on one rank of a stage: forward, backward, recompute and the
     attention kernels alone (the window ring-CP transfers hide behind), plus the per-op breakdown."""
-    a = shape.args
-    e = 4 if precision == "fp32" else 2
-    peak = gpu.peak(precision)
-    launch = gpu.launch_compiled_s if compiled else gpu.launch_eager_s
-    q = a.n_heads // t * a.head_dim
-    kv = -(-a.n_kv_heads // t) * a.head_dim
-    f = a.ffn_dim / t
-    d = a.dim
-    T = tokens
+    shape, a, t, T = w.shape, w.shape.args, w.tp, w.tokens
+    fp8 = w.precision == "fp8" and rates is None
+    e = 4 if w.precision == "fp32" else 2
+    peak = gpu.peak(w.precision)
+    launch = gpu.launch_compiled_s if w.compiled else gpu.launch_eager_s
+    q_width = a.n_heads // t * a.head_dim
+    kv_width = -(-a.n_kv_heads // t) * a.head_dim
+    ffn, d = a.ffn_dim / t, a.dim
 
-    def gemm(m, n, k):
+    def gemm(m, n, k, block: bool = False):
         if rates is not None:
             return 2.0 * m * n * k / rates.gemm_flops_s if m > 0 and n > 0 and k > 0 else 0.0
-        return gemm_seconds(m, n, k, gpu, e, peak)
+        return gemm_seconds(m, n, k, gpu, e, peak * (gpu.fp8_gemm_speedup if block and fp8 else 1.0))
 
-    def gemm3(m, n, k):  # forward, and backward's input-gradient and weight-gradient GEMMs
-        return gemm(m, n, k), gemm(m, k, n) + gemm(k, n, m)
+    def gemm3(m, n, k, block: bool = True):  # forward, and backward's input-gradient and weight-gradient GEMMs
+        return gemm(m, n, k, block), gemm(m, k, n, block) + gemm(k, n, m, block)
 
-    shapes = [("wq", T, q, d), ("wk", T, kv, d), ("wv", T, kv, d), ("wo", T, d, q)]
+    attn_shapes = [("wq", T, q_width, d), ("wk", T, kv_width, d), ("wv", T, kv_width, d), ("wo", T, d, q_width)]
     moe_frac = a.n_moe_blocks / a.n_layers if shape.moe else 0.0
-    dense_ffn = [("w1", T, f, d), ("w3", T, f, d), ("w2", T, d, f)]
+    dense_ffn = [("w1", T, ffn, d), ("w3", T, ffn, d), ("w2", T, d, ffn)]
     g_f = g_b = g_rc = 0.0
-    for w, group in ((1.0, shapes), (1.0 - moe_frac, dense_ffn)):  # MoE blocks replace the dense FFN
+    for weight, group in ((1.0, attn_shapes), (1.0 - moe_frac, dense_ffn)):  # MoE blocks replace the dense FFN
         for name, *sh in group:
             x, y = gemm3(*sh)
-            g_f, g_b = g_f + w * x, g_b + w * y
-            g_rc += w * x if name in recompute_gemms else 0.0
+            g_f, g_b = g_f + weight * x, g_b + weight * y
+            g_rc += weight * x if name in w.recompute_gemms else 0.0
+    # the linears' inputs (forward) and output gradients (backward) per token, for fp8's casts
+    lin_in, lin_out = 3 * d + q_width + (1 - moe_frac) * (2 * d + ffn), q_width + 2 * kv_width + d \
+        + (1 - moe_frac) * (2 * ffn + d)
+    expert_ffn = 0.0
     if moe_frac:  # balanced routing: each local expert gets tokens·top_k·ep/num_experts rows
-        n_local = -(-shape.num_experts // ep)
-        me, fe = T * shape.top_k * ep / shape.num_experts, a.expert_dim / t
+        n_local = -(-shape.num_experts // w.ep)
+        me, fe = T * shape.top_k * w.ep / shape.num_experts, a.expert_dim / t
         for sh in [(me, fe, d), (me, fe, d), (me, d, fe)]:
             x, y = gemm3(*sh)
             g_f, g_b = g_f + moe_frac * n_local * x, g_b + moe_frac * n_local * y
@@ -234,64 +319,64 @@ def stage_compute(shape, t: int, sp: bool, ep: int, seq_len: int, cp: int, layer
                 + [(T, d, fe * shape.shared_experts)] * (1 if shape.shared_experts else 0):
             x, y = gemm3(*sh)
             g_f, g_b = g_f + moe_frac * x, g_b + moe_frac * y
+        expert_ffn = (shape.top_k + shape.shared_experts) * fe
     # attention core: T local queries against all seq_len keys, in ring steps of seq_len/cp keys; causal
     heads = a.n_heads // t
-    chunk = seq_len / cp
-    full_flops = 4.0 * T * seq_len * a.head_dim * heads  # QK^T and PV over every key, forward
+    full_flops = 4.0 * T * w.seq_len * a.head_dim * heads  # QK^T and PV over every key, forward
     bw = rates.ew_bytes_s if rates is not None else gpu.hbm_bw * gpu.hbm_eff
-    if flash and rates is not None:  # the fitted rate holds the kernel's forward : backward mix
-        a_f = full_flops / 2 / rates.attn_flops_s
-        a_b = 2.5 * a_f
-    elif flash:
-        arch = gpu.arch
-        frac = attention_fraction(kernel, a.head_dim, int(chunk), True, arch)
-        a_f = full_flops / 2 / (peak * frac)
-        a_b = 2.5 * full_flops / 2 / (peak * frac * BWD_RATIO[kernel if arch == "hopper" else "fa2"])
+    if w.flash or w.attn_mask != "causal":
+        a_f, a_b = attention_seconds(w, gpu, peak, full_flops, w.seq_len / w.cp, rates)
     else:  # unfused: two batched GEMMs over the full S×S (masked, not skipped) + softmax traffic
-        seqs = T / seq_len
-        bmm = seqs * heads * gemm(seq_len, seq_len, a.head_dim)
-        scores = seqs * heads * seq_len * seq_len * e / bw
+        seqs = T / w.seq_len
+        bmm = seqs * heads * gemm(w.seq_len, w.seq_len, a.head_dim)
+        scores = seqs * heads * w.seq_len * w.seq_len * e / bw
         a_f = 2 * bmm + 2 * scores        # fused scale-mask-softmax reads and writes the scores
         a_b = 4 * bmm + 3 * scores        # its backward reads probabilities and their gradient
-        if attn_dropout:  # dropout on the probabilities (meshlm has none; Megatron-LM 2021 used 0.1):
+        if w.attn_dropout:  # dropout on the probabilities (meshlm has none; Megatron-LM 2021 used 0.1):
             a_f += (2 + 1 / e) * scores   # read and write them, write a one-byte mask
             a_b += (2 + 1 / e) * scores   # and in backward the gradient, reading the mask
-    ew_f, ew_b, k_f, k_b = elementwise(a, t, sp, compiled, e)
+    ew_f, ew_b, k_f, k_b = elementwise(a, t, w.sp, w.compiled, e,
+                                       (1 - moe_frac) * ffn + moe_frac * expert_ffn, moe_frac * shape.top_k)
+    if fp8:
+        cast = _fp8_cast_bytes(e)
+        ew_f, ew_b = ew_f + cast * lin_in, ew_b + cast * lin_out
     cpu = rates is not None
     if cpu:
         launch = rates.dispatch_s
     x_f, l_f = _parts(T * ew_f / bw, k_f, launch, cpu)  # GEMM launches overlap their own math: not counted
     x_b, l_b = _parts(T * ew_b / bw, k_b, launch, cpu)
+    if fp8:  # every block weight cast to fp8 once forward, once backward (its transpose)
+        wcast = 2 * (2 + 2 + 1) * ((2 * q_width + 2 * kv_width) * d + (1 - moe_frac) * 3 * d * ffn) / bw
+        x_f, x_b = x_f + wcast / 2, x_b + wcast / 2
     e_f, e_b = x_f + l_f, x_b + l_b
-    # weight gradients accumulate into the fp32 gradient buffer every micro-batch: read e, read-write 4·2
-    params = (2 * q + 2 * kv) * d + 3 * d * f
-    acc = params * (e + 8) / bw
     block_f = g_f + a_f + e_f
-    block_b = g_b + a_b + e_b + acc
-    t_f, t_b = layers * block_f, layers * block_b
+    block_b = g_b + a_b + e_b
+    t_f, t_b = w.layers * block_f, w.layers * block_b
     # element-wise work and its launches apart (`launch_s`: kernels × launch where that is longer on a
     # GPU, every dispatch on a CPU); the loss's launches are in launch_s too
-    out = {"gemm_s": layers * (g_f + g_b), "attention_s": layers * (a_f + a_b),
-           "elementwise_s": layers * (x_f + x_b), "launch_s": layers * (l_f + l_b), "grad_accum_s": layers * acc,
+    out = {"gemm_s": w.layers * (g_f + g_b), "attention_s": w.layers * (a_f + a_b),
+           "elementwise_s": w.layers * (x_f + x_b), "launch_s": w.layers * (l_f + l_b), "grad_accum_s": 0.0,
            "head_s": 0.0, "loss_s": 0.0}
-    if head:
+    if w.head:
         rows = vocab_rows(a, t)
-        hf, hb = gemm3(T, rows, d)
-        lb, lk = _loss(e, compiled and t == 1)
-        lx, ll = _parts(T * rows * lb / bw, lk, launch, cpu)
+        hf, hb = gemm3(T, rows, d, block=False)  # the output head stays bf16 under fp8 (torchao's filter)
+        if w.loss_chunks > 0:  # a chunk's logits are made again in backward: the head's forward twice
+            hb += hf
+        lb, lk = _loss(e, w.compiled and t == 1)
+        lx, ll = _parts(T * rows * lb / bw, lk * max(1, w.loss_chunks), launch, cpu)
         loss = lx + ll
         out["head_s"], out["loss_s"] = hf + hb, lx
         out["launch_s"] += ll
         t_f += hf + loss / 3
         t_b += hb + 2 * loss / 3
-    if ac == "full":
-        t_rc = layers * block_f
-    elif ac == "selective":
-        t_rc = layers * a_f
-    elif ac == "op":  # matmul and attention outputs kept: the element-wise forward runs again (and
-        t_rc = layers * (e_f + g_rc)  # the matmuls a policy does not keep: Options.recompute_gemms)
+    if w.ac == "full":
+        t_rc = w.layers * block_f
+    elif w.ac == "selective":
+        t_rc = w.layers * a_f
+    elif w.ac == "op":  # matmul and attention outputs kept: the element-wise forward runs again (and
+        t_rc = w.layers * (e_f + g_rc)  # the matmuls a policy does not keep: Options.recompute_gemms)
     else:
         t_rc = 0.0
     out["recompute_s"] = t_rc
-    attn = layers * (a_f + a_b + (a_f if ac in ("full", "selective") else 0.0))
+    attn = w.layers * (a_f + a_b + (a_f if w.ac in ("full", "selective") else 0.0))
     return {"t_f": t_f, "t_b": t_b, "t_rc": t_rc, "t_attn": attn, "ops": out}

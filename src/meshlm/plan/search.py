@@ -12,6 +12,7 @@ import heapq
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .comm import link
 from .estimate import Options, bubble_formula, estimate, micro_times, time_model
@@ -63,6 +64,35 @@ def _divisors(n: int) -> list[int]:
 
 
 @dataclass
+class _Search:
+    """What every layout of one search shares: the model, the device and options, the user's fixed
+    keys, the batch, and the running tallies and heap of the fastest layouts so far."""
+    shape: Shape
+    gpu: GPU
+    o: Options
+    fx: dict
+    want: Callable[[str, object], bool]   # is this value allowed for this key (not fixed otherwise)
+    reject: Callable[..., None]           # count a rejected candidate and why
+    counts: Counter
+    heap: list                            # (-step_s, tie, spec): the `keep` fastest so far
+    keep: int
+    acs: list                             # AC modes to try
+    usable: float                         # bytes a rank may use
+    G: int                                # global batch, sequences
+    seq_len: int
+    precision: str
+    tie: int = 0
+
+
+@dataclass(frozen=True)
+class _Degrees:
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+
+
+@dataclass
 class PlanResult:
     ranked: list[dict]
     counts: Counter
@@ -91,8 +121,6 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
     reasons: Counter = Counter()
     examples: dict = {}
     keep = max(3 * top, 20)
-    heap: list = []  # (-step_s, tie, spec): the `keep` fastest so far
-    tie = 0
 
     def reject(reason: str, n: int = 1, example: str | None = None) -> None:
         counts["invalid" if not reason.startswith("out of memory") else "oom"] += n
@@ -103,7 +131,8 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
     def want(key, value) -> bool:
         return key not in fx or fx[key] == value
 
-    acs = [x for x in AC_MODES if want("ac", x)]
+    ctx = _Search(shape, gpu, o, fx, want, reject, counts, [], keep, [x for x in AC_MODES if want("ac", x)],
+                  usable, G, seq_len, precision)
     for tp in _divisors(n_gpus):
         if not want("tp", tp):
             continue
@@ -131,9 +160,8 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
                 if G % dp:
                     reject("dp does not divide the global batch (sequences)")
                     continue
-                tie = _layouts(shape, gpu, o, fx, want, reject, counts, heap, keep, tie, acs, usable,
-                               G, seq_len, precision, tp, cp, pp, dp)
-    best = sorted(heap, key=lambda x: -x[0])
+                _layouts(ctx, _Degrees(tp, cp, pp, dp))
+    best = sorted(ctx.heap, key=lambda x: -x[0])
     ranked = []
     for _, _, spec in best:
         check(shape, spec)  # the search's own checks must agree with the estimator's
@@ -188,9 +216,12 @@ def _zero_options(dp: int, tp: int, cp: int, gpn: int) -> list[tuple[int, int]]:
     return out
 
 
-def _layouts(shape, gpu, o, fx, want, reject, counts, heap, keep, tie, acs, usable, G, seq_len,
-             precision, tp, cp, pp, dp) -> int:
+def _layouts(ctx: _Search, deg: _Degrees) -> None:
     """All layouts with these degrees: schedules × ZeRO × micro-batch × (AC, offload)."""
+    shape, gpu, o, fx, want, reject, counts = ctx.shape, ctx.gpu, ctx.o, ctx.fx, ctx.want, ctx.reject, ctx.counts
+    heap, keep, acs, usable, G, seq_len, precision = ctx.heap, ctx.keep, ctx.acs, ctx.usable, ctx.G, ctx.seq_len, \
+        ctx.precision
+    tp, cp, pp, dp = deg.tp, deg.cp, deg.pp, deg.dp
     a = shape.args
     b_local = G // dp
     stages = pipeline_roles(pp)
@@ -217,7 +248,7 @@ def _layouts(shape, gpu, o, fx, want, reject, counts, heap, keep, tie, acs, usab
                             continue
                         parts = [stage_totals(shape, st, tp, sp, cp, pp, v, ep, zero, g, dp, mb, m, sched,
                                               seq_len, precision, cp_impl, 25.0, o.flash, o.attn_math_bytes,
-                                              o.compiled, split)
+                                              o.compiled, split, o.loss_chunks, o.attn_mask)
                                  for st in stages]
                         variants = []
                         for off in offs:
@@ -246,7 +277,7 @@ def _layouts(shape, gpu, o, fx, want, reject, counts, heap, keep, tie, acs, usab
                         chosen += [x for x in fits if x[2] != "none" and order[x[1]] < limit][:1]
                         counts["dominated"] += len(fits) - len(chosen)
                         for _, ac, off, _ in chosen:
-                            tie += 1
+                            ctx.tie += 1
                             lb = _lower_bound(shape, gpu, o, tp, cp, pp, v, sched, seq_len, mb, m, ac, stages,
                                               precision, split, sp, ep)
                             if len(heap) >= keep and lb >= -heap[0][0]:
@@ -258,12 +289,11 @@ def _layouts(shape, gpu, o, fx, want, reject, counts, heap, keep, tie, acs, usab
                                         pp_layers=split, **_zeropp(fx, zero, g * cp))
                             step = time_model(shape, spec, gpu, o, simulate=False)["step_s"]
                             counts["timed"] += 1
-                            item = (-step, tie, spec)
+                            item = (-step, ctx.tie, spec)
                             if len(heap) < keep:
                                 heapq.heappush(heap, item)
                             elif step < -heap[0][0]:
                                 heapq.heapreplace(heap, item)
-    return tie
 
 
 def _lower_bound(shape, gpu, o, tp, cp, pp, v, sched, seq_len, mb, m, ac, stages, precision,

@@ -14,7 +14,10 @@ from ..config import Config, ConfigError
 from ..layout import batch_split, check_cp, check_ep, check_shape, check_zeropp, model_args
 from ..model import args as model_args_module
 
-ACT_BYTES = DTYPE_BYTES
+# training.precision = "fp8" (torchao float8 training) keeps bf16 activations: Float8Linear saves its
+# high-precision input and weight for backward (torchao/float8/float8_linear.py) and casts again there
+ACT_BYTES = {**DTYPE_BYTES, "fp8": 2}
+PLAN_PRECISIONS = tuple(dict.fromkeys(PRECISIONS + ("fp8",)))
 
 
 class PlanError(ValueError):
@@ -158,6 +161,28 @@ def spec_from_config(cfg: Config, world: int) -> Spec:
                 quantize_grads=bool(p.quantize_grads))
 
 
+def attention_mask(document_mask: bool, attn_impl: str = "auto") -> str:
+    """How the attention kernel masks (ops.StageWork.attn_mask): model.attn_impl = "auto" runs flex
+    with a document mask and SDPA's causal kernels without; "sdpa" with a document mask passes SDPA a
+    dense [B, 1, S, S] mask."""
+    if attn_impl == "flex" or (attn_impl == "auto" and document_mask):
+        return "flex"
+    return "dense" if document_mask else "causal"
+
+
+def code_options(cfg: Config) -> dict:
+    """The estimate.Options keys a config sets by how its code runs: compile, the attention's mask and
+    kernel (data.document_mask, model.attn_impl) and the chunked loss (training.loss_chunks)."""
+    impl = getattr(cfg.model, "attn_impl", "auto")
+    if impl not in ("auto", "sdpa", "flex"):
+        raise PlanError(f"model.attn_impl: expected auto, sdpa or flex, got {impl!r}")
+    chunks = int(getattr(cfg.training, "loss_chunks", 0) or 0)
+    if chunks < 0:
+        raise PlanError(f"training.loss_chunks: must be >= 0 (0: off), got {chunks}")
+    return {"compiled": bool(cfg.training.compile), "loss_chunks": chunks,
+            "attn_mask": attention_mask(bool(getattr(cfg.data, "document_mask", False)), impl)}
+
+
 def _choice(value, allowed, key):
     choose(value, allowed, key, PlanError)
 
@@ -165,7 +190,7 @@ def _choice(value, allowed, key):
 def check(shape: Shape, s: Spec) -> None:
     """Raise PlanError (one line, naming the key) if the layout cannot run this model."""
     a = shape.args
-    _choice(s.precision, PRECISIONS, "training.precision")
+    _choice(s.precision, PLAN_PRECISIONS, "training.precision")
     _choice(s.ac, AC_MODES, "training.ac")
     _choice(s.pp_schedule, SCHEDULES, "parallel.pp_schedule")
     _choice(s.offload, OFFLOAD, "parallel.offload")
@@ -224,7 +249,9 @@ __all__ = [
     "PlanError",
     "Shape",
     "Spec",
+    "attention_mask",
     "check",
+    "code_options",
     "presets",
     "shape_from_config",
     "spec_from_config",

@@ -4,7 +4,8 @@ torch side lives in parallel/pipeline/ (runtime.py executes the lists, build.py 
 """
 from .actions import Action, ScheduleError, stage_index, stage_owner
 from .check import check_schedule
-from .p2p import add_p2p, p2p_batches
+from .p2p import add_p2p
+from .replay import p2p_batches
 from .schedules import SCHEDULES, build_schedule, gpipe, interleaved, one_f_one_b, zb_h1
 from .simulate import Timeline, simulate, textbook_bubble
 

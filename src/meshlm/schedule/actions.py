@@ -105,10 +105,15 @@ def local_target(action: Action, rank: int, p: int, v: int, vshape: bool = False
     return (msg[0], msg[2]) if msg is not None and msg[1] == rank else None
 
 
+def source_stage(kind: str, stage: int, n_stages: int) -> int | None:
+    """The stage whose output a compute of `kind` at `stage` consumes (F: s-1, B/I: s+1), or None."""
+    if kind not in ("F", "B", "I"):
+        return None
+    src = stage - 1 if kind == "F" else stage + 1
+    return src if 0 <= src < n_stages else None
+
+
 def source_of(action: Action, rank: int, p: int, v: int, vshape: bool = False):
     """(rank, chunk) whose output the compute consumes (F: stage s-1, B/I: s+1), or None."""
-    if action.kind not in ("F", "B", "I"):
-        return None
-    s = stage_index(rank, action.chunk, p, vshape)
-    src = s - 1 if action.kind == "F" else s + 1
-    return stage_owner(src, p, vshape) if 0 <= src < p * v else None
+    src = source_stage(action.kind, stage_index(rank, action.chunk, p, vshape), p * v)
+    return None if src is None else stage_owner(src, p, vshape)

@@ -15,7 +15,7 @@ conservative number.
 from __future__ import annotations
 
 from .actions import COMPUTE_KINDS, Action, ScheduleError, message_of, source_of, stage_index
-from .p2p import p2p_batches, run_blocking
+from .replay import p2p_batches, run_blocking
 
 
 def _where(r: int, i: int, a: Action) -> str:

@@ -1,7 +1,7 @@
 """Where SEND/RECV go in a schedule, and the blocking model that proves it safe.
 
 The runtime executes each rank's list in order under these rules, and
-`run_blocking` replays exactly them:
+`run_blocking` (replay.py) replays exactly them:
 
 1. A maximal run of adjacent SEND_*/RECV_* actions is ONE batch: post all of
    them together (``dist.batch_isend_irecv`` in list order), wait for all,
@@ -27,139 +27,9 @@ badly under rendezvous for interleaved and zero-bubble schedules.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import Counter
 
-from .actions import Action, ScheduleError, message_of, source_of, stage_index
-
-
-def p2p_batches(rank_actions: list[Action]) -> list:
-    """Split a rank's list into compute Actions and tuples of adjacent p2p Actions."""
-    out: list = []
-    run: list[Action] = []
-    for a in rank_actions:
-        if a.is_p2p:
-            run.append(a)
-            continue
-        if run:
-            out.append(tuple(run))
-            run = []
-        out.append(a)
-    if run:
-        out.append(tuple(run))
-    return out
-
-
-def _channel(r: int, a: Action) -> tuple[int, int]:
-    return (r, a.peer) if a.is_send else (a.peer, r)
-
-
-def run_blocking(actions: list[list[Action]], p: int, v: int, repair: bool = False, vshape: bool = False) -> list[list[Action]]:
-    """Replay `actions` under the blocking batch model; return the (repaired) lists.
-
-    Without `repair` a deadlock or a compute whose input was never produced
-    raises ScheduleError naming every stuck rank, its action and what it waits
-    for. Message contents are not compared here (see check.match_p2p).
-    """
-    rows = [[list(it) if isinstance(it, tuple) else it for it in p2p_batches(acts)] for acts in actions]
-    pos = [0] * p
-    posted = Counter()        # (channel, is_send) -> ops posted so far
-    ords: list[list | None] = [None] * p   # ordinals of the posted current batch
-    fwd_done: set[tuple[int, int]] = set()
-    bwd_done: set[tuple[int, int]] = set()
-
-    def post(r: int) -> None:
-        ords[r] = []
-        for a in rows[r][pos[r]]:
-            key = (_channel(r, a), a.is_send)
-            ords[r].append(posted[key])
-            posted[key] += 1
-
-    def unmatched(r: int) -> list[tuple[Action, int]]:
-        return [(a, k) for a, k in zip(rows[r][pos[r]], ords[r])
-                if posted[(_channel(r, a), not a.is_send)] <= k]
-
-    def compute_wait(r: int, a: Action):
-        src = source_of(a, r, p, v, vshape)
-        if src is None:
-            return None
-        s = stage_index(src[0], src[1], p, vshape)
-        done = fwd_done if a.kind == "F" else bwd_done
-        return None if (s, a.mb) in done else (s, src[0])
-
-    progress = True
-    while True:
-        while progress:
-            progress = False
-            for r in range(p):
-                while pos[r] < len(rows[r]):
-                    it = rows[r][pos[r]]
-                    if isinstance(it, list):
-                        if ords[r] is None:
-                            post(r)
-                            progress = True
-                        if unmatched(r):
-                            break
-                        ords[r] = None
-                    else:
-                        if compute_wait(r, it) is not None:
-                            break
-                        s = stage_index(r, it.chunk, p, vshape)
-                        if it.kind == "F":
-                            fwd_done.add((s, it.mb))
-                        elif it.kind in ("B", "I"):
-                            bwd_done.add((s, it.mb))
-                    pos[r] += 1
-                    progress = True
-        stuck = [r for r in range(p) if pos[r] < len(rows[r])]
-        if not stuck:
-            break
-        if repair and _hoist_one(rows, pos, ords, posted, stuck, unmatched):
-            progress = True
-            continue
-        raise ScheduleError("deadlock: " + "; ".join(_why(rows, pos, r, unmatched, compute_wait) for r in stuck))
-    return [[a for it in row for a in (it if isinstance(it, list) else [it])] for row in rows]
-
-
-def _hoist_one(rows, pos, ords, posted, stuck, unmatched) -> bool:
-    """Move one later RECV into the blocked batch of its receiver; False if none fits."""
-    for r in stuck:
-        if not isinstance(rows[r][pos[r]], list):
-            continue
-        for a, _k in unmatched(r):
-            if not a.is_send:
-                continue
-            q = a.peer
-            if pos[q] >= len(rows[q]) or not isinstance(rows[q][pos[q]], list):
-                continue
-            for j in range(pos[q] + 1, len(rows[q])):
-                it = rows[q][j]
-                if not isinstance(it, list):
-                    continue
-                hit = next((x for x in it if not x.is_send and x.peer == r), None)
-                if hit is None:
-                    continue
-                it.remove(hit)
-                if not it:   # an emptied batch leaves two computes adjacent: fine
-                    del rows[q][j]
-                rows[q][pos[q]].append(hit)
-                key = ((r, q), False)
-                ords[q].append(posted[key])
-                posted[key] += 1
-                return True
-    return False
-
-
-def _why(rows, pos, r: int, unmatched, compute_wait) -> str:
-    idx = sum(len(it) if isinstance(it, list) else 1 for it in rows[r][:pos[r]])
-    it = rows[r][pos[r]]
-    if isinstance(it, list):
-        a, k = unmatched(r)[0]
-        other = "RECV" if a.is_send else "SEND"
-        return (f"rank {r} blocked at action #{idx + it.index(a)} {a}: waits for rank {a.peer} to post "
-                f"its {other} #{k} on channel {_channel(r, a)[0]}->{_channel(r, a)[1]}")
-    s, owner = compute_wait(r, it)
-    what = "forward" if it.kind == "F" else "backward"
-    return f"rank {r} blocked at action #{idx} {it}: waits for the {what} of mb {it.mb} at stage {s} (rank {owner})"
+from .actions import Action, ScheduleError, message_of
+from .replay import replay, run_blocking
 
 
 STEER_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -167,32 +37,8 @@ STEER_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 def _ideal_times(compute: list[list[Action]], p: int, v: int, costs: dict, vshape: bool = False) -> list[list[tuple[float, float]]]:
     """Dataflow (start, end) of every compute under `costs`, with free p2p."""
-    times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
-    ends: dict[tuple[str, int, int], float] = {}
-    clock, pos = [0.0] * p, [0] * p
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while pos[r] < len(compute[r]):
-                a = compute[r][pos[r]]
-                src = source_of(a, r, p, v, vshape)
-                start = clock[r]
-                if src is not None:
-                    t = ends.get(("F" if a.kind == "F" else "B", stage_index(*src, p, vshape), a.mb))
-                    if t is None:
-                        break
-                    start = max(start, t)
-                clock[r] = start + costs[a.kind]
-                times[r].append((start, clock[r]))
-                if a.kind != "W":
-                    ends[("F" if a.kind == "F" else "B", stage_index(r, a.chunk, p, vshape), a.mb)] = clock[r]
-                pos[r] += 1
-                progress = True
-    if any(pos[r] < len(compute[r]) for r in range(p)):
-        raise ScheduleError("compute order has a dependency cycle: " + ", ".join(
-            f"rank {r} stuck at {compute[r][pos[r]]}" for r in range(p) if pos[r] < len(compute[r])))
-    return times
+    spans = replay(compute, p, v, costs, blocking=False, vshape=vshape).spans
+    return [[(s, e) for s, e, _ in row] for row in spans]
 
 
 _EPS = 1e-9

@@ -13,7 +13,8 @@ from typing import Callable
 
 from ..choices import PP_SCHEDULES, PP_TAKES_VIRTUAL, PP_V_SHAPED
 from .actions import Action, stage_index, stage_owner
-from .p2p import STEER_COSTS, add_p2p, p2p_batches
+from .p2p import STEER_COSTS, add_p2p
+from .replay import Dataflow, p2p_batches
 from .simulate import simulate
 
 __all__ = ["Action", "stage_index", "stage_owner", "add_p2p", "p2p_batches", "gpipe", "one_f_one_b",
@@ -89,7 +90,8 @@ def _zb_h1_compute(p: int, m: int) -> list[list[Action]]:
 
 def _zbv_compute(p: int, m: int, costs: dict, max_deferred: int | None = None) -> tuple[list[list[Action]], int]:
     """ZB-V's compute order, found by list scheduling on simulated time (Qi et al. 2024 build theirs
-    the same way: a greedy pass under a memory limit).
+    the same way: a greedy pass under a memory limit). When an input is there is the replay's rule
+    (replay.Dataflow); the choice of what runs next is this function's.
 
     Rank r holds stage r (chunk 0) and stage 2p-1-r (chunk 1). Whenever a rank is free it runs, in
     this order of preference: an input-grad backward I whose gradient has arrived (the critical
@@ -106,8 +108,7 @@ def _zbv_compute(p: int, m: int, costs: dict, max_deferred: int | None = None) -
     """
     S, cap = 2 * p, 2 * p
     dur = {k: costs[k] for k in ("F", "I", "W")}
-    f_end: dict[tuple[int, int], float] = {}   # (stage, mb) -> end of F
-    i_end: dict[tuple[int, int], float] = {}   # (stage, mb) -> end of I
+    flow = Dataflow(p, 2, vshape=True)         # the replay's dependency rule and end times
     nxt_f = [[0, 0] for _ in range(p)]         # next mb to forward, per rank and chunk
     nxt_i = [[0, 0] for _ in range(p)]
     pending: list[deque] = [deque() for _ in range(p)]   # (mb, chunk) whose W is deferred
@@ -120,26 +121,20 @@ def _zbv_compute(p: int, m: int, costs: dict, max_deferred: int | None = None) -
     def ready(r: int, kind: str, c: int) -> float | None:
         """When the next `kind` on chunk c of rank r has its input (None: not produced yet)."""
         mb = (nxt_f if kind == "F" else nxt_i)[r][c]
-        if mb >= m:
+        if mb >= m or kind == "I" and not flow.forward_ran(r, c, mb):
             return None
-        s = stage_index(r, c, p, True)
-        if kind == "F":
-            return 0.0 if s == 0 else f_end.get((s - 1, mb))
-        if (s, mb) not in f_end:
-            return None
-        return f_end[(s, mb)] if s == S - 1 else i_end.get((s + 1, mb))
+        return flow.input_at(r, kind, c, mb)
 
     def run(r: int, kind: str, mb: int, c: int, start: float) -> None:
         end = start + dur[kind]
         s = stage_index(r, c, p, True)
         out[r].append(Action(kind, mb, c))
+        flow.ran(r, kind, c, mb, end)
         clock[r] = end
         if kind == "F":
-            f_end[(s, mb)] = end
             nxt_f[r][c] += 1
             held[r] += 1
         elif kind == "I":
-            i_end[(s, mb)] = end
             nxt_i[r][c] += 1
             pending[r].append((mb, c))
         else:

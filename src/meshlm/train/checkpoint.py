@@ -342,7 +342,7 @@ def preflight(cfg, run_dir: str, restarts: int = 0) -> None:
     if weights_only:  # `meshlm convert --from-hf` output: no optimizer state to resume
         raise CheckpointError(f"checkpoint.resume: {path} holds weights only (meshlm convert --from-hf); "
                               f"train from Hugging Face weights with --model.init_from hf:DIR")
-    from ..layout import model_args
+    from ..model.from_config import model_args
     from ..model import build_model
     from ..model.init import canonical_name
 

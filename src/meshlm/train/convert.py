@@ -37,7 +37,7 @@ def find_checkpoint(path: str) -> str:
 
 def checkpoint_model(path: str) -> tuple[C.Config, ModelArgs, dict]:
     """(config, model shape, meta) of checkpoint `path`."""
-    from ..layout import model_args
+    from ..model.from_config import model_args
     try:
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
@@ -135,7 +135,7 @@ def from_hf(hf_dir: str, out: str) -> str:
     """A weights-only meshlm checkpoint (`master/<name>` fp32 + meta.json) from a transformers model.
     Its config pins the shape; train from HF weights with model.init_from instead (any layout).
     One tensor in memory at a time: each is read when DCP writes it (train/checkpoint.save_streaming)."""
-    from ..layout import set_model_shape
+    from ..model.from_config import set_model_shape
     from ..model.hf import HFWeights
     from .checkpoint import save_streaming
     args = args_from_hf(hf_dir)

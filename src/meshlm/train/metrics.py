@@ -50,7 +50,7 @@ def device_peak(device: torch.device, training=None) -> tuple[float, str]:
                 return flops, f"{name} (datasheet bf16)"
         return 0.0, f"{name} (unknown peak; set training.peak_tflops)"
     dtypes = [torch.float32]
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(getattr(training, "precision", "fp32"))
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(getattr(training, "precision", "fp32"))
     if low is not None:  # the run's matmuls are low precision, its norms and loss fp32: take the faster
         dtypes.append(low)
     best, label = 0.0, ""

@@ -87,6 +87,12 @@ class MasterOptimizer:  # implements parallel.adamw.Optimizer
                 total += t.numel() * t.element_size()
         return total
 
+    def backing(self, name: str, kind: str) -> None:
+        return None  # the state is in memory: `state_storage` holds no meta tensors
+
+    def close(self) -> None:
+        pass  # nothing outside memory to release
+
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     """Linear warmup to `lr`, then cosine decay to `lr × min_lr_ratio` at the last step."""

@@ -24,22 +24,24 @@ from .straggler import StragglerWatch, describe, split
 from .optim import LossScaler, MasterOptimizer, clip_, grad_norm, lr_at
 
 
-def run(cfg: Config, run_dir: str, restarts: int | None = None) -> dict:
-    """Entry point of one worker (or of the only process); `restarts` as in `start`."""
+def run(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout | None = None) -> dict:
+    """Entry point of one worker (or of the only process); `restarts` and `layout` as in `start`."""
     try:
-        return start(cfg, run_dir, restarts).fit()
+        return start(cfg, run_dir, restarts, layout).fit()
     finally:
         shutdown()
 
 
-def start(cfg: Config, run_dir: str, restarts: int | None = None) -> "Trainer":
+def start(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout | None = None) -> "Trainer":
     """One worker's start-up, in the order docs/fault_tolerance.md ("Growing back") needs: the world
     group and the job's restart count every rank agreed on (`restarts`, if the caller already joined),
-    then the layout (its parallel.elastic message depends on that count), then the mesh's groups."""
+    then the layout (its parallel.elastic message depends on that count; `layout`, if the caller already
+    resolved it for this world and device, as cli.py does), then the mesh's groups."""
     device = pick_device(cfg.training.device)
     if restarts is None:
         restarts = join_world(device, cfg.parallel.timeout_s)
-    layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")), device_profile(device), restarts)
+    if layout is None:
+        layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")), device_profile(device), restarts)
     ctx = init_context(layout.shape(), device, cfg.parallel.timeout_s, restarts)
     trainer = Trainer(cfg, run_dir, ctx, layout)
     fault.TestHooks.install(trainer)  # failure injection for the test suite; nothing unless asked
@@ -118,7 +120,7 @@ class Trainer:
     def train_step(self, measure: bool = True) -> dict:
         """One optimizer step. `measure`: count live memory before the optimizer step (log steps only).
 
-        No host reads of device values (the speed issue): with fp16 the loss scale, the overflow flag
+        No host reads of device values: with fp16 the loss scale, the overflow flag
         and the skip all stay on the device (the fused optimizer skips itself, see optim.adamw_step).
         The returned tensors (`loss_sum`, `norm`, `skipped`) are read by `_record` on log steps only."""
         t, par, scaler = self.cfg.training, self.par, self.scaler

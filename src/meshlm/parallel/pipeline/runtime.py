@@ -28,7 +28,7 @@ from torch import nn
 
 from ...distributed.comm import Comm
 from ...schedule.actions import Action, local_target, message_of, source_of
-from ...schedule.p2p import p2p_batches
+from ...schedule.replay import p2p_batches
 from .backward import input_backward
 
 

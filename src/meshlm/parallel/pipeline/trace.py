@@ -14,7 +14,7 @@ import json
 import os
 
 from ...schedule.actions import Action, stage_index
-from ...schedule.p2p import p2p_batches
+from ...schedule.replay import p2p_batches
 
 Spans = list[list[tuple[float, float]]]
 

@@ -74,7 +74,7 @@ def preflight(cfg, layout, local_ranks: int) -> None:
     size again when it reserves its files)."""
     if cfg.parallel.offload != "nvme":
         return
-    from ...layout import model_args
+    from ...model.from_config import model_args
 
     per_rank = model_args(cfg).num_params() * layout.dp_replicate / layout.world_size
     check_dir(cfg.parallel.offload_dir, state_bytes(int(per_rank * local_ranks)),

@@ -119,6 +119,12 @@ class ZeroOptimizer:
                     total += t.untyped_storage().nbytes()
         return total
 
+    def backing(self, name: str, kind: str) -> None:
+        return None  # the state is in memory: `state_storage` holds no meta tensors
+
+    def close(self) -> None:
+        pass  # nothing outside memory to release
+
     def step_count(self) -> int:
         for st in self.opt.state.values():
             return int(st["step"])

@@ -1,0 +1,162 @@
+"""fp8 training (training.precision = "fp8", parallel/float8.py) on the CPU through torchao's emulation:
+which linears convert, losses near bf16 in one process and in layouts, checkpoints interchangeable with
+bf16 runs, and the one-line refusals."""
+import shutil
+import sys
+import tempfile
+
+import pytest
+import torch
+
+from harness import make_config, read_metrics, run_local, reference, train_case
+from meshlm import config as C
+from meshlm.layout import resolve
+
+FP8 = {"training__precision": "fp8", "training__fp8_emulate": True}
+STEPS = {"training__steps": 30}
+# float8 e4m3 keeps 3 mantissa bits against bf16's 7: the debug model's emulated fp8 losses measured within
+# 0.3% of bf16's over 30 steps in one process; the issue's bound is 2%.
+WITHIN = 0.02
+
+
+def assert_near_bf16(ref: list[dict], got: list[dict]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, 31))
+    worst = 0.0
+    for a, b in zip(ref, got):
+        rel = abs(a["loss"] - b["loss"]) / a["loss"]
+        assert rel <= WITHIN, f"step {a['step']}: fp8 loss {b['loss']} vs bf16 {a['loss']} (rel {rel:.2e})"
+        worst = max(worst, rel)
+    print(f"worst relative loss difference fp8 vs bf16 {worst:.2e}, last step "
+          f"{abs(ref[-1]['loss'] - got[-1]['loss']) / ref[-1]['loss']:.2e}")
+    assert ref[-1]["loss"] < ref[0]["loss"] - 1.0  # both trained, not only agreed
+
+
+def test_block_linears_convert_and_state_dict_keys_stay():
+    from torchao.float8.float8_linear import Float8Linear
+
+    from meshlm.layout import model_args
+    from meshlm.model import build_model
+    from meshlm.model.init import materialize
+    from meshlm.parallel.float8 import convert_to_float8
+    from meshlm.parallel.moe_plan import model_plan_for
+
+    model = build_model(model_args(make_config()))
+    materialize(model, 0, "cpu", torch.bfloat16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    done = convert_to_float8(model, model_plan_for(model), "rowwise", emulate=True)
+    assert len(done) == 4 * 7  # wq wk wv wo w1 w2 w3 in each of the 4 blocks
+    kinds = {n: type(m) for n, m in model.named_modules()}
+    assert all(kinds[n] is Float8Linear for n in done)
+    assert not any(issubclass(kinds[n], Float8Linear) for n in ("output", "tok_embeddings"))
+    after = model.state_dict()
+    assert list(after) == list(before)  # a bf16 run's checkpoint keys, in order
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    y = model(torch.randint(0, 256, (2, 16)))
+    assert y.dtype == torch.bfloat16
+    y.float().square().mean().backward()
+    assert model.layers["0"].attention.wq.weight.grad is not None
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_emulated_fp8_within_2_percent_of_bf16(recipe):
+    got = run_local(make_config(**FP8, **STEPS, training__fp8_recipe=recipe))
+    assert_near_bf16(reference(training__precision="bf16", **STEPS), got)
+
+
+ALL = {"Float8Linear": 28}  # 7 linears in each of the debug model's 4 blocks
+LAYOUTS = [
+    ("dp2-tp2", 4, {"parallel__dp": 2, "parallel__tp": 2}, ALL),
+    # one kv head replicated over both TP ranks: wk, wv sum their gradients in a float8 subclass
+    ("tp2-gqa-kv1", 2, {"parallel__tp": 2, "model__n_kv_heads": 1},
+     {"Float8Linear": 20, "Float8ReplicatedKVLinear": 8}),
+    # SP: the region's entry gathers through a hook, so the column-parallel linears stay nn.Linear
+    ("tp2-sp-kv1", 2, {"parallel__tp": 2, "parallel__sp": True, "model__n_kv_heads": 1},
+     {"Float8Linear": 20, "Float8ReplicatedKVLinear": 8}),
+    ("zero3-dp2", 2, {"parallel__dp": 2, "parallel__zero": 3}, ALL),
+    ("zero1-dp2-offload", 2, {"parallel__dp": 2, "parallel__zero": 1, "parallel__offload": "optimizer"}, ALL),
+    ("pp2", 2, {"parallel__pp": 2}, {"Float8Linear": 14}),  # each stage holds 2 blocks
+    ("cp2-ring-ac-full", 2, {"parallel__cp": 2, "training__ac": "full"}, ALL),
+]
+
+
+def float8_kinds(trainer) -> dict[str, int]:
+    """Runs in a pool rank: how many of its modules are of each float8 class."""
+    kinds: dict[str, int] = {}
+    for m in trainer.model.modules():
+        if "Float8" in type(m).__name__:
+            kinds[type(m).__name__] = kinds.get(type(m).__name__, 0) + 1
+    return kinds
+
+
+@pytest.mark.parametrize("name,world,overrides,kinds", [pytest.param(*c, id=c[0]) for c in LAYOUTS])
+def test_emulated_fp8_layout_within_2_percent_of_bf16(pools, name, world, overrides, kinds):
+    single = {k: v for k, v in overrides.items() if not k.startswith("parallel__")}
+    ref = reference(training__precision="bf16", **STEPS, **single)
+    run_dir = tempfile.mkdtemp(prefix="meshlm-fp8-")
+    seen = pools(world).run(train_case, C.to_dict(make_config(**FP8, **STEPS, **overrides)), run_dir, 0,
+                            float8_kinds)
+    assert seen == [kinds] * world  # every rank multiplies its block linears in float8
+    assert_near_bf16(ref, read_metrics(run_dir))
+
+
+def test_fp8_checkpoints_resume_exactly_and_load_into_bf16(tmp_path):
+    from test_train import truncate_run
+
+    every = {"checkpoint__every": 3, "checkpoint__keep": 3, "training__steps": 6}
+    ref = run_local(make_config(**FP8, **every), str(tmp_path / "a"))
+    truncate_run(str(tmp_path / "a"), 3)
+    for name in ("b", "c"):  # the same checkpoint resumed by an fp8 and by a bf16 run
+        (tmp_path / name).mkdir()
+        shutil.copytree(tmp_path / "a" / "checkpoints", tmp_path / name / "checkpoints")
+        shutil.copy(tmp_path / "a" / "metrics.jsonl", tmp_path / name / "metrics.jsonl")
+    resumed = run_local(make_config(**FP8, **every, checkpoint__resume="auto"), str(tmp_path / "b"))
+    assert [r["loss"] for r in resumed[3:]] == [r["loss"] for r in ref[3:]]  # exact
+    as_bf16 = run_local(make_config(**every, training__precision="bf16", checkpoint__resume="auto"),
+                        str(tmp_path / "c"))
+    assert [r["step"] for r in as_bf16] == list(range(1, 7))
+    for a, b in zip(ref[3:], as_bf16[3:]):
+        assert abs(a["loss"] - b["loss"]) / a["loss"] <= WITHIN
+    assert read_metrics(str(tmp_path / "c"))[3]["loss"] != ref[3]["loss"]  # bf16 really computed step 4
+
+
+REFUSALS = [
+    ({"training__precision": "fp8"}, "fp8 needs a GPU with float8 matmuls"),
+    ({**FP8, "training__fp8_recipe": "delayed"}, "training.fp8_recipe: 'delayed' is not one of tensorwise, rowwise"),
+    ({**FP8, "model__preset": "moe-debug"}, "not available for mixture-of-experts models"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", REFUSALS, ids=["cpu", "recipe", "moe"])
+def test_fp8_refusals_are_one_line(overrides, message):
+    with pytest.raises(C.ConfigError, match=message) as e:
+        resolve(make_config(**overrides), 1)
+    assert "\n" not in str(e.value)
+
+
+def test_gpu_without_float8_is_refused_and_one_with_it_passes(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    cfg = make_config(training__precision="fp8")
+    with pytest.raises(C.ConfigError, match=r"compute capability >= 8.9 .*A100-SXM4-80GB has 8.0") as e:
+        resolve(cfg, 1)
+    assert "\n" not in str(e.value)
+    resolve(make_config(**FP8), 1)  # emulation runs anywhere
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert resolve(cfg, 1).tp == 1
+
+
+def test_missing_torchao_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # importlib.util.find_spec then answers None
+    with pytest.raises(C.ConfigError, match=r"pip install meshlm\[gpu\]"):
+        resolve(make_config(**FP8), 1)
+
+
+def test_cli_refuses_fp8_on_cpu_before_any_worker(tmp_path, capsys):
+    from meshlm.cli import main
+
+    code = main(["train", "--nproc", "2", "--run-dir", str(tmp_path / "run"), "--model.preset", "debug",
+                 "--training.micro_batch", "8", "--training.precision", "fp8", "--training.device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "fp8 needs a GPU" in err, err
+    assert not (tmp_path / "run").exists()
