@@ -34,6 +34,9 @@ def flatten(record: dict, prefix: str = "") -> dict:
     return out
 
 
+INIT_TIMEOUT_S = 300.0  # wandb's service process can take minutes to answer on a busy shared machine
+
+
 class WandbSink:
     """A MetricsLog sink: `write` each record at its step, `close` at the end of the run."""
 
@@ -43,7 +46,8 @@ class WandbSink:
         os.makedirs(run_dir, exist_ok=True)
         self.run = wandb.init(project=m.wandb_project or None, entity=m.wandb_entity or None,
                               name=m.wandb_run or os.path.basename(os.path.abspath(run_dir)),
-                              dir=run_dir, config=to_dict(cfg))
+                              dir=run_dir, config=to_dict(cfg),
+                              settings=wandb.Settings(init_timeout=INIT_TIMEOUT_S))
         self.step = -1
 
     def write(self, record: dict) -> None:
@@ -54,4 +58,9 @@ class WandbSink:
         self.run.log({k: v for k, v in flatten(record).items() if k != "step"}, step=step)
 
     def close(self) -> None:
+        """finish() returns before wandb's service process has written the run's last records;
+        teardown() waits for it, so the files are complete when training returns (and offline, a
+        `wandb sync` right after sees every step)."""
+        import wandb
         self.run.finish()
+        wandb.teardown()
