@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 train: $(STAMP)
-	$(VENV)/bin/meshlm train --checkpoint.every 250 $(ARGS)
+	$(VENV)/bin/meshlm train --checkpoint.every 300 $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

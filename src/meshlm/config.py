@@ -175,7 +175,7 @@ class ParallelConfig:
 
 @dataclass
 class TrainingConfig:
-    steps: int = 1000
+    steps: int = 1200
     global_batch: int = 8
     micro_batch: int = 8
     precision: str = "auto"  # auto: bf16 (fp32 masters) on a GPU with bf16, fp32 on a CPU (resolve_auto)
