@@ -54,12 +54,12 @@ def measure(preset: str, mb: int, a, **extra) -> dict:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         recs = [json.loads(line) for line in f if '"step_s"' in line][a.warmup:]
     step_s = statistics.median(r["step_s"] for r in recs)
-    tokens = mb * a.seq_len
-    flops = trainer.flops_per_step
+    tokens = trainer.cfg.training.global_batch * a.seq_len  # global_batch in `extra`: accumulation
+    flops = trainer.meter.flops_per_step
     out = {"preset": preset, "params": trainer.args.num_params(), "seq_len": a.seq_len, "micro_batch": mb,
            "step_s": step_s, "tokens_per_s": tokens / step_s, "tflops": flops / step_s / 1e12,
-           "mfu": flops / step_s / trainer.peak_flops if trainer.peak_flops else 0.0,
-           "peak_label": trainer.peak_label, "peak_mem_gib": recs[-1]["mem"]["peak"] / 2 ** 30,
+           "mfu": flops / step_s / trainer.meter.peak_flops if trainer.meter.peak_flops else 0.0,
+           "peak_label": trainer.meter.peak_label, "peak_mem_gib": recs[-1]["mem"]["peak"] / 2 ** 30,
            "final_loss": recs[-1]["loss"], "tail_loss": statistics.mean(r["loss"] for r in recs[-10:]),
            **{k.split(".")[-1]: v for k, v in extra.items()}}
     if a.profile and trainer.ctx.device.type == "cuda":
@@ -102,25 +102,25 @@ def sync_check(a) -> dict[str, str]:
         try:
             for _ in range(2):
                 trainer.train_step(measure=False)
-            if trainer.scaler.enabled:
-                trainer.scaler.scale = 2.0 ** 40
+            if trainer.state.scaler.enabled:
+                trainer.state.scaler.scale = 2.0 ** 40
                 skipped = trainer.train_step(measure=False)["skipped"]
             out[name] = "ok"
         except RuntimeError as e:
             out[name] = str(e).splitlines()[0]
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        if trainer.scaler.enabled and out[name] == "ok" and not bool(skipped):
+        if trainer.state.scaler.enabled and out[name] == "ok" and not bool(skipped):
             out[name] = "the overflow step was not skipped"
     return out
 
 
-def attempt(preset: str, mb: int, a, extra: dict) -> dict | None:
-    """One measurement in a fresh process; None if it ran out of device memory. A process per try
-    because a failed try can leave memory held (compile caches, the exception's frames) that would make
-    every later, smaller try fail too."""
+def attempt(preset: str, mb: int, a, extra: dict, script: str = __file__) -> dict | None:
+    """One measurement in a fresh process (`script --child SPEC`: this file, or bench/gpu_peers.py for
+    its peers); None if it ran out of device memory. A process per try because a failed try can leave
+    memory held (compile caches, the exception's frames) that would make every later, smaller try fail too."""
     spec = json.dumps({"preset": preset, "mb": mb, "extra": extra, "args": vars(a)})
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec],
+    proc = subprocess.run([sys.executable, os.path.abspath(script), "--child", spec],
                           capture_output=True, text=True)
     last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     if proc.returncode != 0 or not last.startswith("{"):
@@ -129,21 +129,22 @@ def attempt(preset: str, mb: int, a, extra: dict) -> dict | None:
     return None if out.get("oom") else out
 
 
-def child(spec: str) -> int:
+def child(spec: str, run=None) -> int:
+    """The `--child` side of `attempt`: `run(preset, mb, args, **extra)` (default: `measure`), one JSON line."""
     d = json.loads(spec)
     a = argparse.Namespace(**d["args"])
     try:
-        out = measure(d["preset"], d["mb"], a, **d["extra"])
+        out = (run or measure)(d["preset"], d["mb"], a, **d["extra"])
     except torch.OutOfMemoryError:
         out = {"oom": True}
     print(json.dumps(out))
     return 0
 
 
-def largest_fitting(preset: str, a, sizes: list[int], **extra) -> dict | None:
+def largest_fitting(preset: str, a, sizes: list[int], script: str = __file__, **extra) -> dict | None:
     """The first micro-batch size in `sizes` (largest first) that trains without running out of memory."""
     for mb in sizes:
-        r = attempt(preset, mb, a, extra)
+        r = attempt(preset, mb, a, extra, script)
         if r is not None:
             return r
     return None

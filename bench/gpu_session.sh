@@ -1,62 +1,179 @@
 #!/usr/bin/env bash
-# The GPU runs behind docs/benchmarks.md, in the pieces one lent-device call can hold (≤ 10 min each).
-#   bash bench/gpu_session.sh mfu       # CUDA sanity, matmul ceiling, llama3-1b with and without AC, profile
-#   bash bench/gpu_session.sh sizes     # small and llama3-3b
-#   bash bench/gpu_session.sh offload   # optimizer offload vs none, a model that fits only with offload
-# Results go to $OUT (or ./gpu-out) as JSON plus a log.
+# The GPU runs behind docs/benchmarks.md, in pieces that one lent-device call holds (each under 10 minutes:
+# the `timeout`s of a piece add up to less than 570 s). One piece per call:
+#   bash bench/gpu_session.sh mfu        # CUDA sanity, matmul ceilings, llama3-1b selective / no AC / seq 8192
+#   bash bench/gpu_session.sh docmask    # llama3-1b with data.document_mask: no mask, SDPA mask, flex
+#   bash bench/gpu_session.sh 3b         # llama3-3b selective mb 4, then the chunked loss at mb 8
+#   bash bench/gpu_session.sh 3b-noac    # llama3-3b with the chunked loss and no AC
+#   bash bench/gpu_session.sh fp8        # fp8 vs bf16 at llama3-1b and llama3-3b (tokens/s)
+#   bash bench/gpu_session.sh fp8-loss   # fp8 vs bf16 at llama3-3b, 200 steps (loss within 1%)
+#   bash bench/gpu_session.sh moe        # deepseek-moe-16b cut to 4 blocks, with the top kernels
+#   bash bench/gpu_session.sh peers-1b   # bench/gpu_peers.py at llama3-1b (meshlm's row and the ratios)
+#   bash bench/gpu_session.sh peers-3b   # bench/gpu_peers.py at llama3-3b
+#   bash bench/gpu_session.sh peers-3b-chunks   # the same, meshlm with the chunked loss at mb 8 or 4
+#   bash bench/gpu_session.sh calibrate  # `meshlm train` with metrics.profile_step, `meshlm estimate --calibrate`
+#   bash bench/gpu_session.sh sizes | offload | checks | nocompile   # small, 8b offload, CLI paths, eager
+#   bash bench/gpu_session.sh all        # every piece above in turn (a machine without the 10-minute limit)
+# Results go to $OUT (or ./gpu-out) as JSON plus a log (log.txt); each piece starts with the card, driver,
+# clocks and power, so a row can be read at the clock it ran.
+# fp8 rows use bench/gpu.py --fp8-compare (bf16 at the largest micro-batch that fits, then fp8 on the same
+# shapes and batches, with the tokens/s ratio and the loss gap); masking rows --document-mask and
+# --attn-impl; the 3b rows --loss-chunks.
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 exec > >(tee -a "$OUT/log.txt") 2>&1
+GPU="$PY bench/gpu.py --warmup 3 --steps 30"
 
-case "${1:-mfu}" in
+card() {
+  echo "== $1 $(date -u +%FT%TZ)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,power.draw,power.limit \
+      --format=csv
+}
+
+piece() {
+case "$1" in
 mfu)
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  card mfu
   $PY - <<'EOF'
 import torch, time
 print("torch", torch.__version__, torch.cuda.get_device_name())
-a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-for _ in range(3): a @ b
-torch.cuda.synchronize(); t = time.perf_counter()
-for _ in range(20): a @ b
-torch.cuda.synchronize()
-print(f"matmul ceiling: {20 * 2 * 8192**3 / (time.perf_counter() - t) / 1e12:.0f} TFLOP/s (bf16 8192^3)")
+for n in (8192, 4096):
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3): a @ b
+    torch.cuda.synchronize(); t = time.perf_counter()
+    for _ in range(20): a @ b
+    torch.cuda.synchronize()
+    print(f"matmul ceiling: {20 * 2 * n**3 / (time.perf_counter() - t) / 1e12:.0f} TFLOP/s (bf16 {n}^3)")
 EOF
-  timeout 100 $PY bench/gpu.py --presets debug --seq-len 256 --micro-batches 4 --warmup 2 --steps 3
-  timeout 230 $PY bench/gpu.py --presets llama3-1b --ac none --micro-batches 8,4,2 --warmup 3 --steps 30 \
-      --profile --out "$OUT/llama3-1b_ac-none.json"
-  timeout 200 $PY bench/gpu.py --presets llama3-1b --ac selective --micro-batches 16,8 --warmup 3 --steps 30 \
-      --out "$OUT/llama3-1b_ac-selective.json"
+  timeout 170 $GPU --presets llama3-1b --ac selective --micro-batches 16,8 --profile \
+      --out "$OUT/llama3-1b_selective.json"
+  timeout 170 $GPU --presets llama3-1b --ac none --micro-batches 16,8 --out "$OUT/llama3-1b_ac-none.json"
+  timeout 170 $GPU --presets llama3-1b --ac none --seq-len 8192 --micro-batches 4,2 \
+      --out "$OUT/llama3-1b_seq8192.json"
+  ;;
+docmask)
+  # goal: flex with the mask >= 0.95x the no-mask tokens/s
+  card docmask
+  timeout 170 $GPU --presets llama3-1b --ac selective --micro-batches 16,8 --out "$OUT/llama3-1b_nomask.json"
+  timeout 180 $GPU --presets llama3-1b --ac selective --micro-batches 16,8 --document-mask --attn-impl sdpa \
+      --out "$OUT/llama3-1b_docmask_sdpa.json"
+  timeout 200 $GPU --presets llama3-1b --ac selective --micro-batches 16,8 --document-mask --attn-impl flex \
+      --out "$OUT/llama3-1b_docmask_flex.json"
+  ;;
+3b)
+  card 3b
+  timeout 250 $GPU --presets llama3-3b --ac selective --micro-batches 4,2 --out "$OUT/llama3-3b_selective.json"
+  timeout 300 $GPU --presets llama3-3b --ac selective --micro-batches 8,4 --loss-chunks 8 \
+      --out "$OUT/llama3-3b_selective_chunks8.json"
+  ;;
+3b-noac)
+  card 3b-noac
+  timeout 280 $GPU --presets llama3-3b --ac none --micro-batches 4,2 --loss-chunks 8 \
+      --out "$OUT/llama3-3b_ac-none_chunks8.json"
+  timeout 280 $GPU --presets llama3-3b --ac selective --micro-batches 4 --loss-chunks 8 \
+      --out "$OUT/llama3-3b_selective_mb4_chunks8.json"
+  ;;
+fp8)
+  # goal: fp8 >= 1.2x bf16 at 3b; each pair on the same warm card, same shapes and batches
+  card fp8
+  timeout 250 $GPU --presets "" --fp8-compare llama3-1b --ac selective --micro-batches 16,8 \
+      --out "$OUT/fp8-compare-llama3-1b.json"
+  timeout 300 $GPU --presets "" --fp8-compare llama3-3b --ac selective --micro-batches 4 \
+      --out "$OUT/fp8-compare-llama3-3b.json"
+  ;;
+fp8-loss)
+  # goal: the fp8 loss within 1% of bf16 after 200 steps (same data, same seed)
+  card fp8-loss
+  timeout 560 $PY bench/gpu.py --presets "" --fp8-compare llama3-3b --ac selective --micro-batches 4 \
+      --warmup 0 --steps 200 --out "$OUT/fp8-compare-llama3-3b_200.json"
+  ;;
+moe)
+  # goal: >= 45% MFU; the profile shows what the optimizer and the gradient accumulation cost now
+  card moe
+  timeout 280 $GPU --presets deepseek-moe-16b --set model.n_layers=4 --ac selective --micro-batches 8,4 \
+      --profile --out "$OUT/deepseek-moe-4blocks.json"
+  timeout 250 $GPU --presets deepseek-moe-16b --set model.n_layers=4 --ac selective --micro-batches 8 \
+      --set training.global_batch=32 --out "$OUT/deepseek-moe-4blocks_accum4.json"
+  ;;
+peers-1b)
+  card peers-1b
+  timeout 560 $PY bench/gpu_peers.py --presets llama3-1b --micro-batches 16,8 --ac selective --warmup 3 \
+      --steps 20 --out "$OUT/peers-llama3-1b.json"
+  ;;
+peers-3b)
+  card peers-3b
+  timeout 560 $PY bench/gpu_peers.py --presets llama3-3b --micro-batches 4,2 --ac selective --warmup 3 \
+      --steps 15 --peers bf16,liger,float8 --out "$OUT/peers-llama3-3b.json"
+  ;;
+peers-3b-chunks)
+  # meshlm at 3b with the chunked loss and the larger micro-batch it buys, against the best bf16 peer
+  card peers-3b-chunks
+  timeout 560 $PY bench/gpu_peers.py --presets llama3-3b --micro-batches 8,4 --ac selective --warmup 3 \
+      --steps 15 --peers bf16 --meshlm-args "--loss-chunks 8" --out "$OUT/peers-llama3-3b-chunks.json"
+  ;;
+calibrate)
+  # a real `meshlm train` run with one profiled step, then the planner calibrated from it: the same layout
+  # (within 10% of the run's median step, and it fits) and another one on the same machine
+  card calibrate
+  RUN="$OUT/run-llama3-1b"
+  rm -rf "$RUN"
+  timeout 300 $PY -m meshlm.cli train --run-dir "$RUN" --model.preset llama3-1b --data.seq_len 2048 \
+      --training.steps 12 --training.global_batch 16 --training.micro_batch 16 --training.precision bf16 \
+      --training.ac selective --training.compile true --training.eval_every 0 --metrics.every 1 \
+      --metrics.profile_step 8 --metrics.progress false --checkpoint.every 0
+  ls -la "$RUN"
+  timeout 60 $PY -m meshlm.cli estimate --calibrate "$RUN" --config "$RUN/config.toml" --gpus 1 --json \
+      > "$OUT/estimate-calibrated-llama3-1b.json"
+  timeout 60 $PY -m meshlm.cli estimate --calibrate "$RUN" --config "$RUN/config.toml" --gpus 1
+  timeout 60 $PY -m meshlm.cli estimate --gpu h100 --config "$RUN/config.toml" --gpus 1
+  timeout 60 $PY -m meshlm.cli estimate --calibrate "$RUN" --model.preset llama3-3b --data.seq_len 8192 \
+      --training.global_batch 1 --training.micro_batch 1 --training.precision bf16 --training.ac selective \
+      --gpus 1
   ;;
 sizes)
-  timeout 120 $PY bench/gpu.py --presets llama3-1b --ac selective --micro-batches 16 --warmup 3 --steps 5 \
-      --profile --out "$OUT/llama3-1b_profile.json"
-  timeout 150 $PY bench/gpu.py --presets small --ac none --micro-batches 64,32 --warmup 3 --steps 30 \
-      --out "$OUT/small.json"
-  timeout 400 $PY bench/gpu.py --presets llama3-3b --ac selective --micro-batches 8,4,2,1 --warmup 3 --steps 30 \
-      --out "$OUT/llama3-3b.json"
+  card sizes
+  timeout 150 $GPU --presets small --ac none --micro-batches 64,32 --out "$OUT/small.json"
+  timeout 400 $GPU --presets llama3-3b --ac selective --micro-batches 8,4,2,1 --out "$OUT/llama3-3b.json"
   ;;
 offload)
   # llama3-8b cut to 18 blocks: ~5.0B parameters. 16 B/param of weights, grads and Adam state is ~80 GB,
   # more than an 80 GB H100 holds; offloading the optimizer leaves ~4 B/param on the GPU.
+  card offload
   timeout 560 $PY bench/gpu.py --presets "" --offload-compare llama3-8b --set model.n_layers=18 \
       --ac full --offload-micro-batch 1 --warmup 1 --steps 3 --out "$OUT/offload.json"
   ;;
 checks)
   # The user's path on CUDA (CLI, default data, bf16 and fp16), the cost of offload where both fit,
   # and what compile buys.
-  timeout 200 $PY bench/gpu.py --presets "" --sync-check
-  timeout 120 $PY -m meshlm.cli train --run-dir /tmp/meshlm-cli --model.preset small --training.steps 40 \
+  card checks
+  timeout 150 $PY bench/gpu.py --presets "" --sync-check
+  timeout 100 $PY -m meshlm.cli train --run-dir /tmp/meshlm-cli --model.preset small --training.steps 40 \
       --training.precision bf16 --training.compile true --metrics.progress false
-  timeout 120 $PY -m meshlm.cli train --run-dir /tmp/meshlm-fp16 --model.preset small --training.steps 40 \
+  timeout 100 $PY -m meshlm.cli train --run-dir /tmp/meshlm-fp16 --model.preset small --training.steps 40 \
       --training.precision fp16 --metrics.progress false
   tail -n 2 /tmp/meshlm-cli/metrics.jsonl /tmp/meshlm-fp16/metrics.jsonl
   timeout 200 $PY bench/gpu.py --presets "" --offload-compare llama3-1b --offload-micro-batch 16 --ac selective \
       --warmup 3 --steps 10 --out "$OUT/offload-1b.json"
+  ;;
+nocompile)
+  card nocompile
   timeout 150 $PY bench/gpu.py --presets llama3-1b --no-compile --ac selective --micro-batches 16 --warmup 3 \
       --steps 10 --out "$OUT/llama3-1b_no-compile.json"
   ;;
+*)
+  echo "gpu_session.sh: unknown piece '$1' (see the list at the top of this file)"
+  return 2
+  ;;
 esac
+}
+
+PIECES="mfu docmask 3b 3b-noac fp8 fp8-loss moe peers-1b peers-3b peers-3b-chunks calibrate"
+if [ "${1:-mfu}" = all ]; then
+  for p in $PIECES sizes offload checks nocompile; do piece "$p"; done
+else
+  piece "${1:-mfu}"
+fi

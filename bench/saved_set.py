@@ -114,8 +114,9 @@ def saved_by_part(tr, seed: int = 0) -> dict:
             for _ in range(2))
     model.rope(cfg.data.seq_len, x.device)
     blocks = list(model.layers.values())
-    saved = saved_bytes(lambda: tr._loss(x, y), skip=model.parameters(), parts={b: str(i) for i, b in enumerate(blocks)},
-                        named={"rope": model.rope_cache}, outside="rest")
+    saved = saved_bytes(lambda: tr.par.runner.loss(x, y), skip=model.parameters(),
+                        parts={b: str(i) for i, b in enumerate(blocks)}, named={"rope": model.rope_cache},
+                        outside="rest")
     per_block = [saved[str(i)] for i in range(len(blocks))]
     other = {"rest": saved["rest"], "rope": saved["rope"]}
     kept = [sum(getattr(m, "kept_bytes", 0) for m in b.modules()) for b in blocks]

@@ -65,7 +65,7 @@ def read_metrics(run_dir: str) -> list[dict]:
 
 
 def run_local(cfg: C.Config, run_dir: str | None = None, stop: int = 0) -> list[dict]:
-    """Train `cfg` in this process, world size 1 (`stop`: end after that step, stop_after)."""
+    """Train `cfg` in this process, world size 1 (`stop`: end after that step, Trainer.fit's `stop_at`)."""
     from meshlm.distributed.mesh import init_context, pick_device
     from meshlm.plan.auto import resolve  # the trainer's entry: parallel.auto chooses first
     from meshlm.train.trainer import Trainer
@@ -73,10 +73,7 @@ def run_local(cfg: C.Config, run_dir: str | None = None, stop: int = 0) -> list[
     run_dir = run_dir or tempfile.mkdtemp(prefix="meshlm-ref-")
     layout = resolve(cfg, 1)
     ctx = init_context(layout.shape(), pick_device("cpu"))
-    trainer = Trainer(cfg, run_dir, ctx, layout)
-    if stop:
-        stop_after(trainer, stop)
-    trainer.fit()
+    Trainer(cfg, run_dir, ctx, layout).fit(stop or None)
     return read_metrics(run_dir)
 
 
@@ -140,21 +137,10 @@ def _drop_sub_groups(dist) -> None:
     gc.collect()  # a group's threads end with its last reference (the case's objects, in cycles)
 
 
-def stop_after(trainer, step: int) -> None:
-    """End `trainer.fit()` once `step` is done (its checkpoint and metrics line written), the schedule
-    untouched: a run that only writes the checkpoint another layout resumes need not train past it.
-    The hook is the last stage of fit()'s step (train/trainer.py)."""
-    last = trainer._evaluate_if_due
-
-    def end_of_step() -> None:
-        last()
-        if trainer.step >= step:
-            trainer.cfg.training.steps = trainer.step  # the loop's bound, read once more before it ends
-    trainer._evaluate_if_due = end_of_step
-
 def train_case(cfg_dict: dict, run_dir: str, stop: int = 0, probe=None):
-    """Runs inside a pool worker: train the config (`stop`: end after that step); returns nothing
-    (metrics are on disk), or what `probe(trainer)` (a module-level function) said before training."""
+    """Runs inside a pool worker: train the config (`stop`: end after that step, Trainer.fit's
+    `stop_at`); returns nothing (metrics are on disk), or what `probe(trainer)` (a module-level
+    function) said before training."""
     from meshlm.distributed.mesh import init_context, pick_device
     from meshlm.plan.auto import resolve  # the trainer's entry: parallel.auto chooses first
     from meshlm.train.trainer import Trainer
@@ -164,14 +150,12 @@ def train_case(cfg_dict: dict, run_dir: str, stop: int = 0, probe=None):
     ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=120)
     trainer = Trainer(cfg, run_dir, ctx, layout)
     seen = probe(trainer) if probe is not None else None
-    if stop:
-        stop_after(trainer, stop)
-    trainer.fit()
+    trainer.fit(stop or None)
     return seen
 
 
 # The pool's workers also run the harness's own functions.
-PRELOAD = [*spawn.PRELOAD, "meshlm.plan.auto", "harness"]
+PRELOAD = [*spawn.PRELOAD, "meshlm.plan.auto", "harness", "fault_plugin"]
 
 
 class Pool:
@@ -219,7 +203,7 @@ def run_layout(pools, cfg: C.Config, world: int) -> list[dict]:
 
 def train_in(pools, cfg: C.Config, world: int, run_dir: str, stop: int = 0) -> list[dict]:
     """Train `cfg` into `run_dir` on `world` ranks (1: in this process); its losses. `stop`: end after
-    that step (stop_after)."""
+    that step (Trainer.fit's `stop_at`)."""
     if world == 1:
         return run_local(cfg, run_dir, stop)
     pools(world).run(train_case, C.to_dict(cfg), run_dir, stop)
@@ -249,12 +233,14 @@ def rows(cases, fast=()) -> list:
 
 def hooked_case(cfg_dict: dict, run_dir: str, env: dict | list[dict]) -> dict:
     """Train through the worker's own start-up (train/trainer.py `start`: world, agreed restart count,
-    layout, groups, test hooks) with the variables of `env` set (MESHLM_TEST_*, TORCHELASTIC_*; a list:
-    one dict per rank), in a pool worker or in this process; the variables are removed again. This
-    rank's layout shape, accumulation count, agreed restart count and the step it resumed from."""
+    layout, groups, plugins) with the tests' fault plugin (fault_plugin.py) and the variables of `env`
+    set (MESHLM_TEST_*, TORCHELASTIC_*; a list: one dict per rank), in a pool worker or in this
+    process; the variables are removed again. This rank's layout shape, accumulation count, agreed
+    restart count and the step it resumed from."""
     from meshlm.train.trainer import start
 
     env = env[int(os.environ.get("RANK", "0"))] if isinstance(env, list) else env
+    env = {"MESHLM_PLUGINS": "fault_plugin", **env}
     os.environ.update(env)
     try:
         cfg = C.from_dict(cfg_dict)
@@ -263,15 +249,15 @@ def hooked_case(cfg_dict: dict, run_dir: str, env: dict | list[dict]) -> dict:
         trainer = start(cfg, run_dir)
         trainer.fit()
         return {"layout": trainer.layout.shape(), "accum": trainer.layout.accum, "restarts": trainer.ctx.restarts,
-                "resumed_from": (trainer.resumed_record or {}).get("step")}
+                "resumed_from": (trainer.resumed or {}).get("step")}
     finally:
         for k in env:
             del os.environ[k]
 
 
 def train_hooked(pools, cfg: C.Config, world: int, run_dir: str, env: dict | list[dict]) -> list[dict]:
-    """Every metrics.jsonl line of `cfg` trained on `world` ranks with the test hooks of `env` (a list:
-    one dict per rank)."""
+    """Every metrics.jsonl line of `cfg` trained on `world` ranks with the fault plugin's variables of
+    `env` (a list: one dict per rank)."""
     if world == 1:
         hooked_case(C.to_dict(cfg), run_dir, env)
     else:

@@ -130,6 +130,30 @@ def test_peers_bench_smoke():
         assert "_scaled_dot_product_flash_attention_for_cpu" in worst["cp"]["not_comparable"]
 
 
+def test_gpu_peers_bench_smoke():
+    """bench/gpu_peers.py on the CPU: meshlm's row, the plain transformers loop beside it as a ratio, and
+    the float8 peer refused in one line (no fp8 on a CPU)."""
+    out = run_json("bench/gpu_peers.py", "--device", "cpu", "--presets", "debug", "--seq-len", "16",
+                   "--micro-batches", "2", "--warmup", "0", "--steps", "2", "--peers", "bf16,float8",
+                   "--precision", "fp32", "--json")
+    assert [n for n in out["skipped"] if n.startswith("peer float8:")], out["skipped"]
+    mine, peer = out["results"]
+    assert mine["run"].startswith("meshlm") and peer["run"] == "peer bf16"
+    assert mine["micro_batch"] == peer["micro_batch"] == 2 and peer["seq_len"] == 16
+    assert peer["tokens_per_s"] > 0 and peer["final_loss"] > 0
+    assert peer["ratio"] == pytest.approx(mine["tokens_per_s"] / peer["tokens_per_s"])
+
+
+def test_optim_bench_smoke():
+    """bench/optim.py: the flat and per-tensor optimizers over the same parameter sets, tiny."""
+    rows = run_json("bench/optim.py", "--json", "--layers", "1", "--experts", "4", "--dim", "16",
+                    "--expert-dim", "8", "--reps", "2")
+    per_expert, stacked = rows
+    assert per_expert["tensors"] == 3 + 7 + 4 * 3 and stacked["tensors"] == 3 + 7 + 3  # + embed, head, norm
+    assert per_expert["groups"] == stacked["groups"] == 2  # decay and no-decay
+    assert all(r["list_step_ms"] > 0 and r["flat_step_ms"] > 0 for r in rows)
+
+
 def test_data_bench_smoke():
     """bench/data.py end to end on 1 and 2 MB (the 2 MB row through the byte tokenizer)."""
     out = run_json("bench/data.py", "--json", "--sizes-mb", "1,2", "--bytes-from-mb", "2", "--vocab", "400")

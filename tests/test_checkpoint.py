@@ -11,7 +11,7 @@ import tempfile
 import pytest
 import torch
 
-from harness import Pool, assert_same_losses, make_config, read_metrics, stop_after
+from harness import Pool, assert_same_losses, make_config, read_metrics
 from meshlm import config as C
 
 RESHARD = 1e-6
@@ -52,51 +52,45 @@ def _world(over: dict) -> int:
 
 def traced_case(cfg_dict: dict, run_dir: str, stop: int = 0) -> dict:
     """Train in a pool worker (or here) and count all-gathers inside save and resume; `stop`: end after
-    that step (harness.stop_after)."""
+    that step (Trainer.fit's `stop_at`)."""
     from meshlm.distributed.mesh import init_context, pick_device
     from meshlm.layout import resolve
+    from meshlm.train import checkpoint as ck
     from meshlm.train.trainer import Trainer
 
     cfg = C.from_dict(cfg_dict)
     layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=120)
-    tr = Trainer(cfg, run_dir, ctx, layout)
-    if stop:
-        stop_after(tr, stop)
-    counts = {"save": 0, "load": 0}
+    counts = {"save": 0, "load": 0, "save_growth": 0}
 
     def counted(kind, fn):
-        def run():
+        def run(*args, **kwargs):
             before = sum(c.stats["all_gather"].calls for c in ctx.all_comms())
-            out = fn()
+            out = fn(*args, **kwargs)
             counts[kind] += sum(c.stats["all_gather"].calls for c in ctx.all_comms()) - before
             return out
         return run
 
-    from meshlm.train import checkpoint as ck
+    # the reads alone: ZeRO-1/2 then re-gather their full parameters as after any step
     real_load = ck.load
-
-    def load(*args):  # the reads alone: ZeRO-1/2 then re-gather their full parameters as after any step
-        return counted("load", lambda: real_load(*args))()
-
-    counts["save_growth"] = 0
-    save = counted("save", tr.save)
-
-    def measured_save(*args, **kwargs):
-        """The resident peak during this save above the resident bytes just before it (the peak is
-        reset through /proc/self/clear_refs): what the save itself holds, free of start-up's and the
-        steps' run-to-run variation."""
-        before = _status_bytes("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        out = save(*args, **kwargs)
-        counts["save_growth"] = max(counts["save_growth"], _status_bytes("VmHWM") - before)
-        return out
-
-    tr.save = measured_save
-    ck.load = load
+    ck.load = counted("load", real_load)
     try:
-        tr.fit()
+        tr = Trainer(cfg, run_dir, ctx, layout)  # resumes here
+        save = counted("save", tr.state.save)
+
+        def measured_save(*args, **kwargs):
+            """The resident peak during this save above the resident bytes just before it (the peak is
+            reset through /proc/self/clear_refs): what the save itself holds, free of start-up's and the
+            steps' run-to-run variation."""
+            before = _status_bytes("VmRSS")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            out = save(*args, **kwargs)
+            counts["save_growth"] = max(counts["save_growth"], _status_bytes("VmHWM") - before)
+            return out
+
+        tr.state.save = measured_save
+        tr.fit(stop or None)
     finally:
         ck.load = real_load
     return counts
@@ -246,7 +240,7 @@ def test_async_write_overlaps_training(tmp_path, monkeypatch):
 
     def step(self, measure=True):
         out = real_step(self, measure)
-        if self.step == 3:
+        if self.state.step == 3:
             trained.set()
         return out
 

@@ -13,11 +13,10 @@ import time
 
 import pytest
 
+from fault_plugin import plugin_env
 from harness import hooked_case, make_config, run_local, train_hooked
 from meshlm import config as C
 from meshlm.config import ConfigError
-
-SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 
 CASE = dict(training__steps=12, checkpoint__every=4, checkpoint__keep=10, checkpoint__resume="auto",
             parallel__elastic="replan")
@@ -135,12 +134,11 @@ def agent(node: int, port: int, run: str, log: str) -> subprocess.Popen:
     for k, v in {**TINY, **AGENT_CASE}.items():
         args += [f"--{k}", str(v)]
     # Steps sleep 0.3 s so the kill lands a step or two after checkpoint 4; the shrunk job on one rank
-    # holds after step 16 (train/fault.py TestHooks) until node 1 is back, so it cannot end first.
+    # holds after step 16 (tests/fault_plugin.py) until node 1 is back, so it cannot end first.
     # Each round's rank 0 publishes the workers' store address anew: with the shared store (torch's
     # default) an agent that was rank 0 before does not, and a node joining later waits forever.
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC), OMP_NUM_THREADS="1", MESHLM_TEST_STEP_SLEEP="0.3",
-               MESHLM_TEST_HOLD_ALONE="16", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-               MESHLM_TEST_NODE=node_mark(node))
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+               **plugin_env(MESHLM_TEST_STEP_SLEEP="0.3", MESHLM_TEST_HOLD_ALONE="16", MESHLM_TEST_NODE=node_mark(node)))
     return subprocess.Popen(args, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -13,7 +13,8 @@ import torch
 from meshlm import config as C
 from meshlm.cli import main
 from meshlm.explore.server import make_server, url_of
-from meshlm.train.metrics import PEAK_COMMENT, MetricsLog, device_peak
+from meshlm.distributed.mesh import pick_device
+from meshlm.train.metrics import PEAK_COMMENT, PEAK_FLOPS, MetricsLog, device_peak
 
 TINY = ["--model.preset", "debug", "--data.seq_len", "32", "--training.global_batch", "4", "--training.micro_batch",
         "2", "--training.steps", "6", "--training.eval_every", "3", "--training.eval_batches", "1",
@@ -308,11 +309,25 @@ def test_mfu_over_100_percent_is_impossible(tmp_path):
 
 
 def test_trained_run_records_its_peak(served):
+    """Each step's MFU is against the peak of the device that ran (training.device = auto): a CPU's is
+    measured, a known GPU's is its datasheet's (train/metrics.PEAK_FLOPS), and an unknown GPU has none
+    (MFU 0, nothing noted in config.toml)."""
     _, root, name = served
     recs = [json.loads(x) for x in (root / name / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "loss" in r]
-    assert all(0 < r["mfu"] <= 1 and r["peak_flops"] > 0 and "measured" in r["peak_label"] for r in steps)
     config = (root / name / "config.toml").read_text()
+    device = pick_device("auto")
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device)
+        known = [flops for key, flops in PEAK_FLOPS.items() if key in gpu]
+        if not known:
+            assert all(r["peak_flops"] == 0 and r["mfu"] == 0 and "unknown peak" in r["peak_label"] for r in steps)
+            assert PEAK_COMMENT not in config
+            return
+        assert all(r["peak_label"] == f"{gpu} (datasheet bf16)" and r["peak_flops"] == known[0] for r in steps)
+    else:
+        assert all("measured" in r["peak_label"] and r["peak_flops"] > 0 for r in steps)
+    assert all(0 < r["mfu"] <= 1 for r in steps)
     assert f"{PEAK_COMMENT} " in config and steps[-1]["peak_label"] in config
 
 

@@ -12,10 +12,9 @@ import time
 
 import pytest
 
+from fault_plugin import plugin_env
 from harness import TINY, make_config, run_layout, run_local
 from meshlm.cli import main
-
-SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 
 
 def lines(run_dir) -> list[dict]:
@@ -28,7 +27,7 @@ def launch(run_dir, nproc: int, overrides: dict, env: dict) -> subprocess.Popen:
             "--run-dir", str(run_dir)]
     for k, v in {**TINY, **overrides}.items():
         args += [f"--{k}", str(v)]
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC), OMP_NUM_THREADS="1", **env)
+    env = dict(os.environ, OMP_NUM_THREADS="1", **plugin_env(**env))
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -113,6 +112,7 @@ def test_saving_steps_line_survives_a_crash_after_the_save(tmp_path):
 
 @pytest.mark.slow
 def test_nan_loss_stops_bf16_with_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MESHLM_PLUGINS", "fault_plugin")
     monkeypatch.setenv("MESHLM_TEST_NAN_STEP", "7")
     run = tmp_path / "run"
     argv = ["train", "--run-dir", str(run), "--checkpoint.every", "2", "--checkpoint.keep", "10",
@@ -210,8 +210,7 @@ def test_frozen_worker_is_named_by_the_launcher(tmp_path):
             "--parallel.timeout_s", "6", "--training.steps", "200"]
     for k, v in TINY.items():
         args += [f"--{k}", str(v)] if k != "training.steps" else []
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC), OMP_NUM_THREADS="1", MESHLM_TEST_OWNER=owner,
-               MESHLM_TEST_STEP_SLEEP="0.1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **plugin_env(MESHLM_TEST_OWNER=owner, MESHLM_TEST_STEP_SLEEP="0.1"))
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while not (run / "metrics.jsonl").exists() or len(lines(run)) < 3:

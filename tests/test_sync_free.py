@@ -42,7 +42,7 @@ def _forbid_host_reads(monkeypatch, tr) -> None:
                 raise HostRead(f"train_step read a tensor on the host: Tensor.{_name}")
             return _original(self, *args, **kwargs)
         monkeypatch.setattr(torch.Tensor, name, trap)
-    next_batch = tr.sampler.next_batch
+    next_batch = tr.state.sampler.next_batch
 
     def host_data(*args, **kwargs):
         armed[0] = False
@@ -50,7 +50,7 @@ def _forbid_host_reads(monkeypatch, tr) -> None:
             return next_batch(*args, **kwargs)
         finally:
             armed[0] = True
-    monkeypatch.setattr(tr.sampler, "next_batch", host_data)
+    monkeypatch.setattr(tr.state.sampler, "next_batch", host_data)
 
 
 LAYOUTS = {
@@ -72,13 +72,13 @@ def test_train_step_reads_nothing_on_the_host(monkeypatch, name):
             bool(torch.ones(()))
         for _ in range(2):
             out = tr.train_step(measure=False)
-        if tr.scaler.enabled:  # an overflowing step, skipped on the device, reads nothing either
-            tr.scaler.scale = 2.0 ** 40
+        if tr.state.scaler.enabled:  # an overflowing step, skipped on the device, reads nothing either
+            tr.state.scaler.scale = 2.0 ** 40
             skipped = tr.train_step(measure=False)["skipped"]
     assert torch.isfinite(out["norm"]) and float(out["loss_sum"]) > 0
     assert not bool(out["skipped"])
-    if tr.scaler.enabled:
-        assert bool(skipped) and float(tr.scaler.scale) == 2.0 ** 39
+    if tr.state.scaler.enabled:
+        assert bool(skipped) and float(tr.state.scaler.scale) == 2.0 ** 39
 
 
 def test_disabled_scaler_does_nothing(monkeypatch):
@@ -90,7 +90,7 @@ def test_disabled_scaler_does_nothing(monkeypatch):
     monkeypatch.setattr(torch, "_amp_update_scale_", lambda *a: pytest.fail("scale update with scaling off"))
     out = tr.train_step(measure=False)
     assert out["skipped"] is False
-    assert float(tr.scaler.scale) == 1.0 and tr.scaler.state_dict() == {"scale": 1.0, "good_steps": 0}
+    assert float(tr.state.scaler.scale) == 1.0 and tr.state.scaler.state_dict() == {"scale": 1.0, "good_steps": 0}
 
 
 def _snapshot(tr) -> dict:
@@ -104,22 +104,22 @@ def _snapshot(tr) -> dict:
                                   pytest.param("fp16-zero1-offload", marks=pytest.mark.slow)])
 def test_overflow_skips_the_step_exactly(name):
     tr = _trainer(**LAYOUTS[name])
-    tr.scaler.scale = 1024.0
+    tr.state.scaler.scale = 1024.0
     assert not bool(tr.train_step(measure=False)["skipped"])  # moments and step count are non-zero now
-    tr.scaler.growth_interval = 3
+    tr.state.scaler.growth_interval = 3
     assert not bool(tr.train_step(measure=False)["skipped"])
-    assert tr.scaler.state_dict() == {"scale": 1024.0, "good_steps": 2}
+    assert tr.state.scaler.state_dict() == {"scale": 1024.0, "good_steps": 2}
     before, count = _snapshot(tr), tr.par.optimizer.step_count()
     assert count == 2
-    tr.scaler.scale = 2.0 ** 40  # fp16 overflows at 65504: the scaled gradients become inf
+    tr.state.scaler.scale = 2.0 ** 40  # fp16 overflows at 65504: the scaled gradients become inf
     out = tr.train_step(measure=False)
     assert bool(out["skipped"]) and not torch.isfinite(out["norm"])
-    assert tr.scaler.state_dict() == {"scale": 2.0 ** 39, "good_steps": 0}  # halved, clean run restarts
+    assert tr.state.scaler.state_dict() == {"scale": 2.0 ** 39, "good_steps": 0}  # halved, clean run restarts
     after = _snapshot(tr)
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert not changed, changed[:5]  # masters, moments, parameters bit for bit
     assert tr.par.optimizer.step_count() == count
-    tr.scaler.scale = 1024.0
+    tr.state.scaler.scale = 1024.0
     assert not bool(tr.train_step(measure=False)["skipped"])
     assert tr.par.optimizer.step_count() == count + 1
     assert not torch.equal(before["param/0"], _snapshot(tr)["param/0"])
@@ -128,13 +128,13 @@ def test_overflow_skips_the_step_exactly(name):
 @pytest.mark.slow
 def test_clean_run_doubles_after_growth_interval():
     tr = _trainer(training__precision="fp16")
-    tr.scaler.scale, tr.scaler.growth_interval = 256.0, 3
+    tr.state.scaler.scale, tr.state.scaler.growth_interval = 256.0, 3
     scales = []
     for _ in range(7):
         assert not bool(tr.train_step(measure=False)["skipped"])
-        scales.append(float(tr.scaler.scale))
+        scales.append(float(tr.state.scaler.scale))
     assert scales == [256.0, 256.0, 512.0, 512.0, 512.0, 1024.0, 1024.0]
-    assert tr.scaler.state_dict() == {"scale": 1024.0, "good_steps": 1}
+    assert tr.state.scaler.state_dict() == {"scale": 1024.0, "good_steps": 1}
 
 
 def test_loss_scaler_on_device_semantics():
@@ -192,13 +192,13 @@ def trapped_steps(cfg_dict: dict, steps: int, overflow_at: int) -> list[tuple[fl
         _forbid_host_reads(mp, tr)
         for i in range(steps):
             if i == overflow_at:
-                tr.scaler.scale = 2.0 ** 40
+                tr.state.scaler.scale = 2.0 ** 40
             elif i == overflow_at + 1:
-                tr.scaler.scale = 2.0 ** 16
+                tr.state.scaler.scale = 2.0 ** 16
             outs.append(tr.train_step(measure=False))
     finally:
         mp.undo()
-    return [(tr.global_loss(o["loss_sum"]), bool(o["skipped"])) for o in outs]
+    return [(tr.meter.global_loss(o["loss_sum"]), bool(o["skipped"])) for o in outs]
 
 
 @pytest.mark.parametrize("overrides", [

@@ -66,11 +66,11 @@ def test_fp16_overflow_skips_step_and_backs_off(tmp_path):
     layout = resolve(cfg, 1)
     tr = Trainer(cfg, str(tmp_path), init_context(layout.shape(), pick_device("cpu")), layout)
     before = [p.detach().clone() for p in tr.par.optimizer.params]
-    tr.scaler.scale = 2.0 ** 40  # fp16 overflows at 65504: the scaled gradients become inf
+    tr.state.scaler.scale = 2.0 ** 40  # fp16 overflows at 65504: the scaled gradients become inf
     out = tr.train_step()
-    assert out["skipped"] and tr.scaler.scale == 2.0 ** 39
+    assert out["skipped"] and tr.state.scaler.scale == 2.0 ** 39
     assert all(torch.equal(a, p) for a, p in zip(before, tr.par.optimizer.params))
-    tr.scaler.scale = 1024.0
+    tr.state.scaler.scale = 1024.0
     out = tr.train_step()
     assert not out["skipped"]
     assert not all(torch.equal(a, p) for a, p in zip(before, tr.par.optimizer.params))
@@ -109,7 +109,7 @@ def ddp_case(bucket_mb: float) -> float:
     ddp = DistributedDataParallel(ref, bucket_cap_mb=bucket_mb)
     params = list(ours.parameters())
     comm = Comm("dp", dist.group.WORLD, list(range(world)), rank)
-    sync = GradBuckets(params, params, [Reduction(None, (comm,), (), world)] * len(params), int(bucket_mb * 2 ** 20))
+    sync = GradBuckets(params, [Reduction(None, (comm,), (), world)] * len(params), int(bucket_mb * 2 ** 20))
     g = torch.Generator().manual_seed(100 + rank)
     batches = [(torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g))
                for _ in range(2)]

@@ -149,7 +149,7 @@ def train_tweaked(cfg_dict: dict, run_dir: str, scale: float = 0.0, inflight: in
     ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=120)
     trainer = Trainer(cfg, run_dir, ctx, layout)
     if scale:
-        trainer.scaler.scale = scale
+        trainer.state.scaler.scale = scale
     if inflight >= 0:
         trainer.par.grads.inflight = inflight
     trainer.fit()
@@ -185,7 +185,7 @@ def _saved_bytes_after_forward(zero: int) -> tuple[int, object]:
     x, y, _ = tr.data.next_batch(0, 1)
     from meshlm.train.saved import saved_bytes
     out = []
-    saved = saved_bytes(lambda: out.append(tr._loss(x[:2], y[:2])))
+    saved = saved_bytes(lambda: out.append(tr.par.runner.loss(x[:2], y[:2])))
     out[0].backward()
     return saved.total, tr
 

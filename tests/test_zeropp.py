@@ -162,7 +162,7 @@ def secondary_bytes(cfg_dict: dict) -> tuple:
     zero = tr.par.grads
     zero.begin_step()
     x, y, _ = tr.data.next_batch(0, 1)
-    tr._loss(x[:2], y[:2]).backward()
+    tr.par.runner.loss(x[:2], y[:2]).backward()
     zero.finish()
     held = sum(t.numel() * t.element_size() for t in zero.zpp.secondary.values())
     units = sum(u.padded * u.full.element_size() for u in zero.units)

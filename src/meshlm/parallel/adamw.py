@@ -46,6 +46,13 @@ class Optimizer(Protocol):
         """Release what outlives the run otherwise (nvme: the scratch files); nothing for the others."""
 
 
+def decays(shape: tuple[int, ...] | torch.Size) -> bool:
+    """Whether AdamW's weight decay applies to a parameter of this shape: matrices and embeddings do,
+    1-D tensors (norm gains, biases) do not, as in Megatron and most Llama recipes. Every optimizer
+    (MasterOptimizer, ZeroOptimizer, NvmeOptimizer) asks this, so all layouts decay the same tensors."""
+    return len(shape) >= 2
+
+
 def fused_adamw_supported(device: torch.device | str) -> bool:
     """Whether torch has a fused AdamW kernel for `device` (CUDA always; CPU in recent torch). The
     fused kernel reads `found_inf` on the device and skips the whole update there (parameters, moments

@@ -1,19 +1,21 @@
 """Apply parallel dimensions to a plain model from outside (module swaps, hooks, wrappers).
 
 `parallelize` turns a meta-device model into this rank's part of the job and returns what the
-trainer drives: the model, the optimizer over its masters, the gradient synchroniser and the placement
-record of every parameter. Each dimension adds to the records as it is applied (placement.py); the
-model-specific questions (which linears TP splits, what a ZeRO unit is, what AC wraps, what a pipeline
-stage keeps) go to the model plan (llama_plan.py).
+trainer drives, built once and frozen: the model, the optimizer over its masters, the gradient
+synchroniser, the step runner (parallel/step.py) and the placement record of every parameter. Each
+dimension adds to the records as it is applied (placement.py); the model-specific questions (which
+linears TP splits, what a ZeRO unit is, what AC wraps, what a pipeline stage keeps) go to the model
+plan (llama_plan.py).
 The optimizer class comes from the trainer (train/ sits above parallel/); it must accept
-`(named_params, optim_cfg, device)`, implement `adamw.Optimizer` (as ZeRO's optimizers do) and expose
-`.params`, `.names`, `.masters` (fp32, one per param) for the DP gradient buckets.
+`(named_params, optim_cfg, device, group_key=)`, implement `adamw.Optimizer` (as ZeRO's optimizers do)
+and expose `.params`, `.names`, `.groups` (the parameters of each flat master, `grad_sync.flat_groups`,
+given the reductions as `group_key`) and `bind_grads` for the DP gradient buffers, one per group.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,11 +35,15 @@ from .expert_parallel import MoEStats, apply_expert_parallel, share_tokens_over_
 from .float8 import convert_to_float8
 from .grad_sync import GradSync, Reduction
 from .moe_plan import model_plan_for
-from .pipeline.build import attach as attach_pipeline, split_model
+from .pipeline.build import pipeline_runner, split_model
 from .placement import PlacementTable
+from .step import Accumulation, StepRunner
 from .tensor_parallel import apply_tensor_parallel, pad_vocab
 from .zero import ZeroOptimizer, shard_model
 from .zero.nvme import NvmeOptimizer
+
+if TYPE_CHECKING:
+    from .pipeline.runtime import PipelineRuntime
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
@@ -49,25 +55,25 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab: int | None
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-@dataclass
+@dataclass(frozen=True)
 class Parallelized:
     """What the trainer drives.
     - `loss_fn(model_output, targets)`: the mean token loss (vocab-parallel under TP);
+    - `runner`: one step's forward and backward over every micro-batch, and the eval loss
+      (parallel/step.py): gradient accumulation, or the pipeline runtime (pp > 1), which is then
+      also `pipeline` (its bubble metric and trace);
     - `placements`: one record per parameter this rank holds (single-process names): `to_local`,
-      checkpoint pieces and which copy owns each element (placement.py);
-    - `forward_backward` / `eval_loss` / `pipeline` (pp > 1): run all micro-batches of a step / one
-      eval micro-batch on this rank; the loss is the last stage's (zero elsewhere).
+      checkpoint pieces and which copy owns each element (placement.py).
     """
     model: nn.Module
     optimizer: Optimizer
     grads: GradSync
     placements: PlacementTable
     world: object  # Comm over every rank: the gradient norm sums each owner's squares over it
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
-    forward_backward: Callable[[torch.Tensor, torch.Tensor, float | torch.Tensor], torch.Tensor] | None = None
-    eval_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    pipeline: object | None = None
-    names: dict[int, str] = field(default_factory=dict)  # id() of each parameter -> its placement's name
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    runner: StepRunner
+    names: dict[int, str]  # id() of each parameter -> its placement's name
+    pipeline: PipelineRuntime | None = None  # pp > 1: the runner
     moe: MoEStats | None = None  # MoE models: routing metrics and the aux-loss gradient scale
     cp: ContextParallel | None = None  # cp > 1: which tokens of each sequence this rank holds
 
@@ -160,27 +166,29 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
             for seg, name in zip(u.pieces, u.names):
                 table.update(name, lambda pl: pl.shard_flat(seg.param_start, seg.param_end, u.comm.name))
     else:
-        opt = make_optimizer(named, cfg.optim, ctx.device)
-        grads = GradBuckets(opt.params, opt.masters, [reduction_of(n) for n in opt.names],
-                            int(cfg.parallel.bucket_mb * 2 ** 20), reduce_dtype)
+        opt = make_optimizer(named, cfg.optim, ctx.device, group_key=lambda n: reduction_of(n).key)
+        grads = GradBuckets(opt.params, [reduction_of(n) for n in opt.names],
+                            int(cfg.parallel.bucket_mb * 2 ** 20), reduce_dtype, opt.groups)
+        opt.bind_grads(grads.flat)
     for name in table.names():  # the copies a reduction sums are replicas of one another
         red = reduction_of(name)
         for c in red.all_reduce_over + red.sum_at_finish:
             if c.size > 1:
                 table.update(name, lambda pl: pl.replicate(c.name, c.rank))
-    par = Parallelized(model=model, optimizer=opt, grads=grads, placements=table, world=ctx.comm("world"), cp=cp)
-    par.names = {id(p): name for name, p in named}
-    if model.args.moe:
-        par.moe = MoEStats(model, plan, layout.tp)
     if layout.tp > 1:
-        par.loss_fn = tp.make_loss_fn()
+        loss_fn = tp.make_loss_fn()
     else:
-        par.loss_fn = partial(cross_entropy, vocab=model.args.vocab_size)  # drops padded logits, if any
+        loss_fn = partial(cross_entropy, vocab=model.args.vocab_size)  # drops padded logits, if any
         if cfg.training.compile:  # the vocab-parallel loss has collectives inside; the plain one fuses well
-            par.loss_fn = torch.compile(par.loss_fn, dynamic=False)
+            loss_fn = torch.compile(loss_fn, dynamic=False)
     if loss_head is not None:
-        par.loss_fn = chunked_loss(loss_head, tp and tp.vocab, ctx.comm("tp") if layout.tp > 1 else None,
-                                   cfg.training.compile)
+        loss_fn = chunked_loss(loss_head, tp and tp.vocab, ctx.comm("tp") if layout.tp > 1 else None,
+                               cfg.training.compile)
     if pipe is not None:
-        attach_pipeline(par, pipe, ctx, cfg, layout, plan)
-    return par
+        runner = pipeline_runner(model, grads, loss_fn, pipe, ctx, cfg, layout, plan)
+    else:
+        runner = Accumulation(model, loss_fn, grads, layout.micro_batch, layout.accum)
+    return Parallelized(model=model, optimizer=opt, grads=grads, placements=table, world=ctx.comm("world"),
+                        loss_fn=loss_fn, runner=runner, names={id(p): name for name, p in named},
+                        pipeline=runner if pipe is not None else None,
+                        moe=MoEStats(model, plan, layout.tp) if model.args.moe else None, cp=cp)

@@ -34,22 +34,41 @@ class Reduction:
         return (self.scatter.name if self.scatter else None, names(self.all_reduce_over), names(self.sum_at_finish), self.divisor)
 
 
-def bind_flat_grads(params: list[nn.Parameter], views: list[torch.Tensor], hook=None) -> list:
-    """The flat gradient buffer both synchronisers keep (DP buckets, ZeRO units): a parameter whose
-    dtype is the buffer's gets its view as `.grad`, so autograd accumulates into the buffer in place;
-    the others add theirs in `add_into_view` (post-accumulate hook), so accumulation happens in the
-    buffer's dtype. `hook`: registered as each parameter's post-accumulate-grad hook (handles returned)."""
-    for p, v in zip(params, views):
-        if p.dtype == v.dtype:
-            p.grad = v
-    return [p.register_post_accumulate_grad_hook(hook) for p in params] if hook is not None else []
+FLAT_MAX = 2 ** 30  # elements per flat buffer: offsets stay far inside 32-bit kernel indexing
 
 
-def add_into_view(p: nn.Parameter, view: torch.Tensor) -> None:
-    """A gradient autograd made outside the buffer (another dtype) goes into its view and is freed."""
+def flat_groups(keys: list, numels: list[int], cap: int = FLAT_MAX) -> list[list[int]]:
+    """Indices of the parameters that share one flat buffer: those of one key, in reverse registration
+    order (the order backward produces gradients in; groups too, by their first), cut into runs of at
+    most `cap` elements (a larger parameter alone). The DP buffers and MasterOptimizer's flat masters
+    use the same groups, so a group's gradient buffer is its master's `.grad` as a whole."""
+    by_key: dict = {}
+    for i in reversed(range(len(keys))):
+        by_key.setdefault(keys[i], []).append(i)
+    out = []
+    for group in by_key.values():
+        run, size = [], 0
+        for i in group:
+            if run and size + numels[i] > cap:
+                out.append(run)
+                run, size = [], 0
+            run.append(i)
+            size += numels[i]
+        out.append(run)
+    return out
+
+
+def accumulate_into_view(p: nn.Parameter, view: torch.Tensor, first: bool) -> None:
+    """Moves the gradient autograd made for `p` into its view of a flat buffer: copied on the step's
+    first backward (the buffer needs no zero fill, and a bf16 gradient is read once, not added to an
+    fp32 zero), added on later ones. Then `p.grad` is the view where the dtypes match (autograd adds
+    the next micro-batches in place) and None otherwise (the low-precision gradient is freed)."""
     if p.grad is not view:
-        view.add_(p.grad)
-        p.grad = None
+        if first:
+            view.copy_(p.grad)
+        else:
+            view.add_(p.grad)
+    p.grad = view if p.dtype == view.dtype else None
 
 
 class GradSync(Protocol):

@@ -367,8 +367,8 @@ class Checkpointer:
     def __init__(self, root: str, world: Comm, keep: int, use_async: bool):
         self.root, self.world, self.keep, self.use_async = root, world, keep, use_async
         self.pending: tuple[Future, str, str, dict, float] | None = None
-        # Test-only fault injection (train/fault.py TestHooks.in_save), step -> None: called once a
-        # checkpoint's tensors are written and before it is committed (renamed), sync or async.
+        # step -> None: called once a checkpoint's tensors are written and before it is committed
+        # (renamed), sync or async; a plugin's hook (train/plugins.py), e.g. the tests' fault injection.
         self.on_written = None
         self.dcp_group = None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt") if use_async else None

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import time
 
 import torch
@@ -139,79 +138,3 @@ class Cadence:
         self.log.write(rec)
         self.log.message(f"checkpoint.every = auto: a save takes {cost_s:.2f} s, MTBF {self.mtbf_s / 3600:.3g} h "
                          f"-> every {best_s:.0f} s = {self.interval} steps of {step_s:.3f} s")
-
-
-class TestHooks:
-    """Failure injection for the test suite, set through environment variables (never by configs) and
-    installed around a Trainer from outside (train/trainer.py `run`), so the step itself holds none:
-    MESHLM_TEST_NAN_STEP=N       step N's loss becomes NaN (as the non-finite guard sees it)
-    MESHLM_TEST_STEP_SLEEP=S     sleep S seconds before every step (gives a test time to kill a worker)
-    MESHLM_TEST_KILL_IN_SAVE=N:R rank R SIGKILLs itself while checkpoint N is half written (first attempt)
-    MESHLM_TEST_SLOW_RANK=R:S    rank R sleeps S seconds inside every step (a straggler)
-    MESHLM_TEST_CORRUPT_BATCH=N  global batch N (0-based data position) becomes random tokens, the same
-                                 in every layout (a corrupt shard: what the spike guard is for)
-    MESHLM_TEST_HOLD_ALONE=N     a job on one rank waits after step N until it is ended (a shrunk
-                                 elastic job stays alive, at a known step, until the lost node is back)
-    """
-
-    def __init__(self, rank: int, restarts: int):
-        env = os.environ
-        self.rank = rank
-        self.nan_step = int(env.get("MESHLM_TEST_NAN_STEP", "0") or 0)
-        self.sleep = float(env.get("MESHLM_TEST_STEP_SLEEP", "0") or 0)
-        kill = env.get("MESHLM_TEST_KILL_IN_SAVE", "")
-        self.kill = tuple(int(x) for x in kill.split(":")) if kill and restarts == 0 else None
-        self.corrupt = int(env.get("MESHLM_TEST_CORRUPT_BATCH", "-1") or -1)
-        slow = env.get("MESHLM_TEST_SLOW_RANK", "")
-        if slow and int(slow.split(":")[0]) == rank:
-            self.sleep += float(slow.split(":")[1])
-        self.hold = int(env.get("MESHLM_TEST_HOLD_ALONE", "0") or 0)
-
-    @classmethod
-    def install(cls, trainer) -> "TestHooks":
-        """Wrap the trainer's step, non-finite guard and checkpointer where a variable asks for it."""
-        hooks = cls(trainer.ctx.rank, trainer.ctx.restarts)
-        if trainer.ctx.world_size > 1:
-            hooks.hold = 0  # only a job that is alone holds
-        if hooks.sleep or hooks.hold:
-            step = trainer.train_step
-
-            def slept(*a, **kw):
-                while hooks.hold and trainer.step >= hooks.hold:
-                    time.sleep(0.1)  # the agent's restart (or SIGTERM) ends it here
-                time.sleep(hooks.sleep)
-                return step(*a, **kw)
-            trainer.train_step = slept
-        if hooks.nan_step:
-            observe = trainer.guard.observe
-            trainer.guard.observe = lambda s, loss, norm: observe(s, hooks.loss(s, loss), norm)
-        if hooks.kill:
-            trainer.checkpointer.on_written = hooks.in_save
-        if hooks.corrupt >= 0:
-            data, global_batch, vocab = trainer.data, trainer.cfg.training.global_batch, trainer.args.vocab_size
-            read = data.next_batch
-
-            def corrupted(dp_rank: int, dp_size: int):
-                position = data.sampler.state_dict()["step"]
-                batch = read(dp_rank, dp_size)
-                return batch if position != hooks.corrupt else random_batch(batch, position, global_batch,
-                                                                            vocab, dp_rank, dp_size)
-            data.next_batch = corrupted
-        return hooks
-
-    def loss(self, step: int, loss_sum: torch.Tensor) -> torch.Tensor:
-        return loss_sum + float("nan") if step == self.nan_step else loss_sum
-
-    def in_save(self, step: int) -> None:
-        """Called between writing a checkpoint's tensors and committing it."""
-        if self.kill and self.kill == (step, self.rank):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-def random_batch(batch, position: int, global_batch: int, vocab: int, dp_rank: int, dp_size: int):
-    """This rank's slice of a global batch of uniformly random tokens seeded by its position."""
-    g = torch.Generator().manual_seed(1000 + position)
-    rows = torch.randint(0, vocab, (global_batch, batch.inputs.shape[1] + 1), generator=g)
-    n = global_batch // dp_size
-    rows = rows[dp_rank * n:(dp_rank + 1) * n]
-    return type(batch)(rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), batch.docs)

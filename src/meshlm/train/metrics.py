@@ -7,8 +7,15 @@ import os
 import resource
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import torch
+
+from ..distributed.comm import merge_stats, reset_stats
+from .straggler import split
+
+if TYPE_CHECKING:
+    from .state import TrainState
 
 # Dense bf16 tensor-core peaks (FLOP/s), from the vendors' datasheets.
 PEAK_FLOPS = {
@@ -316,3 +323,103 @@ class MetricsLog:
         self.sinks = []
         if self.file is not None:
             self.file.close()
+
+
+def memory(par, device: torch.device) -> dict:
+    """Live bytes on this rank just before the optimizer step (README: metrics.jsonl `mem`)."""
+    opt, grads = par.optimizer, par.grads
+    return {"params": tensor_bytes(opt.param_tensors()), "grads": tensor_bytes(grads.held_tensors()),
+            "optim": opt.state_bytes(), "peak": peak_bytes(device)}
+
+
+class StepMeter:
+    """Builds the metrics line of a logged step: wall time, throughput, MFU and collectives averaged
+    over the steps since the previous line (the window), plus what the layout reports (MoE routing,
+    the pipeline's bubble and trace)."""
+
+    def __init__(self, ctx, cfg, args, layout, par, run_dir: str):
+        t = cfg.training
+        self.ctx, self.par, self.comms = ctx, par, ctx.all_comms()
+        self.loss_comms = (ctx.comm("dp_cp"), ctx.comm("pp"))  # pp > 1: only the last stage's is not 0
+        self.loss_divisor = layout.accum * layout.dp * layout.cp  # micro-batches of equal token counts
+        self.tokens_per_step = t.global_batch * cfg.data.seq_len
+        self.flops_per_step = args.flops_per_token(cfg.data.seq_len) * self.tokens_per_step
+        self.peak_flops, self.peak_label = device_peak(ctx.device, t)
+        self.trace = os.path.join(run_dir, "pipeline_trace.json") if ctx.is_logger else None
+        self.data_s = 0.0  # seconds reading batches since the last line (the step's time split)
+        self.window_start, self.window_steps = time.perf_counter(), 0
+        self.sched = sched_seconds()
+
+    def count_step(self) -> None:
+        """One more step in this window (a step undone by a rollback is not counted)."""
+        self.window_steps += 1
+
+    def new_window(self) -> None:
+        """The next line averages the steps from now on."""
+        self.window_start, self.window_steps = time.perf_counter(), 0
+
+    def restart(self) -> None:
+        """The loop starts (or goes on from a rollback): what was counted so far is not a step's."""
+        self.new_window()
+        self.sched = sched_seconds()
+        reset_stats(self.comms)
+
+    def global_loss(self, loss_sum: torch.Tensor) -> float:
+        """Mean loss over the whole global batch from each rank's sum of micro-batch losses."""
+        total = float(loss_sum)
+        for comm in self.loss_comms:
+            total = comm.all_reduce_scalars([total])[0]
+        return total / self.loss_divisor
+
+    def line(self, state: "TrainState", out: dict) -> dict:
+        """The metrics line of `state.step`, whose `train_step` returned `out`."""
+        device, n = self.ctx.device, self.window_steps
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        step_s = (time.perf_counter() - self.window_start) / n
+        stats = merge_stats(self.comms)
+        reset_stats(self.comms)
+        world = self.ctx.world_size
+        mfu = self.flops_per_step / step_s / (self.peak_flops * world) if self.peak_flops else 0.0
+        rec = {"step": state.step, "loss": self.global_loss(out["loss_sum"]), "grad_norm": float(out["norm"]),
+               "lr": out["lr"], "tokens": state.step * self.tokens_per_step,
+               "tokens_per_s": self.tokens_per_step / step_s, "mfu": mfu, "step_s": step_s,
+               "mem": out["mem"] or memory(self.par, device), "peak_flops": self.peak_flops,
+               "peak_label": self.peak_label, "world": world,
+               "comm": {k: {"calls": s.calls / n, "bytes": s.bytes / n, "seconds": s.seconds / n}
+                        for k, s in stats.items()}}
+        if device.type == "cpu":  # ranks share the cores: --calibrate prices that (docs/planner.md)
+            rec["threads"] = torch.get_num_threads()
+            rec["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+            now, before = sched_seconds(), self.sched
+            if now is not None and before is not None:  # on a core / waiting for one, per step
+                rec["cpu_s"], rec["wait_s"] = ((a - b) / n for a, b in zip(now, before))
+            self.sched = now
+        rec["time_split"] = split(step_s, sum(s.seconds for s in stats.values()) / n, self.data_s / n)
+        self.data_s = 0.0
+        if state.sampler.drawn() is not None:  # data.mix: tokens drawn per source so far
+            rec["data"] = state.sampler.drawn()
+        if self.par.moe is not None:
+            rec["moe"] = self.par.moe.record(self.ctx.comm("world"), device)
+        if self.par.pipeline is not None:  # measured bubble; rank 0 writes the step's Chrome trace
+            rec["bubble"] = self.par.pipeline.record(self.trace, state.step)
+        if bool(out["skipped"]):  # a device flag with fp16: read here, where the step has synced anyway
+            rec["skipped"] = True
+            if state.scaler.enabled:
+                rec["loss_scale"] = float(state.scaler.scale)
+        return rec
+
+
+
+def log_auto(record: dict, run_dir: str) -> None:
+    """parallel.auto: say what the planner chose and predicted (stdout and run_dir/auto_layout.json)."""
+    key = "parallel.auto"
+    if "replanned_from" in record:
+        key = "parallel.elastic"
+        print(f"{key}: {record['replanned_from']} does not fit {record['world']} ranks ({record['reason']}): "
+              f"replanned", flush=True)
+    print(f"{key}: {record['auto_layout']} on {record['world']} × {record['gpu']}: predicted "
+          f"{record['predicted_step_s']:.3g} s/step, {record['predicted_tokens_per_s_per_gpu']:,.0f} tokens/s per "
+          f"device, MFU {record['predicted_mfu']:.1%}, {record['predicted_mem_gib']:.2f} GiB", flush=True)
+    with open(os.path.join(run_dir, "auto_layout.json"), "w") as f:
+        json.dump(record, f, indent=1)

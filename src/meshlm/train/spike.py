@@ -66,3 +66,22 @@ def rollback_target(checkpoints: list[tuple[int, str]], spike_step: int) -> tupl
     """The newest checkpoint written strictly before the spiking step."""
     before = [c for c in checkpoints if c[0] < spike_step]
     return before[-1] if before else None
+
+
+def count_rollback(counts: dict[int, int], to_step: int, spike: dict) -> None:
+    """One more rollback to the checkpoint of `to_step` (`counts`: per checkpoint step); SpikeError
+    past MAX_ROLLBACKS_TO_ONE_CHECKPOINT."""
+    counts[to_step] = counts.get(to_step, 0) + 1
+    if counts[to_step] > MAX_ROLLBACKS_TO_ONE_CHECKPOINT:
+        raise SpikeError(f"training.spike_action: {counts[to_step]} rollbacks to the step {to_step} "
+                         f"checkpoint, the last for a spike at step {spike['step']}: stopped (lower optim.lr)")
+
+
+def skipped_message(step: int, spike: dict) -> str:
+    return (f"step {step}: {spike['on']} {spike['value']:.4g} is a spike (window mean {spike['mean']:.4g}, "
+            f"std {spike['std']:.3g}): update skipped")
+
+
+def rollback_message(spike: dict, to_step: int, windows: list[int]) -> str:
+    return (f"step {spike['step']}: {spike['on']} {spike['value']:.4g} is a spike: rolled back to step {to_step}, "
+            f"skipping global batches {windows[0]}..{windows[1]}")

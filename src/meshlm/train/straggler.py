@@ -49,6 +49,20 @@ class StragglerWatch:
                 return fresh
             time.sleep(0.005)
 
+    def report(self, step: int, parts: dict, is_logger: bool, message) -> list[dict]:
+        """Publish this rank's split of `step`; on rank 0 (`is_logger`) the ranks named stragglers,
+        each also told through `message` once per slow spell."""
+        if not self.enabled:
+            return []
+        self.publish(step, parts)
+        if not is_logger:
+            return []
+        named = self.judge(step, self.gather(step))
+        for s in named:
+            if s["steps"] == self.steps:
+                message(f"step {step}: {describe(s)}")
+        return named
+
     def judge(self, step: int, splits: dict[int, dict]) -> list[dict]:
         """The ranks named stragglers at `step` (those slow for `steps` logged steps in a row)."""
         busy = {r: s["compute_s"] + s["data_s"] for r, s in splits.items()}

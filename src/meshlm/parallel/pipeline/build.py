@@ -1,10 +1,11 @@
-"""Cut the model into this rank's pipeline stages, and hook the executor into `Parallelized`.
+"""Cut the model into this rank's pipeline stages, and build the executor that runs them.
 
 `split_model` runs first, on the meta-device model: it keeps only the blocks of this rank's chunks
 (global keys, so parameter names stay the single-process names), the embedding on the rank holding
 stage 0 and norm + head on the rank holding the last stage. Every other piece of `parallelize`
 (activation checkpointing, TP, materialisation, compile, ZeRO, the optimizer) then applies to that
-one pruned model unchanged. `attach` builds a `Stage` view per chunk and the runtime.
+one pruned model unchanged. `pipeline_runner` builds a `Stage` view per chunk and the runtime: the
+step runner (parallel/step.py) of a pipelined `Parallelized`.
 
 Tied embeddings: the last stage keeps the embedding's weight too (the plan's `prune`); the two copies
 are summed over the pipeline ends like any other gradient reduction (their `Reduction.sum_at_finish`). Under
@@ -35,11 +36,11 @@ def split_model(model: nn.Module, ctx, cfg, layout, plan) -> PipelineStages:
     return pipe
 
 
-def attach(par, pipe: PipelineStages, ctx, cfg, layout, plan) -> None:
-    """Give `par` the pipeline step: forward_backward, eval_loss and the runtime (for traces)."""
+def pipeline_runner(model: nn.Module, grads, loss_fn, pipe: PipelineStages, ctx, cfg, layout, plan):
+    """The runtime over this rank's chunks of the pruned, materialised `model`."""
     from .runtime import PipelineRuntime, Stage
 
-    model, p, v = par.model, pipe.p, pipe.v
+    p, v = pipe.p, pipe.v
     S = p * v
     stages = [Stage(model, plan, [str(i) for i in pipe.blocks[pipe.stage(c)]], pipe.stage(c),
                     pipe.stage(c) == 0, pipe.stage(c) == S - 1) for c in range(v)]
@@ -53,8 +54,7 @@ def attach(par, pipe: PipelineStages, ctx, cfg, layout, plan) -> None:
         return (n, seq // split, args.dim)
 
     dtype = next(model.parameters()).dtype
-    rt = PipelineRuntime(stages, actions, pipe.rank, ctx.comm("pp"), par.grads, par.loss_fn, dtype,
-                         ctx.device, act_shape, m, cfg.parallel.pp_schedule,
-                         split_w=cfg.training.ac not in ("full", "op"),  # backward.py: block AC recomputes per call
-                         vshape=pipe.vshape)
-    par.forward_backward, par.eval_loss, par.pipeline = rt.forward_backward, rt.eval_loss, rt
+    return PipelineRuntime(stages, actions, pipe.rank, ctx.comm("pp"), grads, loss_fn, dtype,
+                           ctx.device, act_shape, m, cfg.parallel.pp_schedule,
+                           split_w=cfg.training.ac not in ("full", "op"),  # backward.py: block AC recomputes per call
+                           vshape=pipe.vshape)

@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ...data.sampler import Batch
 from ...distributed.comm import Comm
 from ...schedule.actions import Action, local_target, message_of, source_of
 from ...schedule.replay import p2p_batches
@@ -70,10 +71,7 @@ class PipelineRuntime:
         self.saved: dict = {}
         self.deferred: dict = {}
         self.sending: list = []  # (work, tensor) of sends posted this step, waited at its end
-        self._clock: _Clock | None = None  # spans of the last step, resolved only when read
-        # Time the next step? On CUDA the clock drains the compute stream once per timed step, so the
-        # trainer turns it on for logged steps only (they are the ones whose bubble it reports).
-        self.timed = True
+        self._clock: _Clock | None = None  # spans of the last timed step, resolved only when read
 
     def _sync_points(self) -> set[int]:
         """Item index of the last weight-gradient backward of each chunk."""
@@ -84,11 +82,12 @@ class PipelineRuntime:
         return set(last.values())
 
     # -- one training step ----------------------------------------------------------------------
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
-                         scale: float | torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
-        """All micro-batches of one step on this rank; returns the sum of the micro-batch losses
-        (zero on every stage but the last). Gradients of `scale`·loss accumulate in the params.
-        `docs`: per-token document ids (document masking), split like the inputs."""
+    def run(self, batch: Batch, scale: float | torch.Tensor = 1.0, timed: bool = False) -> torch.Tensor:
+        """All micro-batches of one step on this rank (parallel/step.py `StepRunner`); returns the sum
+        of the micro-batch losses (zero on every stage but the last). `docs`: per-token document ids
+        (document masking), split like the inputs. `timed`: on CUDA the clock drains the compute
+        stream once per timed step, so the trainer times its logged steps only (their bubble)."""
+        inputs, targets, docs = batch
         if inputs.shape[0] % self.m:
             raise ValueError(f"pipeline: {inputs.shape[0]} sequences do not split into {self.m} micro-batches")
         n, seq = inputs.shape[0] // self.m, inputs.shape[1]
@@ -96,7 +95,8 @@ class PipelineRuntime:
         ds = docs.split(n) if docs is not None else [None] * self.m
         shape = self.act_shape(n, seq)
         loss_sum = torch.zeros((), device=self.device)
-        clock = _Clock(self.device) if self.timed else None
+        clock = _Clock(self.device) if timed else None
+        self.grads.begin_step()
         self.grads.set_sync(False)
         try:
             for i, it in enumerate(self.items):
@@ -122,6 +122,7 @@ class PipelineRuntime:
         left = [k for box in (self.inbox, self.outbox, self.saved, self.deferred) for k in box]
         if left:
             raise RuntimeError(f"pipeline rank {self.rank}: schedule left tensors unconsumed: {left[:4]}")
+        self.grads.finish()
         self._clock = clock
         return loss_sum
 
@@ -187,10 +188,11 @@ class PipelineRuntime:
 
     # -- evaluation -----------------------------------------------------------------------------
     @torch.no_grad()
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+    def eval_loss(self, batch: Batch) -> torch.Tensor:
         """Forward of one micro-batch through every stage in order (blocking p2p: stage s waits for
         s-1, a chain that cannot deadlock: each rank's chunks hold increasing stages in both placements).
         The mean loss on the last stage, zero elsewhere."""
+        x, y, docs = batch
         seq = x.shape[1]
         shape = self.act_shape(x.shape[0], seq)
         loss = torch.zeros((), device=self.device)

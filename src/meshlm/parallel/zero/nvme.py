@@ -206,7 +206,7 @@ class NvmeOptimizer:
         # (unit, start, end) of every chunk, and each chunk's parameter pieces (decay?, a, b) in shard terms
         self.chunks = [(u, a, min(a + self.chunk, u.shard_size)) for u in zero.units
                        for a in range(0, u.shard_size, self.chunk)]
-        self.decay = {id(u): [(len(u.shapes[g.param]) >= 2, g.start, g.end) for g in u.segments] for u in zero.units}
+        self.decay = {id(u): u.decay_runs() for u in zero.units}
         self.stats = {"steps": 0, "read_bytes": 0, "write_bytes": 0, "step_s": 0.0, "read_wait_s": 0.0,
                       "write_wait_s": 0.0}
         self._lock = threading.Lock()

@@ -1,8 +1,9 @@
 """AdamW on this rank's shard of every ZeRO unit, on the device or in CPU memory (parallel.offload).
 
 Each unit's fp32 master shard and Adam moments are flat tensors of the shard size; the optimizer sees
-one view per parameter piece (`Unit.segments`, units.py), so weight decay stays per tensor (none on 1-D gains, as
-in train/optim.MasterOptimizer) and results match the unsharded optimizer element for element.
+one view per run of neighbouring pieces with the same weight decay (`Unit.decay_runs`, units.py), so
+weight decay stays per tensor (`adamw.decays`, as in train/optim.MasterOptimizer), results match the
+unsharded optimizer element for element, and the step's list is a few tensors per unit.
 With fp32 compute and no offload the master *is* the parameter shard (no copy). With offload the
 masters, moments and a gradient staging buffer live in (pinned) host memory, the step runs on the CPU
 and the updated shards are copied back asynchronously. Fused AdamW wherever torch has it for the
@@ -48,14 +49,13 @@ class ZeroOptimizer:
             m = torch.zeros(u.shard_size, device=host, pin_memory=pin)
             v = torch.zeros(u.shard_size, device=host, pin_memory=pin)
             self.slots.append((u, master, grad, m, v))
-            for piece in u.segments:
-                s0, s1 = piece.start, piece.end
+            for d, s0, s1 in u.decay_runs():
                 seg = master[s0:s1]
                 if grad is not None:
                     seg.grad = grad[s0:s1]
                 else:
                     self.bind.append((u, s0, s1, seg))
-                (decay if len(u.shapes[piece.param]) >= 2 else no_decay).append(seg)
+                (decay if d else no_decay).append(seg)
                 segs.append((seg, m[s0:s1], v[s0:s1]))
         self.masters = [s[1] for s in self.slots]
         self.fused = fused = fused_adamw_supported(host)
@@ -105,7 +105,7 @@ class ZeroOptimizer:
         self.zero.publish()
 
     def param_tensors(self) -> list[torch.Tensor]:
-        """The parameter memory this rank keeps (Trainer.memory): full flat buffers for zero 1-2, the
+        """The parameter memory this rank keeps (train/metrics.py `memory`): full flat buffers for zero 1-2, the
         shards for zero 3 (gathered blocks are transient and show in the peak only)."""
         return [u.shard if self.zero.switches.shard_params else u.full for u, *_ in self.slots]
 

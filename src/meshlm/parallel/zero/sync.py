@@ -23,7 +23,7 @@ from itertools import pairwise
 import torch
 from torch import nn
 
-from ..grad_sync import add_into_view, bind_flat_grads
+from ..grad_sync import accumulate_into_view
 from .units import GATHERED, GATHERING, SHARDED, Unit, build_units
 
 
@@ -78,7 +78,9 @@ class ZeroSync:
         for u in self.units:
             self.hooks.append(u.first.register_forward_pre_hook(partial(self._pre_forward, u)))
             self.hooks.append(u.last.register_forward_hook(partial(self._post_forward, u)))
-            self.hooks += bind_flat_grads(u.params, u.grad_views, self._on_grad)
+            self.hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in u.params]
+            for p in u.params:
+                p.grad = None
 
     # -- storage ------------------------------------------------------------------------------
     def _init_unit(self, u: Unit) -> None:
@@ -185,9 +187,11 @@ class ZeroSync:
     def _alloc_grad(self, u: Unit) -> None:
         u.in_backward = True
         u.pending = len(u.params)
-        u.grad_full = torch.zeros(u.padded, dtype=self.reduce_dtype, device=u.device)
+        u.grad_full = torch.empty(u.padded, dtype=self.reduce_dtype, device=u.device)
+        for a, b in u.gaps:  # the parameters' views are filled by their first gradient (`_on_grad`)
+            u.grad_full[a:b].zero_()
         u.grad_views = [u.view(u.grad_full, i) for i in range(len(u.params))]
-        bind_flat_grads(u.params, u.grad_views)
+        self._refill(u)
 
     def _on_grad(self, p: nn.Parameter) -> None:
         if self.rs_queue or self.ar_queue:
@@ -195,9 +199,11 @@ class ZeroSync:
         u = self.unit_of[id(p)]
         g = p.grad
         if self.switches.shard_grads and not u.in_backward:  # backward reached the unit without its output hook
-            self._alloc_grad(u)  # (rebinds p.grad to the new view: put autograd's gradient back)
+            self._alloc_grad(u)  # (clears every p.grad of the unit: put autograd's gradient back)
             p.grad = g
-        add_into_view(p, u.grad_views[u.index[id(p)]])
+        i = u.index[id(p)]
+        accumulate_into_view(p, u.grad_views[i], i in u.unfilled)
+        u.unfilled.discard(i)
         if not self.switches.shard_grads and not self.sync:
             return
         u.pending -= 1
@@ -226,8 +232,18 @@ class ZeroSync:
                 self._reshard(u)
 
     # -- reduction ----------------------------------------------------------------------------
+    def _refill(self, u: Unit) -> None:
+        """The unit's gradient buffer starts over: each parameter's next gradient is copied into its
+        view, not added (no zero fill per step or micro-batch), and autograd starts from no `.grad`."""
+        u.unfilled = set(range(len(u.params)))
+        for p in u.params:
+            p.grad = None
+
     def _launch_reduce(self, u: Unit) -> None:
         u.reduced = True
+        for i in u.unfilled:  # no gradient this time: the view still holds an earlier one, or garbage
+            u.grad_views[i].zero_()
+        u.unfilled = set()
         full = u.grad_full
         send = full if full.dtype == self.reduce_dtype else full.to(self.reduce_dtype)
         if not self.switches.shard_grads and send is full:
@@ -273,7 +289,7 @@ class ZeroSync:
             self.zpp.drop()
         for u in self.units:
             if not self.switches.shard_grads:
-                u.grad_full.zero_()
+                self._refill(u)
             else:
                 u.grad_shard = None
             u.pending, u.reduced = len(u.params), False
@@ -309,7 +325,7 @@ class ZeroSync:
         return [u.grad_shard for u in self.units]
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """What gradient memory this rank holds (Trainer.memory): zero 1 keeps full buffers."""
+        """What gradient memory this rank holds (train/metrics.py `memory`): zero 1 keeps full buffers."""
         return self.grad_tensors() if self.switches.shard_grads else [u.grad_full for u in self.units]
 
     def param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ...distributed.comm import Comm, Handle
+from ..adamw import decays
 from ..grad_sync import Reduction
 
 SHARDED, GATHERING, GATHERED = 0, 1, 2
@@ -72,6 +73,7 @@ class Unit:
         self.handle: Handle | None = None
         self.grad_full: torch.Tensor | None = None
         self.grad_views: list[torch.Tensor] = []  # per-parameter views of grad_full
+        self.unfilled: set[int] = set(range(len(params)))  # parameters whose view holds no gradient yet
         self.grad_shard: torch.Tensor | None = None  # fp32, what the optimizer reads (zero 2-3: per step)
         self.pending = len(params)
         self.in_backward = False
@@ -81,6 +83,27 @@ class Unit:
     def segments(self) -> list[Segment]:
         """The pieces this rank holds something of."""
         return [s for s in self.pieces if s.start < s.end]
+
+    def decay_runs(self) -> list[tuple[bool, int, int]]:
+        """(weight decay?, start, end) in shard terms: this rank's pieces, neighbours with the same
+        `adamw.decays` merged into one run over the alignment padding between them, which is zero in
+        masters, moments and gradients and stays zero under AdamW. The optimizers step runs, not
+        pieces: a handful per unit, whatever the number of parameters."""
+        runs: list[tuple[bool, int, int]] = []
+        for seg in self.segments:
+            d = decays(self.shapes[seg.param])
+            if runs and runs[-1][0] == d:
+                runs[-1] = (d, runs[-1][1], seg.end)
+            else:
+                runs.append((d, seg.start, seg.end))
+        return runs
+
+    @property
+    def gaps(self) -> list[tuple[int, int]]:
+        """[start, end) ranges of the flat buffer that no parameter covers (alignment, padding)."""
+        ends = [o + k for o, k in zip(self.offsets, self.numels)]
+        starts = self.offsets[1:] + [self.padded]
+        return [(a, b) for a, b in zip(ends, starts) if a < b]
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         o = self.offsets[i]

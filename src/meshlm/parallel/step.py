@@ -1,0 +1,72 @@
+"""One optimizer step's forward and backward, whatever the layout: the trainer calls `StepRunner.run`
+and reads the gradients after it. Two implementations: `Accumulation` (every layout without pipeline
+stages: micro-batches one after another on this rank) and `pipeline.runtime.PipelineRuntime` (the
+schedule runs every micro-batch over the stages)."""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+from torch import nn
+
+from ..data.sampler import Batch
+from .grad_sync import GradSync
+
+
+class StepRunner(Protocol):
+    """What `Parallelized.runner` is. `batch`: this rank's share of the global batch, on its device
+    (its data-parallel rows, its context-parallel chunk of every sequence)."""
+
+    def run(self, batch: Batch, scale: float | torch.Tensor = 1.0, timed: bool = False) -> torch.Tensor:
+        """Forward and backward of every micro-batch of one step. The gradients (of `scale` × each
+        micro-batch's mean loss) are reduced and final on return. Returns the sum of the micro-batch
+        losses this rank computed (pipeline: zero on every stage but the last). `timed`: record the
+        step's timeline (the pipeline's bubble metric; other runners have none)."""
+
+    def eval_loss(self, batch: Batch) -> torch.Tensor:
+        """The mean loss of one evaluation micro-batch, no gradients (pipeline: zero on every stage
+        but the last)."""
+
+
+class Accumulation:
+    """Gradient accumulation: `accum` micro-batches of `micro_batch` rows run one after another; the
+    gradient reductions start on the last one's backward (`grads.set_sync`), overlapping it."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 grads: GradSync, micro_batch: int, accum: int):
+        self.model, self.loss_fn, self.grads = model, loss_fn, grads
+        self.micro_batch, self.accum = micro_batch, accum
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+        """The mean token loss of one micro-batch (with the autograd graph)."""
+        out = self.model(inputs) if docs is None else self.model(inputs, docs=docs)
+        return self.loss_fn(out, targets)
+
+    def run(self, batch: Batch, scale: float | torch.Tensor = 1.0, timed: bool = False) -> torch.Tensor:
+        inputs, targets, docs = batch
+        mb = self.micro_batch
+        loss_sum = torch.zeros((), device=inputs.device)
+        self.grads.begin_step()
+        for i in range(self.accum):
+            self.grads.set_sync(i == self.accum - 1)
+            part = slice(i * mb, (i + 1) * mb)
+            loss = self.loss(inputs[part], targets[part], None if docs is None else docs[part])
+            (loss * scale).backward()
+            loss_sum += loss.detach()
+        self.grads.finish()
+        return loss_sum
+
+    @torch.no_grad()
+    def eval_loss(self, batch: Batch) -> torch.Tensor:
+        return self.loss(*batch)
+
+
+def local_batch(batch: Batch, local_tokens: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> Batch:
+    """This rank's part of a host batch (`local_tokens`: its context-parallel chunks,
+    `Parallelized.local_tokens`) on `device`; CUDA: an async copy from pinned memory."""
+    def move(x: torch.Tensor) -> torch.Tensor:
+        x = local_tokens(x)
+        if device.type == "cuda":
+            x = x.pin_memory()
+        return x.to(device, non_blocking=True)
+    return Batch(*(None if x is None else move(x) for x in batch))

@@ -1,0 +1,73 @@
+"""Everything a checkpoint holds and a rollback restores, in one object: the model and optimizer
+(through their placements: this rank's pieces of the single-process tensors), the data position
+(the sampler's step), the step count, the fp16 loss scaler, the spike window and the CPU RNG.
+Checkpoints written by one layout load into any other (docs/checkpointing.md)."""
+from __future__ import annotations
+
+import torch
+
+from ..config import Config, to_dict
+from ..layout import Layout
+from ..parallel import Parallelized
+from . import checkpoint as ckpt
+from .optim import LossScaler
+from .spike import SpikeDetector
+
+
+class TrainState:
+    def __init__(self, par: Parallelized, sampler, scaler: LossScaler, spikes: SpikeDetector,
+                 cfg: Config, layout: Layout, rank: int):
+        self.par, self.sampler, self.scaler, self.spikes = par, sampler, scaler, spikes
+        self.cfg, self.layout, self.rank = cfg, layout, rank
+        self.step = 0  # optimizer steps taken
+        self.saved_step: int | None = None  # newest checkpoint written or loaded (for messages)
+
+    def pieces(self) -> tuple[dict[str, ckpt.Pieces], dict[str, tuple[int, ...]]]:
+        """This rank's pieces of every checkpoint tensor (views of its own optimizer state, placed by
+        the placement records), and the full shape of every key, in model order."""
+        state, shapes = {}, {}
+        places, opt = self.par.placements, self.par.optimizer
+        for name, kind, t in opt.state_storage():
+            pl = places[name]
+            key = f"{kind}/{name}"
+            # offload = "nvme": `t` stands for a stretch of a state file, read and written through it
+            state[key] = ckpt.Pieces(pl.full_shape, torch.float32,
+                                     [(b.offsets, v) for b, v in pl.pieces(t)], pl.owner,
+                                     opt.backing(name, kind) if t.is_meta else None)
+            shapes[key] = pl.full_shape
+        rng = torch.get_rng_state()
+        state["rng/cpu"] = ckpt.Pieces(tuple(rng.shape), rng.dtype, [((0,), rng)], self.rank == 0)
+        return state, shapes
+
+    def meta(self) -> dict:
+        """What meta.json holds besides the tensors."""
+        return {"step": self.step, "sampler": self.sampler.state_dict(), "scaler": self.scaler.state_dict(),
+                "optimizer_step": self.par.optimizer.step_count(), "layout": self.layout.shape(),
+                "accum": self.layout.accum, "spikes": self.spikes.state_dict(), "config": to_dict(self.cfg)}
+
+    def save(self, checkpointer: ckpt.Checkpointer, extra: dict | None = None) -> dict:
+        """Write a checkpoint of this step (`extra`: more meta.json entries); what the save reports."""
+        out = checkpointer.save(self.step, self.pieces()[0], {**self.meta(), **(extra or {})})
+        self.saved_step = self.step
+        return out
+
+    def load(self, path: str) -> dict:
+        """Every piece from the checkpoint at `path` (written by any layout); its meta.json."""
+        state, shapes = self.pieces()
+        meta = ckpt.load(path, state, shapes)
+        self.par.optimizer.loaded(meta["optimizer_step"])
+        torch.set_rng_state(state["rng/cpu"].parts[0][1])
+        self.sampler.load_state_dict(meta["sampler"])
+        self.scaler.load_state_dict(meta["scaler"])
+        self.spikes.load_state_dict(meta.get("spikes"))
+        self.step = self.saved_step = int(meta["step"])
+        return meta
+
+    def rollback(self, path: str) -> tuple[int, int]:
+        """Load the checkpoint at `path` but keep the data position: the global batches read since
+        it (the first and last data position, returned) are never trained on."""
+        end = self.sampler.state_dict()["step"]
+        self.load(path)
+        first = self.sampler.state_dict()["step"]
+        self.sampler.load_state_dict({**self.sampler.state_dict(), "step": end})
+        return first, end - 1

@@ -1,0 +1,92 @@
+"""Failure injection for the test suite: a MESHLM_PLUGINS module (src/meshlm/train/plugins.py). The
+tests that use it set MESHLM_PLUGINS=fault_plugin, put tests/ on PYTHONPATH (`plugin_env`) and say
+what to inject through these variables:
+MESHLM_TEST_NAN_STEP=N       step N's loss becomes NaN (as the non-finite guard sees it)
+MESHLM_TEST_STEP_SLEEP=S     sleep S seconds in every step (gives a test time to kill a worker)
+MESHLM_TEST_KILL_IN_SAVE=N:R rank R SIGKILLs itself while checkpoint N is half written (first attempt)
+MESHLM_TEST_SLOW_RANK=R:S    rank R sleeps S seconds inside every step (a straggler)
+MESHLM_TEST_CORRUPT_BATCH=N  global batch N (0-based data position) becomes random tokens, the same
+                             in every layout (a corrupt shard: what the spike guard is for)
+MESHLM_TEST_HOLD_ALONE=N     a job on one rank waits after step N until it is ended (a shrunk
+                             elastic job stays alive, at a known step, until the lost node is back)
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.join(os.path.dirname(TESTS), "src")
+
+
+def plugin_env(**variables: str) -> dict:
+    """What a launched `meshlm train` needs in its environment to run this plugin with `variables`."""
+    return {"PYTHONPATH": os.pathsep.join([SRC, TESTS]), "MESHLM_PLUGINS": "fault_plugin", **variables}
+
+
+def install(trainer) -> None:
+    env, rank = os.environ, trainer.ctx.rank
+    sleep = float(env.get("MESHLM_TEST_STEP_SLEEP", "0") or 0)
+    slow = env.get("MESHLM_TEST_SLOW_RANK", "")
+    if slow and int(slow.split(":")[0]) == rank:
+        sleep += float(slow.split(":")[1])
+    hold = int(env.get("MESHLM_TEST_HOLD_ALONE", "0") or 0) if trainer.ctx.world_size == 1 else 0
+    nan_step = int(env.get("MESHLM_TEST_NAN_STEP", "0") or 0)
+    kill = env.get("MESHLM_TEST_KILL_IN_SAVE", "")
+    corrupt = int(env.get("MESHLM_TEST_CORRUPT_BATCH", "-1") or -1)
+    state = trainer.state
+
+    def before() -> None:
+        while hold and state.step >= hold:
+            time.sleep(0.1)  # the agent's restart (or SIGTERM) ends it here
+        time.sleep(sleep)
+
+    def after(loss_sum: torch.Tensor) -> torch.Tensor:
+        return loss_sum + float("nan") if state.step + 1 == nan_step else loss_sum
+
+    if sleep or hold or nan_step:
+        trainer.runner = Wrapped(trainer.runner, before, after)
+    if kill and trainer.ctx.restarts == 0:
+        at = tuple(int(x) for x in kill.split(":"))
+        trainer.checkpointer.on_written = lambda step: (step, rank) == at and os.kill(os.getpid(), signal.SIGKILL)
+    if corrupt >= 0:
+        trainer.data = CorruptData(trainer.data, corrupt, trainer.cfg.training.global_batch, trainer.args.vocab_size)
+
+
+class Wrapped:
+    """A step runner (parallel/step.py) that calls `before()` ahead of each step and passes its loss
+    through `after`."""
+
+    def __init__(self, inner, before, after):
+        self.inner, self.before, self.after = inner, before, after
+
+    def run(self, batch, scale=1.0, timed=False):
+        self.before()
+        return self.after(self.inner.run(batch, scale, timed))
+
+    def eval_loss(self, batch):
+        return self.inner.eval_loss(batch)
+
+
+class CorruptData:
+    """The training data with global batch `position` replaced by random tokens."""
+
+    def __init__(self, data, position: int, global_batch: int, vocab: int):
+        self.data, self.position, self.global_batch, self.vocab = data, position, global_batch, vocab
+
+    def __getattr__(self, name):
+        return getattr(self.data, name)
+
+    def next_batch(self, dp_rank: int, dp_size: int):
+        position = self.data.sampler.state_dict()["step"]
+        batch = self.data.next_batch(dp_rank, dp_size)
+        if position != self.position:
+            return batch
+        g = torch.Generator().manual_seed(1000 + position)  # this rank's slice of one seeded global batch
+        rows = torch.randint(0, self.vocab, (self.global_batch, batch.inputs.shape[1] + 1), generator=g)
+        n = self.global_batch // dp_size
+        rows = rows[dp_rank * n:(dp_rank + 1) * n]
+        return type(batch)(rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), batch.docs)
