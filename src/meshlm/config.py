@@ -216,7 +216,7 @@ class TrainingConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-2
+    lr: float = 5e-3
     min_lr_ratio: float = 0.1
     warmup: int = 50
     weight_decay: float = 0.1
