@@ -9,9 +9,12 @@ MESHLM_TEST_CORRUPT_BATCH=N  global batch N (0-based data position) becomes rand
                              in every layout (a corrupt shard: what the spike guard is for)
 MESHLM_TEST_HOLD_ALONE=N     a job on one rank waits after step N until it is ended (a shrunk
                              elastic job stays alive, at a known step, until the lost node is back)
+MESHLM_TEST_ABORT_AT_EXIT=R  rank R aborts (SIGABRT) at interpreter exit, after its run finished and
+                             its teardown: the exit abort the launcher must tell from a failed run
 """
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import time
@@ -52,6 +55,8 @@ def install(trainer) -> None:
     if kill and trainer.ctx.restarts == 0:
         at = tuple(int(x) for x in kill.split(":"))
         trainer.checkpointer.on_written = lambda step: (step, rank) == at and os.kill(os.getpid(), signal.SIGKILL)
+    if env.get("MESHLM_TEST_ABORT_AT_EXIT", "") == str(rank):
+        atexit.register(os.abort)
     if corrupt >= 0:
         trainer.data = CorruptData(trainer.data, corrupt, trainer.cfg.training.global_batch, trainer.args.vocab_size)
 

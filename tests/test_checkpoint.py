@@ -263,10 +263,10 @@ def _die_before_rename(run_dir: str) -> None:
 
     real = ck.Checkpointer._commit
 
-    def commit(self, tmp, final, meta, step, write_s):
+    def commit(self, tmp, final, meta, step, *rest):
         if step == 4:
             os._exit(9)
-        return real(self, tmp, final, meta, step, write_s)
+        return real(self, tmp, final, meta, step, *rest)
 
     ck.Checkpointer._commit = commit
     run_local(make_config(checkpoint__every=2, checkpoint__async=True, checkpoint__keep=5, training__steps=8), run_dir)

@@ -24,6 +24,8 @@ BAD = [
     (["--training.precision", "fp8"], "training.precision"),
     (["--parallel.zero", "5"], "parallel.zero"),
     (["--training.steps", "many"], "training.steps: expected a number"),
+    (["--checkpoint.on_error", "retry"], "checkpoint.on_error: 'retry' is not one of stop, continue"),
+    (["--checkpoint.on_signal", "SIGTERM,SIGKILL"], "checkpoint.on_signal: 'SIGKILL' is not a signal"),
 ]
 
 

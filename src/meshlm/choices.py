@@ -6,6 +6,8 @@ refusal as any unknown value. Pure Python: the planner imports it without torch.
 """
 from __future__ import annotations
 
+import signal
+
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise")  # torchao float8 recipe names (training.fp8_recipe)
 AC_MODES = ("none", "op", "selective", "full")  # in order of recompute cost (the planner's search)
@@ -20,6 +22,9 @@ ZERO_STAGES = (0, 1, 2, 3)
 SPIKE_ACTIONS = ("skip", "rollback")  # training.spike_action
 ELASTIC = ("fail", "replan")  # parallel.elastic
 EXPORT_DTYPES = ("bf16", "fp32")  # checkpoint.export_dtype
+ON_ERROR = ("stop", "continue")  # checkpoint.on_error: what a failed save or export does
+# checkpoint.on_signal: every signal name but the two no process can catch
+CATCHABLE_SIGNALS = tuple(s.name for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP))
 
 # Bytes per element of each dtype name (activations, reductions, parameters).
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

@@ -51,8 +51,9 @@ def cmd_train(args, extra: list[str]) -> int:
         from .parallel.zero.nvme import preflight as offload_preflight
         offload_preflight(cfg, layout, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if worker else world)
         run_dir = args.run_dir or os.path.join("runs", f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
-        from .train.checkpoint import preflight
+        from .train.checkpoint import check_room, preflight
         preflight(cfg, run_dir, restarts or 0)
+        check_room(cfg, run_dir)
     except (ValueError, RuntimeError) as e:  # ConfigErrors; training.device unknown; the world not formed
         return _fail(str(e))
     if not worker or int(os.environ.get("RANK", "0")) == 0:

@@ -13,8 +13,8 @@ import sys
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
-from .choices import (AC_MODES, CP_IMPLS, ELASTIC, EXPORT_DTYPES, FP8_RECIPES, OFFLOAD, PP_SCHEDULES, PRECISIONS,
-                      REDUCE_DTYPES, SPIKE_ACTIONS, ZERO_STAGES, choose)
+from .choices import (AC_MODES, CATCHABLE_SIGNALS, CP_IMPLS, ELASTIC, EXPORT_DTYPES, FP8_RECIPES, OFFLOAD,
+                      ON_ERROR, PP_SCHEDULES, PRECISIONS, REDUCE_DTYPES, SPIKE_ACTIONS, ZERO_STAGES, choose)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -234,6 +234,8 @@ class CheckpointConfig:
     mtbf_hours: float = 0.0  # the job's mean time between failures (for every = "auto")
     export_hf: int | str = ""  # "": off, "end": a transformers directory after the last step, N: also every N steps
     export_dtype: str = "bf16"  # bf16 or fp32: the dtype of the exported safetensors
+    on_error: str = "stop"  # a save or export that fails (a full disk): stop (exit 1) or continue (retry when next due)
+    on_signal: list[str] = field(default_factory=lambda: ["SIGTERM"])  # signals that save and stop (preemption)
 
     def check(self, cfg: Config) -> None:
         if isinstance(self.every, str):
@@ -251,6 +253,11 @@ class CheckpointConfig:
             raise ConfigError(f"checkpoint.export_hf: expected \"\" (off), \"end\" or a step count >= 1, "
                               f"got '{self.export_hf}'")
         _choice(self.export_dtype, EXPORT_DTYPES, "checkpoint.export_dtype")
+        _choice(self.on_error, ON_ERROR, "checkpoint.on_error")
+        for name in self.on_signal:
+            if name not in CATCHABLE_SIGNALS:
+                raise ConfigError(f"checkpoint.on_signal: '{name}' is not a signal a process can catch "
+                                  f"(e.g. SIGTERM, SIGUSR1)")
 
 
 @dataclass
@@ -320,6 +327,8 @@ def _coerce(value: Any, current: Any, typ: Any, where: str) -> Any:
         return low in ("true", "1", "yes", "on")
     if t.startswith("list[list"):
         return _coerce_mix(value, where)
+    if t.startswith("list[str"):
+        return _coerce_str_list(value, where)
     if t.startswith("list"):
         return _coerce_int_list(value, where)
     if isinstance(value, str) and "str" not in t.split("|")[0]:
@@ -366,6 +375,16 @@ def _coerce_int_list(value: Any, where: str) -> list[int]:
         except (TypeError, ValueError):
             raise ConfigError(f"{where}: expected a list of integers, got {value!r}") from None
     return out
+
+
+def _coerce_str_list(value: Any, where: str) -> list[str]:
+    """A TOML array of strings or a command-line 'SIGTERM,SIGUSR1' (or '' for empty)."""
+    if isinstance(value, str):
+        text = value.strip().strip("[]").strip()
+        value = [x.strip().strip("'\"") for x in text.split(",")] if text else []
+    if not isinstance(value, (list, tuple)) or not all(isinstance(x, str) for x in value):
+        raise ConfigError(f"{where}: expected a list of names, got {value!r}")
+    return list(value)
 
 
 def _coerce_mix(value: Any, where: str) -> list[list]:

@@ -223,6 +223,7 @@ class Watchdog:
     # launcher and the process exits, failing its pending collective at once instead of after
     # parallel.timeout_s, so the elastic agent restarts the survivors within seconds.
     LIVE_PERIOD = 1.0
+    JOIN_S = 10.0  # close() waits this long for a store call in flight (one takes milliseconds)
 
     def __init__(self, store, rank: int, world: int, period: float = 0.2, keep: int = 16,
                  silent_s: float = 0.0, on_silent=None):
@@ -271,7 +272,7 @@ class Watchdog:
                 if self.silent_s > 0 and time.monotonic() - self._last_live >= self.LIVE_PERIOD:
                     self._live()
             except Exception:  # noqa: BLE001 - the store went away with the job
-                if self.silent_s > 0:
+                if self.silent_s > 0 and not self._stop.is_set():  # not after close(): the job is over
                     self.on_silent(f"rank {self.rank}: the job's store stopped answering (its host is lost; "
                                    f"docs/fault_tolerance.md: keep the store off the worker nodes)")
                 return
@@ -293,25 +294,35 @@ class Watchdog:
                 self._seen[r] = (stamp, now)
             elif stamp not in (None, LEFT.encode()) and now - old[1] > self.silent_s:
                 silent.append((r, now - old[1]))
-        if silent:
+        if silent and not self._stop.is_set():
             names = ", ".join(f"rank {r} (silent {t:.0f} s)" for r, t in silent)
             self._stop.set()
             self.on_silent(f"rank {self.rank}: lost {names} at step {self.step}: no heartbeat for over "
                            f"{self.silent_s:g} s (parallel.heartbeat_s); failing this rank's pending collective so "
                            f"the job can restart")
 
-    def close(self) -> None:
-        """Stop the thread; a rank that leaves on purpose (done, or failing with its own error) says so,
-        so the others are not told it was lost. The callback goes too: it is usually a bound method of
-        the trainer, and autograd graphs (C++, invisible to Python's cycle collector) hold Comms that
-        hold this watchdog, so keeping it would keep the trainer and its process groups alive."""
+    def close(self) -> str | None:
+        """Stop and join the thread; a rank that leaves on purpose (done, or failing with its own error)
+        says so, so the others are not told it was lost. The callback goes too: it is usually a bound
+        method of the trainer, and autograd graphs (C++, invisible to Python's cycle collector) hold
+        Comms that hold this watchdog, so keeping it would keep the trainer and its process groups alive.
+
+        The join is what makes the exit clean: a daemon thread still inside a store call when the
+        interpreter finalizes is ended by pthread_exit while C++ frames are on its stack, and the
+        forced unwind through them calls std::terminate ("terminate called without an active
+        exception", exit 134 after a finished run). Returns a line when the thread would not stop."""
         self._stop.set()
         self.on_silent = exit_silent
+        self._thread.join(self.JOIN_S)
         if self.silent_s > 0:
             try:
                 self.store.set(f"meshlm/alive/{self.rank}", LEFT)
             except Exception:  # noqa: BLE001 - the store is gone with the job
                 pass
+        if self._thread.is_alive():
+            return (f"rank {self.rank}: the flight recorder thread did not stop within {self.JOIN_S:g} s "
+                    f"(blocked in the job's store)")
+        return None
 
     def _read(self, key: str):
         return self.store.get(key) if self.store.check([key]) else None

@@ -7,6 +7,7 @@ order (c10d requires it), and handed around in a `ParallelContext`; nothing is k
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import os
@@ -118,6 +119,12 @@ class ParallelContext:
     def all_comms(self) -> list[Comm]:
         return list(self.comms.values())
 
+    def close(self) -> None:
+        """Let go of every process group: autograd graphs and optimizers keep Comms alive past the
+        trainer, and a group's C++ object (its gloo threads) lives as long as a Comm points at it."""
+        for c in self.comms.values():
+            c.group, c.watchdog = None, None
+
 
 def pick_device(kind: str = "auto") -> torch.device:
     if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
@@ -151,6 +158,11 @@ def _init_world(device: torch.device, timeout_s: float) -> bool:
     """The default process group of the torchrun environment (made once); False when running alone."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
+        # torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when it is
+        # imported, and torch._dynamo (the first optimizer) imports it: imported after the world group
+        # exists, those defaults would hold the group until the interpreter's finalization, past
+        # destroy_process_group, with its gloo threads. Imported first, they hold None.
+        import torch.distributed.nn.functional  # noqa: F401
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None,
@@ -226,6 +238,51 @@ def _make_comm(name: str, all_groups: list[list[int]], rank: int, world: int, ti
     return Comm(name, handle, mine, rank)
 
 
-def shutdown() -> None:
+def shutdown(ctx: ParallelContext | None = None, finished: bool = False, since: set[int] | None = None) -> list[str]:
+    """Tear this rank's side of the job down while the interpreter is whole (docs/fault_tolerance.md,
+    "Exit status"): every group destroyed and its last reference dropped, so the C++ objects and their
+    gloo threads end here and not in the interpreter's finalization. `finished`: every rank got here
+    after the last step, so a barrier first (no rank closes a connection a peer still reads from);
+    after a failure there is none (the peers may be gone). Returns the threads still alive after it
+    that were not there before `since` (`thread_ids()` taken at start-up)."""
+    if finished and ctx is not None and ctx.world_size > 1:
+        try:
+            ctx.comm("world").barrier()
+        except Exception:  # noqa: BLE001 - a peer that left early; tearing down goes on
+            pass
+    if ctx is not None:
+        ctx.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()  # groups held by reference cycles (modules, hooks, graphs) end now
+    return threads_alive(since)
+
+
+# Threads of c10d's gloo backend, by the names they give themselves (/proc/self/task/*/comm).
+GLOO_THREADS = ("gloo", "pt_gloo")
+TASKS = "/proc/self/task"
+
+
+def thread_ids() -> set[int]:
+    """This process's OS thread ids (Linux; empty elsewhere)."""
+    return {int(t) for t in os.listdir(TASKS)} if os.path.isdir(TASKS) else set()
+
+
+def threads_alive(since: set[int] | None = None) -> list[str]:
+    """Threads that outlive a teardown: gloo's C++ threads (a process group still referenced
+    somewhere), and Python threads other than the main one (with `since`: started after it; a caller's
+    own threads are not the run's). Other C++ threads (torch's intra-op pool) end with the process."""
+    import threading
+    python = {t.native_id: t.name for t in threading.enumerate() if t is not threading.main_thread()}
+    out = []
+    for tid in sorted(thread_ids()):
+        try:
+            with open(os.path.join(TASKS, str(tid), "comm")) as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        if tid in python and tid not in (since or set()):
+            out.append(f"{python[tid]} (python)")
+        elif tid not in python and name.startswith(GLOO_THREADS):
+            out.append(name)
+    return out

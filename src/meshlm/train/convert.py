@@ -9,6 +9,7 @@ checked before anything is written; output goes to `OUT.tmp` and is renamed when
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import warnings
@@ -18,10 +19,16 @@ import torch
 from .. import config as C
 from ..model.args import ModelArgs
 from ..model.hf_config import args_from_hf, config_for, param_shapes
+from .checkpoint import CheckpointError, write_failure
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DTYPES = {"bf16": (torch.bfloat16, "bfloat16"), "fp32": (torch.float32, "float32")}
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+class ExportError(CheckpointError):
+    """A Hugging Face export that could not be written (a full disk): one line naming the directory,
+    the bytes it needed and those free; its `.tmp` is removed."""
 
 
 def find_checkpoint(path: str) -> str:
@@ -179,8 +186,11 @@ def to_hf(ckpt: str, out: str, dtype: str = "bf16", max_shard_bytes: int = 5 * 1
         beside = os.path.isfile(os.path.join(path, "tokenizer.json"))
         _copy_tokenizer(path if beside else None, None if beside or tok == "bytes" else tok, tmp)
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, (OSError, RuntimeError)) and not isinstance(e, CheckpointError):  # a full disk among them
+            need = sum(math.prod(s) for s in param_shapes(args).values()) * DTYPES[dtype][0].itemsize
+            raise ExportError(write_failure(f"export to {out} failed", out, need, e, ".tmp removed")) from e
         raise
     return files
 

@@ -3,8 +3,11 @@ outside torchrun / Slurm job (RANK / WORLD_SIZE / MASTER_ADDR already in the env
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
+from collections import deque
 
 SLURM_TO_TORCH = {"SLURM_PROCID": "RANK", "SLURM_NTASKS": "WORLD_SIZE", "SLURM_LOCALID": "LOCAL_RANK"}
 
@@ -30,17 +33,77 @@ def spawn(nproc: int, config_path: str, run_dir: str, max_restarts: int = 0) -> 
     (each restart resumes from the newest complete checkpoint, see train/fault.py)."""
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
-    for old in os.listdir(logs):  # one-line errors of a previous launch would be misleading
-        if old.startswith(ERROR_PREFIX):
+    for old in os.listdir(logs):  # one-line errors and outcomes of a previous launch would be misleading
+        if old.startswith((ERROR_PREFIX, DONE_PREFIX)):
             os.remove(os.path.join(logs, old))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", f"--log-dir={logs}", "--redirects=2", "--tee=2",
            "-m", "meshlm.cli", "train", "--config", config_path, "--run-dir", run_dir, "--worker"]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc))))
-    return subprocess.call(cmd, env=env)
+    # torchrun's output passes through (the workers' stderr is teed into it); its last lines name
+    # each failed rank's exit code, which is all that tells which rank ended how.
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+    tail: deque[str] = deque(maxlen=400)
+    for line in proc.stderr:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        tail.append(line)
+    code = proc.wait()
+    if code and len(done_ranks(run_dir)) == nproc:
+        for line in after_done(exit_codes("".join(tail)), code):
+            print(line, file=sys.stderr)
+        return 0
+    return code
 
 
 ERROR_PREFIX = "error_rank"
+DONE_PREFIX = "done_rank"
+
+
+def teardown(ctx, finished: bool, since: set[int] | None = None) -> None:
+    """A worker's last act (distributed/mesh.py `shutdown`); a thread started since `since` that
+    outlives it is named on stderr (the rank's log): it may end the process abnormally at exit."""
+    from ..distributed.mesh import shutdown
+    rank = ctx.rank if ctx is not None else int(os.environ.get("RANK", "0"))
+    left = shutdown(ctx, finished, since)
+    if left:
+        print(f"meshlm: rank {rank}: threads alive after the teardown: {', '.join(left)}", file=sys.stderr,
+              flush=True)
+
+
+def record_done(run_dir: str, rank: int, last: dict) -> None:
+    """A worker whose run finished says so before its teardown; the launcher reads it when the worker
+    process still ends abnormally (`after_done`). Only under meshlm's launcher (it made RUN_DIR/logs)."""
+    logs = os.path.join(run_dir, "logs")
+    if os.path.isdir(logs):
+        with open(os.path.join(logs, f"{DONE_PREFIX}{rank}.txt"), "w") as f:
+            f.write(f"step {last.get('step')} loss {last.get('loss', float('nan')):.6g}\n")
+
+
+def done_ranks(run_dir: str) -> list[int]:
+    logs = os.path.join(run_dir, "logs")
+    names = os.listdir(logs) if os.path.isdir(logs) else []
+    return sorted(int(n[len(DONE_PREFIX):-4]) for n in names if n.startswith(DONE_PREFIX) and n.endswith(".txt"))
+
+
+def exit_codes(agent_output: str) -> dict[int, int]:
+    """rank -> exit code of every failed worker in torchrun's failure summary
+    (`rank : 1 (local_rank: 1)` then `exitcode : -6 (pid: …)`)."""
+    found = re.findall(r"rank\s*:\s*(\d+)\s*\(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", agent_output)
+    return {int(r): int(c) for r, c in found}
+
+
+def after_done(codes: dict[int, int], code: int) -> list[str]:
+    """The launcher's lines for a job whose every rank finished its run and wrote so, but whose
+    torchrun still failed (a worker ended abnormally after that): the run is complete, exit 0."""
+    if not codes:
+        return [f"meshlm: torchrun exited {code} after every rank finished its run; the run is complete"]
+    out = []
+    for rank, c in sorted(codes.items()):
+        how = f"signal {signal.Signals(-c).name}" if c < 0 and -c in signal.valid_signals() else f"exit {c}"
+        out.append(f"meshlm: rank {rank} ended with {how} after its run finished "
+                   f"(logs/{DONE_PREFIX}{rank}.txt); the run is complete")
+    return out
 
 
 def record_error(run_dir: str, rank: int, line: str) -> None:

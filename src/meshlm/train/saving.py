@@ -37,9 +37,10 @@ class Saving:
         ck = state.save(self.checkpointer, {"metrics": dict(rec)} if rec is not None else None)
         if self.cfg.checkpoint.async_:
             ck["async"] = True
-        self.cadence.saved(step, ck["save_s"])
-        for done in self.log_done(but=step):  # a synchronous save has just finished
-            ck.update(write_s=done["write_s"], bytes=done["bytes"])
+        if "error" not in ck:
+            self.cadence.saved(step, ck["save_s"])
+        for done in self.log_done(but=step):  # a synchronous save has just finished (or failed)
+            ck.update({k: v for k, v in done.items() if k != "step"})
         if rec is None:
             self.log.write({"step": step, "ckpt": ck})
         else:
@@ -87,7 +88,10 @@ class Saving:
             except (ValueError, OSError, ckpt.CheckpointError) as e:
                 failed, error = 1.0, e
         if self.world.all_reduce_scalars([failed])[0]:
-            if self.world.rank == 0:
-                raise RuntimeError(f"checkpoint.export_hf: step {step}: {error}") from error
-            raise RuntimeError(f"checkpoint.export_hf: step {step}: failed on rank 0")
+            line = f"checkpoint.export_hf: step {step}: {error if self.world.rank == 0 else 'failed on rank 0'}"
+            if self.cfg.checkpoint.on_error == "continue":  # the next due export tries again
+                self.log.write({"step": step, "export_error": line})
+                self.log.message(f"{line}; training goes on (checkpoint.on_error = continue)")
+                return
+            raise RuntimeError(line) from (error if self.world.rank == 0 else None)
         self.log.message(f"step {step}: exported {out} ({time.perf_counter() - t0:.1f} s)")

@@ -48,7 +48,8 @@ class TrainState:
     def save(self, checkpointer: ckpt.Checkpointer, extra: dict | None = None) -> dict:
         """Write a checkpoint of this step (`extra`: more meta.json entries); what the save reports."""
         out = checkpointer.save(self.step, self.pieces()[0], {**self.meta(), **(extra or {})})
-        self.saved_step = self.step
+        if "error" not in out:  # checkpoint.on_error = "continue": the next due step tries again
+            self.saved_step = self.step
         return out
 
     def load(self, path: str) -> dict:

@@ -34,11 +34,24 @@ from .straggler import StragglerWatch
 
 
 def run(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout | None = None) -> dict:
-    """Entry point of one worker (or of the only process); `restarts` and `layout` as in `start`."""
+    """Entry point of one worker (or of the only process); `restarts` and `layout` as in `start`. A
+    finished run says so in the run directory before the teardown (train/launch.py `record_done`):
+    the outcome, not how the process ends, decides the job's exit status."""
+    from ..distributed.mesh import thread_ids
+    from .launch import record_done, teardown
+    ctx, finished, before = None, False, thread_ids()
     try:
-        return start(cfg, run_dir, restarts, layout).fit()
+        trainer = start(cfg, run_dir, restarts, layout)
+        ctx = trainer.ctx
+        try:
+            last = trainer.fit()
+        finally:
+            del trainer  # its graphs and hooks hold the groups: they go before the teardown
+        record_done(run_dir, ctx.rank, last)
+        finished = True
+        return last
     finally:
-        shutdown()
+        teardown(ctx, finished, before)
 
 
 def start(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout | None = None) -> "Trainer":
@@ -54,7 +67,11 @@ def start(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout
     if layout is None:
         layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")), device_profile(device), restarts)
     ctx = init_context(layout.shape(), device, cfg.parallel.timeout_s, restarts)
-    trainer = Trainer(cfg, run_dir, ctx, layout)
+    try:
+        trainer = Trainer(cfg, run_dir, ctx, layout)
+    except BaseException:
+        shutdown(ctx)
+        raise
     for ext in extensions:
         ext.install(trainer)
     return trainer
@@ -88,7 +105,7 @@ class Trainer:
         self.state = TrainState(self.par, self.data.sampler, LossScaler(t.precision == "fp16", device=ctx.device),
                                 SpikeDetector(t.spike_zscore, t.spike_window, t.spike_action), cfg, layout, ctx.rank)
         self.checkpointer = ckpt.Checkpointer(os.path.join(run_dir, "checkpoints"), ctx.comm("world"),
-                                              cfg.checkpoint.keep, cfg.checkpoint.async_)
+                                              cfg.checkpoint.keep, cfg.checkpoint.async_, cfg.checkpoint.on_error)
         self.watchdog = Watchdog.for_job(ctx.rank, ctx.world_size, cfg.parallel.heartbeat_s, self._peer_lost)
         for c in ctx.all_comms():
             c.watchdog = self.watchdog
@@ -245,6 +262,7 @@ class Trainer:
         self._release()
 
     def _release(self) -> None:
+        self.checkpointer.close(finished=False)  # after a failure: its thread is not waited for
         if self.watchdog is not None:
             self.watchdog.close()
         self.par.optimizer.close()  # offload = "nvme": its scratch files go
