@@ -4,6 +4,7 @@ import inspect
 import pytest
 
 from meshlm.parallel.adamw import Optimizer
+from meshlm.parallel.muon import MuonAdamW
 from meshlm.parallel.zero.nvme import NvmeOptimizer
 from meshlm.parallel.zero.optim import ZeroOptimizer
 from meshlm.train.optim import MasterOptimizer
@@ -16,7 +17,7 @@ def test_protocol_names_what_the_trainer_calls():
                             "loaded", "backing", "close"}
 
 
-@pytest.mark.parametrize("cls", [MasterOptimizer, ZeroOptimizer, NvmeOptimizer], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [MasterOptimizer, ZeroOptimizer, NvmeOptimizer, MuonAdamW], ids=lambda c: c.__name__)
 def test_every_optimizer_has_the_protocol_methods(cls):
     for name in MEMBERS:
         assert callable(getattr(cls, name, None)), f"{cls.__name__} lacks {name}"

@@ -25,6 +25,7 @@ EXPORT_DTYPES = ("bf16", "fp32")  # checkpoint.export_dtype
 ON_ERROR = ("stop", "continue")  # checkpoint.on_error: what a failed save or export does
 # checkpoint.on_signal: every signal name but the two no process can catch
 CATCHABLE_SIGNALS = tuple(s.name for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP))
+OPTIMIZERS = ("adamw", "muon")  # optim.name
 
 # Bytes per element of each dtype name (activations, reductions, parameters).
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

@@ -35,11 +35,13 @@ from .expert_parallel import MoEStats, apply_expert_parallel, share_tokens_over_
 from .float8 import convert_to_float8
 from .grad_sync import GradSync, Reduction
 from .moe_plan import model_plan_for
+from .muon import MuonAdamW
 from .pipeline.build import pipeline_runner, split_model
 from .placement import PlacementTable
 from .step import Accumulation, StepRunner
 from .tensor_parallel import apply_tensor_parallel, pad_vocab
 from .zero import ZeroOptimizer, shard_model
+from .zero.muon import ZeroMuon
 from .zero.nvme import NvmeOptimizer
 
 if TYPE_CHECKING:
@@ -125,6 +127,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
     for name, p in named_params(model):
         table.add(name, tuple(p.shape))
     experts = plan.expert_params(model)
+    muon = plan.muon_params(model) & set(table.names()) if cfg.optim.name == "muon" else set()
     if layout.ep > 1:
         apply_expert_parallel(model, ctx.comm("ep"), plan, table, experts)
     if layout.cp > 1 and model.args.moe:
@@ -161,12 +164,16 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
         if cfg.parallel.offload == "nvme":
             opt = NvmeOptimizer(grads, cfg.optim, cfg.parallel.offload_dir, cfg.parallel.offload_buffer_mb, ctx.rank)
         else:
-            opt = ZeroOptimizer(grads, cfg.optim, cfg.parallel.offload == "optimizer")
+            opt = ZeroOptimizer(grads, cfg.optim, cfg.parallel.offload == "optimizer", frozenset(muon))
+            if muon:
+                opt = MuonAdamW(opt, ZeroMuon(opt, muon, table, ctx.comm, cfg.optim), cfg.optim)
         for u in grads.units:  # ZeRO's ranges, computed once by the unit (zero/units.py `Segment`)
             for seg, name in zip(u.pieces, u.names):
                 table.update(name, lambda pl: pl.shard_flat(seg.param_start, seg.param_end, u.comm.name))
     else:
-        opt = make_optimizer(named, cfg.optim, ctx.device, group_key=lambda n: reduction_of(n).key)
+        key = lambda n: reduction_of(n).key  # noqa: E731
+        opt = (MuonAdamW.local(named, cfg.optim, ctx.device, make_optimizer, muon, table, ctx.comm, key) if muon
+               else make_optimizer(named, cfg.optim, ctx.device, group_key=key))
         grads = GradBuckets(opt.params, [reduction_of(n) for n in opt.names],
                             int(cfg.parallel.bucket_mb * 2 ** 20), reduce_dtype, opt.groups)
         opt.bind_grads(grads.flat)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..model.init import canonical_name
 from ..model.llama import Attention, FeedForward, HeadRMSNorm, RMSNorm
 
 
@@ -102,6 +103,12 @@ class LlamaModelPlan:
                 continue
             out.append(TPRegion(fqn, mod, lins))
         return out
+
+    def muon_params(self, model: nn.Module) -> set[str]:
+        """Single-process names of the matrices optim.name = "muon" orthogonalises: the weights of every
+        TP region's linears (attention and feed-forward projections; stacked experts, per expert). The
+        embedding, head, norms, biases and the MoE router stay on AdamW, as the published recipes do."""
+        return {canonical_name(f"{lin.fqn}.{lin.param}") for r in self.tp_regions(model) for lin in r.linears}
 
     def float8_linears(self, model: nn.Module) -> list[str]:
         """The linears fp8 training multiplies in float8 (parallel/float8.py): every block's attention and

@@ -22,6 +22,7 @@ from . import comm as C
 from .hardware import GIB, GPU
 from .memory import (block_params_local, pipeline_roles, stage_memory, stage_params, state_bytes_per_param,
                      vocab_rows)
+from .muon import muon_step
 from .ops import Rates
 from .spec import Shape, Spec, check
 
@@ -208,6 +209,10 @@ def _stage_time(shape: Shape, s: Spec, stage: str, gpu: GPU, o: Options) -> dict
         ops = dict(ops, grad_accum_s=acc)
         t_b += acc
     colls = C.collectives(shape, s, sp.dense, sp.expert, sp.layers, sp.embed, sp.head, gpu, o.comm_efficiency)
+    muon_s = 0.0
+    if s.optim == "muon":
+        muon_s, extra = muon_step(shape, s, sp.layers, sp.dense + sp.expert, gpu, o.comm_efficiency)
+        colls += extra
     m = s.accum
     windows = {"forward": m * t_f, "backward": m * (t_b + t_rc), "attention": m * t_attn}
     last_bwd = t_b + t_rc
@@ -235,7 +240,7 @@ def _stage_time(shape: Shape, s: Spec, stage: str, gpu: GPU, o: Options) -> dict
         else:
             exposed_mb += exposed
     return {"t_f": t_f, "t_b": t_b, "t_rc": t_rc, "exposed_mb": exposed_mb, "exposed_step": exposed_step,
-            "collectives": colls, "params": sp, "ops": ops}
+            "collectives": colls, "params": sp, "ops": ops, "muon_s": muon_s}
 
 
 def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | None = None) -> dict:
@@ -279,7 +284,8 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
     if o.efficiency is None:
         overhead_s = o.rates.step_overhead_s if o.rates is not None else \
             STEP_GAP_S if o.step_overhead_s is None else o.step_overhead_s
-    step = busy * (1 + bubble) + step_exposed + opt_s + offload_s + overhead_s
+    muon_s = max(t["muon_s"] for t in times)  # Newton-Schulz, after the step's gradients (plan/muon.py)
+    step = busy * (1 + bubble) + step_exposed + opt_s + muon_s + offload_s + overhead_s
     tokens = s.global_batch * s.seq_len
     model_flops = shape.flops_per_token(s.seq_len) * tokens
     world = s.world
@@ -291,7 +297,8 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
         "time": {"forward_s": m * worst["t_f"], "backward_s": m * worst["t_b"], "recompute_s": m * worst["t_rc"],
                  "exposed_comm_microbatch_s": worst["exposed_mb"], "bubble_s": busy * bubble,
                  "bubble_fraction": bubble, "bubble_source": source, "exposed_comm_step_s": step_exposed,
-                 "optimizer_s": opt_s, "offload_s": offload_s, "offload_io_s": io_s, "overhead_s": overhead_s},
+                 "optimizer_s": opt_s, "muon_ns_s": muon_s, "offload_s": offload_s, "offload_io_s": io_s,
+                 "overhead_s": overhead_s},
         "ops": None if worst["ops"] is None else {k: m * v for k, v in worst["ops"].items()},
         "comm": comm,
         "comm_bytes_per_step": sum(c["bytes"] for c in comm),
@@ -318,7 +325,7 @@ def step_categories(r: dict) -> dict:
         out = {"gemm": ops["gemm_s"] + ops["head_s"], "attention": ops["attention_s"],
                "elementwise": ops["elementwise_s"], "launch": ops["launch_s"], "loss": ops["loss_s"],
                "grad_accum": ops["grad_accum_s"], "recompute": ops["recompute_s"]}
-    out.update(optimizer=t["optimizer_s"] + t["offload_s"],
+    out.update(optimizer=t["optimizer_s"] + t["muon_ns_s"] + t["offload_s"],
                comm=t["exposed_comm_microbatch_s"] + t["exposed_comm_step_s"], bubble=t["bubble_s"],
                overhead=t["overhead_s"])
     return out

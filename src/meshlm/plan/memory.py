@@ -389,6 +389,9 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
         buffers["qwz_int8"] = packed_bytes(int(sp.unit))
     if attn_mask == "dense":
         buffers["attn_mask"] = dense_mask_bytes(s.micro_batch, s.seq_len)
+    if s.optim == "muon":  # optim.name = "muon" (plan/muon.py)
+        delta, buffers["muon"] = muon_memory(shape, s, sp.layers, sp.unit)
+        optim += delta
     if t > 1:
         buffers["tp"] = 2 * e * a.dim * tokens
     if s.pp > 1:
@@ -465,3 +468,39 @@ def memory(shape: Shape, s: Spec, flash: bool = True, attn_math_bytes: int | Non
         if best is None or m["total"] > best["total"]:
             best = m
     return best
+
+
+# -- optim.name = "muon" (plan/muon.py prices its time and traffic) --------------------------------
+def block_matrices(shape: Shape, ep: int = 1) -> list[tuple[int, int, float]]:
+    """(rows, cols, matrices per block on one rank) of Muon's matrices, whole (before TP); MoE blocks
+    averaged over the blocks as `memory.block_params_local` does; experts split over ep."""
+    a = shape.args
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    out = [(q, a.dim, 1.0), (kv, a.dim, 2.0), (a.dim, q, 1.0)]
+    frac = a.n_moe_blocks / a.n_layers if shape.moe else 0.0
+    if frac < 1:
+        out += [(a.ffn_dim, a.dim, 2 * (1 - frac)), (a.dim, a.ffn_dim, 1 - frac)]
+    if frac > 0:
+        experts = -(-shape.num_experts // ep) + shape.shared_experts
+        out += [(a.expert_dim, a.dim, 2 * frac * experts), (a.dim, a.expert_dim, frac * experts)]
+    return out
+
+
+def muon_shard_group(s: Spec) -> int:
+    return s.zero_group * s.cp if s.zero else 1  # ZeRO shards over dp_shard×cp
+
+
+def muon_memory(shape: Shape, s: Spec, layers: int, unit: float) -> tuple[float, float]:
+    """(optimizer-state bytes added, negative when saved; transient buffer bytes) on a rank holding
+    `layers` blocks; `unit`: the largest ZeRO unit's elements."""
+    mats = block_matrices(shape, s.ep)
+    local = layers * sum(r * c * k for r, c, k in mats) / s.tp
+    n = muon_shard_group(s)
+    state = 4 * local / n if s.zero else -4 * local
+    r, c, k = max(mats, key=lambda x: x[0] * x[1] * (x[2] if x[2] > 2 else 1))
+    m = min(r, c)
+    batch = k if k > 2 else 1  # stacked experts are orthogonalised together
+    buf = 4 * batch * (2 * r * c + 2 * m * m)
+    if s.zero:
+        buf += 2 * 4 * unit
+    return state, buf

@@ -104,6 +104,7 @@ class Spec:
     quantize_weights: bool = False  # ZeRO++ qwZ (docs/zero.md)
     hpz_group: int = 0              # ZeRO++ hpZ: secondary shards over this many ranks; 0: off
     quantize_grads: bool = False    # ZeRO++ qgZ
+    optim: str = "adamw"            # optim.name: "muon" adds plan/muon.py's memory, time and traffic
 
     @property
     def world(self) -> int:
@@ -153,11 +154,12 @@ def spec_from_config(cfg: Config, world: int) -> Spec:
         raise PlanError("parallel.zero_group: HSDP groups need a ZeRO stage (zero >= 1)")
     return Spec(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, zero_group=p.zero_group or dp,
                 sp=bool(p.sp), pp_schedule=p.pp_schedule, pp_virtual=p.pp_virtual,
-                micro_batch=t.micro_batch, accum=accum, ac=t.ac, offload=p.offload, precision=t.precision,
+                micro_batch=t.micro_batch, accum=accum, ac=t.ac, offload=p.offload,
+                precision="bf16" if t.precision == "auto" else t.precision,  # a GPU's training.precision "auto"
                 offload_buffer_mb=p.offload_buffer_mb,
                 seq_len=cfg.data.seq_len, cp_impl=p.cp_impl, bucket_mb=p.bucket_mb, reduce_dtype=p.reduce_dtype,
                 pp_layers=tuple(p.pp_layers), quantize_weights=bool(p.quantize_weights), hpz_group=p.hpz_group,
-                quantize_grads=bool(p.quantize_grads))
+                quantize_grads=bool(p.quantize_grads), optim=cfg.optim.name)
 
 
 def attention_mask(document_mask: bool, attn_impl: str = "auto") -> str:

@@ -26,8 +26,9 @@ from .units import Unit
 class ZeroOptimizer:
     """The optimizer `parallelize` returns for zero >= 1 (same interface as MasterOptimizer)."""
 
-    def __init__(self, zero: ZeroSync, cfg: OptimConfig, offload: bool):
-        self.zero, self.offload = zero, offload
+    def __init__(self, zero: ZeroSync, cfg: OptimConfig, offload: bool, skip: frozenset[str] = frozenset()):
+        """`skip`: parameters another optimizer steps (zero/muon.py): no AdamW update or checkpoint state."""
+        self.zero, self.offload, self.skip = zero, offload, skip
         self.params = [p for u in zero.units for p in u.params]
         self.names = [n for u in zero.units for n in u.names]
         dev = zero.units[0].device
@@ -49,7 +50,7 @@ class ZeroOptimizer:
             m = torch.zeros(u.shard_size, device=host, pin_memory=pin)
             v = torch.zeros(u.shard_size, device=host, pin_memory=pin)
             self.slots.append((u, master, grad, m, v))
-            for d, s0, s1 in u.decay_runs():
+            for d, s0, s1 in u.decay_runs(skip):
                 seg = master[s0:s1]
                 if grad is not None:
                     seg.grad = grad[s0:s1]
@@ -137,6 +138,8 @@ class ZeroOptimizer:
         out = []
         for u, master, _, m, v in self.slots:
             for seg, name in zip(u.pieces, u.names):
+                if name in self.skip:  # its master and momentum: zero/muon.py
+                    continue
                 out += [(name, kind, t[seg.start:seg.end])
                         for kind, t in (("master", master), ("exp_avg", m), ("exp_avg_sq", v))]
         return out

@@ -84,18 +84,24 @@ class Unit:
         """The pieces this rank holds something of."""
         return [s for s in self.pieces if s.start < s.end]
 
-    def decay_runs(self) -> list[tuple[bool, int, int]]:
+    def decay_runs(self, skip: frozenset[str] = frozenset()) -> list[tuple[bool, int, int]]:
         """(weight decay?, start, end) in shard terms: this rank's pieces, neighbours with the same
         `adamw.decays` merged into one run over the alignment padding between them, which is zero in
         masters, moments and gradients and stays zero under AdamW. The optimizers step runs, not
-        pieces: a handful per unit, whatever the number of parameters."""
+        pieces: a handful per unit, whatever the number of parameters. `skip`: parameters another
+        optimizer steps (optim.name = "muon"), left out and never merged over."""
         runs: list[tuple[bool, int, int]] = []
+        cut = False
         for seg in self.segments:
+            if self.names[seg.param] in skip:
+                cut = True
+                continue
             d = decays(self.shapes[seg.param])
-            if runs and runs[-1][0] == d:
+            if runs and runs[-1][0] == d and not cut:
                 runs[-1] = (d, runs[-1][1], seg.end)
             else:
                 runs.append((d, seg.start, seg.end))
+            cut = False
         return runs
 
     @property

@@ -1,0 +1,231 @@
+"""Muon (parallel/muon.py): Newton-Schulz against a plain reference, the update against a hand-written
+Muon step, which parameters the model plan gives it, and every layout built so far reproducing one
+process's losses (fp32 <= 1e-5); checkpoints carry the momentum and reshard."""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+
+from harness import assert_same_losses, make_config, reference, rows, run_layout, train_in
+from meshlm import config as C
+from meshlm.model.from_config import model_args
+from meshlm.model.llama import Llama
+from meshlm.parallel.moe_plan import model_plan_for
+from meshlm.parallel.muon import NS_COEFFS, MuonAdamW, newton_schulz
+from meshlm.parallel.placement import PlacementTable
+from meshlm.train.optim import MasterOptimizer
+
+FP32 = 1e-5
+BF16 = 1e-3  # as tests/test_equivalence.py
+MUON = {"optim__name": "muon"}
+
+
+def _reference_ns(g: torch.Tensor, steps: int) -> torch.Tensor:
+    """Jordan et al.'s quintic iteration written out for one matrix, transposing a tall one."""
+    a, b, c = NS_COEFFS
+    x = g / (torch.linalg.matrix_norm(g) + 1e-7)
+    tall = g.shape[0] > g.shape[1]
+    if tall:
+        x = x.t()
+    for _ in range(steps):
+        gram = x @ x.t()
+        x = a * x + b * gram @ x + c * gram @ gram @ x
+    return x.t() if tall else x
+
+
+@pytest.mark.parametrize("shape", [(32, 64), (64, 32), (48, 48)])
+def test_newton_schulz_orthogonalises(shape):
+    torch.manual_seed(0)
+    g = torch.randn(*shape)
+    o = newton_schulz(g, 5)
+    s = torch.linalg.svdvals(o)
+    assert s.min() > 0.6 and s.max() < 1.2, (s.min(), s.max())  # the quintic's band around 1
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    core = u.t() @ o @ vh.t()  # the same singular vectors: diagonal in g's singular bases
+    off = core - torch.diag(torch.diagonal(core))
+    assert off.abs().max() < 1e-4, off.abs().max()
+    torch.testing.assert_close(o, _reference_ns(g, 5), rtol=1e-5, atol=1e-6)
+
+
+def test_newton_schulz_is_per_matrix_over_stacked_experts():
+    torch.manual_seed(1)
+    g = torch.randn(3, 16, 40)
+    torch.testing.assert_close(newton_schulz(g, 5), torch.stack([_reference_ns(m, 5) for m in g]),
+                               rtol=1e-5, atol=1e-6)
+
+
+def _model(preset: str) -> tuple[torch.nn.Module, list]:
+    cfg = make_config(model__preset=preset)
+    torch.manual_seed(0)
+    model = Llama(model_args(cfg))
+    return model, [(n, p) for n, p in model.named_parameters()]
+
+
+def test_plan_gives_muon_the_block_matrices_only():
+    model, named = _model("debug")
+    got = model_plan_for(model).muon_params(model)
+    want = {n for n, p in named if n.startswith("layers.") and p.dim() == 2}
+    assert got == want and got
+    moe, named = _model("moe-debug")
+    got = model_plan_for(moe).muon_params(moe)
+    assert any(n.endswith("experts.w1") for n in got)
+    assert not any("router" in n or "norm" in n or "embeddings" in n or n.startswith("output") for n in got)
+    assert {n for n, p in named if n.startswith("layers.") and p.dim() >= 2 and "router" not in n} == got
+
+
+def test_one_step_is_the_muon_update():
+    """Nesterov momentum, Newton-Schulz, 0.2·sqrt(max(rows, cols)), decoupled weight decay; AdamW elsewhere."""
+    model, named = _model("debug")
+    cfg = make_config(**MUON, optim__muon_lr=0.02).optim
+    table = PlacementTable()
+    for n, p in named:
+        table.add(n, tuple(p.shape))
+    muon = model_plan_for(model).muon_params(model)
+    opt = MuonAdamW.local(named, cfg, torch.device("cpu"), MasterOptimizer, muon, table, None)
+    w = dict(named)["layers.0.feed_forward.w1.weight"]
+    before, mom = w.detach().clone(), torch.zeros_like(w)
+    emb = dict(named)["tok_embeddings.weight"]
+    emb_before = emb.detach().clone()
+    opt.set_lr(cfg.lr)
+    flat = [torch.zeros(sum(opt.params[i].numel() for i in g)) for g in opt.groups]
+    opt.bind_grads(flat)
+    at = {}  # parameter name -> its view of the gradient buffers
+    for g, buf in zip(opt.groups, flat):
+        off = 0
+        for i in g:
+            at[opt.names[i]] = buf[off:off + opt.params[i].numel()].view(opt.params[i].shape)
+            off += opt.params[i].numel()
+    for step in range(2):
+        torch.manual_seed(step)
+        for buf in flat:
+            buf.copy_(torch.randn_like(buf))
+        g = at["layers.0.feed_forward.w1.weight"].clone()
+        opt.step()
+        mom = 0.95 * mom + g
+        rows_, cols = w.shape
+        want = before * (1 - 0.02 * cfg.weight_decay) - 0.02 * 0.2 * math.sqrt(max(rows_, cols)) * _reference_ns(
+            g + 0.95 * mom, 5)
+        torch.testing.assert_close(w.detach(), want, rtol=1e-5, atol=1e-6)
+        before = want
+    assert not torch.equal(emb.detach(), emb_before)  # AdamW moved the embedding
+    kinds = {(n, k) for n, k, _ in opt.state_storage()}
+    assert ("layers.0.feed_forward.w1.weight", "momentum") in kinds
+    assert ("tok_embeddings.weight", "exp_avg") in kinds
+    assert ("layers.0.feed_forward.w1.weight", "exp_avg") not in kinds
+
+
+def test_unbuilt_combinations_are_refused_in_one_line():
+    for over in ({"parallel__zero": 1, "parallel__dp": 2, "parallel__offload": "optimizer"}, {"parallel__auto": True}):
+        with pytest.raises(C.ConfigError, match="optim.name: muon"):
+            make_config(**MUON, **over).check()
+    with pytest.raises(C.ConfigError, match="optim.name"):
+        make_config(optim__name="sgd").check()
+
+
+# -- equivalence with one process -----------------------------------------------------------------
+MOE = {"model__preset": "moe-debug", "training__steps": 4}
+CASES = [
+    ("dp2", 2, {"parallel__dp": 2}),
+    ("dp2-accum", 2, {"parallel__dp": 2, "training__micro_batch": 1}),
+    ("pp2-1f1b", 2, {"parallel__pp": 2, "parallel__pp_schedule": "1f1b"}),
+    ("tp2-sp", 2, {"parallel__tp": 2, "parallel__sp": True}),
+    ("tp2-gqa-kv1", 2, {"parallel__tp": 2, "model__n_kv_heads": 1}),
+    ("tp2-pp2", 4, {"parallel__tp": 2, "parallel__pp": 2}),
+    ("zero1-dp2", 2, {"parallel__dp": 2, "parallel__zero": 1}),
+    ("zero2-dp2", 2, {"parallel__dp": 2, "parallel__zero": 2}),
+    ("zero3-dp2", 2, {"parallel__dp": 2, "parallel__zero": 3}),
+    ("zero3-dp4", 4, {"parallel__dp": 4, "parallel__zero": 3}),
+    ("hsdp-zero2-dp4-g2", 4, {"parallel__dp": 4, "parallel__zero": 2, "parallel__zero_group": 2}),
+    ("zero3-dp2-tp2", 4, {"parallel__dp": 2, "parallel__tp": 2, "parallel__zero": 3}),
+    ("zero1-dp2-pp2", 4, {"parallel__dp": 2, "parallel__pp": 2, "parallel__zero": 1}),
+    ("cp2-ring", 2, {"parallel__cp": 2}),
+    ("dp2-cp2-zero3", 4, {"parallel__dp": 2, "parallel__cp": 2, "parallel__zero": 3}),
+    ("pp2-zbv-tied", 2, {"parallel__pp": 2, "parallel__pp_schedule": "zbv", "parallel__pp_virtual": 2,
+                         "model__tie_embeddings": True}),
+    ("dp2-fp16", 2, {"parallel__dp": 2, "training__precision": "fp16"}),
+    ("zero3-dp2-bf16", 2, {"parallel__dp": 2, "parallel__zero": 3, "training__precision": "bf16"}),
+    ("ep2-moe", 2, {**MOE, "parallel__dp": 2, "parallel__ep": 2}),
+    ("ep2-tp2-moe", 4, {**MOE, "parallel__dp": 2, "parallel__ep": 2, "parallel__tp": 2}),
+    ("dp4-ep2-zero3-moe", 4, {**MOE, "parallel__dp": 4, "parallel__ep": 2, "parallel__zero": 3}),
+]
+
+
+@pytest.mark.parametrize("name,world,overrides", rows(CASES, {"tp2-sp"}))
+def test_muon_layout_matches_one_process(pools, name, world, overrides):
+    single = {**MUON, **{k: v for k, v in overrides.items() if not k.startswith("parallel__")}}
+    ref = reference(**single)
+    adamw = reference(**{k: v for k, v in single.items() if k != "optim__name"})
+    assert abs(ref[-1]["loss"] - adamw[-1]["loss"]) > 1e-3  # Muon's losses are its own
+    got = run_layout(pools, make_config(**MUON, **overrides), world)
+    assert_same_losses(ref, got, BF16 if overrides.get("training__precision") in ("bf16", "fp16") else FP32)
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+CKPT = {**MUON, "training__steps": 8}
+
+
+RESHARDS = [({}, {}), ({"parallel__dp": 2}, {"parallel__tp": 2}),
+            ({"parallel__dp": 2, "parallel__zero": 3}, {"parallel__tp": 2, "parallel__sp": True}),
+            ({"parallel__tp": 2}, {"parallel__dp": 2, "parallel__zero": 1})]
+
+
+@pytest.mark.parametrize("a,b", RESHARDS, ids=["1proc", "dp2->tp2", "zero3-dp2->tp2-sp", "tp2->zero1-dp2"])
+def test_checkpoint_carries_momentum_and_reshards(pools, a, b):
+    ref = reference(**CKPT)
+    dir_a, dir_b = tempfile.mkdtemp(prefix="meshlm-a-"), tempfile.mkdtemp(prefix="meshlm-b-")
+    world = lambda over: over.get("parallel__dp", 1) * over.get("parallel__tp", 1)  # noqa: E731
+    first = train_in(pools, make_config(**CKPT, **a, checkpoint__every=4), world(a), dir_a, stop=4)
+    assert_same_losses(ref[:4], first, FP32)
+    step4 = os.path.join(dir_a, "checkpoints", "step_00000004")
+    got = train_in(pools, make_config(**CKPT, **b, checkpoint__resume=step4), world(b), dir_b)
+    assert [r["step"] for r in got] == [5, 6, 7, 8]
+    assert_same_losses(ref[4:], got, FP32)
+    shutil.rmtree(dir_a, ignore_errors=True)
+    shutil.rmtree(dir_b, ignore_errors=True)
+
+
+# -- planner --------------------------------------------------------------------------------------
+def test_planner_counts_the_runtime_muon_matrices_and_prices_them():
+    from meshlm.plan.estimate import estimate
+    from meshlm.plan.hardware import get_gpu
+    from meshlm.plan.memory import block_matrices
+    from meshlm.plan.spec import Spec, shape_from_config
+
+    for preset in ("debug", "moe-debug"):
+        cfg = make_config(model__preset=preset)
+        model, named = _model(preset)
+        runtime = sum(p.numel() for n, p in named if n in model_plan_for(model).muon_params(model))
+        shape = shape_from_config(cfg)
+        planned = shape.args.n_layers * sum(r * c * k for r, c, k in block_matrices(shape))
+        assert planned == pytest.approx(runtime), preset
+    shape, gpu = shape_from_config(make_config(model__preset="debug")), get_gpu("h100-sxm-80gb")
+    for layout in ({}, {"tp": 2, "dp": 2}, {"dp": 4, "zero": 3, "zero_group": 4}):
+        adamw, muon = (estimate(shape, Spec(**layout, optim=o, seq_len=64), gpu) for o in ("adamw", "muon"))
+        a, m = adamw["per_gpu"], muon["per_gpu"]
+        local = shape.args.n_layers * sum(r * c * k for r, c, k in block_matrices(shape)) / layout.get("tp", 1)
+        want = 4 * local / 4 if layout.get("zero") else -4 * local  # one momentum for two moments, or beside them
+        assert m["optim"] - a["optim"] == pytest.approx(want)
+        assert muon["time"]["muon_ns_s"] > 0 and muon["step_s"] > adamw["step_s"]
+        def per_step(r):
+            return {(c["group"], c["kind"]) for c in r["comm"] if c["per"] == "step" and c["bytes"] > 0}
+        extra = per_step(muon) - per_step(adamw)
+        assert extra == ({("tp", "all_gather")} if layout.get("tp") else set()) | (
+            {("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter")} if layout.get("zero") else set())
+
+
+@pytest.mark.slow
+def test_optim_muon_bench_smoke():
+    from test_bench import run_json
+
+    out = run_json("bench/optim_muon.py", "--models", "tiny", "--steps", "6", "--lrs", "3e-3", "--eval-every", "3",
+                   "--json")
+    runs = out["tiny"]
+    assert {r["optim"] for r in runs} == {"adamw", "muon"}
+    assert all(set(r["evals"]) == {"3", "6"} for r in runs)
+    adamw = next(r for r in runs if r["optim"] == "adamw")
+    assert adamw["steps_to_target"] == 6  # AdamW's last held-out loss is the target it sets
