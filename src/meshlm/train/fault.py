@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from ..distributed.comm import Watchdog, exit_silent
+
 AUTO_FIRST = 5  # steps before the first, timed, checkpoint of checkpoint.every = "auto"
 NONE = 2 ** 62  # "no bad step yet" in the device-side record
 
@@ -60,6 +62,19 @@ def on_start(run_dir: str, step: int, is_logger: bool, restarts: int, record: di
     with open(tmp, "w") as f:
         f.writelines(lines)
     os.replace(tmp, path)
+
+
+def watch(ctx, heartbeat_s: float, run_dir: str) -> Watchdog | None:
+    """The job's watchdog (distributed/comm.py) on every group of `ctx`, None when off. On a silent
+    rank it leaves its line for the launcher (train/launch.py) and exits this process."""
+    def peer_lost(line: str) -> None:
+        from .launch import record_error
+        record_error(run_dir, ctx.rank, f"meshlm: {line}")
+        exit_silent(line)
+    watchdog = Watchdog.for_job(ctx.rank, ctx.world_size, heartbeat_s, peer_lost)
+    for c in ctx.all_comms():
+        c.watchdog = watchdog
+    return watchdog
 
 
 class NonFiniteError(RuntimeError):

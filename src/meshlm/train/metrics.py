@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..distributed.comm import merge_stats, reset_stats
-from .straggler import split
+from .straggler import StragglerWatch, split
 
 if TYPE_CHECKING:
     from .state import TrainState
@@ -335,10 +335,10 @@ def memory(par, device: torch.device) -> dict:
 class StepMeter:
     """Builds the metrics line of a logged step: wall time, throughput, MFU and collectives averaged
     over the steps since the previous line (the window), plus what the layout reports (MoE routing,
-    the pipeline's bubble and trace)."""
+    the pipeline's bubble and trace) and, from every rank's time split, the ranks named stragglers."""
 
-    def __init__(self, ctx, cfg, args, layout, par, run_dir: str):
-        t = cfg.training
+    def __init__(self, ctx, cfg, args, layout, par, run_dir: str, store):
+        t, m = cfg.training, cfg.metrics
         self.ctx, self.par, self.comms = ctx, par, ctx.all_comms()
         self.loss_comms = (ctx.comm("dp_cp"), ctx.comm("pp"))  # pp > 1: only the last stage's is not 0
         self.loss_divisor = layout.accum * layout.dp * layout.cp  # micro-batches of equal token counts
@@ -349,6 +349,7 @@ class StepMeter:
         self.data_s = 0.0  # seconds reading batches since the last line (the step's time split)
         self.window_start, self.window_steps = time.perf_counter(), 0
         self.sched = sched_seconds()
+        self.stragglers = StragglerWatch(store, ctx.rank, ctx.world_size, m.straggler_factor, m.straggler_steps)
 
     def count_step(self) -> None:
         """One more step in this window (a step undone by a rollback is not counted)."""
@@ -371,8 +372,9 @@ class StepMeter:
             total = comm.all_reduce_scalars([total])[0]
         return total / self.loss_divisor
 
-    def line(self, state: "TrainState", out: dict) -> dict:
-        """The metrics line of `state.step`, whose `train_step` returned `out`."""
+    def line(self, state: "TrainState", out: dict, message) -> dict:
+        """The metrics line of `state.step`, whose `train_step` returned `out`; stragglers named on
+        rank 0 are also told through `message`."""
         device, n = self.ctx.device, self.window_steps
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -407,6 +409,9 @@ class StepMeter:
             rec["skipped"] = True
             if state.scaler.enabled:
                 rec["loss_scale"] = float(state.scaler.scale)
+        named = self.stragglers.report(state.step, rec["time_split"], self.ctx.is_logger, message)
+        if named:
+            rec["stragglers"] = named
         return rec
 
 

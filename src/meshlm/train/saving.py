@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 from . import checkpoint as ckpt
+from . import preempt
 from .fault import Cadence, FiniteGuard, NonFiniteError
 from .metrics import MetricsLog
 
@@ -58,6 +59,14 @@ class Saving:
         for done in self.log_done(but=state.step):
             ck.update({k: v for k, v in done.items() if k != "step"})
         return ck
+
+    def preempted(self, state: "TrainState", rec: dict | None, signal: str) -> dict:
+        """Save this step on `signal` (train/preempt.py), committed, and say so; what `run` records."""
+        ck = self.save_now(state, rec)
+        saved = "error" not in ck
+        self.log.write({"step": state.step, "preempted": signal, "ckpt": ck})
+        self.log.message(preempt.message(signal, state.step, saved))
+        return {"signal": signal, "step": state.step, "saved": saved}
 
     def check_finite(self, state: "TrainState", rec: dict | None) -> None:
         """Stop on a non-finite loss or grad norm (train/fault.py); the step's metrics line is still

@@ -22,6 +22,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from typing import TYPE_CHECKING
+
+from .checkpoint import list_checkpoints
+
+if TYPE_CHECKING:
+    from .checkpoint import Checkpointer
+    from .metrics import MetricsLog
+    from .state import TrainState
 
 MAX_ROLLBACKS_TO_ONE_CHECKPOINT = 3  # then the state, not the data, is the problem: stop
 
@@ -85,3 +93,34 @@ def skipped_message(step: int, spike: dict) -> str:
 def rollback_message(spike: dict, to_step: int, windows: list[int]) -> str:
     return (f"step {spike['step']}: {spike['on']} {spike['value']:.4g} is a spike: rolled back to step {to_step}, "
             f"skipping global batches {windows[0]}..{windows[1]}")
+
+
+class SpikeHandler:
+    """What the loop does with a judged spike: `rollback` reloads the newest checkpoint before it and
+    skips the data windows from there through the spike (PaLM's recipe); a skip (or a rollback with no
+    checkpoint before the spike) is logged and the loop goes on."""
+
+    def __init__(self, checkpointer: "Checkpointer", log: "MetricsLog"):
+        self.checkpointer, self.log = checkpointer, log
+        self.rollbacks: dict[int, int] = {}  # checkpoint step -> spike rollbacks to it
+
+    def rolled_back(self, spike: dict | None, state: "TrainState") -> bool:
+        """True when `state` went back to a checkpoint (the loop goes on from there)."""
+        if spike is None:
+            return False
+        log = self.log
+        if spike["action"] == "rollback":
+            self.checkpointer.wait()
+            target = rollback_target(list_checkpoints(self.checkpointer.root), spike["step"])
+            if target is not None:
+                count_rollback(self.rollbacks, target[0], spike)
+                windows = list(state.rollback(target[1]))  # global batches never trained on
+                log.truncate_after(state.step)  # the steps after the checkpoint run again, on later data
+                log.write({"step": state.step, "spike": dict(spike, action="rollback"), "rollback_to": state.step,
+                           "skipped_batches": windows})
+                log.message(rollback_message(spike, state.step, windows))
+                return True
+            spike = dict(spike, action="skip", why="no checkpoint before the spike")
+        log.write({"step": state.step, "spike": spike})
+        log.message(skipped_message(state.step, spike))
+        return False

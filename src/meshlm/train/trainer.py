@@ -14,7 +14,6 @@ import torch
 from ..config import Config
 from ..data import default_data_dir
 from ..data.dataset import open_data
-from ..distributed.comm import Watchdog, exit_silent
 from ..distributed.mesh import ParallelContext, init_context, join_world, pick_device, shutdown
 from ..layout import Layout
 from ..model import build_model
@@ -28,9 +27,8 @@ from .evaluate import evaluate
 from .metrics import MetricsLog, StepMeter, StepProfiler, device_profile, log_auto, memory
 from .optim import LossScaler, MasterOptimizer, clip_, grad_norm, lr_at
 from .saving import Saving
-from .spike import SpikeDetector, count_rollback, rollback_message, rollback_target, skipped_message
+from .spike import SpikeDetector, SpikeHandler
 from .state import TrainState
-from .straggler import StragglerWatch
 
 
 def run(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout | None = None) -> dict:
@@ -104,20 +102,16 @@ class Trainer:
         self.par: Parallelized = parallelize(model, ctx, cfg, layout, MasterOptimizer)
         self.model = self.par.model
         self.runner = self.par.runner
-        # what checkpoints hold, and what keeps a run alive (watchdog, non-finite guard, stragglers)
+        # what checkpoints hold, and what keeps a run alive (watchdog, non-finite guard, preemption)
         self.state = TrainState(self.par, self.data.sampler, LossScaler(t.precision == "fp16", device=ctx.device),
                                 SpikeDetector(t.spike_zscore, t.spike_window, t.spike_action), cfg, layout, ctx.rank)
         self.checkpointer = ckpt.Checkpointer(os.path.join(run_dir, "checkpoints"), ctx.comm("world"),
                                               cfg.checkpoint.keep, cfg.checkpoint.async_, cfg.checkpoint.on_error)
-        self.watchdog = Watchdog.for_job(ctx.rank, ctx.world_size, cfg.parallel.heartbeat_s, self._peer_lost)
-        for c in ctx.all_comms():
-            c.watchdog = self.watchdog
+        self.watchdog = fault.watch(ctx, cfg.parallel.heartbeat_s, run_dir)
         self.guard = fault.FiniteGuard(t.precision, ctx.device, ctx.comm("world"), run_dir, ctx.restarts)
         self.preempt = preempt.Preemption(cfg.checkpoint.on_signal, ctx.device)
-        self.stragglers = StragglerWatch(self.watchdog.store if self.watchdog else None, ctx.rank, ctx.world_size,
-                                         m.straggler_factor, m.straggler_steps)
-        self.meter = StepMeter(ctx, cfg, self.args, layout, self.par, run_dir)
-        self.rollbacks: dict[int, int] = {}  # checkpoint step -> spike rollbacks to it
+        self.meter = StepMeter(ctx, cfg, self.args, layout, self.par, run_dir,
+                               self.watchdog.store if self.watchdog else None)
         # resume, then the metrics log and the checkpoint cadence from the resumed step
         try:
             self.guard.replay()  # a restart after a non-finite stop stops at once
@@ -130,6 +124,7 @@ class Trainer:
         cadence = fault.Cadence(cfg.checkpoint.every, cfg.checkpoint.mtbf_hours, self.state.step,
                                 ctx.comm("world"), self.log)
         self.saving = Saving(cfg, self.checkpointer, self.guard, cadence, self.log, ctx.comm("world"), run_dir)
+        self.spike_handler = SpikeHandler(self.checkpointer, self.log)
 
     def _resume(self) -> dict | None:
         """Load the checkpoint `checkpoint.resume` (or a restart) asks for, then fix up metrics.jsonl."""
@@ -139,12 +134,6 @@ class Trainer:
                        meta and meta.get("metrics"),
                        meta and fault.resize_record(meta, self.layout.shape(), self.layout.accum))
         return meta
-
-    def _peer_lost(self, line: str) -> None:
-        """The watchdog found a silent rank (distributed/comm.py): leave the line for the launcher, exit."""
-        from .launch import record_error
-        record_error(self.run_dir, self.ctx.rank, f"meshlm: {line}")
-        exit_silent(line)
 
     # -- the loop -------------------------------------------------------------------------------
     def fit(self, stop_at: int | None = None) -> dict:
@@ -161,10 +150,11 @@ class Trainer:
                 logging = (state.step + 1) % self.cfg.metrics.every == 0 or state.step + 1 == t.steps
                 with self.profiled(state.step + 1):  # metrics.profile_step: rank 0 profiles that step
                     out = self.train_step(measure=logging)
-                if self._spiked(out["spike"]):  # rolled back to a checkpoint: go on from there
+                if self.spike_handler.rolled_back(out["spike"], state):  # go on from the checkpoint
+                    self.meter.restart()
                     continue
                 self.meter.count_step()
-                rec = self._line(out) if logging else None
+                rec = self.meter.line(state, out, log.message) if logging else None
                 exporting = self.saving.after_step(state, rec)  # a checkpoint, if due
                 log.advance()
                 if rec is not None:
@@ -175,7 +165,8 @@ class Trainer:
                 if rec is not None:  # the next window starts after this line (and its save, export)
                     self.meter.new_window()
                 if self.preempt.agreed(out["stop"]):  # every rank: a signal reached one of them
-                    last = dict(last, preempted=self._preempted(rec))
+                    signal = self.preempt.name(self.ctx.comm("world"))
+                    last = dict(last, preempted=self.saving.preempted(state, rec, signal))
                     break
                 if t.eval_every and (state.step % t.eval_every == 0 or state.step == t.steps):
                     last = dict(last, eval_loss=self._evaluate())
@@ -225,47 +216,6 @@ class Trainer:
                 "skipped": found_inf if found_inf is not None else False, "mem": mem, "stop": stop}
 
     # -- the stages of a step after it ran ------------------------------------------------------
-    def _spiked(self, spike: dict | None) -> bool:
-        """A judged spike: `rollback` reloads the newest checkpoint before it and skips the data windows
-        from there through the spike (PaLM's recipe); True then. A skip (or a rollback with no
-        checkpoint before the spike) is logged and the loop goes on."""
-        if spike is None:
-            return False
-        state, log = self.state, self.log
-        if spike["action"] == "rollback":
-            self.checkpointer.wait()
-            target = rollback_target(ckpt.list_checkpoints(self.checkpointer.root), spike["step"])
-            if target is not None:
-                count_rollback(self.rollbacks, target[0], spike)
-                windows = list(state.rollback(target[1]))  # global batches never trained on
-                log.truncate_after(state.step)  # the steps after the checkpoint run again, on later data
-                log.write({"step": state.step, "spike": dict(spike, action="rollback"), "rollback_to": state.step,
-                           "skipped_batches": windows})
-                log.message(rollback_message(spike, state.step, windows))
-                self.meter.restart()
-                return True
-            spike = dict(spike, action="skip", why="no checkpoint before the spike")
-        log.write({"step": state.step, "spike": spike})
-        log.message(skipped_message(state.step, spike))
-        return False
-
-    def _preempted(self, rec: dict | None) -> dict:
-        """Save this step (train/preempt.py), committed, and say so; what `run` records."""
-        name, step = self.preempt.name(self.ctx.comm("world")), self.state.step
-        ck = self.saving.save_now(self.state, rec)
-        saved = "error" not in ck
-        self.log.write({"step": step, "preempted": name, "ckpt": ck})
-        self.log.message(preempt.message(name, step, saved))
-        return {"signal": name, "step": step, "saved": saved}
-
-    def _line(self, out: dict) -> dict:
-        """The step's metrics line, with the ranks named stragglers (rank 0)."""
-        rec = self.meter.line(self.state, out)
-        named = self.stragglers.report(self.state.step, rec["time_split"], self.ctx.is_logger, self.log.message)
-        if named:
-            rec["stragglers"] = named
-        return rec
-
     def _evaluate(self) -> float:
         ev = evaluate(self.runner, self.par.local_tokens, self.data, self.ctx, self.layout,
                       self.cfg.training.eval_batches)
