@@ -9,6 +9,7 @@ MESHLM_TEST_CORRUPT_BATCH=N  global batch N (0-based data position) becomes rand
                              in every layout (a corrupt shard: what the spike guard is for)
 MESHLM_TEST_HOLD_ALONE=N     a job on one rank waits after step N until it is ended (a shrunk
                              elastic job stays alive, at a known step, until the lost node is back)
+MESHLM_TEST_SIGNAL=R:N:NAME rank R sends itself signal NAME (e.g. SIGTERM) while it runs step N
 MESHLM_TEST_ABORT_AT_EXIT=R  rank R aborts (SIGABRT) at interpreter exit, after its run finished and
                              its teardown: the exit abort the launcher must tell from a failed run
 """
@@ -41,16 +42,20 @@ def install(trainer) -> None:
     kill = env.get("MESHLM_TEST_KILL_IN_SAVE", "")
     corrupt = int(env.get("MESHLM_TEST_CORRUPT_BATCH", "-1") or -1)
     state = trainer.state
+    sig = env.get("MESHLM_TEST_SIGNAL", "").split(":")
+    sig_step = int(sig[1]) if len(sig) == 3 and int(sig[0]) == rank else 0
 
     def before() -> None:
         while hold and state.step >= hold:
             time.sleep(0.1)  # the agent's restart (or SIGTERM) ends it here
         time.sleep(sleep)
+        if state.step + 1 == sig_step:
+            os.kill(os.getpid(), signal.Signals[sig[2]])
 
     def after(loss_sum: torch.Tensor) -> torch.Tensor:
         return loss_sum + float("nan") if state.step + 1 == nan_step else loss_sum
 
-    if sleep or hold or nan_step:
+    if sleep or hold or nan_step or sig_step:
         trainer.runner = Wrapped(trainer.runner, before, after)
     if kill and trainer.ctx.restarts == 0:
         at = tuple(int(x) for x in kill.split(":"))

@@ -17,7 +17,7 @@ def cmd_train(args, extra: list[str]) -> int:
     from .layout import device_defaults
     from .model.from_config import check_init_weights, pin_model_shape
     from .plan.auto import resolve
-    from .train.launch import incidents, record_error, spawn, under_launcher, worker_errors
+    from .train.launch import incidents, preempted, record_error, spawn, under_launcher, worker_errors
 
     try:
         pairs, rest = C.parse_overrides(extra)
@@ -74,6 +74,8 @@ def cmd_train(args, extra: list[str]) -> int:
         code = spawn(world, os.path.join(run_dir, "config.toml"), run_dir, args.max_restarts)
         for line in incidents(run_dir):  # stragglers, spikes, restarts: what the job lived through
             print(line, file=sys.stderr)
+        if code and len(preempted(run_dir)) == world:  # saved on checkpoint.on_signal: spawn said so
+            return code
         if code:
             for line in worker_errors(run_dir):  # the failing ranks' own one-line reasons
                 print(line, file=sys.stderr)
@@ -90,6 +92,9 @@ def cmd_train(args, extra: list[str]) -> int:
         if worker:
             record_error(run_dir, int(os.environ.get("RANK", "0")), f"meshlm: {line}")
         return _fail(line, 1)
+    if "preempted" in last:  # saved and stopped on checkpoint.on_signal; rank 0 said so (train/preempt.py)
+        from .train.preempt import exit_status  # meshlm's launcher gives the status (its torchrun would restart)
+        return 0 if args.worker else exit_status(last["preempted"]["signal"])
     if last and int(os.environ.get("RANK", "0")) == 0:
         print(f"meshlm: done, step {last.get('step')} loss {last.get('loss', float('nan')):.4f}; "
               f"run dir {run_dir}", file=sys.stderr)

@@ -34,7 +34,7 @@ def spawn(nproc: int, config_path: str, run_dir: str, max_restarts: int = 0) -> 
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
     for old in os.listdir(logs):  # one-line errors and outcomes of a previous launch would be misleading
-        if old.startswith((ERROR_PREFIX, DONE_PREFIX)):
+        if old.startswith((ERROR_PREFIX, DONE_PREFIX, PREEMPTED_PREFIX)):
             os.remove(os.path.join(logs, old))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", f"--log-dir={logs}", "--redirects=2", "--tee=2",
@@ -49,6 +49,12 @@ def spawn(nproc: int, config_path: str, run_dir: str, max_restarts: int = 0) -> 
         sys.stderr.flush()
         tail.append(line)
     code = proc.wait()
+    stopped = preempted(run_dir)
+    if len(stopped) == nproc:  # every rank saved and stopped on checkpoint.on_signal (and exited 0)
+        from .preempt import exit_status, message
+        name, step, saved = stopped[0]
+        print(f"meshlm: {message(name, step, saved)}", file=sys.stderr)
+        return exit_status(name)
     if code and len(done_ranks(run_dir)) == nproc:
         for line in after_done(exit_codes("".join(tail)), code):
             print(line, file=sys.stderr)
@@ -58,6 +64,7 @@ def spawn(nproc: int, config_path: str, run_dir: str, max_restarts: int = 0) -> 
 
 ERROR_PREFIX = "error_rank"
 DONE_PREFIX = "done_rank"
+PREEMPTED_PREFIX = "preempted_rank"
 
 
 def teardown(ctx, finished: bool, since: set[int] | None = None) -> None:
@@ -78,6 +85,27 @@ def record_done(run_dir: str, rank: int, last: dict) -> None:
     if os.path.isdir(logs):
         with open(os.path.join(logs, f"{DONE_PREFIX}{rank}.txt"), "w") as f:
             f.write(f"step {last.get('step')} loss {last.get('loss', float('nan')):.6g}\n")
+
+
+def record_preempted(run_dir: str, rank: int, how: dict) -> None:
+    """A worker that saved and stopped on a signal (train/preempt.py) says so for the launcher, whose
+    torchrun reports only that the workers failed. Only under meshlm's launcher, as `record_done`."""
+    logs = os.path.join(run_dir, "logs")
+    if os.path.isdir(logs):
+        with open(os.path.join(logs, f"{PREEMPTED_PREFIX}{rank}.txt"), "w") as f:
+            f.write(f"{how['signal']} {how['step']} {int(how['saved'])}\n")
+
+
+def preempted(run_dir: str) -> list[tuple[str, int, bool]]:
+    """(signal, step, saved) of every rank that recorded a preemption in this launch."""
+    logs = os.path.join(run_dir, "logs")
+    out = []
+    for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
+        if name.startswith(PREEMPTED_PREFIX) and name.endswith(".txt"):
+            with open(os.path.join(logs, name)) as f:
+                sig, step, saved = f.read().split()
+            out.append((sig, int(step), saved == "1"))
+    return out
 
 
 def done_ranks(run_dir: str) -> list[int]:

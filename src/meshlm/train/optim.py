@@ -147,14 +147,21 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def grad_norm(grads: list[torch.Tensor], world: Comm, device: torch.device | str | None = None) -> torch.Tensor:
+def grad_norm(grads: list[torch.Tensor], world: Comm, device: torch.device | str | None = None,
+              carry: torch.Tensor | None = None) -> torch.Tensor:
     """Global L2 norm. `grads`: the gradient pieces this rank owns (`Parallelized.norm_grads`: the
     placement records give every element exactly one owner over the world), so one all-reduce of the
-    sum of squares over every rank counts each element once, whatever the layout."""
+    sum of squares over every rank counts each element once, whatever the layout. `carry`: a float32
+    tensor summed over the world in the same all-reduce, in place (train/preempt.py's per-step flag)."""
     sq = torch._foreach_norm(grads, 2.0) if grads else []
     part = torch.stack([n.float() for n in sq]).pow(2).sum() if sq else torch.zeros((), device=device)
-    world.all_reduce(part)
-    return part.sqrt()
+    if carry is None:
+        world.all_reduce(part)
+        return part.sqrt()
+    both = torch.cat([part.reshape(1), carry.to(part.device)])
+    world.all_reduce(both)
+    carry.copy_(both[1:])
+    return both[0].sqrt()
 
 
 @torch.no_grad()

@@ -47,6 +47,18 @@ class Saving:
             rec["ckpt"] = ck
         return exporting
 
+    def save_now(self, state: "TrainState", rec: dict | None) -> dict:
+        """A checkpoint of this step, committed before returning (the process ends next: preemption);
+        the step's own save if the cadence already made one. What the save reports."""
+        ck: dict = {"step": state.step}
+        if state.saved_step != state.step:
+            self.check_finite(state, rec)
+            ck = state.save(self.checkpointer, {"metrics": dict(rec)} if rec is not None else None)
+        self.checkpointer.wait()
+        for done in self.log_done(but=state.step):
+            ck.update({k: v for k, v in done.items() if k != "step"})
+        return ck
+
     def check_finite(self, state: "TrainState", rec: dict | None) -> None:
         """Stop on a non-finite loss or grad norm (train/fault.py); the step's metrics line is still
         written and a checkpoint still being written (async, checked before it was taken) is committed."""

@@ -23,7 +23,7 @@ from ..parallel import Parallelized, parallelize
 from ..parallel.step import local_batch
 from ..plan.auto import resolve
 from . import checkpoint as ckpt
-from . import fault, plugins
+from . import fault, plugins, preempt
 from .evaluate import evaluate
 from .metrics import MetricsLog, StepMeter, StepProfiler, device_profile, log_auto, memory
 from .optim import LossScaler, MasterOptimizer, clip_, grad_norm, lr_at
@@ -38,7 +38,7 @@ def run(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout |
     finished run says so in the run directory before the teardown (train/launch.py `record_done`):
     the outcome, not how the process ends, decides the job's exit status."""
     from ..distributed.mesh import thread_ids
-    from .launch import record_done, teardown
+    from .launch import record_done, record_preempted, teardown
     ctx, finished, before = None, False, thread_ids()
     try:
         trainer = start(cfg, run_dir, restarts, layout)
@@ -47,7 +47,10 @@ def run(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout |
             last = trainer.fit()
         finally:
             del trainer  # its graphs and hooks hold the groups: they go before the teardown
-        record_done(run_dir, ctx.rank, last)
+        if "preempted" in last:  # saved and stopped on checkpoint.on_signal: the launcher says so
+            record_preempted(run_dir, ctx.rank, last["preempted"])
+        else:
+            record_done(run_dir, ctx.rank, last)
         finished = True
         return last
     finally:
@@ -110,6 +113,7 @@ class Trainer:
         for c in ctx.all_comms():
             c.watchdog = self.watchdog
         self.guard = fault.FiniteGuard(t.precision, ctx.device, ctx.comm("world"), run_dir, ctx.restarts)
+        self.preempt = preempt.Preemption(cfg.checkpoint.on_signal, ctx.device)
         self.stragglers = StragglerWatch(self.watchdog.store if self.watchdog else None, ctx.rank, ctx.world_size,
                                          m.straggler_factor, m.straggler_steps)
         self.meter = StepMeter(ctx, cfg, self.args, layout, self.par, run_dir)
@@ -170,6 +174,9 @@ class Trainer:
                     self.saving.export(state.step)
                 if rec is not None:  # the next window starts after this line (and its save, export)
                     self.meter.new_window()
+                if self.preempt.agreed(out["stop"]):  # every rank: a signal reached one of them
+                    last = dict(last, preempted=self._preempted(rec))
+                    break
                 if t.eval_every and (state.step % t.eval_every == 0 or state.step == t.steps):
                     last = dict(last, eval_loss=self._evaluate())
             self.saving.finish()
@@ -197,7 +204,8 @@ class Trainer:
         grads = par.grads.grad_tensors()
         if scaler.enabled:
             torch._foreach_mul_(grads, scaler.inv_scale())
-        norm = grad_norm(par.norm_grads(), par.world, self.ctx.device)
+        stop = self.preempt.flag()  # checkpoint.on_signal: summed over the world with the norm
+        norm = grad_norm(par.norm_grads(), par.world, self.ctx.device, carry=stop)
         self.guard.observe(state.step + 1, loss_sum, norm)  # device ops only; read on log steps
         found_inf = None
         if scaler.enabled:
@@ -214,7 +222,7 @@ class Trainer:
         par.optimizer.step(found_inf)
         state.step += 1
         return {"loss_sum": loss_sum, "norm": norm, "lr": lr, "spike": spike,
-                "skipped": found_inf if found_inf is not None else False, "mem": mem}
+                "skipped": found_inf if found_inf is not None else False, "mem": mem, "stop": stop}
 
     # -- the stages of a step after it ran ------------------------------------------------------
     def _spiked(self, spike: dict | None) -> bool:
@@ -241,6 +249,15 @@ class Trainer:
         log.message(skipped_message(state.step, spike))
         return False
 
+    def _preempted(self, rec: dict | None) -> dict:
+        """Save this step (train/preempt.py), committed, and say so; what `run` records."""
+        name, step = self.preempt.name(self.ctx.comm("world")), self.state.step
+        ck = self.saving.save_now(self.state, rec)
+        saved = "error" not in ck
+        self.log.write({"step": step, "preempted": name, "ckpt": ck})
+        self.log.message(preempt.message(name, step, saved))
+        return {"signal": name, "step": step, "saved": saved}
+
     def _line(self, out: dict) -> dict:
         """The step's metrics line, with the ranks named stragglers (rank 0)."""
         rec = self.meter.line(self.state, out)
@@ -263,6 +280,7 @@ class Trainer:
 
     def _release(self) -> None:
         self.checkpointer.close(finished=False)  # after a failure: its thread is not waited for
+        self.preempt.close()
         if self.watchdog is not None:
             self.watchdog.close()
         self.par.optimizer.close()  # offload = "nvme": its scratch files go

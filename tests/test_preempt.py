@@ -1,0 +1,71 @@
+"""Saving on preemption (train/preempt.py): a signal of checkpoint.on_signal that reaches one rank stops
+every rank at the same step boundary with a checkpoint of that step and one line naming the signal
+and the step; the resume from it gives the uninterrupted run's losses. A real `meshlm train --nproc 2`
+whose worker gets SIGTERM exits 128 + 15 and says so."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fault_plugin import plugin_env
+from harness import TINY, make_config, rows, train_hooked, train_in
+from meshlm.train.checkpoint import list_checkpoints
+from meshlm.train.preempt import PREEMPTED_BASE, Preemption, exit_status
+from test_fault import assert_same_as, lines, workers
+
+CASE = {"training__steps": 6, "checkpoint__resume": "auto"}
+LAYOUTS = [("dp2", 2, {"parallel__dp": 2}), ("tp2xpp2", 4, {"parallel__tp": 2, "parallel__pp": 2})]
+
+
+@pytest.mark.parametrize("name,world,layout", rows(LAYOUTS, fast=["dp2"]))
+def test_signal_to_one_rank_saves_that_step_and_resumes(tmp_path, pools, name, world, layout):
+    cfg = make_config(**CASE, **layout)
+    ref = [r for r in train_in(pools, cfg, world, str(tmp_path / "ref")) if "loss" in r]
+    run = str(tmp_path / "run")
+    got = train_hooked(pools, cfg, world, run, {"MESHLM_TEST_SIGNAL": f"{world - 1}:3:SIGTERM"})
+    stops = [r for r in got if "preempted" in r]
+    assert [(r["step"], r["preempted"]) for r in stops] == [(3, "SIGTERM")], got
+    assert max(r["step"] for r in got if "loss" in r) == 3
+    assert [s for s, _ in list_checkpoints(os.path.join(run, "checkpoints"))] == [3]
+    train_hooked(pools, cfg, world, run, {})  # checkpoint.resume = "auto": from step 3
+    assert_same_as(ref, run)
+
+
+def test_handlers_are_put_back_and_agreement_reads_the_sum():
+    before = signal.getsignal(signal.SIGUSR1)
+    p = Preemption(["SIGUSR1"], __import__("torch").device("cpu"))
+    assert float(p.flag()[0]) == 0.0
+    os.kill(os.getpid(), signal.SIGUSR1)  # handled: the process goes on
+    assert float(p.flag()[0]) == 1.0 and p.got == signal.SIGUSR1
+    assert p.agreed(p.flag()) and not p.agreed(p.flag() * 0)
+    p.close()
+    assert signal.getsignal(signal.SIGUSR1) is before
+    assert exit_status("SIGTERM") == PREEMPTED_BASE + 15 == 143
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_worker_of_a_launch(tmp_path):
+    run = tmp_path / "run"
+    owner = str(os.getpid())
+    args = [sys.executable, "-m", "meshlm.cli", "train", "--nproc", "2", "--max-restarts", "1",
+            "--run-dir", str(run), "--training.steps", "200"]
+    for k, v in TINY.items():
+        args += [f"--{k}", str(v)] if k != "training.steps" else []
+    env = dict(os.environ, OMP_NUM_THREADS="1", **plugin_env(MESHLM_TEST_OWNER=owner, MESHLM_TEST_STEP_SLEEP="0.2"))
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not (run / "metrics.jsonl").exists() or len(lines(run)) < 3:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    os.kill(workers(int(owner))[1], signal.SIGTERM)
+    err = proc.communicate(timeout=180)[1]
+    assert proc.returncode == 143, err[-3000:]
+    stop, = [r for r in lines(run) if "preempted" in r]
+    assert stop["preempted"] == "SIGTERM" and 3 <= stop["step"] < 200, stop
+    assert [s for s, _ in list_checkpoints(str(run / "checkpoints"))] == [stop["step"]]
+    ours = [x for x in err.splitlines() if x.startswith("meshlm: ")]
+    assert ours[-1] == f"meshlm: preempted by SIGTERM at step {stop['step']}, checkpoint saved", ours
+    assert not [x for x in ours if "restart" in x], ours  # the launcher's torchrun did not restart it
