@@ -11,7 +11,7 @@ import tempfile
 import pytest
 import torch
 
-from harness import assert_same_losses, make_config, reference, rows, run_layout, train_in
+from harness import assert_same_losses, make_config, reference, rows, run_layout, train_case, train_in
 from meshlm import config as C
 from meshlm.model.from_config import model_args
 from meshlm.model.llama import Llama
@@ -189,6 +189,30 @@ def test_checkpoint_carries_momentum_and_reshards(pools, a, b):
     shutil.rmtree(dir_b, ignore_errors=True)
 
 
+# -- optimizer memory -----------------------------------------------------------------------------
+def _optim_bytes(trainer) -> tuple[int, int]:
+    """This rank's optimizer state bytes and the Muon elements it holds momentum for (0 under AdamW)."""
+    opt = trainer.par.optimizer
+    muon = getattr(opt, "muon", None)
+    return opt.state_bytes(), sum(t.numel() for t in muon.own_tensors()) if muon is not None else 0
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_muon_state_is_one_momentum_instead_of_two_moments(pools, zero):
+    """Under ZeRO the Adam moments leave Muon's pieces out: each rank's state is 4 bytes less per
+    Muon element it holds (8 of moments gone, 4 of momentum added) than the AdamW run's."""
+    over = {"parallel__dp": 2, "parallel__zero": zero, "training__steps": 1}
+    cfg = make_config(**over)
+    adamw = pools(2).run(train_case, C.to_dict(cfg), tempfile.mkdtemp(prefix="meshlm-a-"), 0, _optim_bytes)
+    muon = pools(2).run(train_case, C.to_dict(make_config(**MUON, **over)), tempfile.mkdtemp(prefix="meshlm-m-"),
+                        0, _optim_bytes)
+    model, named = _model("debug")
+    matrices = sum(p.numel() for n, p in named if n in model_plan_for(model).muon_params(model))
+    assert sum(k for _, k in muon) == matrices  # every Muon element has a momentum on one rank
+    for (a, _), (m, k) in zip(adamw, muon):
+        assert k > 0 and a - m == 4 * k
+
+
 # -- planner --------------------------------------------------------------------------------------
 def test_planner_counts_the_runtime_muon_matrices_and_prices_them():
     from meshlm.plan.estimate import estimate
@@ -208,7 +232,7 @@ def test_planner_counts_the_runtime_muon_matrices_and_prices_them():
         adamw, muon = (estimate(shape, Spec(**layout, optim=o, seq_len=64), gpu) for o in ("adamw", "muon"))
         a, m = adamw["per_gpu"], muon["per_gpu"]
         local = shape.args.n_layers * sum(r * c * k for r, c, k in block_matrices(shape)) / layout.get("tp", 1)
-        want = 4 * local / 4 if layout.get("zero") else -4 * local  # one momentum for two moments, or beside them
+        want = -4 * local / (4 if layout.get("zero") else 1)  # one momentum for two moments
         assert m["optim"] - a["optim"] == pytest.approx(want)
         assert muon["time"]["muon_ns_s"] > 0 and muon["step_s"] > adamw["step_s"]
         def per_step(r):

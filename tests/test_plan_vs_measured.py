@@ -31,6 +31,10 @@ CASES = [
     ("moe-dp4-ep2-zero3", 4, {"model__preset": "moe-debug", "parallel__dp": 4, "parallel__ep": 2, "parallel__zero": 3}),
     ("moe-ep2-tp2-every2", 4, {"model__preset": "moe-debug", "parallel__dp": 2, "parallel__ep": 2, "parallel__tp": 2,
                                "model__moe__every": 2}),
+    # optim.name = "muon": one momentum instead of Adam's two moments for the block matrices
+    ("muon-one-process", 1, {"optim__name": "muon"}),
+    ("muon-zero3-dp2-bf16", 2, {"optim__name": "muon", "parallel__dp": 2, "parallel__zero": 3,
+                                "training__precision": "bf16"}),
 ]
 
 

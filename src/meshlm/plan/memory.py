@@ -496,7 +496,7 @@ def muon_memory(shape: Shape, s: Spec, layers: int, unit: float) -> tuple[float,
     mats = block_matrices(shape, s.ep)
     local = layers * sum(r * c * k for r, c, k in mats) / s.tp
     n = muon_shard_group(s)
-    state = 4 * local / n if s.zero else -4 * local
+    state = -4 * local / n  # one momentum for Adam's two moments, on this rank's shard under ZeRO
     r, c, k = max(mats, key=lambda x: x[0] * x[1] * (x[2] if x[2] > 2 else 1))
     m = min(r, c)
     batch = k if k > 2 else 1  # stacked experts are orthogonalised together

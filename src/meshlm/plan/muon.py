@@ -1,9 +1,8 @@
 """What optim.name = "muon" adds to a layout's price (docs/muon.md, parallel/muon.py); the memory
 terms live in memory.py (`muon_memory`), which this module's GEMM pricing (ops.py) sits above.
 
-- memory: one fp32 momentum per Muon element. Without ZeRO it replaces Adam's two moments (4 bytes
-  less per element); under ZeRO the shard's Adam moments stay allocated (ZeroOptimizer's layout), so the
-  momentum shard adds 4 bytes per sharded element. Transient: the whole fp32 update of the largest
+- memory: one fp32 momentum per Muon element replaces Adam's two moments (4 bytes less per element,
+  per sharded element under ZeRO, whose moments leave Muon's pieces out). Transient: the whole fp32 update of the largest
   matrix (a block's stacked experts at once) with Newton-Schulz's iterate and Gram matrices, and under
   ZeRO the unit's gathered updates and the owner's results (fp32, two unit-sized buffers).
 - time: 5 quintic iterations per matrix, each (m×n)(n×m), (m×m)(m×m), (m×m)(m×n) GEMMs with m = min

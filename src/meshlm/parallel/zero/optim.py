@@ -1,9 +1,10 @@
 """AdamW on this rank's shard of every ZeRO unit, on the device or in CPU memory (parallel.offload).
 
-Each unit's fp32 master shard and Adam moments are flat tensors of the shard size; the optimizer sees
-one view per run of neighbouring pieces with the same weight decay (`Unit.decay_runs`, units.py), so
-weight decay stays per tensor (`adamw.decays`, as in train/optim.MasterOptimizer), results match the
-unsharded optimizer element for element, and the step's list is a few tensors per unit.
+Each unit's fp32 master shard is a flat tensor of the shard size, its Adam moments the same less the
+pieces another optimizer steps (`skip`: Muon's matrices, which keep one momentum of their own); the
+optimizer sees one view per run of neighbouring pieces with the same weight decay (`Unit.decay_runs`,
+units.py), so weight decay stays per tensor (`adamw.decays`, as in train/optim.MasterOptimizer),
+results match the unsharded optimizer element for element, and the step's list is a few tensors per unit.
 With fp32 compute and no offload the master *is* the parameter shard (no copy). With offload the
 masters, moments and a gradient staging buffer live in (pinned) host memory, the step runs on the CPU
 and the updated shards are copied back asynchronously. Fused AdamW wherever torch has it for the
@@ -47,8 +48,9 @@ class ZeroOptimizer:
             # the optimizer's gradient: a host staging buffer (offload), the persistent shard (zero 1),
             # or the shard of the step, bound in step() (zero 2-3 free it between steps)
             grad = torch.zeros(u.shard_size, device=host, pin_memory=pin) if offload else u.grad_shard
-            m = torch.zeros(u.shard_size, device=host, pin_memory=pin)
-            v = torch.zeros(u.shard_size, device=host, pin_memory=pin)
+            width = u.shard_size - sum(seg.end - seg.start for seg in _skipped(u, skip))
+            m = torch.zeros(width, device=host, pin_memory=pin)
+            v = torch.zeros(width, device=host, pin_memory=pin)
             self.slots.append((u, master, grad, m, v))
             for d, s0, s1 in u.decay_runs(skip):
                 seg = master[s0:s1]
@@ -57,7 +59,8 @@ class ZeroOptimizer:
                 else:
                     self.bind.append((u, s0, s1, seg))
                 (decay if d else no_decay).append(seg)
-                segs.append((seg, m[s0:s1], v[s0:s1]))
+                o = _moment_offset(u, skip, s0)
+                segs.append((seg, m[o:o + s1 - s0], v[o:o + s1 - s0]))
         self.masters = [s[1] for s in self.slots]
         self.fused = fused = fused_adamw_supported(host)
         # offload: the step's found_inf flag, staged to the host with the gradients
@@ -140,8 +143,9 @@ class ZeroOptimizer:
             for seg, name in zip(u.pieces, u.names):
                 if name in self.skip:  # its master and momentum: zero/muon.py
                     continue
-                out += [(name, kind, t[seg.start:seg.end])
-                        for kind, t in (("master", master), ("exp_avg", m), ("exp_avg_sq", v))]
+                o = _moment_offset(u, self.skip, seg.start)
+                out += [(name, "master", master[seg.start:seg.end])]
+                out += [(name, kind, t[o:o + seg.end - seg.start]) for kind, t in (("exp_avg", m), ("exp_avg_sq", v))]
         return out
 
     @torch.no_grad()
@@ -150,3 +154,13 @@ class ZeroOptimizer:
         for st in self.opt.state.values():
             st["step"].fill_(float(step))
         self._publish()
+
+
+def _skipped(u: Unit, skip: frozenset[str]) -> list:
+    return [seg for seg in u.segments if u.names[seg.param] in skip]
+
+
+def _moment_offset(u: Unit, skip: frozenset[str], start: int) -> int:
+    """Where shard element `start` (outside the skipped pieces) lies in the unit's moments, which
+    leave the skipped pieces out."""
+    return start - sum(seg.end - seg.start for seg in _skipped(u, skip) if seg.end <= start)
