@@ -68,7 +68,7 @@ def test_sigkilled_worker_restarts_and_resumes(tmp_path, pools):
     while not done.exists():
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
         time.sleep(0.02)
-    pids = workers(int(owner))
+    pids = workers(os.getpid())
     assert sorted(pids) == [0, 1]
     os.kill(pids[1], signal.SIGKILL)
     out = proc.communicate(timeout=300)[0]
@@ -205,18 +205,9 @@ def test_flight_recorder_names_the_rank_that_never_entered(pools):
 @pytest.mark.slow
 def test_frozen_worker_is_named_by_the_launcher(tmp_path):
     run = tmp_path / "run"
-    owner = str(os.getpid())
-    args = [sys.executable, "-m", "meshlm.cli", "train", "--nproc", "2", "--run-dir", str(run),
-            "--parallel.timeout_s", "6", "--training.steps", "200"]
-    for k, v in TINY.items():
-        args += [f"--{k}", str(v)] if k != "training.steps" else []
-    env = dict(os.environ, OMP_NUM_THREADS="1", **plugin_env(MESHLM_TEST_OWNER=owner, MESHLM_TEST_STEP_SLEEP="0.1"))
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = launch_until_logging(run, ["--parallel.timeout_s", "6"], step_sleep=0.1)
     deadline = time.time() + 240
-    while not (run / "metrics.jsonl").exists() or len(lines(run)) < 3:
-        assert proc.poll() is None and time.time() < deadline
-        time.sleep(0.05)
-    pid = workers(int(owner))[1]
+    pid = workers(os.getpid())[1]
     os.kill(pid, signal.SIGSTOP)  # a hung GPU or a stuck file read
     t0 = time.time()
     try:
@@ -233,3 +224,20 @@ def test_frozen_worker_is_named_by_the_launcher(tmp_path):
     rank0 = [x for x in ours if x.startswith("meshlm: rank 0: ")]
     assert rank0 and "rank 1 never entered" in rank0[-1] and "on group '" in rank0[-1], ours
     assert ours[-1].startswith("meshlm: training failed (exit 1); worker logs in"), ours
+
+
+def launch_until_logging(run, extra: list[str], step_sleep: float) -> subprocess.Popen:
+    """A 200-step `meshlm train --nproc 2` of TINY in `run` (each step slowed by the fault plugin), returned
+    once 3 metrics lines are written, so a test can act on a job that is mid-run."""
+    args = [sys.executable, "-m", "meshlm.cli", "train", "--nproc", "2", "--run-dir", str(run),
+            "--training.steps", "200", *extra]
+    for k, v in TINY.items():
+        args += [f"--{k}", str(v)] if k != "training.steps" else []
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               **plugin_env(MESHLM_TEST_OWNER=str(os.getpid()), MESHLM_TEST_STEP_SLEEP=str(step_sleep)))
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not (run / "metrics.jsonl").exists() or len(lines(run)) < 3:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    return proc

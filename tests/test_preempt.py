@@ -4,17 +4,13 @@ and the step; the resume from it gives the uninterrupted run's losses. A real `m
 whose worker gets SIGTERM exits 128 + 15 and says so."""
 import os
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
-from fault_plugin import plugin_env
-from harness import TINY, make_config, rows, train_hooked, train_in
+from harness import make_config, rows, train_hooked, train_in
 from meshlm.train.checkpoint import list_checkpoints
 from meshlm.train.preempt import PREEMPTED_BASE, Preemption, exit_status
-from test_fault import assert_same_as, lines, workers
+from test_fault import assert_same_as, launch_until_logging, lines, workers
 
 CASE = {"training__steps": 6, "checkpoint__resume": "auto"}
 LAYOUTS = [("dp2", 2, {"parallel__dp": 2}), ("tp2xpp2", 4, {"parallel__tp": 2, "parallel__pp": 2})]
@@ -49,18 +45,8 @@ def test_handlers_are_put_back_and_agreement_reads_the_sum():
 @pytest.mark.slow
 def test_sigterm_to_one_worker_of_a_launch(tmp_path):
     run = tmp_path / "run"
-    owner = str(os.getpid())
-    args = [sys.executable, "-m", "meshlm.cli", "train", "--nproc", "2", "--max-restarts", "1",
-            "--run-dir", str(run), "--training.steps", "200"]
-    for k, v in TINY.items():
-        args += [f"--{k}", str(v)] if k != "training.steps" else []
-    env = dict(os.environ, OMP_NUM_THREADS="1", **plugin_env(MESHLM_TEST_OWNER=owner, MESHLM_TEST_STEP_SLEEP="0.2"))
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while not (run / "metrics.jsonl").exists() or len(lines(run)) < 3:
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.05)
-    os.kill(workers(int(owner))[1], signal.SIGTERM)
+    proc = launch_until_logging(run, ["--max-restarts", "1"], step_sleep=0.2)
+    os.kill(workers(os.getpid())[1], signal.SIGTERM)
     err = proc.communicate(timeout=180)[1]
     assert proc.returncode == 143, err[-3000:]
     stop, = [r for r in lines(run) if "preempted" in r]
