@@ -67,6 +67,8 @@ def run(model: dict, optim: str, lr: float, args) -> dict:
             rec = json.loads(line)
             if "eval_loss" in rec:
                 evals[rec["step"]] = rec["eval_loss"]
+    print(f"[{optim} lr {lr:g}] {len(step_s)} steps in {sum(step_s.values()):.0f} s, held-out by step {evals}",
+          file=sys.stderr, flush=True)
     return {"optim": optim, "lr": lr, "evals": evals, "step_s": step_s}
 
 
