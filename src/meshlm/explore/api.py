@@ -149,6 +149,8 @@ def parse(body, layout: bool = True, runs_root: str | None = None):
             raise BadRequest(f"{k}: expected a value, got {type(v).__name__}", k)
         # booleans as text, so that an integer key refuses `true` as the command line does
         C.apply(cfg, k, ("true" if v else "false") if isinstance(v, bool) else v)
+    if cfg.training.precision == C.AUTO:  # the explorer prices GPUs ("auto" compile is priced compiled)
+        cfg.training.precision = "bf16"
     n = _number(body, "gpus", int, 1, 1)
     if n > MAX_GPUS:
         raise BadRequest(f"gpus: at most {MAX_GPUS}, got {n}", "gpus")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from .. import config as C
 from ..config import Config, ConfigError, LayoutError
 from ..layout import Layout
 from ..layout import resolve as resolve_layout
@@ -39,6 +40,7 @@ def cpu_profile(peak_tflops: float = 0.0) -> GPU:
 def choose(cfg: Config, world: int, gpu: GPU | None = None, o: Options | None = None) -> tuple[Config, dict]:
     """(the config with the chosen layout, a record of the choice and its predicted numbers), or a
     one-line ConfigError when no layout of `world` ranks fits."""
+    cfg = C.resolve_auto(dataclasses.replace(cfg), cuda=gpu is not None)  # training.precision / compile "auto"
     if gpu is None:
         gpu = cpu_profile(cfg.training.peak_tflops)
         o = o or Options(efficiency=CPU_EFFICIENCY, **code_options(cfg))

@@ -154,7 +154,8 @@ def spec_from_config(cfg: Config, world: int) -> Spec:
         raise PlanError("parallel.zero_group: HSDP groups need a ZeRO stage (zero >= 1)")
     return Spec(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, zero_group=p.zero_group or dp,
                 sp=bool(p.sp), pp_schedule=p.pp_schedule, pp_virtual=p.pp_virtual,
-                micro_batch=t.micro_batch, accum=accum, ac=t.ac, offload=p.offload, precision=t.precision,
+                micro_batch=t.micro_batch, accum=accum, ac=t.ac, offload=p.offload,
+                precision="bf16" if t.precision == "auto" else t.precision,  # a GPU's training.precision "auto"
                 offload_buffer_mb=p.offload_buffer_mb,
                 seq_len=cfg.data.seq_len, cp_impl=p.cp_impl, bucket_mb=p.bucket_mb, reduce_dtype=p.reduce_dtype,
                 pp_layers=tuple(p.pp_layers), quantize_weights=bool(p.quantize_weights), hpz_group=p.hpz_group,
