@@ -48,6 +48,10 @@ TINY = {
     # matmuls the CPU emulates; that was most of each bf16/fp16 row. test_explore_api tests the
     # measurement itself. One TFLOP/s is above any CPU this runs on, so MFU stays in [0, 1).
     "training.peak_tflops": 1.0,
+    # What "auto" gives on a CPU, stated: the planner's tests price these configs without a device
+    # (plan.spec.priced_on), and a test that mocks a GPU keeps the CPU's values.
+    "training.precision": "fp32",
+    "training.compile": False,
 }
 
 

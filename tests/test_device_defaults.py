@@ -49,3 +49,46 @@ def test_auto_round_trips_through_toml(tmp_path):
 def test_bad_values_are_one_line(key, value):
     with pytest.raises(C.ConfigError, match=key):
         device_defaults(C.load(None, [(key, value)]))
+
+
+# -- the planner prices "auto" for the device of the estimate ------------------------------------------
+SMALL = [("model.preset", "debug"), ("data.seq_len", "32"), ("training.global_batch", "8"),
+         ("training.micro_batch", "2")]
+
+
+def test_planner_refuses_an_unpriced_auto():
+    from meshlm.plan.spec import PlanError, code_options, spec_from_config
+    cfg = C.load(None, SMALL)
+    with pytest.raises(PlanError, match="training.precision"):
+        spec_from_config(cfg, 1)
+    with pytest.raises(PlanError, match="training.compile"):
+        code_options(cfg)
+
+
+def test_estimate_on_a_gpu_profile_prices_bf16_compiled(capsys):
+    import json
+    from meshlm.cli import main
+    argv = ["estimate", "--gpu", "h100", "--gpus", "2", "--json", *(f"--{k}={v}" for k, v in SMALL)]
+    assert main(argv) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--training.precision", "bf16", "--training.compile", "true"]) == 0
+    assert json.loads(capsys.readouterr().out) == auto
+    assert main(argv + ["--training.precision", "fp32", "--training.compile", "false"]) == 0
+    eager = json.loads(capsys.readouterr().out)
+    assert auto["compiled"] is True and eager["compiled"] is False
+    assert auto["per_gpu"]["params"] * 2 == eager["per_gpu"]["params"]  # bf16 against fp32 parameters
+
+
+def test_planner_prices_a_cpu_fp32_eager_and_a_gpu_bf16_compiled():
+    from meshlm.plan.auto import choose
+    from meshlm.plan.calibrate import Calibration, predict
+    from meshlm.plan.hardware import get_gpu
+    cfg = C.load(None, SMALL + [("parallel.auto", "true")])
+    new, rec = choose(cfg, 2)  # no profile: this CPU
+    assert (new.training.precision, new.training.compile, rec["layout"]["precision"]) == ("fp32", False, "fp32")
+    new, rec = choose(cfg, 2, get_gpu("h100"))
+    assert (new.training.precision, new.training.compile, rec["layout"]["precision"]) == ("bf16", True, "bf16")
+    assert cfg.training.precision == "auto"  # the caller's config is left as it was
+    cpu = Calibration(rate_flops=1e10, link_bytes_s=1e9, cores=2)  # a CPU run's calibration
+    explicit = C.load(None, SMALL + [("training.precision", "fp32"), ("training.compile", "false")])
+    assert predict(cpu, C.load(None, SMALL), 2) == predict(cpu, explicit, 2)

@@ -156,7 +156,8 @@ def test_cli_refuses_fp8_on_cpu_before_any_worker(tmp_path, capsys):
     from meshlm.cli import main
 
     code = main(["train", "--nproc", "2", "--run-dir", str(tmp_path / "run"), "--model.preset", "debug",
-                 "--training.micro_batch", "8", "--training.precision", "fp8", "--training.device", "cpu"])
+                 "--training.global_batch", "16", "--training.micro_batch", "8", "--training.precision", "fp8",
+                 "--training.device", "cpu"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0 and "fp8 needs a GPU" in err, err
     assert not (tmp_path / "run").exists()

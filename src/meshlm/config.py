@@ -196,7 +196,7 @@ class TrainingConfig:
     loss_chunks: int = 0  # > 0: output head + loss over this many token chunks, logits never whole
 
     def check(self, cfg: Config) -> None:
-        _choice(self.precision, PRECISIONS, "training.precision")
+        _check_device_keys(self)
         _choice(self.fp8_recipe, FP8_RECIPES, "training.fp8_recipe")
         _choice(self.ac, AC_MODES, "training.ac")
         if self.steps < 0:
@@ -543,15 +543,21 @@ def parse_overrides(argv: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
 AUTO = "auto"
 
 
+def _check_device_keys(t: TrainingConfig) -> None:
+    """training.precision / compile: an explicit value or "auto" (resolve_auto turns it into one)."""
+    _choice(t.precision, (AUTO, *PRECISIONS), "training.precision")
+    if t.compile not in (True, False, AUTO):
+        raise ConfigError(f"training.compile: expected true, false or auto, got {t.compile!r}")
+
+
 def resolve_auto(cfg: Config, cuda: bool, bf16: bool = True) -> Config:
     """Replace training.precision / compile = "auto" by this device's values, in place (a new
     training section, so copies that share the old one keep theirs): bf16 with fp32 masters and
-    compiled blocks on a GPU (fp32 on one without bf16), fp32 eager on a CPU. Explicit values stay."""
-    from .choices import PRECISIONS, choose
+    compiled blocks on a GPU (fp32 on one without bf16), fp32 eager on a CPU. Explicit values stay.
+    Training resolves for its own device (layout.device_defaults), the planner for the device it
+    prices (plan/spec.py priced_on)."""
     t = cfg.training
-    choose(t.precision, (AUTO, *PRECISIONS), "training.precision", ConfigError)
-    if t.compile not in (True, False, AUTO):
-        raise ConfigError(f"training.compile: expected true, false or auto, got {t.compile!r}")
+    _check_device_keys(t)
     precision = ("bf16" if cuda and bf16 else "fp32") if t.precision == AUTO else t.precision
     cfg.training = dataclasses.replace(t, precision=precision, compile=cuda if t.compile == AUTO else t.compile)
     return cfg
