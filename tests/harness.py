@@ -63,6 +63,19 @@ def make_config(**overrides) -> C.Config:
     return cfg
 
 
+def sources_corpus() -> str:
+    """The standard library's sources as bytes, docstrings and comments kept (the default corpus is
+    code only): the data the thresholds of the spike and fp8 tests were measured on, so that a change of
+    the default corpus leaves them alone. Prepared once into the cache beside the default corpus."""
+    from meshlm.data.build import prepare
+    from meshlm.data.corpus import default_cache_dir, stdlib_files
+    from meshlm.data.shards import INDEX_NAME
+    out = os.path.join(default_cache_dir(), "stdlib-bytes-v2")
+    if not os.path.isfile(os.path.join(out, INDEX_NAME)):
+        prepare(stdlib_files(), "bytes", out, overwrite=False)
+    return out
+
+
 def read_metrics(run_dir: str) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if '"loss"' in line]
