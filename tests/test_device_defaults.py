@@ -20,6 +20,25 @@ def test_llama3_1b_on_a_cuda_device_resolves_to_bf16_and_compile(monkeypatch):
     assert 'precision = "bf16"' in text and "compile = true" in text
 
 
+def test_meshlm_train_on_a_cuda_machine_writes_and_prints_the_resolved_values(monkeypatch, tmp_path, capsys):
+    """The launcher's side of `meshlm train --model.preset llama3-1b --nproc 2` on a (mocked) CUDA machine:
+    config.toml, which the workers read, and the start-up line carry bf16 + compile; the workers
+    themselves are not started."""
+    from meshlm.cli import main
+    from meshlm.train import launch
+    _gpu(monkeypatch)
+    started = []
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: started.append(a) or 0)
+    run = tmp_path / "run"
+    assert main(["train", "--nproc", "2", "--run-dir", str(run), "--model.preset", "llama3-1b",
+                 "--training.micro_batch", "4"]) == 0
+    assert len(started) == 1
+    t = C.load(str(run / "config.toml")).training
+    assert (t.precision, t.compile) == ("bf16", True)
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first == f"meshlm: llama3-1b, 2 workers, precision bf16, compile on, run dir {run}", first
+
+
 def test_a_gpu_without_bf16_keeps_fp32_and_compiles(monkeypatch):
     _gpu(monkeypatch, bf16=False)
     t = device_defaults(C.Config()).training

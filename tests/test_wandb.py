@@ -39,7 +39,8 @@ def read_records(path: str) -> list:
 @pytest.mark.slow  # wandb's service process starts in seconds to tens of seconds on a shared machine
 def test_offline_run_logs_the_metrics_lines_and_the_config(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
-    cfg = make_config(training__steps=3, metrics__wandb=True, metrics__wandb_run="tiny-offline")
+    cfg = make_config(training__steps=3, metrics__wandb=True, metrics__wandb_run="tiny-offline",
+                      training__precision="auto", training__compile="auto")
     got = run_local(cfg, str(tmp_path))
     files = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "*.wandb"))
     assert len(files) == 1
@@ -57,7 +58,8 @@ def test_offline_run_logs_the_metrics_lines_and_the_config(tmp_path, monkeypatch
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     config = {i.key: json.loads(i.value_json) for i in run.config.update}
     assert run.display_name == "tiny-offline"
-    assert config["training"]["precision"] == "fp32" and config["training"]["steps"] == 3
+    assert config["training"]["precision"] == "fp32" and config["training"]["compile"] is False  # resolved
+    assert config["training"]["steps"] == 3
     assert config["model"]["preset"] == "debug"
 
 

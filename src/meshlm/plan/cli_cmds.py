@@ -223,7 +223,7 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
             raise PlanError(f"--top: must be >= 1, got {args.top}")
         if not args.gpu and not args.calibrate:
             raise PlanError("--gpu: give a GPU profile (or --calibrate RUN_DIR)")
-        _, gpu, opts, _ = _device(args, cfg, args.gpus)
+        cfg, gpu, opts, _ = _device(args, cfg, args.gpus)  # --emit-config: compile as priced
         res = plan(shape, gpu, args.gpus, seq, tokens, args.precision, args.top, parse_fix(args.fix), opts)
         rates = (args.failures_per_gpu_hour, args.ckpt_node_gbps, args.storage_gbps, args.restart_min,
                  args.spare_min, args.repair_h)
