@@ -27,12 +27,24 @@ def test_a_short_run_prints_a_python_line_after_def(tmp_path, capsys):
             files[-1].write_text(code_only(f.read()))
     prepare([str(f) for f in files], "bytes", str(data))
     code = main(["train", "--run-dir", str(run_dir), "--data.path", str(data), "--training.steps", str(STEPS),
-                 "--checkpoint.every", str(STEPS), "--training.eval_every", "0", "--metrics.progress", "false"])
+                 "--checkpoint.every", str(STEPS), "--training.eval_every", "0"])
     err = capsys.readouterr().err
     assert code == 0, err
     lines = err.splitlines()
     assert lines[0].startswith("meshlm: tiny, 1 worker, precision fp32, compile off, run dir")
+    assert "threads alive after the teardown" not in err, err  # the progress bar leaves no thread behind
     sample = lines[lines.index(next(x for x in lines if x.startswith("meshlm: sample"))) + 1]
     assert DEF_LINE.match(sample), sample
     resolved = (run_dir / "config.toml").read_text()
     assert 'precision = "fp32"' in resolved and "compile = false" in resolved
+
+
+def test_the_progress_bar_starts_no_thread(tmp_path):
+    import threading
+
+    from meshlm.train.metrics import MetricsLog
+    before = set(threading.enumerate())
+    log = MetricsLog(str(tmp_path), True, 3, 0, progress=True)
+    log.write({"step": 1, "loss": 1.0, "tokens_per_s": 1.0, "mfu": 0.1})
+    log.close()
+    assert [t.name for t in set(threading.enumerate()) - before] == []

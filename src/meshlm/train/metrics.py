@@ -225,8 +225,11 @@ class MetricsLog:
         self.tb = None
         if enabled and progress:
             from tqdm import tqdm
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-                            file=sys.stderr, disable=None)
+
+            class Bar(tqdm):
+                monitor_interval = 0  # no tqdm_monitor thread: it outlives the run (launch.teardown names it)
+            self.bar = Bar(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                           file=sys.stderr, disable=None)
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
