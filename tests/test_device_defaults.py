@@ -111,3 +111,16 @@ def test_planner_prices_a_cpu_fp32_eager_and_a_gpu_bf16_compiled():
     cpu = Calibration(rate_flops=1e10, link_bytes_s=1e9, cores=2)  # a CPU run's calibration
     explicit = C.load(None, SMALL + [("training.precision", "fp32"), ("training.compile", "false")])
     assert predict(cpu, C.load(None, SMALL), 2) == predict(cpu, explicit, 2)
+
+
+def test_plan_compiles_on_a_gpu_unless_told_not_to(capsys):
+    import json
+    from meshlm.cli import main
+    argv = ["plan", "--model", "debug", "--gpu", "h100", "--gpus", "2", "--seq-len", "32", "--global-batch-tokens",
+            "256", "--top", "1", "--json"]
+    got = {}
+    for flag in ((), ("--compile",), ("--no-compile",)):
+        assert main([*argv, *flag]) == 0
+        got[flag] = json.loads(capsys.readouterr().out)[0]
+    assert got[()] == got[("--compile",)]  # "auto" on a GPU profile
+    assert got[()]["compiled"] is True and got[("--no-compile",)]["compiled"] is False

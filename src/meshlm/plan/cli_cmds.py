@@ -87,9 +87,9 @@ def add_parsers(subparsers) -> None:
                    help="minutes until a replacement node is up; else resize (default %(default)s: hot spare)")
     f.add_argument("--repair-h", type=float, default=Resilience.repair_h,
                    help="hours until a lost node is back, when the job resizes (default %(default)s)")
-    p.add_argument("--compile", action="store_true",
-                   help="plan for training.compile = true (compiled blocks save fewer activations; "
-                        "also set by the config, whose \"auto\" compiles for a GPU, not for a CPU run's --calibrate)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan for training.compile = true / false (compiled blocks save fewer activations); "
+                        "default: the config's, whose \"auto\" compiles on a GPU, not for a CPU run's --calibrate")
     p.set_defaults(func=run_plan)
 
 
@@ -210,8 +210,8 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
         if extra_argv:
             raise PlanError(f"unrecognised argument: {extra_argv[0]}")
         cfg = C.load(args.config) if args.config else C.Config()
-        if args.compile:
-            cfg.training.compile = True
+        if args.compile is not None:
+            cfg.training.compile = args.compile
         if args.model:
             cfg.model.preset = args.model
         elif not args.config:
