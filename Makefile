@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.meshlm-installed
 
-.PHONY: train test test-fast setup clean
+.PHONY: train test test-fast setup clean recipes
 
 setup: $(STAMP)
 
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 train: $(STAMP)
-	$(VENV)/bin/meshlm train --checkpoint.every 40 $(ARGS)
+	$(VENV)/bin/meshlm train --checkpoint.every 300 $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -26,6 +26,10 @@ test: $(STAMP)
 # `slow` in pyproject.toml, tests/conftest.py); `make test` before pushing
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# the planner's estimates in the headers of configs/*.toml, from the `meshlm estimate` each names
+recipes: $(STAMP)
+	$(PY) bench/recipe_estimates.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

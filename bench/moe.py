@@ -58,7 +58,7 @@ def main() -> None:
     a = ap.parse_args()
     from meshlm import config as C
     from meshlm.plan.comm import collectives
-    from meshlm.plan.spec import shape_from_config, spec_from_config
+    from meshlm.plan.spec import priced_on, shape_from_config, spec_from_config
 
     base = {"model.preset": "moe-debug", "model.dim": a.dim, "model.n_layers": a.layers,
             "model.moe.num_experts": a.experts, "model.moe.top_k": a.top_k, "model.moe.ffn_dim": a.expert_dim,
@@ -80,6 +80,7 @@ def main() -> None:
         cfg = C.Config()
         for k, v in over.items():
             C.apply(cfg, k, v)
+        cfg = priced_on(cfg, gpu=False)  # the workers above trained on this CPU
         planned = sum(c.calls * c.buffer_bytes for c in collectives(shape_from_config(cfg), spec_from_config(cfg, a.world),
                                                                 0, 0, a.layers, True, True, None) if c.group == "ep")
         first = first or r["step_s"]

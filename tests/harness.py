@@ -48,6 +48,10 @@ TINY = {
     # matmuls the CPU emulates; that was most of each bf16/fp16 row. test_explore_api tests the
     # measurement itself. One TFLOP/s is above any CPU this runs on, so MFU stays in [0, 1).
     "training.peak_tflops": 1.0,
+    # What "auto" gives on a CPU, stated: the planner's tests price these configs without a device
+    # (plan.spec.priced_on), and a test that mocks a GPU keeps the CPU's values.
+    "training.precision": "fp32",
+    "training.compile": False,
 }
 
 
@@ -57,6 +61,19 @@ def make_config(**overrides) -> C.Config:
     for k, v in {**TINY, **{k.replace("__", "."): v for k, v in overrides.items()}}.items():
         C.apply(cfg, k, v)
     return cfg
+
+
+def sources_corpus() -> str:
+    """The standard library's sources as bytes, docstrings and comments kept (the default corpus is
+    code only): the data the thresholds of the spike and fp8 tests were measured on, so that a change of
+    the default corpus leaves them alone. Prepared once into the cache beside the default corpus."""
+    from meshlm.data.build import prepare
+    from meshlm.data.corpus import default_cache_dir, stdlib_files
+    from meshlm.data.shards import INDEX_NAME
+    out = os.path.join(default_cache_dir(), "stdlib-bytes-v2")
+    if not os.path.isfile(os.path.join(out, INDEX_NAME)):
+        prepare(stdlib_files(), "bytes", out, overwrite=False)
+    return out
 
 
 def read_metrics(run_dir: str) -> list[dict]:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshlm.data import (ByteTokenizer, GlobalBatchSampler, HFTokenizer, TokenShards,
+from meshlm.data import (DEFAULT_CORPUS_NAME, ByteTokenizer, GlobalBatchSampler, HFTokenizer, TokenShards,
                          default_data_dir, eval_batches, load_tokenizer, prepare)
 
 
@@ -157,7 +157,7 @@ def test_prepare_overwrite_flag(tmp_path):
 def test_default_data_dir_prepares_once(tmp_path, monkeypatch):
     monkeypatch.setenv("MESHLM_CACHE", str(tmp_path / "cache"))
     d = default_data_dir()
-    assert d == str(tmp_path / "cache" / "stdlib-bytes-v2")
+    assert d == str(tmp_path / "cache" / DEFAULT_CORPUS_NAME)
     shards = TokenShards(d)
     assert shards.tokenizer == "bytes" and len(shards) > 100_000
     assert len(TokenShards(d, "val")) > 1024

@@ -193,7 +193,8 @@ def test_bad_input_is_a_400_with_the_reason(served, body, key, reason):
 
 def test_400_messages_are_the_cli_messages(served, capsys):
     """The page shows what `meshlm estimate` prints, not a message of its own."""
-    for extra, tokens in (([], 256 * 16), (["--training.global_batch", "48", "--training.micro_batch", "1"], 256 * 48)):
+    d = C.Config()  # the command line's default global batch, as tokens for the page
+    for extra, tokens in (([], d.data.seq_len * d.training.global_batch), (["--training.global_batch", "48", "--training.micro_batch", "1"], 256 * 48)):
         code, _, err = cli_json(capsys, ["estimate", "--gpu", "h100", "--gpus", "9", "--model.preset", "llama3-8b",
                                          "--parallel.tp", "3", *extra])
         body = {"gpu": "h100", "gpus": 9, "model.preset": "llama3-8b", "parallel.tp": 3, "global_batch_tokens": tokens}

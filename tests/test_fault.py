@@ -115,13 +115,14 @@ def test_nan_loss_stops_bf16_with_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MESHLM_PLUGINS", "fault_plugin")
     monkeypatch.setenv("MESHLM_TEST_NAN_STEP", "7")
     run = tmp_path / "run"
-    argv = ["train", "--run-dir", str(run), "--checkpoint.every", "2", "--checkpoint.keep", "10",
-            "--metrics.every", "3", "--training.precision", "bf16"]
-    for k, v in TINY.items():
+    argv = ["train", "--run-dir", str(run)]
+    for k, v in {**TINY, "checkpoint.every": 2, "checkpoint.keep": 10, "metrics.every": 3,
+                 "training.precision": "bf16"}.items():
         argv += [f"--{k}", str(v)]
     assert main(argv) == 1
     err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("meshlm:")]
-    assert err == ["meshlm: rank 0: non-finite loss at step 7: stopped (newest checkpoint: step 6; "
+    assert err == [f"meshlm: debug, 1 worker, precision bf16, compile off, run dir {run}",  # the start-up line
+                   "meshlm: rank 0: non-finite loss at step 7: stopped (newest checkpoint: step 6; "
                    "lower optim.lr or check the data, then run again)"], err
     # step 7 is not a logged step (every 3): the check before step 8's save caught it
     assert sorted(os.listdir(run / "checkpoints"))[-1] == "step_00000006"

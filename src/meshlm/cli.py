@@ -14,6 +14,7 @@ def _fail(msg: str, code: int = 2) -> int:
 
 def cmd_train(args, extra: list[str]) -> int:
     from . import config as C
+    from .layout import device_defaults
     from .model.from_config import check_init_weights, pin_model_shape
     from .plan.auto import resolve
     from .train.launch import incidents, preempted, record_error, spawn, under_launcher, worker_errors
@@ -23,6 +24,7 @@ def cmd_train(args, extra: list[str]) -> int:
         if rest:
             raise C.ConfigError(f"unrecognised argument: {rest[0]}")
         cfg = C.load(args.config, pairs)
+        device_defaults(cfg)  # training.precision / compile "auto": this machine's values, into config.toml
         pin_model_shape(cfg)  # model.init_from: the HF model's shape goes into config.toml
         worker = args.worker or under_launcher()
         world = int(os.environ["WORLD_SIZE"]) if worker else (args.nproc or 1)
@@ -44,6 +46,8 @@ def cmd_train(args, extra: list[str]) -> int:
         layout = resolve(cfg, world, gpu, restarts=restarts or 0)
         check_init_weights(cfg)
         cfg.data.check_files()
+        from .train.wandb_sink import check as check_wandb
+        check_wandb(cfg)
         from .parallel.zero.nvme import preflight as offload_preflight
         offload_preflight(cfg, layout, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if worker else world)
         run_dir = args.run_dir or os.path.join("runs", f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -62,8 +66,11 @@ def cmd_train(args, extra: list[str]) -> int:
                     f.write(f"# parallel.auto chose {rec['auto_layout']} (predicted {rec['predicted_step_s']:.3g} s/step, "
                             f"MFU {rec['predicted_mfu']:.1%} on {rec['gpu']}); the trainer re-plans on its device\n")
                 f.write(C.to_toml(cfg))
+    if not args.worker and int(os.environ.get("RANK", "0")) == 0:
+        t = cfg.training
+        print(f"meshlm: {cfg.model.preset}, {world} worker{'s' if world > 1 else ''}, precision {t.precision}, "
+              f"compile {'on' if t.compile else 'off'}, run dir {run_dir}", file=sys.stderr)
     if not worker and (world > 1 or args.max_restarts):
-        print(f"meshlm: {world} workers, run dir {run_dir}", file=sys.stderr)
         code = spawn(world, os.path.join(run_dir, "config.toml"), run_dir, args.max_restarts)
         for line in incidents(run_dir):  # stragglers, spikes, restarts: what the job lived through
             print(line, file=sys.stderr)
@@ -72,6 +79,8 @@ def cmd_train(args, extra: list[str]) -> int:
         if code:
             for line in worker_errors(run_dir):  # the failing ranks' own one-line reasons
                 print(line, file=sys.stderr)
+        if not code:
+            _print_sample(cfg, run_dir)
         return code and _fail(f"training failed (exit {code}); worker logs in {run_dir}/logs", code)
     from .train.trainer import run
     try:
@@ -89,7 +98,30 @@ def cmd_train(args, extra: list[str]) -> int:
     if last and int(os.environ.get("RANK", "0")) == 0:
         print(f"meshlm: done, step {last.get('step')} loss {last.get('loss', float('nan')):.4f}; "
               f"run dir {run_dir}", file=sys.stderr)
+        if not worker:
+            _print_sample(cfg, run_dir)
     return 0
+
+
+SAMPLE_PROMPT = "def "
+SAMPLE_MAX_PARAMS = 50e6  # a greedy line from a model this small takes a second on a CPU
+
+
+def _print_sample(cfg, run_dir: str) -> None:
+    """A small model's greedy continuation of "def " from the newest checkpoint, so the user sees what
+    it learnt without asking (README, quick start); larger models and runs without a checkpoint: none."""
+    from .model.from_config import model_args
+    from .train.checkpoint import list_checkpoints
+    if model_args(cfg).num_params() > SAMPLE_MAX_PARAMS or not list_checkpoints(os.path.join(run_dir, "checkpoints")):
+        return
+    from .generate import continuation
+    try:
+        text = continuation(run_dir, SAMPLE_PROMPT, 60, temperature=0.0).split("\n\n")[0]
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # the run itself succeeded: say so, go on
+        print(f"meshlm: no sample: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return
+    print(f"meshlm: sample (greedy, `meshlm generate {run_dir} --prompt {SAMPLE_PROMPT!r} --temperature 0`):\n"
+          f"{SAMPLE_PROMPT}{text}", file=sys.stderr)
 
 
 def cmd_prepare(args, extra: list[str]) -> int:

@@ -1,8 +1,6 @@
 """`meshlm convert` and `meshlm generate` (argparse wiring; the work is in train/convert.py / generate.py)."""
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 
@@ -33,39 +31,18 @@ def run_convert(args) -> int:
     return 0
 
 
-def _stop_token(tok, ckpt_dir: str) -> int | None:
-    """The end-of-sequence id named by a tokenizer_config.json beside the weights, if any."""
-    path = os.path.join(ckpt_dir, "tokenizer_config.json")
-    if not os.path.isfile(path) or tok.name == "bytes":
-        return None
-    with open(path) as f:
-        eos = json.load(f).get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    ids = tok._tok.token_to_id(eos) if isinstance(eos, str) else None
-    return ids
-
-
 def run_generate(args) -> int:
-    import torch
-
-    from .train.convert import load_model, tokenizer_of
-    from .data.tokenizer import load_tokenizer
-    from .generate import generate
     if args.max_new_tokens < 1:
         return _fail(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         return _fail("--temperature must be >= 0 and --top-p in (0, 1]")
+    from .generate import continuation
     try:
-        device = torch.device(args.device if args.device != "auto" else
-                              ("cuda" if torch.cuda.is_available() else "cpu"))
-        model, cfg, meta, path = load_model(args.checkpoint)
-        tok = load_tokenizer(tokenizer_of(path, cfg, meta, model.args.vocab_size))
-        model = model.to(device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-        ids = generate(model, tok.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_p,
-                       args.seed, stop=_stop_token(tok, path))
+        text = continuation(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
+                            args.seed, args.device)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    print(tok.decode(ids))
+    print(text)
     return 0
 
 

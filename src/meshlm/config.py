@@ -61,7 +61,7 @@ class RopeScalingConfig:
 
 @dataclass
 class ModelConfig:
-    preset: str = "small"
+    preset: str = "tiny"
     dim: int | None = None
     n_layers: int | None = None
     n_heads: int | None = None
@@ -176,17 +176,17 @@ class ParallelConfig:
 
 @dataclass
 class TrainingConfig:
-    steps: int = 80
-    global_batch: int = 16
-    micro_batch: int = 16
-    precision: str = "fp32"
+    steps: int = 1200
+    global_batch: int = 8
+    micro_batch: int = 8
+    precision: str = "auto"  # auto: bf16 (fp32 masters) on a GPU with bf16, fp32 on a CPU (resolve_auto)
     fp8_recipe: str = "tensorwise"  # precision = "fp8": torchao's float8 scaling (tensorwise, rowwise)
     fp8_emulate: bool = False  # precision = "fp8" without float8 hardware (CPU tests): torchao's emulation
     ac: str = "none"
     seed: int = 0
     clip: float = 1.0
-    compile: bool = False
-    eval_every: int = 40
+    compile: bool | str = "auto"  # auto: on for CUDA, off for a CPU (resolve_auto)
+    eval_every: int = 250
     eval_batches: int = 4
     device: str = "auto"  # auto, cpu, cuda
     peak_tflops: float = 0.0  # peak per device behind MFU; 0: datasheet (GPU) or measured (CPU)
@@ -196,7 +196,7 @@ class TrainingConfig:
     loss_chunks: int = 0  # > 0: output head + loss over this many token chunks, logits never whole
 
     def check(self, cfg: Config) -> None:
-        _choice(self.precision, PRECISIONS, "training.precision")
+        _check_device_keys(self)
         _choice(self.fp8_recipe, FP8_RECIPES, "training.fp8_recipe")
         _choice(self.ac, AC_MODES, "training.ac")
         if self.steps < 0:
@@ -217,9 +217,9 @@ class TrainingConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3
+    lr: float = 5e-3
     min_lr_ratio: float = 0.1
-    warmup: int = 10
+    warmup: int = 50
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -287,6 +287,10 @@ class MetricsConfig:
     straggler_factor: float = 1.5  # a rank this many times slower than the median step is a straggler
     straggler_steps: int = 3  # consecutive logged steps before it is named (0: off)
     profile_step: int = 0  # N > 0: rank 0 profiles step N into RUN_DIR/profile.json (--calibrate reads it)
+    wandb: bool = False  # also log to Weights & Biases (train/wandb_sink.py; WANDB_MODE=offline works)
+    wandb_project: str = "meshlm"
+    wandb_run: str = ""  # run name; empty: the run directory's name
+    wandb_entity: str = ""  # team or user; empty: wandb's default
 
     def check(self, cfg: Config) -> None:
         if not self.straggler_factor > 1:
@@ -335,6 +339,11 @@ def _coerce(value: Any, current: Any, typ: Any, where: str) -> Any:
             return int(value) if not isinstance(value, bool) else value
         except (TypeError, ValueError):
             return str(value).strip()
+    if t == "bool | str":  # true / false, or "auto" (training.compile), checked by resolve_auto
+        low = str(value).strip().lower()
+        if isinstance(value, bool) or low not in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value if isinstance(value, bool) else low
+        return low in ("true", "1", "yes", "on")
     if t.startswith("list[list"):
         return _coerce_mix(value, where)
     if t.startswith("list[str"):
@@ -529,6 +538,29 @@ def parse_overrides(argv: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
             rest.append(a)
         i += 1
     return pairs, rest
+
+
+AUTO = "auto"
+
+
+def _check_device_keys(t: TrainingConfig) -> None:
+    """training.precision / compile: an explicit value or "auto" (resolve_auto turns it into one)."""
+    _choice(t.precision, (AUTO, *PRECISIONS), "training.precision")
+    if t.compile not in (True, False, AUTO):
+        raise ConfigError(f"training.compile: expected true, false or auto, got {t.compile!r}")
+
+
+def resolve_auto(cfg: Config, cuda: bool, bf16: bool = True) -> Config:
+    """Replace training.precision / compile = "auto" by this device's values, in place (a new
+    training section, so copies that share the old one keep theirs): bf16 with fp32 masters and
+    compiled blocks on a GPU (fp32 on one without bf16), fp32 eager on a CPU. Explicit values stay.
+    Training resolves for its own device (layout.device_defaults), the planner for the device it
+    prices (plan/spec.py priced_on)."""
+    t = cfg.training
+    _check_device_keys(t)
+    precision = ("bf16" if cuda and bf16 else "fp32") if t.precision == AUTO else t.precision
+    cfg.training = dataclasses.replace(t, precision=precision, compile=cuda if t.compile == AUTO else t.compile)
+    return cfg
 
 
 def replace(cfg: Config, **sections: dict) -> Config:

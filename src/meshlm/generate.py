@@ -10,6 +10,8 @@ full recompute would route the same token differently.
 """
 from __future__ import annotations
 
+import json
+import os
 from contextlib import contextmanager
 
 import torch
@@ -68,3 +70,29 @@ def generate(model, prompt: list[int], max_new_tokens: int, temperature: float =
             step = [[tok]] if use_cache else [seq]
             logits = model(torch.tensor(step, device=device), cache=cache)[0, -1]
     return out
+
+
+def _stop_token(tok, ckpt_dir: str) -> int | None:
+    """The end-of-sequence id named by a tokenizer_config.json beside the weights, if any."""
+    path = os.path.join(ckpt_dir, "tokenizer_config.json")
+    if not os.path.isfile(path) or tok.name == "bytes":
+        return None
+    with open(path) as f:
+        eos = json.load(f).get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    ids = tok._tok.token_to_id(eos) if isinstance(eos, str) else None
+    return ids
+
+
+def continuation(checkpoint: str, prompt: str, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0, device: str = "auto") -> str:
+    """The text a checkpoint (or a run directory's newest) writes after `prompt`: on the GPU in bf16
+    when there is one, else on the CPU in fp32."""
+    from .data.tokenizer import load_tokenizer
+    from .train.convert import load_model, tokenizer_of
+    dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    model, cfg, meta, path = load_model(checkpoint)
+    tok = load_tokenizer(tokenizer_of(path, cfg, meta, model.args.vocab_size))
+    model = model.to(dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    ids = generate(model, tok.encode(prompt), max_new_tokens, temperature, top_p, seed, stop=_stop_token(tok, path))
+    return tok.decode(ids)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import Config, ConfigError, LayoutError
+from .config import Config, ConfigError, LayoutError, resolve_auto
 from .model.args import ModelArgs
 from .model.from_config import check_export, model_args
 
@@ -97,11 +97,25 @@ def check_cp(args: ModelArgs, cp: int, impl: str, tp: int, sp: bool, seq_len: in
                               f"to divide one another")
 
 
+def device_defaults(cfg: Config) -> Config:
+    """training.precision / compile = "auto" resolved for the device training.device names (in place):
+    a CUDA device, with or without bf16, or a CPU. A GPU job resolves on every rank, each for its own."""
+    t = cfg.training
+    if "auto" not in (t.precision, t.compile):  # nothing to probe (still checked)
+        return resolve_auto(cfg, False)
+    import torch
+    kind = t.device
+    cuda = kind == "cuda" or (kind == "auto" and torch.cuda.is_available())
+    bf16 = cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return resolve_auto(cfg, cuda, bf16)
+
+
 def resolve(cfg: Config, world_size: int) -> Layout:
     """The layout for `world_size` ranks, or a ConfigError naming the offending key.
 
     With parallel.auto the planner chooses the layout first: callers go through plan.auto.resolve,
     which writes the choice into `cfg` and then calls this (layout sits below plan: docs/architecture.md)."""
+    device_defaults(cfg)
     p, t = cfg.parallel, cfg.training
     args = model_args(cfg)
     cfg.check()

@@ -18,8 +18,8 @@ from ..plan.estimate import Options, estimate
 from ..plan.hardware import FLAG_FIELDS, PROFILES, HardwareError, get_gpu
 from ..plan.ops import KERNELS
 from ..plan.search import plan
-from ..plan.spec import AC_MODES, CP_IMPLS, PRECISIONS, SCHEDULES, PlanError, presets, shape_from_config, \
-    spec_from_config, to_config
+from ..plan.spec import AC_MODES, CP_IMPLS, PRECISIONS, SCHEDULES, PlanError, presets, priced_on, \
+    shape_from_config, spec_from_config, to_config
 
 MAX_GPUS = 1 << 17           # a search over more is a typo, not a cluster
 MAX_TIMELINE_UNITS = 4096    # p·m·v above which the timeline is not simulated for drawing (~1 s)
@@ -164,20 +164,25 @@ def parse(body, layout: bool = True, runs_root: str | None = None):
     kernel = str(body.get("attn_kernel") or Options.attn_kernel)
     if kernel not in KERNELS:
         raise BadRequest(f"attn_kernel: expected one of {', '.join(KERNELS)}, got {kernel!r}", "attn_kernel")
-    opts = Options(efficiency=eff, comm_efficiency=ceff, flash=flash, compiled=bool(cfg.training.compile),
-                   attn_kernel=kernel)
+    cal = None
     if body.get("calibrate"):  # a run under --runs: the machine it measured replaces the GPU profile
-        from ..plan.calibrate import device_and_options, fit
+        from ..plan.calibrate import fit
         try:
             if runs_root is None:
                 raise BadRequest("calibrate: no runs root to read runs from", "calibrate")
             path = run_path(runs_root, body["calibrate"])
-            gpu, opts = device_and_options(fit(path), n, bool(cfg.training.compile))
+            cal = fit(path)
         except (BadRequest, NotFound) as e:
             raise BadRequest("calibrate: " + str(e).removeprefix("run: "), "calibrate") from None
         except PlanError as e:
             raise BadRequest(str(e).replace(os.path.dirname(path) + os.sep, "").replace("--calibrate", "calibrate", 1),
                              "calibrate") from None
+    cfg = priced_on(cfg, gpu=cal is None or cal.card is not None)  # training.precision / compile "auto"
+    opts = Options(efficiency=eff, comm_efficiency=ceff, flash=flash, compiled=bool(cfg.training.compile),
+                   attn_kernel=kernel)
+    if cal is not None:
+        from ..plan.calibrate import device_and_options
+        gpu, opts = device_and_options(cal, n, bool(cfg.training.compile))
     seq = cfg.data.seq_len
     if seq < 1:
         raise BadRequest(f"data.seq_len: must be >= 1, got {seq}", "data.seq_len")

@@ -17,7 +17,7 @@ from ..layout import resolve as resolve_layout
 from .estimate import Options
 from .hardware import GB, GPU, get_gpu
 from .search import plan
-from .spec import PlanError, Shape, Spec, code_options, shape_from_config, to_config
+from .spec import PlanError, Shape, Spec, code_options, priced_on, shape_from_config, to_config
 
 # A CPU has no profile: the host's RAM is its memory, its measured matmul peak (training.peak_tflops,
 # else 0.1 TFLOP/s, assumed) its compute, gloo over loopback its links (1 GB/s, assumed). The choice
@@ -39,6 +39,7 @@ def cpu_profile(peak_tflops: float = 0.0) -> GPU:
 def choose(cfg: Config, world: int, gpu: GPU | None = None, o: Options | None = None) -> tuple[Config, dict]:
     """(the config with the chosen layout, a record of the choice and its predicted numbers), or a
     one-line ConfigError when no layout of `world` ranks fits."""
+    cfg = priced_on(cfg, gpu=gpu is not None)  # training.precision / compile "auto": this device's
     if gpu is None:
         gpu = cpu_profile(cfg.training.peak_tflops)
         o = o or Options(efficiency=CPU_EFFICIENCY, **code_options(cfg))

@@ -43,7 +43,7 @@ from .comm import LATENCY_S, latency as call_latency
 from .estimate import Options, estimate
 from .hardware import GB, GPU, get_gpu, profile_of_device
 from .ops import Rates, unit_rates
-from .spec import PlanError, code_options, shape_from_config, spec_from_config
+from .spec import PlanError, code_options, priced_on, shape_from_config, spec_from_config
 
 WARMUP_RECORDS = 2  # the first logged steps include compilation, allocator growth and pool start-up
 REF_TFLOPS = 1.0    # the rate at which the link's bytes are read off the model (any works)
@@ -311,6 +311,7 @@ def fit(run_dir: str, cores: int | None = None, load: float | None = 0.0, trace:
         return _fit_gpu(run_dir, cfg, m, prof)
     if (prof is None or not trace) and not m.cores and profile_of_device(m.peak_label or "") is not None:
         return _fit_gpu(run_dir, cfg, m, None)  # a GPU run without a trace: the card, one factor
+    cfg = priced_on(cfg, gpu=False)  # a run writes resolved values into config.toml; an "auto" left: a CPU run
     if on_core:
         if m.cpu_s is None:
             raise PlanError(f"--calibrate: {run_dir}/metrics.jsonl has no cpu_s (seconds on a core per step)")
@@ -365,6 +366,7 @@ def fit(run_dir: str, cores: int | None = None, load: float | None = 0.0, trace:
 def _fit_gpu(run_dir: str, cfg: C.Config, m: Measured, prof: dict | None) -> Calibration:
     """One rank per GPU: the card's efficiencies from the kernels of the profiled step (calibrate_gpu)."""
     from .calibrate_gpu import fit_card
+    cfg = priced_on(cfg, gpu=True)
     world = _world(run_dir, cfg, m)
     gpu, overhead, split = fit_card(shape_from_config(cfg), spec_from_config(cfg, world), bool(cfg.training.compile),
                                     m.step_s, prof, m.peak_label, m.peak_flops)
@@ -406,6 +408,7 @@ def device_and_options(cal: Calibration, ranks: int, compiled: bool = False,
 
 def predict(cal: Calibration, cfg: C.Config, ranks: int, threads: int | None = None) -> dict:
     """The planner's estimate of `cfg` on `ranks` ranks of the calibrated machine."""
+    cfg = priced_on(cfg, gpu=cal.card is not None)
     gpu, o = device_and_options(cal, ranks, bool(cfg.training.compile), threads)
     o = dataclasses.replace(o, **code_options(cfg))
     return estimate(shape_from_config(cfg), spec_from_config(cfg, ranks), gpu, o)

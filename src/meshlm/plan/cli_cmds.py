@@ -16,7 +16,7 @@ from .goodput import Resilience, describe as describe_goodput, goodput
 from .hardware import GIB, HardwareError, describe, get_gpu, names
 from .ops import KERNELS
 from .search import PlanError, parse_fix, plan
-from .spec import Shape, code_options, presets, shape_from_config, spec_from_config, to_config
+from .spec import Shape, code_options, presets, priced_on, shape_from_config, spec_from_config, to_config
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -87,9 +87,9 @@ def add_parsers(subparsers) -> None:
                    help="minutes until a replacement node is up; else resize (default %(default)s: hot spare)")
     f.add_argument("--repair-h", type=float, default=Resilience.repair_h,
                    help="hours until a lost node is back, when the job resizes (default %(default)s)")
-    p.add_argument("--compile", action="store_true",
-                   help="plan for training.compile = true (compiled blocks save fewer activations; "
-                        "also set by the config)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan for training.compile = true / false (compiled blocks save fewer activations); "
+                        "default: the config's, whose \"auto\" compiles on a GPU, not for a CPU run's --calibrate")
     p.set_defaults(func=run_plan)
 
 
@@ -108,16 +108,18 @@ def _gpu(args):
 
 
 def _device(args, cfg, ranks: int):
-    """(GPU profile, Options, Calibration or None): the named profile, or with --calibrate the machine
-    a run measured."""
+    """(the config priced on the device, GPU profile, Options, Calibration or None): the named profile
+    (none: memory per GPU), or with --calibrate the machine a run measured, a GPU or a CPU."""
     if getattr(args, "calibrate", None):
         from .calibrate import device_and_options, fit
         if args.gpu:
             raise PlanError("--calibrate: leave out --gpu (the run's machine is the device)")
         cal = fit(args.calibrate)
+        cfg = priced_on(cfg, gpu=cal.card is not None)
         gpu, o = device_and_options(cal, ranks, bool(cfg.training.compile))
-        return gpu, dataclasses.replace(o, **code_options(cfg)), cal
-    return _gpu(args), _options(args, cfg), None
+        return cfg, gpu, dataclasses.replace(o, **code_options(cfg)), cal
+    cfg = priced_on(cfg, gpu=True)
+    return cfg, _gpu(args), _options(args, cfg), None
 
 
 # ---------------------------------------------------------------------------------- estimate
@@ -127,8 +129,7 @@ def run_estimate(args, extra_argv: list[str] | None = None) -> int:
         pairs, rest = C.parse_overrides(list(extra_argv or []))
         if rest:
             raise PlanError(f"unrecognised argument: {rest[0]}")
-        cfg = C.load(args.config, pairs)
-        gpu, opts, cal = _device(args, cfg, args.gpus)
+        cfg, gpu, opts, cal = _device(args, C.load(args.config, pairs), args.gpus)
         shape = shape_from_config(cfg)
         spec = spec_from_config(cfg, args.gpus)
         out = estimate(shape, spec, gpu, opts)
@@ -209,8 +210,8 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
         if extra_argv:
             raise PlanError(f"unrecognised argument: {extra_argv[0]}")
         cfg = C.load(args.config) if args.config else C.Config()
-        if args.compile:
-            cfg.training.compile = True
+        if args.compile is not None:
+            cfg.training.compile = args.compile
         if args.model:
             cfg.model.preset = args.model
         elif not args.config:
@@ -222,7 +223,7 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
             raise PlanError(f"--top: must be >= 1, got {args.top}")
         if not args.gpu and not args.calibrate:
             raise PlanError("--gpu: give a GPU profile (or --calibrate RUN_DIR)")
-        gpu, opts, _ = _device(args, cfg, args.gpus)
+        cfg, gpu, opts, _ = _device(args, cfg, args.gpus)  # --emit-config: compile as priced
         res = plan(shape, gpu, args.gpus, seq, tokens, args.precision, args.top, parse_fix(args.fix), opts)
         rates = (args.failures_per_gpu_hour, args.ckpt_node_gbps, args.storage_gbps, args.restart_min,
                  args.spare_min, args.repair_h)

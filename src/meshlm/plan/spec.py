@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..choices import AC_MODES, CP_IMPLS, DTYPE_BYTES, OFFLOAD, PP_SCHEDULES as SCHEDULES, PRECISIONS, choose
-from ..config import Config, ConfigError
+from ..config import AUTO, Config, ConfigError, resolve_auto
 from ..layout import batch_split, check_cp, check_ep, check_shape, check_zeropp, model_args
 from ..model import args as model_args_module
 
@@ -141,6 +141,21 @@ class Spec:
                 + (" offload" if self.offload != "none" else ""))
 
 
+def priced_on(cfg: Config, gpu: bool) -> Config:
+    """A copy of cfg as the priced device trains it: training.precision / compile = "auto" resolved
+    (config.resolve_auto) for a GPU (bf16, compiled) or a CPU (fp32, eager). Every entry that turns a
+    config into a Spec and Options calls it first; spec_from_config and code_options refuse "auto"."""
+    return resolve_auto(dataclasses.replace(cfg), cuda=gpu)
+
+
+def _resolved(cfg: Config, key: str):
+    """training.`key`, which must not be "auto" here: what it means depends on the priced device."""
+    value = getattr(cfg.training, key)
+    if value == AUTO:
+        raise PlanError(f"training.{key}: \"auto\" is resolved for the priced device first (plan.spec.priced_on)")
+    return value
+
+
 def spec_from_config(cfg: Config, world: int) -> Spec:
     """The layout a training config asks for on `world` GPUs (dp = -1 takes the ranks left over)."""
     p, t = cfg.parallel, cfg.training
@@ -154,8 +169,8 @@ def spec_from_config(cfg: Config, world: int) -> Spec:
         raise PlanError("parallel.zero_group: HSDP groups need a ZeRO stage (zero >= 1)")
     return Spec(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, zero_group=p.zero_group or dp,
                 sp=bool(p.sp), pp_schedule=p.pp_schedule, pp_virtual=p.pp_virtual,
-                micro_batch=t.micro_batch, accum=accum, ac=t.ac, offload=p.offload, precision=t.precision,
-                offload_buffer_mb=p.offload_buffer_mb,
+                micro_batch=t.micro_batch, accum=accum, ac=t.ac, offload=p.offload,
+                precision=_resolved(cfg, "precision"), offload_buffer_mb=p.offload_buffer_mb,
                 seq_len=cfg.data.seq_len, cp_impl=p.cp_impl, bucket_mb=p.bucket_mb, reduce_dtype=p.reduce_dtype,
                 pp_layers=tuple(p.pp_layers), quantize_weights=bool(p.quantize_weights), hpz_group=p.hpz_group,
                 quantize_grads=bool(p.quantize_grads), optim=cfg.optim.name)
@@ -179,7 +194,7 @@ def code_options(cfg: Config) -> dict:
     chunks = int(getattr(cfg.training, "loss_chunks", 0) or 0)
     if chunks < 0:
         raise PlanError(f"training.loss_chunks: must be >= 0 (0: off), got {chunks}")
-    return {"compiled": bool(cfg.training.compile), "loss_chunks": chunks,
+    return {"compiled": bool(_resolved(cfg, "compile")), "loss_chunks": chunks,
             "attn_mask": attention_mask(bool(getattr(cfg.data, "document_mask", False)), impl)}
 
 
@@ -253,6 +268,7 @@ __all__ = [
     "check",
     "code_options",
     "presets",
+    "priced_on",
     "shape_from_config",
     "spec_from_config",
     "to_config",

@@ -201,11 +201,21 @@ def peak_bytes(device: torch.device) -> int:
     return int(kb) * 1024
 
 
+def sinks(run_dir: str, cfg) -> list:
+    """Where else each metrics line goes, from the config's metrics section (rank 0 only): objects with
+    `write(record)` and `close()`."""
+    out = []
+    if cfg.metrics.wandb:
+        from .wandb_sink import WandbSink
+        out.append(WandbSink(run_dir, cfg))
+    return out
+
+
 class MetricsLog:
     """Rank 0 writes; other ranks hold a disabled instance so call sites need no rank checks."""
 
     def __init__(self, run_dir: str, enabled: bool, total_steps: int, start_step: int,
-                 progress: bool = True, tensorboard: bool = False):
+                 progress: bool = True, tensorboard: bool = False, cfg=None):
         self.enabled = enabled
         self.run_dir = run_dir
         self.noted_peak: tuple | None = None  # (flops, label) last written to config.toml
@@ -215,8 +225,11 @@ class MetricsLog:
         self.tb = None
         if enabled and progress:
             from tqdm import tqdm
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-                            file=sys.stderr, disable=None)
+
+            class Bar(tqdm):
+                monitor_interval = 0  # no tqdm_monitor thread: it outlives the run (launch.teardown names it)
+            self.bar = Bar(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                           file=sys.stderr, disable=None)
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -224,6 +237,7 @@ class MetricsLog:
                 raise RuntimeError("metrics.tensorboard: needs the `tensorboard` package "
                                    "(pip install 'meshlm[tensorboard]')") from e
             self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        self.sinks = sinks(run_dir, cfg) if enabled and cfg is not None else []
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -238,6 +252,8 @@ class MetricsLog:
                 elif isinstance(v, dict) and k == "mem":
                     for mk, mv in v.items():
                         self.tb.add_scalar(f"mem/{mk}", mv, record["step"])
+        for sink in self.sinks:
+            sink.write(record)
         if self.bar is not None and "loss" in record:
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
                                  mfu=f"{100 * record['mfu']:.1f}%", refresh=False)
@@ -305,6 +321,9 @@ class MetricsLog:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
         if self.file is not None:
             self.file.close()
 

@@ -119,7 +119,7 @@ class Trainer:
         except BaseException:
             self._release()
             raise
-        self.log = MetricsLog(run_dir, ctx.is_logger, t.steps, self.state.step, m.progress, m.tensorboard)
+        self.log = MetricsLog(run_dir, ctx.is_logger, t.steps, self.state.step, m.progress, m.tensorboard, cfg)
         self.profiled = StepProfiler(run_dir, m.profile_step, ctx.is_logger, ctx.device)
         cadence = fault.Cadence(cfg.checkpoint.every, cfg.checkpoint.mtbf_hours, self.state.step,
                                 ctx.comm("world"), self.log)
