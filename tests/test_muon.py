@@ -213,6 +213,70 @@ def test_zero_muon_state_is_one_momentum_instead_of_two_moments(pools, zero):
         assert k > 0 and a - m == 4 * k
 
 
+def _muon_step_books(trainer) -> dict:
+    """Probe: the shard group's Comm books over each Muon step (Muon's step wrapped; the returned dict
+    fills during training) and each unit's layout (names, sizes, offsets, shard size)."""
+    units = trainer.par.grads.units
+    comm = units[0].comm
+    assert all(u.comm is comm for u in units)
+    seen = {"rank": comm.rank, "size": comm.size, "steps": [],
+            "units": [(u.names, u.numels, u.offsets, u.shard_size) for u in units]}
+    muon = trainer.par.optimizer.muon
+    inner = muon.step
+
+    def step(lr, cfg):
+        before = {k: (s.calls, s.bytes, s.wire_bytes) for k, s in comm.stats.items()}
+        inner(lr, cfg)
+        seen["steps"].append({k: tuple(a - b for a, b in zip((s.calls, s.bytes, s.wire_bytes), before.get(k, (0, 0, 0))))
+                              for k, s in comm.stats.items() if (s.calls, s.bytes, s.wire_bytes) != before.get(k, (0, 0, 0))})
+    muon.step = step
+    return seen
+
+
+def test_zero_muon_moves_each_piece_to_its_owner_and_back(pools):
+    """zero3 dp4: Muon's step is two all-to-alls per unit holding Muon matrices; a rank books its pieces
+    of the Muon matrices (to their owners) and its owned matrices whole (the results back), fp32. In all
+    each Muon element travels twice, n times less than an all-gather plus a reduce-scatter of every
+    such unit; the planner's all-to-all bytes are the ranks' mean."""
+    from meshlm.plan.estimate import estimate
+    from meshlm.plan.hardware import get_gpu
+    from meshlm.plan.spec import shape_from_config, spec_from_config
+
+    n = 4
+    cfg = make_config(**MUON, parallel__dp=n, parallel__zero=3, training__steps=1)
+    got = pools(n).run(train_case, C.to_dict(cfg), tempfile.mkdtemp(prefix="meshlm-m-"), 0, _muon_step_books)
+    model, named = _model("debug")
+    muon = model_plan_for(model).muon_params(model)
+    owner, k = {}, 0  # round-robin over the shard group, in unit order
+    for names, *_ in got[0]["units"]:
+        for name in names:
+            if name in muon:
+                owner[name], k = k % n, k + 1
+    assert set(owner) == muon
+    held = [(names, numels, offsets, size) for names, numels, offsets, size in got[0]["units"] if muon & set(names)]
+    booked = []
+    for r in got:
+        pieces = owned = 0
+        for names, numels, offsets, size in held:
+            lo = r["rank"] * size
+            for name, k, o in zip(names, numels, offsets):
+                if name in muon:
+                    pieces += max(0, min(o + k, lo + size) - max(o, lo))
+                    owned += k if owner[name] == r["rank"] else 0
+        (step,) = r["steps"]
+        assert step.keys() == {"all_to_all"}, step
+        calls, nbytes, _ = step["all_to_all"]
+        assert calls == 2 * len(held) and nbytes == 4 * (pieces + owned), (r["rank"], step, pieces, owned)
+        booked.append(nbytes)
+    matrices = sum(p.numel() for name, p in named if name in muon)
+    assert sum(booked) == 2 * 4 * matrices
+    whole_units = 2 * 4 * sum(n * size for *_, size in held)  # one rank's all-gather + reduce-scatter of them
+    assert whole_units >= sum(booked)  # so every rank doing it moved n times the bytes, at least
+    plan = estimate(shape_from_config(cfg), spec_from_config(cfg, n), get_gpu("h100-sxm-80gb"))
+    planned = [c for c in plan["comm"] if c["group"] == "dp_shard" and c["kind"] == "all_to_all" and c["per"] == "step"]
+    assert sum(c["bytes"] for c in planned) == pytest.approx(sum(booked) / n * (n - 1) / n, rel=1e-9)
+
+
 # -- planner --------------------------------------------------------------------------------------
 def test_planner_counts_the_runtime_muon_matrices_and_prices_them():
     from meshlm.plan.estimate import estimate
@@ -239,7 +303,7 @@ def test_planner_counts_the_runtime_muon_matrices_and_prices_them():
             return {(c["group"], c["kind"]) for c in r["comm"] if c["per"] == "step" and c["bytes"] > 0}
         extra = per_step(muon) - per_step(adamw)
         assert extra == ({("tp", "all_gather")} if layout.get("tp") else set()) | (
-            {("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter")} if layout.get("zero") else set())
+            {("dp_shard", "all_to_all")} if layout.get("zero") else set())
 
 
 @pytest.mark.slow

@@ -390,7 +390,7 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
     if attn_mask == "dense":
         buffers["attn_mask"] = dense_mask_bytes(s.micro_batch, s.seq_len)
     if s.optim == "muon":  # optim.name = "muon" (plan/muon.py)
-        delta, buffers["muon"] = muon_memory(shape, s, sp.layers, sp.unit)
+        delta, buffers["muon"] = muon_memory(shape, s, sp.layers)
         optim += delta
     if t > 1:
         buffers["tp"] = 2 * e * a.dim * tokens
@@ -490,17 +490,17 @@ def muon_shard_group(s: Spec) -> int:
     return s.zero_group * s.cp if s.zero else 1  # ZeRO shards over dp_shard×cp
 
 
-def muon_memory(shape: Shape, s: Spec, layers: int, unit: float) -> tuple[float, float]:
+def muon_memory(shape: Shape, s: Spec, layers: int) -> tuple[float, float]:
     """(optimizer-state bytes added, negative when saved; transient buffer bytes) on a rank holding
-    `layers` blocks; `unit`: the largest ZeRO unit's elements."""
+    `layers` blocks."""
     mats = block_matrices(shape, s.ep)
-    local = layers * sum(r * c * k for r, c, k in mats) / s.tp
+    block = sum(r * c * k for r, c, k in mats) / s.tp  # one block's Muon elements on this TP rank
     n = muon_shard_group(s)
-    state = -4 * local / n  # one momentum for Adam's two moments, on this rank's shard under ZeRO
+    state = -4 * layers * block / n  # one momentum for Adam's two moments, on this rank's shard under ZeRO
     r, c, k = max(mats, key=lambda x: x[0] * x[1] * (x[2] if x[2] > 2 else 1))
     m = min(r, c)
     batch = k if k > 2 else 1  # stacked experts are orthogonalised together
     buf = 4 * batch * (2 * r * c + 2 * m * m)
-    if s.zero:
-        buf += 2 * 4 * unit
+    if s.zero and n > 1:  # a block's pieces to their owners (its shard) and the owner's matrices (>= the largest)
+        buf += 4 * (block / n + max(block / n, batch * r * c / s.tp))
     return state, buf
