@@ -120,9 +120,9 @@ def test_one_step_is_the_muon_update():
 
 
 def test_unbuilt_combinations_are_refused_in_one_line():
-    for over in ({"parallel__zero": 1, "parallel__dp": 2, "parallel__offload": "optimizer"}, {"parallel__auto": True}):
-        with pytest.raises(C.ConfigError, match="optim.name: muon"):
-            make_config(**MUON, **over).check()
+    make_config(**MUON, parallel__auto=True).check()  # the planner's search prices Muon
+    with pytest.raises(C.ConfigError, match="optim.name: muon"):
+        make_config(**MUON, parallel__zero=1, parallel__dp=2, parallel__offload="optimizer").check()
     with pytest.raises(C.ConfigError, match="optim.name"):
         make_config(optim__name="sgd").check()
 
@@ -317,3 +317,31 @@ def test_optim_muon_bench_smoke():
     assert all(set(r["evals"]) == {"3", "6"} for r in runs)
     adamw = next(r for r in runs if r["optim"] == "adamw")
     assert adamw["steps_to_target"] == 6  # AdamW's last held-out loss is the target it sets
+
+
+def test_search_prices_muon_without_offload():
+    """The search's lean totals with Muon equal stage_memory's; it ranks Muon layouts with Muon's
+    Newton-Schulz time and never with optimizer offload, which Muon runs without."""
+    from meshlm.plan.hardware import get_gpu
+    from meshlm.plan.memory import stage_memory, stage_totals
+    from meshlm.plan.search import plan
+    from meshlm.plan.spec import PlanError, Spec, shape_from_config
+
+    shape, gpu = shape_from_config(make_config()), get_gpu("h100-sxm-80gb")
+    for s in (Spec(dp=4, zero=3, zero_group=4, seq_len=64, optim="muon"), Spec(dp=2, tp=2, seq_len=64, optim="muon"),
+              Spec(dp=4, zero=2, zero_group=2, cp=2, seq_len=64, optim="muon")):
+        base, opt, acts = stage_totals(shape, "only", s.tp, s.sp, s.cp, s.pp, s.pp_virtual, s.ep, s.zero, s.zero_group,
+                                       s.dp, s.micro_batch, s.accum, s.pp_schedule, s.seq_len, s.precision, optimizer="muon")
+        want = stage_memory(shape, s, "only")
+        assert base + opt + acts[s.ac] == pytest.approx(want["total"]) and want["detail"]["buffers"]["muon"] > 0, s
+    ranked = plan(shape, gpu, 4, 64, 64 * 8, top=5, optim="muon").ranked
+    assert ranked and all(r["time"]["muon_ns_s"] > 0 and r["layout"]["offload"] == "none" for r in ranked)
+    assert plan(shape, gpu, 4, 64, 64 * 8, fixed={"zero": 1, "offload": "optimizer"}).ranked
+    with pytest.raises(PlanError, match="muon runs without optimizer offload"):
+        plan(shape, gpu, 4, 64, 64 * 8, fixed={"zero": 1, "offload": "optimizer"}, optim="muon")
+
+
+def test_auto_layout_trains_muon_with_one_process_losses(pools):
+    ref = reference(**MUON)
+    got = run_layout(pools, make_config(**MUON, parallel__auto=True), 2)
+    assert_same_losses(ref, got, FP32)

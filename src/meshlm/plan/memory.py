@@ -423,10 +423,10 @@ def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, 
                  cp_impl: str = "ring", bucket_mb: float = 25.0, flash: bool = True,
                  amb: int | None = None, compiled: bool = False,
                  pp_layers: tuple = (), loss_chunks: int = 0,
-                 attn_mask: str = "causal") -> tuple[float, float, dict[str, float]]:
+                 attn_mask: str = "causal", optimizer: str = "adamw") -> tuple[float, float, dict[str, float]]:
     """The same totals as stage_memory, split for the search: (bytes that depend on neither AC nor
     offload, optimizer-state bytes, {ac: activation + backward working-set bytes}). Kept lean because
-    the search calls it for every candidate; tests check it against stage_memory."""
+    the search calls it for every candidate; tests check it against stage_memory. `optimizer`: optim.name."""
     a = shape.args
     e = ACT_BYTES[precision]
     spp, params, grads, optim, fixed_buf = _static(shape, stage, tp, pp, v, ep, zero, n * cp if zero else 1,
@@ -444,6 +444,11 @@ def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, 
         base += head_units * tokens * head_saved + tokens * loss_buf
     if attn_mask == "dense":
         base += dense_mask_bytes(mb, seq_len)
+    if optimizer == "muon":
+        delta, buf = muon_memory(shape, Spec(dp=dp, tp=tp, cp=cp, ep=ep, zero=zero, zero_group=n), spp.layers)
+        optim_bytes, base = optim + delta, base + buf
+    else:
+        optim_bytes = optim
     if tp > 1:
         base += 2 * e * a.dim * tokens
     if pp > 1:
@@ -456,7 +461,7 @@ def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, 
     scale = held_layers(schedule, pp, accum, v, spp.rank, spp.chunks)
     acts = {ac: _per_token(shape, seq_len, e, tp, sq, ac, flash, amb, compiled, cp, cp_impl) * tokens * scale
             + none * (1.0 if ac == "full" else 0.5) for ac in AC_MODES}
-    return base, optim, acts
+    return base, optim_bytes, acts
 
 
 def memory(shape: Shape, s: Spec, flash: bool = True, attn_math_bytes: int | None = None,
