@@ -120,9 +120,9 @@ def test_one_step_is_the_muon_update():
 
 
 def test_unbuilt_combinations_are_refused_in_one_line():
-    for over in ({"parallel__zero": 1, "parallel__dp": 2, "parallel__offload": "optimizer"}, {"parallel__auto": True}):
-        with pytest.raises(C.ConfigError, match="optim.name: muon"):
-            make_config(**MUON, **over).check()
+    make_config(**MUON, parallel__auto=True).check()  # the planner's search prices Muon
+    with pytest.raises(C.ConfigError, match="optim.name: muon"):
+        make_config(**MUON, parallel__zero=1, parallel__dp=2, parallel__offload="optimizer").check()
     with pytest.raises(C.ConfigError, match="optim.name"):
         make_config(optim__name="sgd").check()
 
@@ -213,6 +213,75 @@ def test_zero_muon_state_is_one_momentum_instead_of_two_moments(pools, zero):
         assert k > 0 and a - m == 4 * k
 
 
+def _muon_step_books(trainer) -> dict:
+    """Probe: the shard group's Comm books over each Muon step (Muon's step wrapped; the returned dict
+    fills during training) and each unit's layout (names, sizes, offsets, shard size)."""
+    units = trainer.par.grads.units
+    comm = units[0].comm
+    assert all(u.comm is comm for u in units)
+    seen = {"rank": comm.rank, "steps": [],
+            "units": [(u.names, u.numels, u.offsets, u.shard_size) for u in units]}
+    muon = trainer.par.optimizer.muon
+    inner = muon.step
+
+    def books() -> dict:
+        return {k: (s.calls, s.bytes) for k, s in comm.stats.items()}
+
+    def step(lr, cfg):
+        before = books()
+        inner(lr, cfg)
+        after = books()
+        seen["steps"].append({k: (c - before.get(k, (0, 0))[0], b - before.get(k, (0, 0))[1])
+                              for k, (c, b) in after.items() if (c, b) != before.get(k, (0, 0))})
+    muon.step = step
+    return seen
+
+
+def test_zero_muon_moves_each_piece_to_its_owner_and_back(pools):
+    """zero3 dp4: Muon's step is two all-to-alls per unit holding Muon matrices; a rank books its pieces
+    of the Muon matrices (to their owners) and its owned matrices whole (the results back), fp32. Over
+    the group each Muon element is booked twice: at most 1/n of what an all-gather plus a reduce-scatter
+    of every such unit books on all ranks. The planner's all-to-all bytes are the ranks' mean."""
+    from meshlm.plan.estimate import estimate
+    from meshlm.plan.hardware import get_gpu
+    from meshlm.plan.spec import shape_from_config, spec_from_config
+
+    n = 4
+    cfg = make_config(**MUON, parallel__dp=n, parallel__zero=3, training__steps=1)
+    got = pools(n).run(train_case, C.to_dict(cfg), tempfile.mkdtemp(prefix="meshlm-m-"), 0, _muon_step_books)
+    model, named = _model("debug")
+    muon = model_plan_for(model).muon_params(model)
+    owner, k = {}, 0  # round-robin over the shard group, in unit order
+    for names, *_ in got[0]["units"]:
+        for name in names:
+            if name in muon:
+                owner[name], k = k % n, k + 1
+    assert set(owner) == muon
+    held = [(names, numels, offsets, size) for names, numels, offsets, size in got[0]["units"] if muon & set(names)]
+    booked = []
+    for r in got:
+        pieces = owned = 0
+        for names, numels, offsets, size in held:
+            lo = r["rank"] * size
+            for name, k, o in zip(names, numels, offsets):
+                if name in muon:
+                    pieces += max(0, min(o + k, lo + size) - max(o, lo))
+                    owned += k if owner[name] == r["rank"] else 0
+        (step,) = r["steps"]
+        assert step.keys() == {"all_to_all"}, step
+        calls, nbytes = step["all_to_all"]
+        assert calls == 2 * len(held) and nbytes == 4 * (pieces + owned), (r["rank"], step, pieces, owned)
+        booked.append(nbytes)
+    matrices = sum(p.numel() for name, p in named if name in muon)
+    assert sum(booked) == 2 * 4 * matrices
+    whole_units = n * 2 * 4 * sum(n * size for *_, size in held)  # every rank all-gathers + reduce-scatters them
+    assert sum(booked) <= whole_units / n
+    plan = estimate(shape_from_config(cfg), spec_from_config(cfg, n), get_gpu("h100-sxm-80gb"))
+    planned = [c for c in plan["comm"] if c["group"] == "dp_shard" and c["kind"] == "all_to_all" and c["per"] == "step"]
+    wire = sum(booked) / n * (n - 1) / n  # the ranks' mean, (n-1)/n of it on a link
+    assert sum(c["bytes"] for c in planned) == pytest.approx(wire, rel=1e-9)
+
+
 # -- planner --------------------------------------------------------------------------------------
 def test_planner_counts_the_runtime_muon_matrices_and_prices_them():
     from meshlm.plan.estimate import estimate
@@ -239,7 +308,7 @@ def test_planner_counts_the_runtime_muon_matrices_and_prices_them():
             return {(c["group"], c["kind"]) for c in r["comm"] if c["per"] == "step" and c["bytes"] > 0}
         extra = per_step(muon) - per_step(adamw)
         assert extra == ({("tp", "all_gather")} if layout.get("tp") else set()) | (
-            {("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter")} if layout.get("zero") else set())
+            {("dp_shard", "all_to_all")} if layout.get("zero") else set())
 
 
 @pytest.mark.slow
@@ -253,3 +322,32 @@ def test_optim_muon_bench_smoke():
     assert all(set(r["evals"]) == {"3", "6"} for r in runs)
     adamw = next(r for r in runs if r["optim"] == "adamw")
     assert adamw["steps_to_target"] == 6  # AdamW's last held-out loss is the target it sets
+
+
+def test_search_prices_muon_without_offload():
+    """The search's lean totals with Muon equal stage_memory's; it ranks Muon layouts with Muon's
+    Newton-Schulz time and never with optimizer offload, which Muon runs without."""
+    from meshlm.plan.hardware import get_gpu
+    from meshlm.plan.memory import stage_memory, stage_totals
+    from meshlm.plan.search import plan
+    from meshlm.plan.spec import PlanError, Spec, shape_from_config
+
+    shape, gpu = shape_from_config(make_config()), get_gpu("h100-sxm-80gb")
+    for s in (Spec(dp=4, zero=3, zero_group=4, seq_len=64, optim="muon"), Spec(dp=2, tp=2, seq_len=64, optim="muon"),
+              Spec(dp=4, zero=2, zero_group=2, cp=2, seq_len=64, optim="muon")):
+        base, opt, acts = stage_totals(shape, "only", s.tp, s.sp, s.cp, s.pp, s.pp_virtual, s.ep, s.zero, s.zero_group,
+                                       s.dp, s.micro_batch, s.accum, s.pp_schedule, s.seq_len, s.precision, optimizer="muon")
+        want = stage_memory(shape, s, "only")
+        assert base + opt + acts[s.ac] == pytest.approx(want["total"]), s
+        assert want["detail"]["buffers"]["muon"] > 0
+    ranked = plan(shape, gpu, 4, 64, 64 * 8, top=5, optim="muon").ranked
+    assert ranked and all(r["time"]["muon_ns_s"] > 0 and r["layout"]["offload"] == "none" for r in ranked)
+    assert plan(shape, gpu, 4, 64, 64 * 8, fixed={"zero": 1, "offload": "optimizer"}).ranked
+    with pytest.raises(PlanError, match="muon runs without optimizer offload"):
+        plan(shape, gpu, 4, 64, 64 * 8, fixed={"zero": 1, "offload": "optimizer"}, optim="muon")
+
+
+def test_auto_layout_trains_muon_with_one_process_losses(pools):
+    ref = reference(**MUON)
+    got = run_layout(pools, make_config(**MUON, parallel__auto=True), 2)
+    assert_same_losses(ref, got, FP32)

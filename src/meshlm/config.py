@@ -239,9 +239,8 @@ class OptimConfig:
             raise ConfigError(f"optim.muon_ns_steps: must be >= 1, got {self.muon_ns_steps}")
         if self.name == "muon":
             p = cfg.parallel
-            if p.offload != "none" or p.auto:
-                raise ConfigError("optim.name: muon runs without optimizer offload (parallel.offload = none) and "
-                                  "with a layout given, not parallel.auto")
+            if p.offload != "none":
+                raise ConfigError("optim.name: muon runs without optimizer offload (parallel.offload = none)")
 
 
 @dataclass

@@ -81,10 +81,10 @@ class Orthogonaliser:
         return (self.slicer.to_local(ortho) if self.splits else ortho).mul_(self.scale)
 
 
-def nesterov_(momentum: torch.Tensor, grad: torch.Tensor, beta: float) -> torch.Tensor:
-    """Momentum in place; the Nesterov update g + β·m."""
+def nesterov_(momentum: torch.Tensor, grad: torch.Tensor, beta: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Momentum in place; the Nesterov update g + β·m (into `out` where given)."""
     momentum.mul_(beta).add_(grad)
-    return grad.add(momentum, alpha=beta)
+    return torch.add(grad, momentum, alpha=beta, out=out)
 
 
 class LocalMuon:

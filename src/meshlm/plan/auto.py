@@ -48,7 +48,7 @@ def choose(cfg: Config, world: int, gpu: GPU | None = None, o: Options | None = 
     seq, G = cfg.data.seq_len, cfg.training.global_batch
     try:
         res = plan(shape, gpu, world, seq, G * seq, cfg.training.precision, top=20,
-                   fixed={"offload": "none"} if gpu.name == "custom" else None, o=o)
+                   fixed={"offload": "none"} if gpu.name == "custom" else None, o=o, optim=cfg.optim.name)
     except PlanError as e:
         raise ConfigError(f"parallel.auto: {e}") from None
     for r in res.ranked:

@@ -211,7 +211,7 @@ def _stage_time(shape: Shape, s: Spec, stage: str, gpu: GPU, o: Options) -> dict
     colls = C.collectives(shape, s, sp.dense, sp.expert, sp.layers, sp.embed, sp.head, gpu, o.comm_efficiency)
     muon_s = 0.0
     if s.optim == "muon":
-        muon_s, extra = muon_step(shape, s, sp.layers, sp.dense + sp.expert, gpu, o.comm_efficiency)
+        muon_s, extra = muon_step(shape, s, sp.layers, gpu, o.comm_efficiency)
         colls += extra
     m = s.accum
     windows = {"forward": m * t_f, "backward": m * (t_b + t_rc), "attention": m * t_attn}

@@ -390,7 +390,7 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
     if attn_mask == "dense":
         buffers["attn_mask"] = dense_mask_bytes(s.micro_batch, s.seq_len)
     if s.optim == "muon":  # optim.name = "muon" (plan/muon.py)
-        delta, buffers["muon"] = muon_memory(shape, s, sp.layers, sp.unit)
+        delta, buffers["muon"] = muon_memory(shape, s, sp.layers)
         optim += delta
     if t > 1:
         buffers["tp"] = 2 * e * a.dim * tokens
@@ -423,10 +423,10 @@ def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, 
                  cp_impl: str = "ring", bucket_mb: float = 25.0, flash: bool = True,
                  amb: int | None = None, compiled: bool = False,
                  pp_layers: tuple = (), loss_chunks: int = 0,
-                 attn_mask: str = "causal") -> tuple[float, float, dict[str, float]]:
+                 attn_mask: str = "causal", optimizer: str = "adamw") -> tuple[float, float, dict[str, float]]:
     """The same totals as stage_memory, split for the search: (bytes that depend on neither AC nor
     offload, optimizer-state bytes, {ac: activation + backward working-set bytes}). Kept lean because
-    the search calls it for every candidate; tests check it against stage_memory."""
+    the search calls it for every candidate; tests check it against stage_memory. `optimizer`: optim.name."""
     a = shape.args
     e = ACT_BYTES[precision]
     spp, params, grads, optim, fixed_buf = _static(shape, stage, tp, pp, v, ep, zero, n * cp if zero else 1,
@@ -444,6 +444,11 @@ def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, 
         base += head_units * tokens * head_saved + tokens * loss_buf
     if attn_mask == "dense":
         base += dense_mask_bytes(mb, seq_len)
+    if optimizer == "muon":
+        delta, buf = muon_memory(shape, Spec(dp=dp, tp=tp, cp=cp, ep=ep, zero=zero, zero_group=n), spp.layers)
+        optim_bytes, base = optim + delta, base + buf
+    else:
+        optim_bytes = optim
     if tp > 1:
         base += 2 * e * a.dim * tokens
     if pp > 1:
@@ -456,7 +461,7 @@ def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, 
     scale = held_layers(schedule, pp, accum, v, spp.rank, spp.chunks)
     acts = {ac: _per_token(shape, seq_len, e, tp, sq, ac, flash, amb, compiled, cp, cp_impl) * tokens * scale
             + none * (1.0 if ac == "full" else 0.5) for ac in AC_MODES}
-    return base, optim, acts
+    return base, optim_bytes, acts
 
 
 def memory(shape: Shape, s: Spec, flash: bool = True, attn_math_bytes: int | None = None,
@@ -490,17 +495,17 @@ def muon_shard_group(s: Spec) -> int:
     return s.zero_group * s.cp if s.zero else 1  # ZeRO shards over dp_shard×cp
 
 
-def muon_memory(shape: Shape, s: Spec, layers: int, unit: float) -> tuple[float, float]:
+def muon_memory(shape: Shape, s: Spec, layers: int) -> tuple[float, float]:
     """(optimizer-state bytes added, negative when saved; transient buffer bytes) on a rank holding
-    `layers` blocks; `unit`: the largest ZeRO unit's elements."""
+    `layers` blocks."""
     mats = block_matrices(shape, s.ep)
-    local = layers * sum(r * c * k for r, c, k in mats) / s.tp
+    block = sum(r * c * k for r, c, k in mats) / s.tp  # one block's Muon elements on this TP rank
     n = muon_shard_group(s)
-    state = -4 * local / n  # one momentum for Adam's two moments, on this rank's shard under ZeRO
+    state = -4 * layers * block / n  # one momentum for Adam's two moments, on this rank's shard under ZeRO
     r, c, k = max(mats, key=lambda x: x[0] * x[1] * (x[2] if x[2] > 2 else 1))
     m = min(r, c)
     batch = k if k > 2 else 1  # stacked experts are orthogonalised together
     buf = 4 * batch * (2 * r * c + 2 * m * m)
-    if s.zero:
-        buf += 2 * 4 * unit
+    if s.zero and n > 1:  # a block's pieces to their owners (its shard) and the owner's matrices (>= the largest)
+        buf += 4 * (block / n + max(block / n, batch * r * c / s.tp))
     return state, buf

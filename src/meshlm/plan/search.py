@@ -82,6 +82,7 @@ class _Search:
     seq_len: int
     precision: str
     tie: int = 0
+    optim: str = "adamw"                  # optim.name: "muon" is priced (plan/muon.py) and runs without offload
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,9 @@ class PlanResult:
 
 
 def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens: int, precision: str = "bf16",
-         top: int = 10, fixed: dict | None = None, o: Options | None = None) -> PlanResult:
-    """Rank every valid layout by predicted tokens/s per GPU; the best `top` come back as estimates."""
+         top: int = 10, fixed: dict | None = None, o: Options | None = None, optim: str = "adamw") -> PlanResult:
+    """Rank every valid layout by predicted tokens/s per GPU; the best `top` come back as estimates.
+    `optim`: optim.name, priced in memory and time."""
     o = o or Options()
     t0 = time.perf_counter()
     fx = fixed or {}
@@ -114,6 +116,8 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
     if seq_len < 1 or global_batch_tokens < seq_len or global_batch_tokens % seq_len:
         raise PlanError(f"--global-batch-tokens: {global_batch_tokens} is not a positive multiple of "
                         f"--seq-len {seq_len}")
+    if optim == "muon" and fx.get("offload", "none") != "none":
+        raise PlanError(f"--fix offload={fx['offload']}: optim.name = muon runs without optimizer offload")
     G = global_batch_tokens // seq_len
     usable = o.usable(gpu)
     gpn = gpu.gpus_per_node
@@ -132,7 +136,7 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
         return key not in fx or fx[key] == value
 
     ctx = _Search(shape, gpu, o, fx, want, reject, counts, [], keep, [x for x in AC_MODES if want("ac", x)],
-                  usable, G, seq_len, precision)
+                  usable, G, seq_len, precision, optim=optim)
     for tp in _divisors(n_gpus):
         if not want("tp", tp):
             continue
@@ -231,7 +235,8 @@ def _layouts(ctx: _Search, deg: _Degrees) -> None:
     eps = [1] if not shape.moe else [e for e in _divisors(shape.num_experts) if want("ep", e)]
     mbs = [mb for mb in _divisors(b_local) if want("micro_batch", mb)]
     # nvme offload frees the same GPU memory as optimizer offload, only slower: searched only when fixed
-    offs = [x for x in ("none", "optimizer", "nvme") if want("offload", x) and (x != "nvme" or fx.get("offload") == "nvme")]
+    offs = [x for x in ("none", "optimizer", "nvme") if want("offload", x) and (x != "nvme" or fx.get("offload") == "nvme")
+            and (x == "none" or ctx.optim != "muon")]  # Muon runs without offload
     cp_impl = fx.get("cp_impl", "ring")
     for (sched, v), split in ((sv, x) for sv in _schedules(pp, a.n_layers, fx)
                               for x in (_splits(a.n_layers, pp * sv[1], fx) if pp > 1 else [()])):
@@ -248,7 +253,7 @@ def _layouts(ctx: _Search, deg: _Degrees) -> None:
                             continue
                         parts = [stage_totals(shape, st, tp, sp, cp, pp, v, ep, zero, g, dp, mb, m, sched,
                                               seq_len, precision, cp_impl, 25.0, o.flash, o.attn_math_bytes,
-                                              o.compiled, split, o.loss_chunks, o.attn_mask)
+                                              o.compiled, split, o.loss_chunks, o.attn_mask, ctx.optim)
                                  for st in stages]
                         variants = []
                         for off in offs:
@@ -286,7 +291,7 @@ def _layouts(ctx: _Search, deg: _Degrees) -> None:
                             spec = Spec(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, zero_group=g, sp=sp,
                                         pp_schedule=sched, pp_virtual=v, micro_batch=mb, accum=m, ac=ac,
                                         offload=off, precision=precision, seq_len=seq_len, cp_impl=cp_impl,
-                                        pp_layers=split, **_zeropp(fx, zero, g * cp))
+                                        pp_layers=split, optim=ctx.optim, **_zeropp(fx, zero, g * cp))
                             step = time_model(shape, spec, gpu, o, simulate=False)["step_s"]
                             counts["timed"] += 1
                             item = (-step, ctx.tie, spec)

@@ -60,10 +60,7 @@ class Unit:
         self.padded = self.shard_size * n
         self.lo = rank * self.shard_size
         self.index = {id(p): i for i, p in enumerate(params)}
-        self.pieces: list[Segment] = []  # one per parameter, in order
-        for i, (o, k) in enumerate(zip(self.offsets, self.numels)):
-            a, b = max(o, self.lo), min(o + k, self.lo + self.shard_size)
-            self.pieces.append(Segment(i, a - self.lo, b - self.lo, a - o) if a < b else Segment(i, 0, 0, 0))
+        self.pieces: list[Segment] = [self.piece(i, rank) for i in range(len(params))]  # one per parameter
         self.next_fwd: Unit | None = None  # prefetch targets
         self.next_bwd: Unit | None = None
         self.keep_after_forward = False
@@ -78,6 +75,13 @@ class Unit:
         self.pending = len(params)
         self.in_backward = False
         self.reduced = False
+
+    def piece(self, i: int, rank: int) -> Segment:
+        """Rank `rank`'s Segment of parameter i, in the terms of that rank's shard (Muon's owners read
+        the other ranks' pieces of their matrices)."""
+        lo, o, k = rank * self.shard_size, self.offsets[i], self.numels[i]
+        a, b = max(o, lo), min(o + k, lo + self.shard_size)
+        return Segment(i, a - lo, b - lo, a - o) if a < b else Segment(i, 0, 0, 0)
 
     @property
     def segments(self) -> list[Segment]:
