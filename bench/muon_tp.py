@@ -1,6 +1,6 @@
 """Newton-Schulz FLOPs and bytes per rank of one Muon step under tensor parallelism.
 
-    .venv/bin/python bench/muon_tp.py [--preset debug] [--tp 2] [--dp 1] [--zero 0]
+    PYTHONPATH=src .venv/bin/python bench/muon_tp.py [--preset debug] [--tp 2] [--dp 1] [--zero 0]
 
 Trains one warm-up step on gloo workers, then wraps `newton_schulz` (the module attribute that
 parallel/muon.py calls) to record the shape of every call, and Muon's step to read what every `Comm`

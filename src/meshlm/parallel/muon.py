@@ -5,17 +5,20 @@ quintic Newton-Schulz iterations and scales it by 0.2·sqrt(max(rows, cols)) (Mo
 which makes its RMS about AdamW's, so the AdamW learning rate and weight decay carry over.
 
 Newton-Schulz needs the whole matrix. Momentum and the weight update are elementwise, so they run on
-whatever piece this rank holds; only the Nesterov update travels: a matrix split by tensor parallelism
-(a `DimSplit` of one of its last two dimensions, from the placement record) is all-gathered over that
-split's `Comm`, orthogonalised whole, and each rank keeps its slice. Stacked expert weights
-[E, rows, cols] are orthogonalised per expert (a batched Newton-Schulz over the experts this rank holds:
-the expert dimension's split over ep needs no gathering). Which parameters are Muon's comes from the
-model plan (`muon_params`); this module knows no model names.
+whatever piece this rank holds; only the Nesterov update travels. The matrices split by tensor
+parallelism (a `DimSplit` of one of its last two dimensions, from the placement record) are dealt over
+the split's ranks (`deal`: round-robin in order of decreasing NS cost, so the ranks' NS work differs
+by at most one matrix's), and each is orthogonalised by its owner alone: one all-to-all sends every
+owner the slices of its matrices, the owner joins and orthogonalises them, and the mirrored all-to-all
+returns each rank the slices of the results (`owner_exchange`, one pair per step; zero/muon.py runs the
+same exchange over the shard group). Stacked expert weights [E, rows, cols] are orthogonalised per
+expert (a batched Newton-Schulz over the experts this rank holds: the expert dimension's split over ep
+needs no gathering). Which parameters are Muon's comes from the model plan (`muon_params`); this module knows no model names.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Hashable
+from typing import Callable, Hashable, NamedTuple
 
 import torch
 from torch import nn
@@ -49,36 +52,127 @@ def rms_scale(rows: int, cols: int) -> float:
     return 0.2 * math.sqrt(max(rows, cols))
 
 
+def ns_flops(shape: tuple[int, ...], steps: int) -> int:
+    """Newton-Schulz's GEMM FLOPs on whole matrices of `shape` ([..., rows, cols]): per iteration the
+    Gram matrix (2·m·m·n), its square (2·m³) and the product with the iterate (2·m·m·n), m ≤ n."""
+    m, n = sorted(shape[-2:])
+    return steps * math.prod(shape[:-2]) * (4 * m * m * n + 2 * m ** 3)
+
+
+def deal(costs: list[float], n: int) -> list[int]:
+    """Each item's owner among n ranks: round-robin in order of decreasing cost (ties by index), so any
+    two ranks' totals differ by at most the largest cost. The same on every rank that lists the same costs."""
+    owners = [0] * len(costs)
+    for j, k in enumerate(sorted(range(len(costs)), key=lambda k: (-costs[k], k))):
+        owners[k] = j % n
+    return owners
+
+
+class Route(NamedTuple):
+    """An owner exchange over one group, the same every step: `at`, each item's offset in this rank's
+    send buffer (its pieces by owner, then item); `send`/`recv`, the all-to-all splits (this rank's
+    pieces per owner; every rank's pieces of this rank's items); `owned`, this rank's items with the
+    (offset, length) of each sender's piece in the received buffer, in rank order (empty ones left out)."""
+    at: list[int]
+    send: list[int]
+    recv: list[int]
+    owned: list[tuple[int, list[tuple[int, int]]]]
+
+
+def plan_route(owners: list[int], size: Callable[[int, int], int], n: int, me: int) -> Route:
+    """The route of items owned by `owners`; size(k, r): how many elements of item k rank r holds."""
+    send, at, pos = [0] * n, 0, [0] * len(owners)
+    for k in sorted(range(len(owners)), key=lambda k: (owners[k], k)):
+        pos[k] = at
+        send[owners[k]] += size(k, me)
+        at += size(k, me)
+    mine = [k for k, o in enumerate(owners) if o == me]
+    recv, pieces, at = [0] * n, {k: [] for k in mine}, 0
+    for r in range(n):  # received buffer: by sender, then item, as each sender ordered it
+        for k in mine:
+            if sz := size(k, r):
+                pieces[k].append((at, sz))
+                recv[r] += sz
+                at += sz
+    return Route(pos, send, recv, [(k, pieces[k]) for k in mine])
+
+
+def owner_exchange(comm, route: Route, buf: torch.Tensor, work: Callable) -> None:
+    """`buf` (this rank's pieces at `route.at`) sent to the owners; work(items, pieces) returns each
+    owned item's result flat, its pieces' results back to back in rank order; the results return into
+    `buf` where the pieces were. Two all-to-alls over `comm`, booked there."""
+    got = buf.new_empty(sum(route.recv))
+    comm.all_to_all(got, buf, route.recv, route.send)
+    views = [[got[a:a + n] for a, n in pieces] for _, pieces in route.owned]
+    for pieces, result in zip(views, work([k for k, _ in route.owned], views), strict=True):
+        p = 0
+        for v in pieces:
+            v.copy_(result[p:p + v.numel()])
+            p += v.numel()
+    comm.all_to_all(buf, got, route.send, route.recv)
+
+
 class Orthogonaliser:
-    """Newton-Schulz for one Muon parameter whose local piece has `local_shape`: the TP splits of its
-    matrix dimensions (from the placement record) with the `Comm` each is gathered over, and the
-    Moonlight scale of the whole matrix."""
+    """Newton-Schulz for one Muon parameter whose local piece has `local_shape`: its TP split of a
+    matrix dimension (from the placement record; `split`, `comm`), the whole matrix's shape, its NS
+    cost (`flops`) and Moonlight scale; `runs` counts the Newton-Schulz calls on this rank."""
 
     def __init__(self, local_shape: tuple[int, ...], placement: Placement, comm_of: Callable, steps: int):
-        nd, self.steps = len(local_shape), steps
-        self.splits: list[tuple[DimSplit, object]] = [(s, comm_of(s.comm)) for s in placement.splits
-                                                      if s.dim >= nd - 2 and s.parts > 1]
+        nd, self.steps, self.local_shape = len(local_shape), steps, tuple(local_shape)
+        splits = [s for s in placement.splits if s.dim >= nd - 2 and s.parts > 1]
+        if len(splits) > 1:
+            raise ValueError(f"Muon: {placement.name} is split along both matrix dimensions; one split at most")
+        self.split: DimSplit | None = splits[0] if splits else None
+        self.comm = comm_of(self.split.comm) if self.split else None
         whole = list(local_shape)
-        for s, _ in self.splits:
-            whole[s.dim] = s.size
-        # the gathered tensor's own placement: slicing it back is `to_local` (padding and all)
-        self.slicer = Placement(placement.name, tuple(whole), tuple(s for s, _ in self.splits))
+        if self.split:
+            whole[self.split.dim] = self.split.size
+        self.whole, self.numel = tuple(whole), math.prod(local_shape)
         self.scale = rms_scale(whole[-2], whole[-1])
+        self.flops = ns_flops(self.whole, steps)
+        self.runs = 0
 
-    def gather(self, t: torch.Tensor) -> torch.Tensor:
-        """The whole matrices of which `t` is this rank's slice (kv replicas counted once)."""
-        for s, comm in reversed(self.splits):
-            out = t.new_empty(comm.size * t.numel())
-            comm.all_gather(out, t.reshape(-1))
-            rep = comm.size // s.parts
-            t = torch.cat(list(out.view((comm.size,) + tuple(t.shape))[::rep]), dim=s.dim).narrow(s.dim, 0, s.size)
-        return t
+    def __call__(self, whole: torch.Tensor) -> torch.Tensor:
+        """The scaled, orthogonalised `whole`."""
+        self.runs += 1
+        return newton_schulz(whole, self.steps).mul_(self.scale)
 
-    def __call__(self, update: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of the scaled, orthogonalised whole of `update` (a collective over the
-        TP splits' comms, where there are any)."""
-        ortho = newton_schulz(self.gather(update), self.steps)
-        return (self.slicer.to_local(ortho) if self.splits else ortho).mul_(self.scale)
+    def join(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The whole matrices from every rank's flat slice, in rank order (kv replicas counted once)."""
+        s = self.split
+        rep = len(pieces) // s.parts
+        return torch.cat([p.view(self.local_shape) for p in pieces[::rep]], dim=s.dim).narrow(s.dim, 0, s.size)
+
+    def cut(self, whole: torch.Tensor, ranks: int) -> torch.Tensor:
+        """Every rank's slice of `whole`, flat, back to back in rank order (padding zero)."""
+        s = self.split
+        if s.padded > s.size:
+            pad = list(whole.shape)
+            pad[s.dim] = s.padded - s.size
+            whole = torch.cat([whole, whole.new_zeros(pad)], dim=s.dim)
+        rep = ranks // s.parts
+        return torch.cat([whole.narrow(s.dim, (r // rep) * s.chunk, s.chunk).reshape(-1) for r in range(ranks)])
+
+
+class SplitExchange:
+    """Newton-Schulz for matrices split over one `Comm`, each on one owner (`owners`, from `deal`):
+    `at[k]` is where item k's update goes in the buffer `__call__` takes, which it overwrites with the
+    results for this rank's slices."""
+
+    def __init__(self, orthos: list[Orthogonaliser], owners: list[int]):
+        comms = {o.split.comm for o in orthos}
+        if len(comms) > 1:
+            raise ValueError(f"Muon: matrices split over several groups {sorted(comms)}; one at most")
+        self.orthos, self.comm = orthos, orthos[0].comm
+        self.route = plan_route(owners, lambda k, r: orthos[k].numel, self.comm.size, self.comm.rank)
+        self.at, self.size = self.route.at, sum(self.route.send)
+
+    def _work(self, items: list[int], pieces: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        n = self.comm.size
+        return [self.orthos[k].cut(self.orthos[k](self.orthos[k].join(p)), n) for k, p in zip(items, pieces)]
+
+    def __call__(self, buf: torch.Tensor) -> None:
+        owner_exchange(self.comm, self.route, buf, self._work)
 
 
 def nesterov_(momentum: torch.Tensor, grad: torch.Tensor, beta: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -98,6 +192,11 @@ class LocalMuon:
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
         self.momenta = [torch.zeros_like(m) for m in self.masters]
         self.ortho = [Orthogonaliser(tuple(p.shape), table[n], comm_of, cfg.muon_ns_steps) for n, p in named]
+        self.split = [i for i, o in enumerate(self.ortho) if o.split]  # orthogonalised by one owner each
+        self.exchange = None
+        if self.split:
+            orthos = [self.ortho[i] for i in self.split]
+            self.exchange = SplitExchange(orthos, deal([o.flops for o in orthos], orthos[0].comm.size))
         self.grads: list[torch.Tensor | None] = [None] * len(named)
         key = group_key or (lambda name: None)
         self.groups = flat_groups([key(n) for n in self.names], [p.numel() for p in self.params])
@@ -112,10 +211,23 @@ class LocalMuon:
                 off += n
 
     def step(self, lr: float, cfg: OptimConfig) -> None:
-        for master, mom, grad, ortho in zip(self.masters, self.momenta, self.grads, self.ortho):
-            update = ortho(nesterov_(mom, grad, cfg.muon_momentum))
+        """The split matrices' updates go through one owner exchange; the others are orthogonalised here."""
+        updates: list[torch.Tensor | None] = [None] * len(self.params)
+        if self.exchange is not None:
+            buf = torch.empty(self.exchange.size, dtype=torch.float32, device=self.masters[0].device)
+            for k, i in enumerate(self.split):
+                at, n = self.exchange.at[k], self.masters[i].numel()
+                updates[i] = nesterov_(self.momenta[i], self.grads[i], cfg.muon_momentum,
+                                       out=buf[at:at + n].view(self.masters[i].shape))
+            self.exchange(buf)
+        for i, (master, mom, grad, ortho) in enumerate(zip(self.masters, self.momenta, self.grads, self.ortho)):
+            update = updates[i] if ortho.split else ortho(nesterov_(mom, grad, cfg.muon_momentum))
             master.mul_(1.0 - lr * cfg.weight_decay).add_(update, alpha=-lr)
         self.publish()
+
+    def ns_flops(self) -> int:
+        """Newton-Schulz FLOPs run on this rank so far."""
+        return sum(o.flops * o.runs for o in self.ortho)
 
     def publish(self) -> None:
         copies = [(p, m) for p, m in zip(self.params, self.masters) if m is not p]

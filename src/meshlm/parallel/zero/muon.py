@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ...config import OptimConfig
-from ..muon import Orthogonaliser, nesterov_
+from ..muon import Orthogonaliser, Route, SplitExchange, deal, nesterov_, owner_exchange, plan_route
 from ..placement import PlacementTable
 from .optim import ZeroOptimizer
 from .units import Segment, Unit
@@ -34,49 +34,36 @@ class Row(NamedTuple):
     at: int
 
 
-class Owned(NamedTuple):
-    """A matrix this rank orthogonalises: its parameter index, and the (offset, length) of each rank's
-    piece of it in the received buffer, in rank order (their concatenation is the flat matrix)."""
-    param: int
-    pieces: list[tuple[int, int]]
-    ortho: Orthogonaliser
-
-
 class Exchange(NamedTuple):
-    """A unit's split plan, the same every step: rows (this rank's pieces, in parameter order), the
-    matrices it owns, and the all-to-all splits (send: this rank's pieces per owner; receive: every
-    rank's pieces of this rank's matrices)."""
+    """A unit's plan, the same every step: rows (this rank's pieces, in parameter order), the route to
+    the owners over the shard group (items: the unit's Muon parameters in order), each item's
+    Orthogonaliser, and the exchange over tp of this rank's owned matrices that TP splits (`tp`, with
+    their items), where there are any."""
     unit: Unit
     master: torch.Tensor
     rows: list[Row]
-    owned: list[Owned]
-    send: list[int]
-    recv: list[int]
+    route: Route
+    orthos: list[Orthogonaliser]
+    tp: SplitExchange | None
+    tp_items: list[int]
 
 
-def plan_exchange(u: Unit, master: torch.Tensor, muon: list[int], owners: list[int], make_ortho: Callable,
+def plan_exchange(u: Unit, master: torch.Tensor, muon: list[int], slots: list[int], orthos: list[Orthogonaliser],
                   device) -> Exchange:
-    """The split plan of unit u whose Muon parameters `muon` (indices, in order) are owned by `owners`."""
+    """The plan of unit u whose Muon parameters `muon` (indices, in order) have the deal's `slots`:
+    slot s is shard rank s % n and, for a matrix TP splits, tp rank s // n, so TP peers (which hold
+    the same unit) own the same matrices and deal them over tp."""
     n, me = u.comm.size, u.comm.rank
-    send, at, pos = [0] * n, 0, {}
-    for k in sorted(range(len(muon)), key=lambda k: (owners[k], k)):  # send buffer: by owner, then parameter
-        seg = u.pieces[muon[k]]
-        pos[k] = at
-        send[owners[k]] += seg.end - seg.start
-        at += seg.end - seg.start
-    rows = [Row(seg, u.names[seg.param], torch.zeros(seg.end - seg.start, device=device), pos[k])
+
+    def size(k: int, r: int) -> int:
+        seg = u.piece(muon[k], r)
+        return seg.end - seg.start
+    route = plan_route([s % n for s in slots], size, n, me)
+    rows = [Row(seg, u.names[seg.param], torch.zeros(seg.end - seg.start, device=device), route.at[k])
             for k, seg in enumerate(u.pieces[i] for i in muon)]
-    mine = [i for i, o in zip(muon, owners) if o == me]
-    recv, pieces, at = [0] * n, {i: [] for i in mine}, 0
-    for r in range(n):  # received buffer: by sender, then parameter, as each sender ordered it
-        for i in mine:
-            seg = u.piece(i, r)
-            if size := seg.end - seg.start:
-                pieces[i].append((at, size))
-                recv[r] += size
-                at += size
-    owned = [Owned(i, pieces[i], make_ortho(u.shapes[i], u.names[i])) for i in mine]
-    return Exchange(u, master, rows, owned, send, recv)
+    tp_items = [k for k, _ in route.owned if orthos[k].split]
+    tp = SplitExchange([orthos[k] for k in tp_items], [slots[k] // n for k in tp_items]) if tp_items else None
+    return Exchange(u, master, rows, route, orthos, tp, tp_items)
 
 
 class ZeroMuon:
@@ -89,38 +76,49 @@ class ZeroMuon:
     def __init__(self, zero_opt: ZeroOptimizer, muon: set[str], table: PlacementTable, comm_of: Callable,
                  cfg: OptimConfig):
         self.zero_opt = zero_opt
-
-        def make_ortho(shape, name):
-            return Orthogonaliser(shape, table[name], comm_of, cfg.muon_ns_steps)
-
-        self.units: list[Exchange] = []
-        k = 0  # the round-robin deal runs on over the units
+        held = []  # (unit, master, Muon indices, their Orthogonalisers)
         for u, master, *_ in zero_opt.slots:
             idx = [i for i, name in enumerate(u.names) if name in muon]
             if idx:
-                owners = [(k + j) % u.comm.size for j in range(len(idx))]
-                self.units.append(plan_exchange(u, master, idx, owners, make_ortho, master.device))
-                k += len(idx)
+                held.append((u, master, idx, [Orthogonaliser(u.shapes[i], table[u.names[i]], comm_of,
+                                                             cfg.muon_ns_steps) for i in idx]))
+        self.units: list[Exchange] = []
+        for group in {id(u.comm): [h for h in held if h[0].comm is u.comm] for u, *_ in held}.values():
+            orthos = [o for *_, os_ in group for o in os_]  # one deal over the shard group and tp, units in order
+            tp = next((o.comm.size for o in orthos if o.split), 1)
+            slots = iter(deal([o.flops for o in orthos], group[0][0].comm.size * tp))
+            for u, master, idx, os_ in group:
+                self.units.append(plan_exchange(u, master, idx, [next(slots) for _ in idx], os_, master.device))
+
+    def _work(self, x: Exchange, items: list[int], pieces: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """The owned matrices (this rank's tp slices, joined from the shard group's pieces) orthogonalised:
+        those TP splits through one exchange over tp, the others here."""
+        whole = {k: torch.cat(p) for k, p in zip(items, pieces)}
+        if x.tp is not None:
+            buf = torch.empty(x.tp.size, dtype=torch.float32, device=x.master.device)
+            for j, k in enumerate(x.tp_items):
+                buf[x.tp.at[j]:x.tp.at[j] + whole[k].numel()] = whole[k]
+            x.tp(buf)
+            for j, k in enumerate(x.tp_items):
+                whole[k] = buf[x.tp.at[j]:x.tp.at[j] + whole[k].numel()]
+        return [whole[k] if x.orthos[k].split else x.orthos[k](whole[k].view(x.orthos[k].local_shape)).reshape(-1)
+                for k in items]
 
     @torch.no_grad()
     def step(self, lr: float, cfg: OptimConfig) -> None:
         for x in self.units:
             u, grad = x.unit, x.unit.grad_shard
-            out = torch.empty(sum(x.send), dtype=torch.float32, device=x.master.device)
+            out = torch.empty(sum(x.route.send), dtype=torch.float32, device=x.master.device)
             for seg, _, mom, at in x.rows:
                 nesterov_(mom, grad[seg.start:seg.end], cfg.muon_momentum, out=out[at:at + seg.end - seg.start])
-            got = torch.empty(sum(x.recv), dtype=torch.float32, device=x.master.device)
-            u.comm.all_to_all(got, out, x.recv, x.send)
-            for i, pieces, ortho in x.owned:
-                whole = torch.cat([got[a:a + n] for a, n in pieces]).view(u.shapes[i])
-                result, p = ortho(whole).reshape(-1), 0
-                for a, n in pieces:  # the results go back where the pieces came from
-                    got[a:a + n] = result[p:p + n]
-                    p += n
-            u.comm.all_to_all(out, got, x.send, x.recv)
+            owner_exchange(u.comm, x.route, out, lambda items, pieces, x=x: self._work(x, items, pieces))
             for seg, _, _, at in x.rows:
                 piece = x.master[seg.start:seg.end]
                 piece.mul_(1.0 - lr * cfg.weight_decay).add_(out[at:at + seg.end - seg.start], alpha=-lr)
+
+    def ns_flops(self) -> int:
+        """Newton-Schulz FLOPs run on this rank so far."""
+        return sum(o.flops * o.runs for x in self.units for o in x.orthos)
 
     def publish(self) -> None:
         pass  # ZeroOptimizer publishes every master after its step and on load
