@@ -16,7 +16,7 @@ from meshlm import config as C
 from meshlm.model.from_config import model_args
 from meshlm.model.llama import Llama
 from meshlm.parallel.moe_plan import model_plan_for
-from meshlm.parallel.muon import NS_COEFFS, MuonAdamW, newton_schulz
+from meshlm.parallel.muon import NS_COEFFS, MuonAdamW, deal, newton_schulz, ns_flops
 from meshlm.parallel.placement import PlacementTable
 from meshlm.train.optim import MasterOptimizer
 
@@ -136,6 +136,7 @@ CASES = [
     ("tp2-sp", 2, {"parallel__tp": 2, "parallel__sp": True}),
     ("tp2-gqa-kv1", 2, {"parallel__tp": 2, "model__n_kv_heads": 1}),
     ("tp2-pp2", 4, {"parallel__tp": 2, "parallel__pp": 2}),
+    ("tp4-gqa-kv2", 4, {"parallel__tp": 4, "model__n_kv_heads": 2}),
     ("zero1-dp2", 2, {"parallel__dp": 2, "parallel__zero": 1}),
     ("zero2-dp2", 2, {"parallel__dp": 2, "parallel__zero": 2}),
     ("zero3-dp2", 2, {"parallel__dp": 2, "parallel__zero": 3}),
@@ -251,11 +252,9 @@ def test_zero_muon_moves_each_piece_to_its_owner_and_back(pools):
     got = pools(n).run(train_case, C.to_dict(cfg), tempfile.mkdtemp(prefix="meshlm-m-"), 0, _muon_step_books)
     model, named = _model("debug")
     muon = model_plan_for(model).muon_params(model)
-    owner, k = {}, 0  # round-robin over the shard group, in unit order
-    for names, *_ in got[0]["units"]:
-        for name in names:
-            if name in muon:
-                owner[name], k = k % n, k + 1
+    shapes = {name: tuple(p.shape) for name, p in named}
+    order = [name for names, *_ in got[0]["units"] for name in names if name in muon]  # units in order
+    owner = dict(zip(order, deal([ns_flops(shapes[name], 5) for name in order], n)))
     assert set(owner) == muon
     held = [(names, numels, offsets, size) for names, numels, offsets, size in got[0]["units"] if muon & set(names)]
     booked = []
@@ -280,6 +279,52 @@ def test_zero_muon_moves_each_piece_to_its_owner_and_back(pools):
     planned = [c for c in plan["comm"] if c["group"] == "dp_shard" and c["kind"] == "all_to_all" and c["per"] == "step"]
     wire = sum(booked) / n * (n - 1) / n  # the ranks' mean, (n-1)/n of it on a link
     assert sum(c["bytes"] for c in planned) == pytest.approx(wire, rel=1e-9)
+
+
+def _ns_runs(trainer) -> dict:
+    """Probe: per Muon step, how many Newton-Schulz calls this rank ran per matrix and their FLOPs
+    (Muon's step wrapped; the returned dict fills during training)."""
+    muon = trainer.par.optimizer.muon
+    orthos = muon.orthogonalisers()
+    seen = {"steps": [], "split": sorted(name for name, o in orthos if o.split),
+            "flops": {name: o.flops for name, o in orthos}}
+    inner = muon.step
+
+    def step(lr, cfg):
+        before = [o.runs for _, o in orthos]
+        inner(lr, cfg)
+        seen["steps"].append({name: o.runs - b for (name, o), b in zip(orthos, before) if o.runs != b})
+    muon.step = step
+    return seen
+
+
+TP_DEALS = [("tp2", 2, {"parallel__tp": 2}), ("zero3-dp2-tp2", 4, {"parallel__dp": 2, "parallel__tp": 2, "parallel__zero": 3})]
+
+
+@pytest.mark.parametrize("name,world,overrides", rows(TP_DEALS))
+def test_tp_split_matrix_is_orthogonalised_on_one_rank(pools, name, world, overrides):
+    """Each TP-split matrix runs Newton-Schulz on exactly one rank of the world per step (one tp group
+    at tp2; under ZeRO one rank of the shard group times tp); the ranks' NS FLOPs differ by at most
+    one matrix's, and the busiest rank's equal the planner's `ns_share`."""
+    from meshlm.plan.muon import ns_flops as planned_flops, ns_share
+    from meshlm.plan.spec import shape_from_config, spec_from_config
+
+    cfg = make_config(**MUON, **overrides, training__steps=2)
+    got = pools(world).run(train_case, C.to_dict(cfg), tempfile.mkdtemp(prefix="meshlm-m-"), 0, _ns_runs)
+    model, _ = _model("debug")
+    muon = model_plan_for(model).muon_params(model)
+    assert all(set(r["split"]) == muon for r in got)  # every Muon matrix is split at tp2
+    flops = got[0]["flops"]
+    for step in range(2):
+        per_rank = [r["steps"][step] for r in got]
+        for m in muon:
+            assert sum(runs.get(m, 0) for runs in per_rank) == 1, (step, m, per_rank)
+        work = [sum(flops[m] * k for m, k in runs.items()) for runs in per_rank]
+        assert min(work) > 0 and max(work) - min(work) <= max(flops.values()), work
+        assert sum(work) == sum(flops.values())  # one process's NS work, once
+        shape = shape_from_config(cfg)
+        share = ns_share(shape, spec_from_config(cfg, world), shape.args.n_layers)
+        assert max(work) == sum(planned_flops(r, c) for r, c in share), (work, share)
 
 
 # -- planner --------------------------------------------------------------------------------------
@@ -307,7 +352,7 @@ def test_planner_counts_the_runtime_muon_matrices_and_prices_them():
         def per_step(r):
             return {(c["group"], c["kind"]) for c in r["comm"] if c["per"] == "step" and c["bytes"] > 0}
         extra = per_step(muon) - per_step(adamw)
-        assert extra == ({("tp", "all_gather")} if layout.get("tp") else set()) | (
+        assert extra == ({("tp", "all_to_all")} if layout.get("tp") else set()) | (
             {("dp_shard", "all_to_all")} if layout.get("zero") else set())
 
 

@@ -225,9 +225,9 @@ class LocalMuon:
             master.mul_(1.0 - lr * cfg.weight_decay).add_(update, alpha=-lr)
         self.publish()
 
-    def ns_flops(self) -> int:
-        """Newton-Schulz FLOPs run on this rank so far."""
-        return sum(o.flops * o.runs for o in self.ortho)
+    def orthogonalisers(self) -> list[tuple[str, Orthogonaliser]]:
+        """Every Muon matrix's Orthogonaliser (their `runs`: the Newton-Schulz calls on this rank)."""
+        return list(zip(self.names, self.ortho))
 
     def publish(self) -> None:
         copies = [(p, m) for p, m in zip(self.params, self.masters) if m is not p]

@@ -116,9 +116,9 @@ class ZeroMuon:
                 piece = x.master[seg.start:seg.end]
                 piece.mul_(1.0 - lr * cfg.weight_decay).add_(out[at:at + seg.end - seg.start], alpha=-lr)
 
-    def ns_flops(self) -> int:
-        """Newton-Schulz FLOPs run on this rank so far."""
-        return sum(o.flops * o.runs for x in self.units for o in x.orthos)
+    def orthogonalisers(self) -> list[tuple[str, Orthogonaliser]]:
+        """Every Muon matrix's Orthogonaliser (their `runs`: the Newton-Schulz calls on this rank)."""
+        return [(row.name, o) for x in self.units for row, o in zip(x.rows, x.orthos, strict=True)]
 
     def publish(self) -> None:
         pass  # ZeroOptimizer publishes every master after its step and on load
