@@ -298,7 +298,8 @@ def _ns_runs(trainer) -> dict:
     return seen
 
 
-TP_DEALS = [("tp2", 2, {"parallel__tp": 2}), ("zero3-dp2-tp2", 4, {"parallel__dp": 2, "parallel__tp": 2, "parallel__zero": 3})]
+TP_DEALS = [("tp2", 2, {"parallel__tp": 2}),
+            ("zero3-dp2-tp2", 4, {"parallel__dp": 2, "parallel__tp": 2, "parallel__zero": 3})]
 
 
 @pytest.mark.parametrize("name,world,overrides", rows(TP_DEALS))

@@ -13,7 +13,8 @@ owner the slices of its matrices, the owner joins and orthogonalises them, and t
 returns each rank the slices of the results (`owner_exchange`, one pair per step; zero/muon.py runs the
 same exchange over the shard group). Stacked expert weights [E, rows, cols] are orthogonalised per
 expert (a batched Newton-Schulz over the experts this rank holds: the expert dimension's split over ep
-needs no gathering). Which parameters are Muon's comes from the model plan (`muon_params`); this module knows no model names.
+needs no gathering). Which parameters are Muon's comes from the model plan (`muon_params`); this
+module knows no model names.
 """
 from __future__ import annotations
 

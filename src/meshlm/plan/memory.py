@@ -508,6 +508,6 @@ def muon_memory(shape: Shape, s: Spec, layers: int) -> tuple[float, float]:
     buf = 4 * batch * (2 * r * c + 2 * m * m)
     if s.zero and n > 1:  # a block's pieces to their owners (its shard) and the owner's matrices (>= the largest)
         buf += 4 * (block / n + max(block / n, batch * r * c / s.tp))
-    if s.tp > 1:  # the owner exchange over tp: this rank's slices and its owned matrices' (per step; under ZeRO per block)
+    if s.tp > 1:  # the owner exchange over tp: this rank's slices, its owned matrices' (a step's; under ZeRO a block's)
         buf += 8 * (block / n if s.zero and n > 1 else layers * block)
     return state, buf

@@ -5,7 +5,9 @@ terms live in memory.py (`muon_memory`), which this module's GEMM pricing (ops.p
   per sharded element under ZeRO, whose moments leave Muon's pieces out). Transient: the whole fp32 update of the largest
   matrix (a block's stacked experts at once) with Newton-Schulz's iterate and Gram matrices, and under
   ZeRO a block's pieces on their way to the owners (this rank's shard of its Muon matrices) and the
-  owner's matrices (a 1/n share, at least the largest), fp32.
+  owner's matrices (a 1/n share, at least the largest), fp32; under TP the owner exchange's buffers
+  (this rank's slices of the split updates and the slices of the matrices it owns: a step's, under ZeRO
+  a block's owned 1/n).
 - time: 5 quintic iterations per matrix, each (m×n)(n×m), (m×m)(m×m), (m×m)(m×n) GEMMs with m = min
   side, at the fp32 GEMM rate (`ops.gemm_seconds`). Each matrix is orthogonalised on one rank: the
   runtime deals a stage's matrices round-robin in order of decreasing cost over tp (the TP-split ones)

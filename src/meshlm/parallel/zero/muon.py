@@ -2,15 +2,16 @@
 
 A rank holds a flat range of each parameter of a unit (`Unit.pieces`, units.py). Momentum and the
 Nesterov update are elementwise, so they run on those ranges; Newton-Schulz needs the whole matrix.
-The matrices of the shard group are dealt round-robin over its ranks (Moonlight's distributed Muon).
-One all-to-all over the shard group sends each owner exactly the pieces of its matrices that the other
-ranks hold (a matrix may span several shards; the unit's alignment and padding never travel); the
-owner orthogonalises them whole (gathering their TP slices over tp first, where split: its TP peers own
-the same matrices), and a second all-to-all with the mirrored splits returns every rank the results
-for its pieces. Each rank sends its shard of the Muon matrices and receives its owned matrices, then
-the reverse. Both go through the unit's `Comm` and are counted there. The fp32 masters are
-ZeroOptimizer's (`slots`), which publishes them after its own step; Muon's parameters are left out of
-its AdamW runs (`skip`).
+The matrices of a stage are dealt over the shard group times tp (`muon.deal`: round-robin in order
+of decreasing NS cost; slot s is shard rank s % n and tp rank s // n), so each is orthogonalised on
+one rank of the world's n·tp that hold pieces of it. Per unit, one all-to-all over the shard group
+(`muon.owner_exchange` on a `muon.Route` from `Unit.piece`) sends each shard owner exactly the pieces
+of its matrices that the other ranks hold (a matrix may span several shards; the unit's alignment and
+padding never travel); its TP peers own the same matrices, and where TP splits them one exchange over
+tp (`muon.SplitExchange`) hands each to its tp owner, which orthogonalises it whole and returns the
+slices; the mirrored all-to-all returns every rank the results for its pieces. All go through a
+`Comm` (the unit's, tp's) and are counted there. The fp32 masters are ZeroOptimizer's (`slots`),
+which publishes them after its own step; Muon's parameters are left out of its AdamW runs (`skip`).
 """
 from __future__ import annotations
 
