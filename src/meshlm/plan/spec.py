@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..choices import AC_MODES, CP_IMPLS, DTYPE_BYTES, OFFLOAD, PP_SCHEDULES as SCHEDULES, PRECISIONS, choose
+from ..choices import AC_MODES, CP_IMPLS, DTYPE_BYTES, OFFLOAD, OPTIMIZERS, PP_SCHEDULES as SCHEDULES, PRECISIONS, choose
 from ..config import AUTO, Config, ConfigError, resolve_auto
 from ..layout import batch_split, check_cp, check_ep, check_shape, check_zeropp, model_args
 from ..model import args as model_args_module
