@@ -168,11 +168,10 @@ def test_plan_prices_the_chosen_optimizer_as_the_cli_does(served, capsys, tmp_pa
     assert status == 200, res
     assert [r["layout"] for r in res["ranked"]] == [r["layout"] for r in muon]
     assert [r["per_gpu_total"] for r in res["ranked"]] == [r["per_gpu"]["total"] for r in muon]
-    from meshlm.plan.cli_cmds import _spec_fields
     from meshlm.plan.estimate import Options, estimate
     from meshlm.plan.hardware import get_gpu
-    from meshlm.plan.spec import Shape, Spec, presets
-    spec = Spec(**_spec_fields(muon[0]))
+    from meshlm.plan.spec import Shape, presets, spec_of_layout
+    spec = spec_of_layout(muon[0]["layout"])
     shape, o = Shape(presets()["llama3-8b"], "llama3-8b"), Options(compiled=True)
     priced = {name: estimate(shape, dataclasses.replace(spec, optim=name), get_gpu("h100"), o)
               for name in ("muon", "adamw")}

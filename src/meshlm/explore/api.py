@@ -19,7 +19,7 @@ from ..plan.hardware import FLAG_FIELDS, PROFILES, HardwareError, get_gpu
 from ..plan.ops import KERNELS
 from ..plan.search import plan
 from ..plan.spec import AC_MODES, CP_IMPLS, OPTIMIZERS, PRECISIONS, SCHEDULES, PlanError, presets, priced_on, \
-    shape_from_config, spec_from_config, to_config
+    shape_from_config, spec_from_config, spec_of_layout, to_config
 
 MAX_GPUS = 1 << 17           # a search over more is a typo, not a cluster
 MAX_TIMELINE_UNITS = 4096    # p·m·v above which the timeline is not simulated for drawing (~1 s)
@@ -232,11 +232,9 @@ def run_plan(body, runs_root: str | None = None) -> dict:
         raise
     except (C.ConfigError, PlanError, HardwareError) as e:
         raise BadRequest(str(e)) from None
-    from ..plan.cli_cmds import _spec_fields
-    from ..plan.spec import Spec
     rows = []
     for r in res.ranked:
-        spec = Spec(**_spec_fields(r))
+        spec = spec_of_layout(r["layout"])
         rows.append({"layout": r["layout"], "step_s": r["step_s"], "mfu": r["mfu"],
                      "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"], "per_gpu_total": r["per_gpu"]["total"],
                      "toml": C.to_toml(to_config(shape, spec, cfg))})

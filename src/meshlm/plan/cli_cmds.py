@@ -16,7 +16,8 @@ from .goodput import Resilience, describe as describe_goodput, goodput
 from .hardware import GIB, HardwareError, describe, get_gpu, names
 from .ops import KERNELS
 from .search import PlanError, parse_fix, plan
-from .spec import OPTIMIZERS, Shape, code_options, presets, priced_on, shape_from_config, spec_from_config, to_config
+from .spec import (OPTIMIZERS, Shape, code_options, presets, priced_on, shape_from_config, spec_from_config,
+                   spec_of_layout, to_config)
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -252,8 +253,7 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
     if not res.ranked:
         return _fail("no layout fits; see --explain", 1)
     if args.emit_config:
-        from .spec import Spec
-        best = Spec(**{k: v for k, v in _spec_fields(res.ranked[0]).items()})
+        best = spec_of_layout(res.ranked[0]["layout"])
         try:
             with open(args.emit_config, "w") as f:
                 f.write(C.to_toml(to_config(shape, best, cfg)))
@@ -262,15 +262,6 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
         if not args.json:
             print(f"wrote {args.emit_config}")
     return 0
-
-
-def _spec_fields(r: dict) -> dict:
-    L = r["layout"]
-    keep = ("dp", "tp", "pp", "cp", "ep", "zero", "zero_group", "sp", "pp_schedule", "pp_virtual", "cp_impl",
-            "offload", "micro_batch", "ac", "precision", "seq_len")
-    out = {k: L[k] for k in keep}
-    out["accum"] = L["microbatches"]
-    return out
 
 
 def format_plan(res, shape: Shape, gpu, n: int, seq: int, tokens: int) -> str:

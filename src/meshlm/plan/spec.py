@@ -242,6 +242,18 @@ def check(shape: Shape, s: Spec) -> None:
         raise PlanError(str(e)) from None
 
 
+LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "zero_group", "sp", "pp_schedule", "pp_virtual", "cp_impl",
+               "offload", "micro_batch", "ac", "precision", "seq_len", "quantize_weights", "hpz_group",
+               "quantize_grads")
+
+
+def spec_of_layout(layout: dict, **changes) -> Spec:
+    """The Spec of a `plan` / `estimate` "layout" row, every priced key included (the pipeline split and
+    ZeRO++ too), so that a config written from a row is the layout that was priced."""
+    return Spec(**{k: layout[k] for k in LAYOUT_KEYS}, accum=layout["microbatches"],
+                pp_layers=tuple(layout["pp_layers"]), **changes)
+
+
 def to_config(shape: Shape, s: Spec, base: Config | None = None) -> Config:
     """A meshlm Config that trains this layout (what `plan --emit-config` writes)."""
     cfg = dataclasses.replace(base) if base is not None else Config()
