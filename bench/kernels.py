@@ -13,7 +13,7 @@ rates nobody measured. This script measures them:
                counted as half, a dense mask's in full, backward 2.5x the forward's
   gemm         the block GEMMs (forward, input gradient, weight gradient, as ops.stage_compute's
                gemm3 prices them) and the output head of llama3-8b at 16384 tokens, llama3-1b at
-               32768, llama3-405b tp8 at 8192 and the Megatron 1.7B shape at 32768
+               32768, llama3-405b tp8 at 8192, the Megatron 1.7B shape at 32768 and 18.4B tp8 at 16384
   elementwise  a device copy, meshlm's eager RMSNorm (forward, forward + backward) and SiLU·mul
                (forward and its backward's element-wise ops), in the planner's bytes per second
 
@@ -60,10 +60,11 @@ PLANNER_KERNEL = {"cudnn": "cudnn", "flash": "fa2", "flex": "fa2", "efficient": 
                   "math": Options().attn_kernel}
 BWD_FLOPS = 2.5  # backward FLOPs / forward FLOPs of an attention core (dQ, dK, dV and the recomputed P)
 
-# Megatron-LM's GPT 1.7B (Narayanan et al. 2021 Table 1) as tests/test_plan_validation.py models it
-# (_megatron_shape(24, 2304, 24): SwiGLU of 8h/3 rounded to 64, multi-head, tied, vocabulary 51,200)
+# Megatron-LM's GPT 1.7B and 18.4B (Narayanan et al. 2021 Table 1) as tests/test_plan_validation.py models
+# them (_megatron_shape: SwiGLU of 8h/3 rounded to 64, multi-head, tied, vocabulary 51,200)
 MEGATRON_1_7B = ModelArgs(dim=2304, n_layers=24, n_heads=24, n_kv_heads=24, ffn_dim=6144, vocab_size=51200,
                           max_seq_len=2048, tie_embeddings=True)
+MEGATRON_18_4B = dataclasses.replace(MEGATRON_1_7B, dim=6144, n_layers=40, n_heads=48, n_kv_heads=48, ffn_dim=16384)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,8 @@ MODELS = (
     ModelRow("llama3-1b", PRESETS["llama3-1b"], 1, 16, 2048, row="meshlm llama3-1b mb16 (shared H100)"),
     ModelRow("llama3-405b-tp8", PRESETS["llama3-405b"], 8, 1, 8192, row="Llama 3 405B, TP 8 + SP"),
     ModelRow("megatron-1.7b", MEGATRON_1_7B, 1, 16, 2048, "fp16", row="Megatron-LM 1.7B (A100, fp16)"),
+    # micro-batch 8: Megatron-LM's examples/sc21/run_table_1.sh for this row
+    ModelRow("megatron-18.4b-tp8", MEGATRON_18_4B, 8, 8, 2048, "fp16", row="Megatron-LM 18.4B, TP 8 (A100, fp16)"),
 )
 TINY_MODELS = (ModelRow("debug", PRESETS["debug"], 1, 2, 32, "fp32"),
                ModelRow("debug-gqa", dataclasses.replace(PRESETS["debug"], n_kv_heads=2), 1, 2, 32, "fp32"))
@@ -124,7 +127,7 @@ def flex_wanted(case: dict, quick: bool, tiny: bool) -> bool:
     if case["mask"] != "none":
         return False
     if case["group"] != "fa3-fig5":
-        return case["group"] in ("llama3-8b", "llama3-1b") or not quick
+        return case["group"] in ("llama3-8b", "llama3-1b") or (not quick and case["group"].startswith("llama3"))
     return not quick and not tiny and case["causal"] and case["head_dim"] == 128 and case["seq"] in (2048, 8192, 16384)
 
 

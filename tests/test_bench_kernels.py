@@ -78,8 +78,10 @@ def test_an_unavailable_backend_is_skipped_with_its_reason(tiny):
 
 def test_shapes_are_the_validation_rows():
     assert K.MEGATRON_1_7B == _megatron_shape(24, 2304, 24).args
+    assert K.MEGATRON_18_4B == _megatron_shape(48, 6144, 40).args
     tokens = {m.name: m.tokens for m in K.MODELS}
-    assert tokens == {"llama3-8b": 16384, "llama3-1b": 32768, "llama3-405b-tp8": 8192, "megatron-1.7b": 32768}
+    assert tokens == {"llama3-8b": 16384, "llama3-1b": 32768, "llama3-405b-tp8": 8192, "megatron-1.7b": 32768,
+                      "megatron-18.4b-tp8": 16384}
     shapes = {(c["group"], c["weights"], c["role"]): c["mnk"] for c in K.gemm_cases()}
     assert shapes["llama3-8b", "w1,w3", "fwd"] == (16384, 14336, 4096)
     assert shapes["llama3-405b-tp8", "w2", "dgrad"] == (8192, 6656, 16384)  # ffn 53248 / tp 8
