@@ -226,16 +226,16 @@ def format_table(rows: list[dict], columns: list[tuple]) -> str:
 
 ATTN_COLUMNS = [("group", "group", "{}"), ("backend", "backend", "{}"), ("B", "batch", "{}"), ("H", "heads", "{}"),
                 ("KV", "kv_heads", "{}"), ("seq", "seq", "{}"), ("hd", "head_dim", "{}"), ("causal", "causal", "{}"),
-                ("mask", "mask", "{}"), ("fwd TF/s", "fwd_tflops", "{:.1f}"), ("bwd TF/s", "bwd_tflops", "{:.1f}"),
-                ("pred fwd", "pred_fwd_tflops", "{:.1f}"), ("pred bwd", "pred_bwd_tflops", "{:.1f}"),
-                ("fwd ratio", "ratio_fwd", "{:.2f}"), ("bwd ratio", "ratio_bwd", "{:.2f}"),
-                ("f+b ratio", "ratio_fwdbwd", "{:.2f}")]
+                ("mask", "mask", "{}"), ("fwd TF/s", "fwd_tflops", "{:.4g}"), ("bwd TF/s", "bwd_tflops", "{:.4g}"),
+                ("pred fwd", "pred_fwd_tflops", "{:.4g}"), ("pred bwd", "pred_bwd_tflops", "{:.4g}"),
+                ("fwd ratio", "ratio_fwd", "{:.3g}"), ("bwd ratio", "ratio_bwd", "{:.3g}"),
+                ("f+b ratio", "ratio_fwdbwd", "{:.3g}")]
 GEMM_COLUMNS = [("model", "group", "{}"), ("weights", "weights", "{}"), ("role", "role", "{}"),
-                ("m,n,k", "shape", "{}"), ("TF/s", "tflops", "{:.1f}"), ("pred", "pred_tflops", "{:.1f}"),
-                ("wave", "wave", "{:.2f}"), ("ratio", "ratio", "{:.2f}")]
-EW_COLUMNS = [("op", "op", "{}"), ("tokens", "tokens", "{}"), ("width", "width", "{}"), ("ms", "ms", "{:.3f}"),
+                ("m,n,k", "shape", "{}"), ("TF/s", "tflops", "{:.4g}"), ("pred", "pred_tflops", "{:.4g}"),
+                ("wave", "wave", "{:.3g}"), ("ratio", "ratio", "{:.3g}")]
+EW_COLUMNS = [("op", "op", "{}"), ("tokens", "tokens", "{}"), ("width", "width", "{}"), ("ms", "ms", "{:.4g}"),
               ("GB/s (planner bytes)", "gbps", "{:.0f}"), ("hbm_bw·eff GB/s", "pred_gbps", "{:.0f}"),
-              ("pred ms", "pred_ms", "{:.3f}"), ("ratio", "ratio", "{:.2f}")]
+              ("pred ms", "pred_ms", "{:.4g}"), ("ratio", "ratio", "{:.3g}")]
 
 
 def ratio(measured, predicted):
@@ -309,6 +309,17 @@ class Bench:
         print(f"  skip {section} {label}: {reason}")
         self.out["skipped"].append({"section": section, "case": label, "reason": reason})
         return None
+
+    def run(self, section: str, cases: list, columns: list) -> None:
+        """Each (label, measure) in turn: a row printed and saved as it comes, then the section's table."""
+        print(format_table([], columns))
+        for label, measure in cases:
+            row = self.attempt(section, label, measure)
+            if row:
+                self.out[section].append(row)
+                print("  " + format_table([row], columns).splitlines()[1].strip())
+                self.save()
+        print(format_table(self.out[section], columns))
 
     def save(self):
         self.out["elapsed_s"] = time.monotonic() - self.started
@@ -506,34 +517,21 @@ def main(argv=None) -> dict:
     models = TINY_MODELS if a.tiny else MODELS
     if "gemm" in a.sections:
         print("\n== GEMMs: the validation rows' block GEMMs and heads at their tokens per micro-batch")
-        for c in gemm_cases(models):
-            row = b.attempt("gemm", f"{c['group']} {c['weights']} {c['role']} {c['mnk']}", lambda: gemm_row(b, c))
-            if row:
-                b.out["gemm"].append(row)
-                b.save()
-        print(format_table(b.out["gemm"], GEMM_COLUMNS))
+        b.run("gemm", [(f"{c['group']} {c['weights']} {c['role']} {c['mnk']}", lambda c=c: gemm_row(b, c))
+                       for c in gemm_cases(models)], GEMM_COLUMNS)
     if "elementwise" in a.sections:
         print("\n== element-wise (eager), bytes as the planner counts them (ops._eager)")
-        for c in elementwise_cases(a.tiny):
-            row = b.attempt("elementwise", c["op"], lambda: elementwise_row(b, c))
-            if row:
-                b.out["elementwise"].append(row)
-                b.save()
-        print(format_table(b.out["elementwise"], EW_COLUMNS))
+        b.run("elementwise", [(c["op"], lambda c=c: elementwise_row(b, c)) for c in elementwise_cases(a.tiny)],
+              EW_COLUMNS)
     if "attention" in a.sections:
         print("\n== attention: TFLOP/s (causal counted half, backward 2.5x the forward FLOPs)")
         cases = attention_cases(a.quick, a.tiny, models)
         plan = [(c, be) for c in cases for be in a.backends if be != "flex"]
         plan += [(c, "flex") for c in cases if "flex" in a.backends and flex_wanted(c, a.quick, a.tiny)]
-        for c, be in plan:
-            label = (f"{be} {c['group']} B{c['batch']} H{c['heads']}/{c['kv_heads']} S{c['seq']} hd{c['head_dim']}"
-                     f"{' causal' if c['causal'] else ''}{' dense-mask' if c['mask'] == 'dense' else ''}")
-            row = b.attempt("attention", label, lambda: attention_row(b, c, be))
-            if row:
-                b.out["attention"].append(row)
-                print(format_table([row], ATTN_COLUMNS).splitlines()[1])
-                b.save()
-        print(format_table(b.out["attention"], ATTN_COLUMNS))
+        b.run("attention", [(f"{be} {c['group']} B{c['batch']} H{c['heads']}/{c['kv_heads']} S{c['seq']} "
+                             f"hd{c['head_dim']}{' causal' if c['causal'] else ''}"
+                             f"{' dense-mask' if c['mask'] == 'dense' else ''}", lambda c=c, be=be: attention_row(b, c, be))
+                            for c, be in plan], ATTN_COLUMNS)
     if device.type == "cuda":
         b.out["env"]["nvidia_smi_end"] = nvidia_smi()
     b.save()
