@@ -12,7 +12,8 @@ rates nobody measured. This script measures them:
                (GQA as meshlm runs it, `enable_gqa`); forward and backward TFLOP/s, causal FLOPs
                counted as half, a dense mask's in full, backward 2.5x the forward's
   gemm         the block GEMMs (forward, input gradient, weight gradient, as ops.stage_compute's
-               gemm3 prices them) and the output head of llama3-8b at 16384 tokens, llama3-1b at
+               gemm3 prices them; in bf16 and, on sm89+, fp8 e4m3 through torch._scaled_mm as torchao's
+               tensorwise float8 runs them, against fp8_gemm_speedup) and the output head of llama3-8b at 16384 tokens, llama3-1b at
                32768, llama3-405b tp8 at 8192, the Megatron 1.7B shape at 32768 and 18.4B tp8 at 16384
   elementwise  a device copy, meshlm's eager RMSNorm (forward, forward + backward) and SiLU·mul
                (forward and its backward's element-wise ops), in the planner's bytes per second
@@ -182,12 +183,18 @@ def gemm_cases(models=MODELS) -> list[dict]:
     return list(out.values())
 
 
-def predicted_gemm(case: dict, gpu: GPU) -> tuple[float, float]:
-    """(FLOP/s, wave efficiency) the planner's ops.gemm_seconds gives this GEMM on `gpu`."""
+def predicted_gemm(case: dict, gpu: GPU, fp8: bool = False) -> tuple[float, float]:
+    """(FLOP/s, wave efficiency) the planner's ops.gemm_seconds gives this GEMM on `gpu`; `fp8`: as
+    ops.stage_compute prices a block GEMM under training.precision = "fp8" (peak × fp8_gemm_speedup)."""
     m, n, k = case["mnk"]
     e = 4 if case["precision"] == "fp32" else 2
-    return 2.0 * m * n * k / ops.gemm_seconds(m, n, k, gpu, e, gpu.peak(case["precision"])), \
-        ops.wave_efficiency(m, n, gpu.sms, k)
+    peak = gpu.peak(case["precision"]) * (gpu.fp8_gemm_speedup if fp8 else 1.0)
+    return 2.0 * m * n * k / ops.gemm_seconds(m, n, k, gpu, e, peak), ops.wave_efficiency(m, n, gpu.sms, k)
+
+
+def fp8_wanted(case: dict) -> bool:
+    """torchao's float8 linears: the block GEMMs of bf16 rows (the output head stays bf16)."""
+    return case["precision"] == "bf16" and case["weights"] != "head"
 
 
 # element-wise op -> (the planner's ops._eager entries it covers, the width it runs over)
@@ -232,7 +239,9 @@ ATTN_COLUMNS = [("group", "group", "{}"), ("backend", "backend", "{}"), ("B", "b
                 ("f+b ratio", "ratio_fwdbwd", "{:.3g}")]
 GEMM_COLUMNS = [("model", "group", "{}"), ("weights", "weights", "{}"), ("role", "role", "{}"),
                 ("m,n,k", "shape", "{}"), ("TF/s", "tflops", "{:.4g}"), ("pred", "pred_tflops", "{:.4g}"),
-                ("wave", "wave", "{:.3g}"), ("ratio", "ratio", "{:.3g}")]
+                ("wave", "wave", "{:.3g}"), ("ratio", "ratio", "{:.3g}"), ("fp8 TF/s", "fp8_tflops", "{:.4g}"),
+                ("fp8 pred", "pred_fp8_tflops", "{:.4g}"), ("fp8/bf16", "fp8_speedup", "{:.3g}"),
+                ("fp8 ratio", "fp8_ratio", "{:.3g}")]
 EW_COLUMNS = [("op", "op", "{}"), ("tokens", "tokens", "{}"), ("width", "width", "{}"), ("ms", "ms", "{:.4g}"),
               ("GB/s (planner bytes)", "gbps", "{:.0f}"), ("hbm_bw·eff GB/s", "pred_gbps", "{:.0f}"),
               ("pred ms", "pred_ms", "{:.4g}"), ("ratio", "ratio", "{:.3g}")]
@@ -254,6 +263,12 @@ class Bench:
         self.out = {"env": info, "gpu_profile": dataclasses.asdict(gpu), "args": vars(a),
                     "attention": [], "gemm": [], "elementwise": [], "skipped": []}
         self.budget_noted = False
+        cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        self.fp8 = bool(cap and cap >= (8, 9) and hasattr(torch, "_scaled_mm")) and not a.no_fp8
+        if not self.fp8 and "gemm" in a.sections:
+            reason = "--no-fp8" if a.no_fp8 else f"needs CUDA compute capability >= 8.9 (this device: {cap or 'cpu'})"
+            print(f"  skip gemm fp8: {reason}")
+            self.out["skipped"].append({"section": "gemm", "case": "fp8", "reason": reason})
 
     def sync(self):
         if self.device.type == "cuda":
@@ -415,8 +430,27 @@ def gemm_row(b: Bench, case: dict) -> dict:
     m_, n_, k_ = case["mnk"]
     pred, wave = predicted_gemm(case, b.gpu)
     tflops = 2.0 * m_ * n_ * k_ / s / 1e12
-    return dict(case, shape=f"{m_},{n_},{k_}", seconds=s, tflops=tflops, pred_tflops=pred / 1e12, wave=wave,
-                ratio=ratio(tflops, pred / 1e12))
+    row = dict(case, shape=f"{m_},{n_},{k_}", seconds=s, tflops=tflops, pred_tflops=pred / 1e12, wave=wave,
+               ratio=ratio(tflops, pred / 1e12))
+    if b.fp8 and fp8_wanted(case):  # its own attempt: a failure skips the fp8 run, not the bf16 row
+        del x, y
+        found = b.attempt("gemm", f"{case['group']} {case['weights']} {case['role']} {case['mnk']} fp8",
+                          lambda: _fp8_gemm(b, case))
+        if found:
+            row.update(found, fp8_speedup=s / found["fp8_seconds"])
+    return row
+
+
+def _fp8_gemm(b: Bench, case: dict) -> dict:
+    """e4m3 operands with tensorwise scales through torch._scaled_mm (torchao's default float8 recipe),
+    A row-major and B column-major as _scaled_mm takes them."""
+    m, n, k = case["mnk"]
+    a8 = torch.randn(m, k, device=b.device).to(torch.float8_e4m3fn)
+    b8 = torch.randn(n, k, device=b.device).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=b.device)
+    s8 = b.time(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    tflops, pred = 2.0 * m * n * k / s8 / 1e12, predicted_gemm(case, b.gpu, fp8=True)[0] / 1e12
+    return {"fp8_seconds": s8, "fp8_tflops": tflops, "pred_fp8_tflops": pred, "fp8_ratio": ratio(tflops, pred)}
 
 
 def _silu_mul_bwd(gp, gate, up):
@@ -468,6 +502,7 @@ def parse(argv):
                    "(default: cudnn,flash,efficient,flex on CUDA, math on a CPU)")
     p.add_argument("--gpu", default="", help="planner profile for the predictions (default: the device's; "
                    "h100 on a CPU or an unknown card)")
+    p.add_argument("--no-fp8", action="store_true", help="no fp8 (torch._scaled_mm) run of the block GEMMs")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--max-measure-s", type=float, default=2.0, help="fewer reps (>= 3) past this per measurement")

@@ -62,6 +62,8 @@ def test_predictions_are_the_planners(tiny):
     assert (m, n, k) == (128, 64, 64)  # the planner's gemm(k, n, m) for w2's weight gradient at 64 tokens
     assert g["pred_tflops"] == pytest.approx(2 * m * n * k / ops.gemm_seconds(m, n, k, gpu, 4, peak) / 1e12)
     assert g["ratio"] == pytest.approx(g["tflops"] / g["pred_tflops"])
+    fp8 = K.predicted_gemm(g, gpu, fp8=True)[0]  # a block GEMM under fp8: peak × fp8_gemm_speedup
+    assert fp8 == pytest.approx(2 * m * n * k / ops.gemm_seconds(m, n, k, gpu, 4, peak * gpu.fp8_gemm_speedup))
     e = next(r for r in tiny["elementwise"] if r["op"] == "rmsnorm_fwd_bwd")
     eager = ops._eager(4)
     nbytes = (eager["norm_f"][0] + eager["norm_b"][0]) * e["tokens"] * e["width"]
@@ -74,6 +76,9 @@ def test_an_unavailable_backend_is_skipped_with_its_reason(tiny):
     skipped = [s for s in tiny["skipped"] if s["case"].startswith("efficient ")]
     assert len(skipped) == len(K.attention_cases(False, True, K.TINY_MODELS))  # every case, none silently
     assert all("RuntimeError" in s["reason"] for s in skipped)
+    assert [s["reason"] for s in tiny["skipped"] if s["case"] == "fp8"] == [
+        "needs CUDA compute capability >= 8.9 (this device: cpu)"]
+    assert not any("fp8_tflops" in r for r in tiny["gemm"])
 
 
 def test_shapes_are_the_validation_rows():
