@@ -12,6 +12,8 @@
 #   bash bench/gpu_session.sh peers-3b   # bench/gpu_peers.py at llama3-3b
 #   bash bench/gpu_session.sh peers-3b-chunks   # the same, meshlm with the chunked loss at mb 8 or 4
 #   bash bench/gpu_session.sh calibrate  # `meshlm train` with metrics.profile_step, `meshlm estimate --calibrate`
+#   bash bench/gpu_session.sh kernels    # bench/kernels.py: attention per SDPA backend and flex, the validation
+#                                        # rows' GEMMs, eager element-wise rates, each against the planner's
 #   bash bench/gpu_session.sh sizes | offload | checks | nocompile   # small, 8b offload, CLI paths, eager
 #   bash bench/gpu_session.sh all        # every piece above in turn (a machine without the 10-minute limit)
 # Results go to $OUT (or ./gpu-out) as JSON plus a log (log.txt); each piece starts with the card, driver,
@@ -164,6 +166,12 @@ nocompile)
   timeout 150 $PY bench/gpu.py --presets llama3-1b --no-compile --ac selective --micro-batches 16 --warmup 3 \
       --steps 10 --out "$OUT/llama3-1b_no-compile.json"
   ;;
+kernels)
+  # the rates the planner's validation misses name (docs/benchmarks.md, "The GPU rows still to measure"):
+  # the script starts no case after --budget-s and rewrites its JSON after every case
+  card kernels
+  timeout 540 $PY bench/kernels.py --budget-s 420 --out "$OUT/kernels.json"
+  ;;
 *)
   echo "gpu_session.sh: unknown piece '$1' (see the list at the top of this file)"
   return 2
@@ -171,7 +179,7 @@ nocompile)
 esac
 }
 
-PIECES="mfu docmask 3b 3b-noac fp8 fp8-loss moe peers-1b peers-3b peers-3b-chunks calibrate"
+PIECES="mfu docmask 3b 3b-noac fp8 fp8-loss moe peers-1b peers-3b peers-3b-chunks calibrate kernels"
 if [ "${1:-mfu}" = all ]; then
   for p in $PIECES sizes offload checks nocompile; do piece "$p"; done
 else

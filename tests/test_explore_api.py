@@ -1,5 +1,6 @@
 """`meshlm explore`'s JSON API: the same numbers as the CLI, one-line 400s, nothing outside --runs;
 and the measured CPU peak behind MFU (training.peak_tflops, best-of tries, MFU never above 100%)."""
+import dataclasses
 import json
 import os
 import re
@@ -83,11 +84,16 @@ LAYOUTS = [  # (API body, the same as `meshlm estimate` arguments)
       "--data.seq_len", "4096", "--training.global_batch", "256", "--training.micro_batch", "1",
       "--training.precision", "bf16", "--parallel.zero", "3", "--parallel.offload", "nvme",
       "--parallel.offload_buffer_mb", "256"]),
+    ({"model.preset": "llama3-8b", "gpu": "h100", "gpus": 8, "data.seq_len": 4096, "global_batch_tokens": 2 ** 20,
+      "training.micro_batch": 1, "training.precision": "bf16", "parallel.zero": 3, "optim.name": "muon"},
+     ["--gpu", "h100", "--gpus", "8", "--model.preset", "llama3-8b", "--data.seq_len", "4096",
+      "--training.global_batch", "256", "--training.micro_batch", "1", "--training.precision", "bf16",
+      "--parallel.zero", "3", "--optim.name", "muon"]),
 ]
 
 
 @pytest.mark.parametrize("body,argv", LAYOUTS, ids=["70b-tp8-pp4-interleaved", "8b-hsdp-offload", "moe-custom-gpu",
-                                                    "8b-zero3-nvme"])
+                                                    "8b-zero3-nvme", "8b-zero3-muon"])
 def test_estimate_is_the_cli_estimate(served, capsys, body, argv):
     code, cli, err = cli_json(capsys, ["estimate", "--json", *argv])
     assert code == 0, err
@@ -143,6 +149,38 @@ def test_plan_table_and_export_match_emit_config(served, capsys, tmp_path):
     assert status == 200, est
     assert est["toml"] == emitted.read_text()
     assert est["estimate"]["step_s"] == pytest.approx(ranked[0]["step_s"])
+
+
+def test_plan_prices_the_chosen_optimizer_as_the_cli_does(served, capsys, tmp_path):
+    """optim.name reaches the search: Muon's layouts are the CLI's `plan --optim muon`, none offloads the
+    optimizer, the optimizer memory of a layout differs from AdamW's, and the export trains with Muon."""
+    emitted = tmp_path / "muon.toml"
+    argv = ["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--seq-len", "4096",
+            "--global-batch-tokens", str(2 ** 20), "--top", "20", "--json"]
+    code, muon, err = cli_json(capsys, argv + ["--optim", "muon", "--emit-config", str(emitted)])
+    assert code == 0, err
+    code, adamw, err = cli_json(capsys, argv)
+    assert code == 0, err
+    assert all(r["layout"]["offload"] == "none" for r in muon)
+    body = {"model.preset": "llama3-8b", "gpu": "h100", "gpus": 8, "data.seq_len": 4096,
+            "global_batch_tokens": 2 ** 20, "training.precision": "bf16", "top": 20, "optim.name": "muon"}
+    status, res = call(served[0], "/api/plan", body)
+    assert status == 200, res
+    assert [r["layout"] for r in res["ranked"]] == [r["layout"] for r in muon]
+    assert [r["per_gpu_total"] for r in res["ranked"]] == [r["per_gpu"]["total"] for r in muon]
+    from meshlm.plan.estimate import Options, estimate
+    from meshlm.plan.hardware import get_gpu
+    from meshlm.plan.spec import Shape, presets, spec_of_layout
+    spec = spec_of_layout(muon[0]["layout"])
+    shape, o = Shape(presets()["llama3-8b"], "llama3-8b"), Options(compiled=True)
+    priced = {name: estimate(shape, dataclasses.replace(spec, optim=name), get_gpu("h100"), o)
+              for name in ("muon", "adamw")}
+    assert priced["muon"]["per_gpu"]["optim"] == pytest.approx(muon[0]["per_gpu"]["optim"])
+    assert priced["muon"]["per_gpu"]["optim"] < priced["adamw"]["per_gpu"]["optim"]  # one moment, not two
+    assert _toml_config(res["ranked"][0]["toml"]).optim.name == "muon"
+    assert C.load(str(emitted)).optim.name == "muon"
+    status, o = call(served[0], "/api/options")
+    assert o["choices"]["optim.name"] == ["adamw", "muon"]
 
 
 def test_options_lists_presets_profiles_and_the_three_examples(served):

@@ -130,6 +130,19 @@ def test_seed_examples(page):
     assert page.locator("#pipe rect.act").count() > 0  # pp = 4: the simulator's timeline is drawn
 
 
+def test_optimizer_choice_reprices_the_optimizer_state(page):
+    """The optimizer select sends optim.name: Muon's one moment per matrix holds less than AdamW's two."""
+    assert page.eval_on_selector('select[name="optim.name"]', "s => [...s.options].map(o => o.value)") == ["adamw", "muon"]
+    page.select_option('select[name="optim.name"]', "adamw")
+    page.wait_for_selector("#outputs:not(.stale)")
+    adamw = float(page.get_attribute("#mem-optim", "data-bytes"))
+    page.select_option('select[name="optim.name"]', "muon")
+    page.wait_for_function(f"+document.querySelector('#mem-optim').dataset.bytes < {adamw}")
+    assert 0 < float(page.get_attribute("#mem-optim", "data-bytes")) < adamw
+    page.select_option('select[name="optim.name"]', "adamw")
+    page.wait_for_function(f"+document.querySelector('#mem-optim').dataset.bytes === {adamw}")
+
+
 def test_runs_dashboard_draws_every_logged_step(page, explore, shots):
     _, root, name = explore
     page.click("#tab-runs")

@@ -301,16 +301,23 @@ def test_plan_emit_config_trains_and_resolves(tmp_path, capsys):
     layout = resolve(cfg, 2)  # every degree here has a runtime today
     assert layout.world_size == 2 and cfg.model.preset == "small" and cfg.data.seq_len == 256
     assert cfg.training.global_batch == 16 and cfg.training.precision == "bf16"
-    # a big plan's config loads too (its tp/pp/zero runtimes land with their issues)
+    # a big plan's config is the layout it priced: its estimate is the plan's row, number for number (the
+    # winner here is an interleaved pipeline whose cost-balanced split is not the runtime's default)
     big = tmp_path / "big.toml"
-    assert _run(["plan", "--model", "llama3-70b", "--gpu", "h100", "--gpus", "64", "--seq-len", "4096",
+    assert _run(["plan", "--model", "llama3-70b", "--gpu", "h100", "--gpus", "64", "--seq-len", "8192",
                  "--global-batch-tokens", str(2 ** 21), "--emit-config", str(big), "--json", "--top", "1"]) == 0
-    best = json.loads(capsys.readouterr().out)[0]["layout"]
+    row = json.loads(capsys.readouterr().out)[0]
+    best = row["layout"]
     cfg = C.load(str(big))
     p = cfg.parallel
     assert (p.tp, p.pp, p.cp, p.dp, p.zero, p.pp_schedule) == (best["tp"], best["pp"], best["cp"], best["dp"],
                                                                best["zero"], best["pp_schedule"])
+    assert best["pp_layers"] and p.pp_layers == best["pp_layers"]
     assert cfg.training.micro_batch * p.microbatches * p.dp == cfg.training.global_batch
+    assert _run(["estimate", "--config", str(big), "--gpus", "64", "--gpu", "h100", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert est["layout"] == best and est["per_gpu"] == row["per_gpu"] and est["fits"] is True
+    assert est["step_s"] == pytest.approx(row["step_s"])
     from meshlm.plan.spec import shape_from_config, spec_from_config
     check(shape_from_config(cfg), spec_from_config(cfg, 64))
 

@@ -18,8 +18,8 @@ from ..plan.estimate import Options, estimate
 from ..plan.hardware import FLAG_FIELDS, PROFILES, HardwareError, get_gpu
 from ..plan.ops import KERNELS
 from ..plan.search import plan
-from ..plan.spec import AC_MODES, CP_IMPLS, PRECISIONS, SCHEDULES, PlanError, presets, priced_on, \
-    shape_from_config, spec_from_config, to_config
+from ..plan.spec import AC_MODES, CP_IMPLS, OPTIMIZERS, PRECISIONS, SCHEDULES, PlanError, presets, priced_on, \
+    shape_from_config, spec_from_config, spec_of_layout, to_config
 
 MAX_GPUS = 1 << 17           # a search over more is a typo, not a cluster
 MAX_TIMELINE_UNITS = 4096    # p·m·v above which the timeline is not simulated for drawing (~1 s)
@@ -29,7 +29,7 @@ FLAGS = {"gpu", "gpus", "global_batch_tokens", "efficiency", "comm_efficiency", 
 CONFIG_KEYS = {f"model.{k}" for k in ("preset", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
                                       "tie_embeddings", "vocab_multiple")} \
     | {f"model.moe.{k}" for k in ("num_experts", "top_k", "capacity_factor", "shared_experts")} \
-    | {"data.seq_len"} \
+    | {"data.seq_len", "optim.name"} \
     | {f"training.{k}" for k in ("precision", "compile", "micro_batch", "ac")} \
     | {f"parallel.{k}" for k in ("dp", "zero", "zero_group", "tp", "sp", "pp", "pp_schedule", "pp_virtual", "cp",
                                  "cp_impl", "ep", "offload", "offload_buffer_mb", "bucket_mb", "reduce_dtype",
@@ -105,7 +105,8 @@ def options() -> dict:
     return {"presets": models, "gpus": gpus,
             "choices": {"training.precision": list(PRECISIONS), "training.ac": list(AC_MODES),
                         "parallel.pp_schedule": list(SCHEDULES), "parallel.cp_impl": list(CP_IMPLS),
-                        "parallel.offload": ["none", "optimizer", "nvme"], "parallel.zero": [0, 1, 2, 3]},
+                        "parallel.offload": ["none", "optimizer", "nvme"], "parallel.zero": [0, 1, 2, 3],
+                        "optim.name": list(OPTIMIZERS)},
             "attn_kernels": list(KERNELS),
             "defaults": {"efficiency": Options.efficiency, "comm_efficiency": Options.comm_efficiency,
                          "attn_kernel": Options.attn_kernel,
@@ -225,16 +226,15 @@ def run_plan(body, runs_root: str | None = None) -> dict:
         cfg, gpu, n, opts, tokens = parse(body, layout=False, runs_root=runs_root)
         top = _number(body, "top", int, 10, 1)
         shape = shape_from_config(cfg)
-        res = plan(shape, gpu, n, cfg.data.seq_len, tokens, cfg.training.precision, min(top, 50), {}, opts)
+        res = plan(shape, gpu, n, cfg.data.seq_len, tokens, cfg.training.precision, min(top, 50), {}, opts,
+                   optim=cfg.optim.name)
     except BadRequest:
         raise
     except (C.ConfigError, PlanError, HardwareError) as e:
         raise BadRequest(str(e)) from None
-    from ..plan.cli_cmds import _spec_fields
-    from ..plan.spec import Spec
     rows = []
     for r in res.ranked:
-        spec = Spec(**_spec_fields(r))
+        spec = spec_of_layout(r["layout"])
         rows.append({"layout": r["layout"], "step_s": r["step_s"], "mfu": r["mfu"],
                      "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"], "per_gpu_total": r["per_gpu"]["total"],
                      "toml": C.to_toml(to_config(shape, spec, cfg))})

@@ -17,7 +17,7 @@ from ..layout import resolve as resolve_layout
 from .estimate import Options
 from .hardware import GB, GPU, get_gpu
 from .search import plan
-from .spec import PlanError, Shape, Spec, code_options, priced_on, shape_from_config, to_config
+from .spec import PlanError, Shape, code_options, priced_on, shape_from_config, spec_of_layout, to_config
 
 # A CPU has no profile: the host's RAM is its memory, its measured matmul peak (training.peak_tflops,
 # else 0.1 TFLOP/s, assumed) its compute, gloo over loopback its links (1 GB/s, assumed). The choice
@@ -53,9 +53,7 @@ def choose(cfg: Config, world: int, gpu: GPU | None = None, o: Options | None = 
         raise ConfigError(f"parallel.auto: {e}") from None
     for r in res.ranked:
         L = r["layout"]
-        spec = Spec(**{k: L[k] for k in ("dp", "tp", "pp", "cp", "ep", "zero", "zero_group", "sp", "pp_schedule",
-                                         "pp_virtual", "cp_impl", "offload", "micro_batch", "ac", "precision",
-                                         "seq_len")}, accum=L["microbatches"], pp_layers=tuple(L["pp_layers"]))
+        spec = spec_of_layout(L)
         new = to_config(shape, spec, cfg)
         new.parallel = dataclasses.replace(new.parallel, auto=False)
         try:

@@ -16,7 +16,8 @@ from .goodput import Resilience, describe as describe_goodput, goodput
 from .hardware import GIB, HardwareError, describe, get_gpu, names
 from .ops import KERNELS
 from .search import PlanError, parse_fix, plan
-from .spec import Shape, code_options, presets, priced_on, shape_from_config, spec_from_config, to_config
+from .spec import (OPTIMIZERS, Shape, code_options, presets, priced_on, shape_from_config, spec_from_config,
+                   spec_of_layout, to_config)
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -69,6 +70,9 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: config data.seq_len, else the model's pretraining context: max_seq_len, or rope_scaling's original_max_position_embeddings)")
     p.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (default 4Mi)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32", "fp8"))
+    p.add_argument("--optim", choices=OPTIMIZERS,
+                   help="optim.name the layouts are priced for (default: the config's, else adamw); muon never "
+                        "offloads the optimizer")
     p.add_argument("--top", type=int, default=10, help="how many layouts to print (default %(default)s)")
     p.add_argument("--explain", action="store_true", help="also say why the other layouts were discarded")
     p.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
@@ -212,6 +216,8 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
         cfg = C.load(args.config) if args.config else C.Config()
         if args.compile is not None:
             cfg.training.compile = args.compile
+        if args.optim:
+            cfg.optim.name = args.optim
         if args.model:
             cfg.model.preset = args.model
         elif not args.config:
@@ -224,7 +230,8 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
         if not args.gpu and not args.calibrate:
             raise PlanError("--gpu: give a GPU profile (or --calibrate RUN_DIR)")
         cfg, gpu, opts, _ = _device(args, cfg, args.gpus)  # --emit-config: compile as priced
-        res = plan(shape, gpu, args.gpus, seq, tokens, args.precision, args.top, parse_fix(args.fix), opts)
+        res = plan(shape, gpu, args.gpus, seq, tokens, args.precision, args.top, parse_fix(args.fix), opts,
+                   optim=cfg.optim.name)
         rates = (args.failures_per_gpu_hour, args.ckpt_node_gbps, args.storage_gbps, args.restart_min,
                  args.spare_min, args.repair_h)
         if min(rates) < 0 or min(rates[1:3]) <= 0:
@@ -246,8 +253,7 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
     if not res.ranked:
         return _fail("no layout fits; see --explain", 1)
     if args.emit_config:
-        from .spec import Spec
-        best = Spec(**{k: v for k, v in _spec_fields(res.ranked[0]).items()})
+        best = spec_of_layout(res.ranked[0]["layout"])
         try:
             with open(args.emit_config, "w") as f:
                 f.write(C.to_toml(to_config(shape, best, cfg)))
@@ -256,15 +262,6 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
         if not args.json:
             print(f"wrote {args.emit_config}")
     return 0
-
-
-def _spec_fields(r: dict) -> dict:
-    L = r["layout"]
-    keep = ("dp", "tp", "pp", "cp", "ep", "zero", "zero_group", "sp", "pp_schedule", "pp_virtual", "cp_impl",
-            "offload", "micro_batch", "ac", "precision", "seq_len")
-    out = {k: L[k] for k in keep}
-    out["accum"] = L["microbatches"]
-    return out
 
 
 def format_plan(res, shape: Shape, gpu, n: int, seq: int, tokens: int) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..choices import AC_MODES, CP_IMPLS, DTYPE_BYTES, OFFLOAD, PP_SCHEDULES as SCHEDULES, PRECISIONS, choose
+from ..choices import AC_MODES, CP_IMPLS, DTYPE_BYTES, OFFLOAD, OPTIMIZERS, PP_SCHEDULES as SCHEDULES, PRECISIONS, choose
 from ..config import AUTO, Config, ConfigError, resolve_auto
 from ..layout import batch_split, check_cp, check_ep, check_shape, check_zeropp, model_args
 from ..model import args as model_args_module
@@ -240,6 +240,18 @@ def check(shape: Shape, s: Spec) -> None:
         check_zeropp(s, s.zero_group * s.cp)
     except ConfigError as e:
         raise PlanError(str(e)) from None
+
+
+LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "zero_group", "sp", "pp_schedule", "pp_virtual", "cp_impl",
+               "offload", "micro_batch", "ac", "precision", "seq_len", "quantize_weights", "hpz_group",
+               "quantize_grads")
+
+
+def spec_of_layout(layout: dict, **changes) -> Spec:
+    """The Spec of a `plan` / `estimate` "layout" row, every priced key included (the pipeline split and
+    ZeRO++ too), so that a config written from a row is the layout that was priced."""
+    return Spec(**{k: layout[k] for k in LAYOUT_KEYS}, accum=layout["microbatches"],
+                pp_layers=tuple(layout["pp_layers"]), **changes)
 
 
 def to_config(shape: Shape, s: Spec, base: Config | None = None) -> Config:
