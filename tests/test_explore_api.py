@@ -179,6 +179,8 @@ def test_plan_prices_the_chosen_optimizer_as_the_cli_does(served, capsys, tmp_pa
     assert priced["muon"]["per_gpu"]["optim"] < priced["adamw"]["per_gpu"]["optim"]  # one moment, not two
     assert _toml_config(res["ranked"][0]["toml"]).optim.name == "muon"
     assert C.load(str(emitted)).optim.name == "muon"
+    code = main(argv[:-1] + ["--optim", "muon", "--top", "1"])  # the table says what it priced
+    assert code == 0 and "sequences, optimizer muon\n" in capsys.readouterr().out
     status, o = call(served[0], "/api/options")
     assert o["choices"]["optim.name"] == ["adamw", "muon"]
 

@@ -246,7 +246,7 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(res.ranked, indent=1))
     else:
-        print(format_plan(res, shape, gpu, args.gpus, seq, tokens))
+        print(format_plan(res, shape, gpu, args.gpus, seq, tokens, cfg.optim.name))
         print(describe_goodput(good))
     if args.explain:
         print(format_explain(res), file=sys.stderr if args.json else sys.stdout)
@@ -264,10 +264,11 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
     return 0
 
 
-def format_plan(res, shape: Shape, gpu, n: int, seq: int, tokens: int) -> str:
+def format_plan(res, shape: Shape, gpu, n: int, seq: int, tokens: int, optim: str = "adamw") -> str:
     c = res.counts
     head = (f"{shape.name}: {shape.num_params() / 1e9:.2f}B params on {n} × {gpu.name} "
-            f"({gpu.gpus_per_node}/node), seq {seq}, {tokens:,} tokens/step = {res.global_batch} sequences\n"
+            f"({gpu.gpus_per_node}/node), seq {seq}, {tokens:,} tokens/step = {res.global_batch} sequences"
+            f"{'' if optim == 'adamw' else ', optimizer ' + optim}\n"
             f"searched {c['candidates']:,} layouts in {res.elapsed_s:.2f} s: {c['fit']:,} fit, "
             f"{c['oom']:,} out of memory, {c['invalid']:,} invalid; {c['dominated']:,} dominated by a faster "
             f"AC/offload variant")
