@@ -26,6 +26,7 @@ BAD = [
     (["--training.steps", "many"], "training.steps: expected a number"),
     (["--checkpoint.on_error", "retry"], "checkpoint.on_error: 'retry' is not one of stop, continue"),
     (["--checkpoint.on_signal", "SIGTERM,SIGKILL"], "checkpoint.on_signal: 'SIGKILL' is not a signal"),
+    (["--parallel.bucket_mb", "0"], "parallel.bucket_mb: must be > 0, got 0.0"),
 ]
 
 

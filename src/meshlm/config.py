@@ -165,6 +165,8 @@ class ParallelConfig:
             raise ConfigError('parallel.offload_dir: offload = "nvme" needs a directory for the optimizer state files')
         if self.offload == "nvme" and not self.offload_buffer_mb > 0:
             raise ConfigError(f"parallel.offload_buffer_mb: must be > 0, got {self.offload_buffer_mb}")
+        if not self.bucket_mb > 0:  # the DP gradient buckets and Muon's tp exchange are cut by it
+            raise ConfigError(f"parallel.bucket_mb: must be > 0, got {self.bucket_mb}")
         if self.zero_group and self.zero == 0:
             raise ConfigError("parallel.zero_group: HSDP groups need a ZeRO stage (zero >= 1)")
         _choice(self.elastic, ELASTIC, "parallel.elastic")
