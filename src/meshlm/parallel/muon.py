@@ -14,8 +14,8 @@ returns each rank the slices of the results (`owner_exchange`; zero/muon.py runs
 the shard group). Without ZeRO the split matrices travel in buckets of consecutive matrices (`buckets`,
 one all-to-all pair each, the deal kept whole-step), so the exchange holds one bucket at a time.
 Stacked expert weights [E, rows, cols] are orthogonalised per expert (a batched Newton-Schulz over the
-experts this rank holds: the expert dimension's split over ep needs no gathering). Which parameters are Muon's comes from the model plan (`muon_params`); this
-module knows no model names.
+experts this rank holds: the expert dimension's split over ep needs no gathering). Which parameters
+are Muon's comes from the model plan (`muon_params`); this module knows no model names.
 """
 from __future__ import annotations
 
