@@ -3,8 +3,8 @@ terms live in memory.py (`muon_memory`), which this module's GEMM pricing (ops.p
 
 - memory: one fp32 momentum per Muon element replaces Adam's two moments (4 bytes less per element,
   per sharded element under ZeRO, whose moments leave Muon's pieces out). Transient: the whole fp32
-  update of the largest matrix (a block's stacked experts at once) with Newton-Schulz's iterate and Gram matrices, and under
-  ZeRO a block's pieces on their way to the owners (this rank's shard of its Muon matrices) and the
+  update of the largest matrix (a block's stacked experts at once) with Newton-Schulz's iterate and
+  Gram matrices, and under ZeRO a block's pieces on their way to the owners (this rank's shard of its Muon matrices) and the
   owner's matrices (a 1/n share, at least the largest), fp32; under TP the owner exchange's buffers
   (this rank's slices of the split updates and the slices of the matrices it owns: one bucket's,
   `memory.muon_tp_bucket_bytes`; under ZeRO a block's owned 1/n).
