@@ -37,6 +37,7 @@ def attention_task(impl: str, heads: int, kv_heads: int, seq: int, seed: int):
     """This rank's output and q/k/v gradients of the CP core vs full causal SDPA, and the work count."""
     from meshlm.model.llama import AttentionCore
     from meshlm.parallel.context_parallel import RingAttentionCore, UlyssesAttentionCore, cp_split
+    from meshlm.parallel.cp_allgather import AllGatherAttentionCore, CausalRows
     world = int(os.environ["WORLD_SIZE"])
     _, ctx = _context(make_config(parallel__cp=world, parallel__cp_impl=impl, data__seq_len=seq))
     comm = ctx.comm("cp")
@@ -50,7 +51,9 @@ def attention_task(impl: str, heads: int, kv_heads: int, seq: int, seed: int):
     split = cp_split(comm, impl)
     mine = [split.take(t, 2).requires_grad_() for t in (q, k, v)]
     counter = RingCounter()
-    core = RingAttentionCore(comm, counter=counter) if impl == "ring" else UlyssesAttentionCore(comm, AttentionCore())
+    core = (RingAttentionCore(comm, counter=counter) if impl == "ring" else
+            UlyssesAttentionCore(comm, AttentionCore()) if impl == "ulysses" else
+            AllGatherAttentionCore(comm, AttentionCore(), CausalRows(split)))
     out = core(*mine)
     out.backward(split.take(dout, 2))
     errs = [float((out - split.take(ref, 2)).abs().max())]
@@ -62,7 +65,8 @@ def attention_task(impl: str, heads: int, kv_heads: int, seq: int, seed: int):
 
 @pytest.mark.parametrize("impl,world,heads,kv", [("ring", 2, 4, 4), ("ring", 4, 4, 2), ("ring", 4, 4, 1),
                                                  ("ulysses", 2, 4, 4), ("ulysses", 4, 4, 2),
-                                                 ("ulysses", 4, 8, 1)])
+                                                 ("ulysses", 4, 8, 1), ("allgather", 2, 4, 2),
+                                                 ("allgather", 4, 4, 1)])
 def test_core_matches_full_attention(pools, impl, world, heads, kv):
     res = pools(world).run(attention_task, impl, heads, kv, 32, 7)
     for rank, (errs, _) in enumerate(res):
