@@ -21,7 +21,6 @@ from torch import nn
 from ..distributed.comm import Comm
 from ..distributed.functional import all_gather_dim, gather_seq
 from ..model.ops import eager_under_compile
-from .context_parallel import CPSplit
 
 
 def sequence_order(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
@@ -34,9 +33,10 @@ def sequence_order(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
 
 class CausalRows:
     """The causal mask of this rank's queries [S/c] against the sequence's keys [S], by true positions,
-    one tensor shared by every layer (so the blocks save one mask, not one each)."""
+    one tensor shared by every layer (so the blocks save one mask, not one each). `split`: the
+    context_parallel.CPSplit (zig-zag) of this rank."""
 
-    def __init__(self, split: CPSplit):
+    def __init__(self, split):
         self.split, self.mask = split, None
 
     def __call__(self, local: int, device: torch.device) -> torch.Tensor:
