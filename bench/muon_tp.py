@@ -6,7 +6,9 @@ Trains one warm-up step on gloo workers, then wraps `newton_schulz` (the module 
 parallel/muon.py calls) to record the shape of every call, and Muon's step to read what every `Comm`
 of the rank booked during it. Prints per rank: NS calls, NS FLOPs (counted from the recorded shapes:
 per quintic iteration 4·m²·n + 2·m³ for an m×n matrix, m ≤ n), and the bytes booked per collective
-kind, then the busiest rank's FLOPs next to the sum over the ranks (their ratio is the spread).
+kind, the tp exchange's buckets and the largest one's send + receive buffers (without ZeRO;
+parallel.bucket_mb caps them: `--bucket-mb`), then the busiest rank's FLOPs next to the sum over the
+ranks (their ratio is the spread).
 """
 from __future__ import annotations
 
@@ -48,7 +50,9 @@ def _worker(rank: int, world: int, port: int, overrides: dict, out) -> None:
                           if s.bytes != before.get(k, 0)})
         M.newton_schulz, opt.step = counting_ns, step
         trainer.train_step()
-        out.put((rank, (len(calls), sum(calls), books)))
+        x = getattr(opt, "exchange", None)  # LocalMuon's tp exchange
+        buckets = (len(x.buckets), x.buffer_bytes()) if x is not None else (0, 0)
+        out.put((rank, (len(calls), sum(calls), books, buckets)))
     finally:
         shutdown()
 
@@ -59,18 +63,20 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--zero", type=int, default=0)
+    ap.add_argument("--bucket-mb", type=float, default=25.0)
     a = ap.parse_args()
     world = a.tp * a.dp
     ov = {"model.preset": a.preset, "optim.name": "muon", "parallel.tp": a.tp, "parallel.dp": a.dp,
-          "parallel.zero": a.zero, "data.seq_len": 32, "training.micro_batch": 1, "training.global_batch": a.dp,
+          "parallel.zero": a.zero, "parallel.bucket_mb": a.bucket_mb, "data.seq_len": 32, "training.micro_batch": 1, "training.global_batch": a.dp,
           "training.eval_every": 0, "training.steps": 4, "metrics.progress": False, "checkpoint.resume": "never"}
     got = [(r, *v) for r, v in sorted(spawn_gloo(_worker, world, ov, timeout=900).items())]
-    print(f"{a.preset}: tp {a.tp}, dp {a.dp}, zero {a.zero}; one Muon step")
-    print("| rank | NS calls | NS MFLOP | bytes booked in Muon's step |")
-    print("|---:|---:|---:|---|")
-    for rank, n, flops, books in got:
-        print(f"| {rank} | {n} | {flops / 1e6:.2f} | {', '.join(f'{k} {v:,}' for k, v in sorted(books.items()))} |")
-    flops = [f for _, _, f, _ in got]
+    print(f"{a.preset}: tp {a.tp}, dp {a.dp}, zero {a.zero}, bucket_mb {a.bucket_mb}; one Muon step")
+    print("| rank | NS calls | NS MFLOP | bytes booked in Muon's step | tp buckets | largest bucket's buffers, bytes |")
+    print("|---:|---:|---:|---|---:|---:|")
+    for rank, n, flops, books, (nb, peak) in got:
+        print(f"| {rank} | {n} | {flops / 1e6:.2f} | {', '.join(f'{k} {v:,}' for k, v in sorted(books.items()))} "
+              f"| {nb} | {peak:,} |")
+    flops = [f for _, _, f, *_ in got]
     print(f"\nbusiest rank {max(flops) / 1e6:.2f} MFLOP, all ranks {sum(flops) / 1e6:.2f} MFLOP, "
           f"busiest x world / all = {max(flops) * world / sum(flops):.3f}")
 

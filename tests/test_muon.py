@@ -328,6 +328,65 @@ def test_tp_split_matrix_is_orthogonalised_on_one_rank(pools, name, world, overr
         assert max(work) == sum(planned_flops(r, c) for r, c in share), (work, share)
 
 
+def _tp_exchange(trainer) -> dict:
+    """Probe: per Muon step, the tp all-to-all calls, the largest send and receive buffers they got
+    (the tp Comm's all_to_all wrapped) and the Muon masters after it; the deal and the buckets."""
+    muon = trainer.par.optimizer.muon
+    x = muon.exchange
+    seen = {"owners": list(x.owners), "buckets": [b.items for b in x.buckets], "buffer_bytes": x.buffer_bytes(),
+            "slices": [o.numel for o in x.orthos], "flops": [o.flops for o in x.orthos], "steps": []}
+    inner_a2a, inner_step = x.comm.all_to_all, muon.step
+    calls = []
+
+    def all_to_all(out, inp, *a, **kw):
+        calls.append((4 * inp.numel(), 4 * out.numel()))
+        return inner_a2a(out, inp, *a, **kw)
+
+    def step(lr, cfg):
+        before = x.comm.stats["all_to_all"].calls if "all_to_all" in x.comm.stats else 0
+        calls.clear()
+        inner_step(lr, cfg)
+        seen["steps"].append({"booked_calls": x.comm.stats["all_to_all"].calls - before,
+                              "pairs": [(calls[i][0], calls[i][1]) for i in range(0, len(calls), 2)],
+                              "masters": [m.detach().clone() for m in muon.masters]})
+    x.comm.all_to_all, muon.step = all_to_all, step
+    return seen
+
+
+def test_tp_exchange_runs_in_buckets_with_the_same_deal_and_results(pools):
+    """tp2 without ZeRO, parallel.bucket_mb 40 KiB (the debug model's slices are 320 KiB a step): two
+    all-to-alls per bucket; a bucket sends at most max(cap, the largest slice) and receives at most
+    max(cap, the largest matrix); the deal is the one over all split matrices; the masters after each
+    step are bitwise those of one bucket (a cap above the step's slices). The planner's buffer for the
+    exchange equals the runtime's largest bucket."""
+    from meshlm.plan.memory import muon_tp_bucket_bytes
+    from meshlm.plan.spec import shape_from_config, spec_from_config
+
+    cap_mb = 40 / 1024
+    runs = {}
+    for mb in (cap_mb, 1e6):
+        cfg = make_config(**MUON, parallel__tp=2, parallel__bucket_mb=mb, training__steps=2)
+        runs[mb] = pools(2).run(train_case, C.to_dict(cfg), tempfile.mkdtemp(prefix="meshlm-m-"), 0, _tp_exchange)
+    cap = cap_mb * 2 ** 20
+    for r, (small, one) in enumerate(zip(runs[cap_mb], runs[1e6])):
+        assert small["owners"] == one["owners"] == deal(small["flops"], 2)
+        assert len(one["buckets"]) == 1 and len(small["buckets"]) >= 4, small["buckets"]
+        assert [k for b in small["buckets"] for k in b] == list(range(len(small["slices"])))  # consecutive
+        largest = 4 * max(small["slices"])
+        for s_, o_ in zip(small["steps"], one["steps"]):
+            assert s_["booked_calls"] == 2 * len(small["buckets"]) and o_["booked_calls"] == 2
+            assert len(s_["pairs"]) == len(small["buckets"])
+            assert max(send for send, _ in s_["pairs"]) <= max(cap, largest)
+            assert max(recv for _, recv in s_["pairs"]) <= max(cap, 2 * largest)
+            assert max(a + b for a, b in s_["pairs"]) == small["buffer_bytes"]
+            assert all(torch.equal(a, b) for a, b in zip(s_["masters"], o_["masters"], strict=True)), r
+    cfg = make_config(**MUON, parallel__tp=2, parallel__bucket_mb=cap_mb)
+    shape = shape_from_config(cfg)
+    planned = muon_tp_bucket_bytes(shape, spec_from_config(cfg, 2), shape.args.n_layers)
+    runtime = max(r["buffer_bytes"] for r in runs[cap_mb])
+    assert runtime <= planned <= 1.25 * runtime, (runtime, planned)
+
+
 # -- planner --------------------------------------------------------------------------------------
 def test_planner_counts_the_runtime_muon_matrices_and_prices_them():
     from meshlm.plan.estimate import estimate
@@ -355,6 +414,26 @@ def test_planner_counts_the_runtime_muon_matrices_and_prices_them():
         extra = per_step(muon) - per_step(adamw)
         assert extra == ({("tp", "all_to_all")} if layout.get("tp") else set()) | (
             {("dp_shard", "all_to_all")} if layout.get("zero") else set())
+
+
+def test_planner_muon_tp_buffer_is_one_bucket_whatever_the_depth():
+    """Without ZeRO the tp exchange holds one bucket: the buffers of a 2- and a 20-layer model at tp2
+    are the same once a step's slices pass the cap; with the cap above them it is the step's."""
+    from meshlm.plan.estimate import estimate
+    from meshlm.plan.memory import block_matrices, muon_tp_bucket_bytes
+    from meshlm.plan.spec import Spec, shape_from_config
+
+    s = Spec(tp=2, optim="muon", seq_len=64, bucket_mb=40 / 1024)
+    shapes = [shape_from_config(make_config(model__n_layers=n)) for n in (2, 20)]
+    got = [estimate(sh, s)["per_gpu"]["buffers"] for sh in shapes]
+    assert got[0] == got[1] > 0
+    adamw = [estimate(sh, Spec(tp=2, seq_len=64))["per_gpu"]["buffers"] for sh in shapes]
+    assert got[0] - adamw[0] == got[1] - adamw[1]
+    step = 2 * sum(r * c * k for r, c, k in block_matrices(shapes[0])) / 2  # two blocks' slices at tp2
+    big = Spec(tp=2, optim="muon", seq_len=64, bucket_mb=1.0)  # 2**18 fp32 elements: above 2 blocks', under 20
+    whole = 128 * 64  # the largest matrix (w1)
+    assert muon_tp_bucket_bytes(shapes[0], big, 2) == 4 * (step + step + whole)  # one bucket: the step's
+    assert muon_tp_bucket_bytes(shapes[1], big, 20) == 4 * 2 * 2 ** 18  # capped both ways
 
 
 @pytest.mark.slow

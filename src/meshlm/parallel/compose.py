@@ -172,7 +172,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
                 table.update(name, lambda pl: pl.shard_flat(seg.param_start, seg.param_end, u.comm.name))
     else:
         key = lambda n: reduction_of(n).key  # noqa: E731
-        opt = (MuonAdamW.local(named, cfg.optim, ctx.device, make_optimizer, muon, table, ctx.comm, key) if muon
+        opt = (MuonAdamW.local(named, cfg.optim, ctx.device, make_optimizer, muon, table, ctx.comm, key,
+                               int(cfg.parallel.bucket_mb * 2 ** 20)) if muon
                else make_optimizer(named, cfg.optim, ctx.device, group_key=key))
         grads = GradBuckets(opt.params, [reduction_of(n) for n in opt.names],
                             int(cfg.parallel.bucket_mb * 2 ** 20), reduce_dtype, opt.groups)

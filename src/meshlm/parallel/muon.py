@@ -10,8 +10,9 @@ parallelism (a `DimSplit` of one of its last two dimensions, from the placement 
 the split's ranks (`deal`: round-robin in order of decreasing NS cost, so the ranks' NS work differs
 by at most one matrix's), and each is orthogonalised by its owner alone: one all-to-all sends every
 owner the slices of its matrices, the owner joins and orthogonalises them, and the mirrored all-to-all
-returns each rank the slices of the results (`owner_exchange`, one pair per step; zero/muon.py runs the
-same exchange over the shard group). Stacked expert weights [E, rows, cols] are orthogonalised per
+returns each rank the slices of the results (`owner_exchange`; zero/muon.py runs the same exchange over
+the shard group). Without ZeRO the split matrices travel in buckets of consecutive matrices (`buckets`,
+one all-to-all pair each, the deal kept whole-step), so the exchange holds one bucket at a time. Stacked expert weights [E, rows, cols] are orthogonalised per
 expert (a batched Newton-Schulz over the experts this rank holds: the expert dimension's split over ep
 needs no gathering). Which parameters are Muon's comes from the model plan (`muon_params`); this
 module knows no model names.
@@ -155,25 +156,67 @@ class Orthogonaliser:
         return torch.cat([whole.narrow(s.dim, (r // rep) * s.chunk, s.chunk).reshape(-1) for r in range(ranks)])
 
 
-class SplitExchange:
-    """Newton-Schulz for matrices split over one `Comm`, each on one owner (`owners`, from `deal`):
-    `at[k]` is where item k's update goes in the buffer `__call__` takes, which it overwrites with the
-    results for this rank's slices."""
+def buckets(sizes: list[int], owners: list[int], n: int, cap: int | None) -> list[list[int]]:
+    """Consecutive runs of items (`sizes`: elements of each on every rank, `owners` from `deal`) such that
+    a run's send buffer (the sizes) stays within max(cap, the largest size) and every owner's receive
+    buffer (n x the size of each of its items) within max(cap, the largest whole item): the largest
+    matrix forces those two anyway. The same on every rank; cap None: one run."""
+    if cap is None or not sizes:
+        return [list(range(len(sizes)))]
+    send_cap, recv_cap = max(cap, max(sizes)), max(cap, n * max(sizes))
+    out, send, recv = [[]], 0, [0] * n
+    for k, (sz, o) in enumerate(zip(sizes, owners, strict=True)):
+        if out[-1] and (send + sz > send_cap or recv[o] + n * sz > recv_cap):
+            out.append([])
+            send, recv = 0, [0] * n
+        out[-1].append(k)
+        send += sz
+        recv[o] += n * sz
+    return out
 
-    def __init__(self, orthos: list[Orthogonaliser], owners: list[int]):
+
+class Bucket(NamedTuple):
+    """Items exchanged together (indices into SplitExchange.orthos) and their route (items renumbered 0..)."""
+    items: list[int]
+    route: Route
+
+
+class SplitExchange:
+    """Newton-Schulz for matrices split over one `Comm`, each on one owner (`owners`, from `deal` over
+    all of them), in `buckets` of at most `cap_bytes` (fp32; None: one bucket), one all-to-all pair each."""
+
+    def __init__(self, orthos: list[Orthogonaliser], owners: list[int], cap_bytes: int | None = None):
         comms = {o.split.comm for o in orthos}
         if len(comms) > 1:
             raise ValueError(f"Muon: matrices split over several groups {sorted(comms)}; one at most")
-        self.orthos, self.comm = orthos, orthos[0].comm
-        self.route = plan_route(owners, lambda k, r: orthos[k].numel, self.comm.size, self.comm.rank)
-        self.at, self.size = self.route.at, sum(self.route.send)
+        self.orthos, self.owners, self.comm = orthos, owners, orthos[0].comm
+        n, me = self.comm.size, self.comm.rank
+        sizes = [o.numel for o in orthos]
+        cap = None if cap_bytes is None else cap_bytes // 4
+        self.buckets = [Bucket(items, plan_route([owners[k] for k in items], lambda j, r, items=items: sizes[items[j]],
+                                                 n, me)) for items in buckets(sizes, owners, n, cap)]
 
-    def _work(self, items: list[int], pieces: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    def buffer_bytes(self) -> int:
+        """The largest bucket's send and receive buffers together, fp32, on this rank."""
+        return max(4 * (sum(b.route.send) + sum(b.route.recv)) for b in self.buckets)
+
+    def _work(self, b: Bucket, js: list[int], pieces: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         n = self.comm.size
-        return [self.orthos[k].cut(self.orthos[k](self.orthos[k].join(p)), n) for k, p in zip(items, pieces)]
+        return [self.orthos[k].cut(self.orthos[k](self.orthos[k].join(p)), n)
+                for k, p in zip((b.items[j] for j in js), pieces)]
 
-    def __call__(self, buf: torch.Tensor) -> None:
-        owner_exchange(self.comm, self.route, buf, self._work)
+    def run(self, fill: Callable, use: Callable, device: torch.device) -> None:
+        """Per bucket: fill(k, view) writes item k's update into its flat view of the bucket's fresh fp32
+        buffer; after the exchange use(k, view) reads the results for this rank's slices there."""
+        for b in self.buckets:
+            buf = torch.empty(sum(b.route.send), dtype=torch.float32, device=device)
+            views = [buf[a:a + self.orthos[k].numel] for k, a in zip(b.items, b.route.at)]
+            for k, v in zip(b.items, views):
+                fill(k, v)
+            owner_exchange(self.comm, b.route, buf, lambda js, pieces, b=b: self._work(b, js, pieces))
+            for k, v in zip(b.items, views):
+                use(k, v)
+            del buf, views
 
 
 def nesterov_(momentum: torch.Tensor, grad: torch.Tensor, beta: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -187,7 +230,8 @@ class LocalMuon:
     fp32), momentum and its view of a DP gradient buffer (`bind_grads`)."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], cfg: OptimConfig, table: PlacementTable,
-                 comm_of: Callable, group_key: Callable[[str], Hashable] | None = None):
+                 comm_of: Callable, group_key: Callable[[str], Hashable] | None = None,
+                 bucket_bytes: int | None = None):
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
@@ -195,9 +239,9 @@ class LocalMuon:
         self.ortho = [Orthogonaliser(tuple(p.shape), table[n], comm_of, cfg.muon_ns_steps) for n, p in named]
         self.split = [i for i, o in enumerate(self.ortho) if o.split]  # orthogonalised by one owner each
         self.exchange = None
-        if self.split:
+        if self.split:  # the deal over all of them; the buckets only bound the buffers
             orthos = [self.ortho[i] for i in self.split]
-            self.exchange = SplitExchange(orthos, deal([o.flops for o in orthos], orthos[0].comm.size))
+            self.exchange = SplitExchange(orthos, deal([o.flops for o in orthos], orthos[0].comm.size), bucket_bytes)
         self.grads: list[torch.Tensor | None] = [None] * len(named)
         key = group_key or (lambda name: None)
         self.groups = flat_groups([key(n) for n in self.names], [p.numel() for p in self.params])
@@ -212,19 +256,23 @@ class LocalMuon:
                 off += n
 
     def step(self, lr: float, cfg: OptimConfig) -> None:
-        """The split matrices' updates go through one owner exchange; the others are orthogonalised here."""
-        updates: list[torch.Tensor | None] = [None] * len(self.params)
+        """The split matrices' updates go through the owner exchange a bucket at a time, each applied
+        before the next bucket's buffer exists; the others are orthogonalised here."""
+        def fill(k: int, v: torch.Tensor) -> None:
+            i = self.split[k]
+            nesterov_(self.momenta[i], self.grads[i], cfg.muon_momentum, out=v.view(self.masters[i].shape))
+
+        def use(k: int, v: torch.Tensor) -> None:
+            self._apply(self.split[k], v.view(self.masters[self.split[k]].shape), lr, cfg)
         if self.exchange is not None:
-            buf = torch.empty(self.exchange.size, dtype=torch.float32, device=self.masters[0].device)
-            for k, i in enumerate(self.split):
-                at, n = self.exchange.at[k], self.masters[i].numel()
-                updates[i] = nesterov_(self.momenta[i], self.grads[i], cfg.muon_momentum,
-                                       out=buf[at:at + n].view(self.masters[i].shape))
-            self.exchange(buf)
-        for i, (master, mom, grad, ortho) in enumerate(zip(self.masters, self.momenta, self.grads, self.ortho)):
-            update = updates[i] if ortho.split else ortho(nesterov_(mom, grad, cfg.muon_momentum))
-            master.mul_(1.0 - lr * cfg.weight_decay).add_(update, alpha=-lr)
+            self.exchange.run(fill, use, self.masters[0].device)
+        for i, (mom, grad, ortho) in enumerate(zip(self.momenta, self.grads, self.ortho)):
+            if not ortho.split:
+                self._apply(i, ortho(nesterov_(mom, grad, cfg.muon_momentum)), lr, cfg)
         self.publish()
+
+    def _apply(self, i: int, update: torch.Tensor, lr: float, cfg: OptimConfig) -> None:
+        self.masters[i].mul_(1.0 - lr * cfg.weight_decay).add_(update, alpha=-lr)
 
     def orthogonalisers(self) -> list[tuple[str, Orthogonaliser]]:
         """Every Muon matrix's Orthogonaliser (their `runs`: the Newton-Schulz calls on this rank)."""
@@ -268,10 +316,12 @@ class MuonAdamW:  # implements parallel.adamw.Optimizer
     @classmethod
     def local(cls, named: list[tuple[str, nn.Parameter]], cfg: OptimConfig, device: torch.device,
               make_optimizer: Callable, muon: set[str], table: PlacementTable, comm_of: Callable,
-              group_key: Callable[[str], Hashable] | None = None) -> "MuonAdamW":
-        """Without ZeRO: `make_optimizer` (train/optim.MasterOptimizer) on the parameters outside `muon`."""
+              group_key: Callable[[str], Hashable] | None = None, bucket_bytes: int | None = None) -> "MuonAdamW":
+        """Without ZeRO: `make_optimizer` (train/optim.MasterOptimizer) on the parameters outside `muon`;
+        `bucket_bytes`: the cap of the tp exchange's buckets (parallel.bucket_mb; None: one bucket)."""
         adamw = make_optimizer([(n, p) for n, p in named if n not in muon], cfg, device, group_key=group_key)
-        return cls(adamw, LocalMuon([(n, p) for n, p in named if n in muon], cfg, table, comm_of, group_key), cfg)
+        return cls(adamw, LocalMuon([(n, p) for n, p in named if n in muon], cfg, table, comm_of, group_key,
+                                    bucket_bytes), cfg)
 
     def bind_grads(self, flat_grads: list[torch.Tensor]) -> None:
         """The gradient buffers of `groups`, in order: AdamW's first, then Muon's."""

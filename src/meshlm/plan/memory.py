@@ -456,7 +456,8 @@ def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, 
         base += head_units * tokens * head_saved + tokens * loss_buf
     base += dense_mask_bytes(mb, seq_len, attn_mask, cp, cp_impl)
     if optimizer == "muon":
-        delta, buf = muon_memory(shape, Spec(dp=dp, tp=tp, cp=cp, ep=ep, zero=zero, zero_group=n), spp.layers)
+        delta, buf = muon_memory(shape, Spec(dp=dp, tp=tp, cp=cp, ep=ep, zero=zero, zero_group=n, bucket_mb=bucket_mb),
+                                 spp.layers)
         optim_bytes, base = optim + delta, base + buf
     else:
         optim_bytes = optim
@@ -513,12 +514,43 @@ def muon_memory(shape: Shape, s: Spec, layers: int) -> tuple[float, float]:
     block = sum(r * c * k for r, c, k in mats) / s.tp  # one block's Muon elements on this TP rank
     n = muon_shard_group(s)
     state = -4 * layers * block / n  # one momentum for Adam's two moments, on this rank's shard under ZeRO
-    r, c, k = max(mats, key=lambda x: x[0] * x[1] * (x[2] if x[2] > 2 else 1))
+    r, c, batch = _largest_matrix(mats)
     m = min(r, c)
-    batch = k if k > 2 else 1  # stacked experts are orthogonalised together
     buf = 4 * batch * (2 * r * c + 2 * m * m)
     if s.zero and n > 1:  # a block's pieces to their owners (its shard) and the owner's matrices (>= the largest)
         buf += 4 * (block / n + max(block / n, batch * r * c / s.tp))
-    if s.tp > 1:  # the owner exchange over tp: this rank's slices, its owned matrices' (a step's; under ZeRO a block's)
-        buf += 8 * (block / n if s.zero and n > 1 else layers * block)
+    if s.tp > 1:  # the owner exchange over tp: this rank's slices, its owned matrices' (under ZeRO a block's)
+        buf += 8 * block / n if s.zero and n > 1 else muon_tp_bucket_bytes(shape, s, layers)
     return state, buf
+
+
+def _largest_matrix(mats: list[tuple[int, int, float]]) -> tuple[int, int, float]:
+    """(rows, cols, batch) of the largest tensor NS runs on: stacked experts are orthogonalised together."""
+    r, c, k = max(mats, key=lambda x: x[0] * x[1] * (x[2] if x[2] > 2 else 1))
+    return r, c, k if k > 2 else 1
+
+
+@lru_cache(maxsize=4096)
+def muon_tp_buckets(shape: Shape, tp: int, ep: int, bucket_mb: float, layers: int) -> int:
+    """Without ZeRO: how many buckets the tp owner exchange packs a step's split matrices into, filling
+    each to max(bucket_mb, the largest slice) in block order (the runtime's receive limit left out)."""
+    mats = block_matrices(shape, ep)
+    sizes = [r * c / tp for r, c, k in mats for _ in range(max(1, round(k)))] * layers
+    cap, out, at = max(bucket_mb * MIB / 4, max(sizes)), 1, 0.0
+    for sz in sizes:
+        if at and at + sz > cap:
+            out, at = out + 1, 0.0
+        at += sz
+    return out
+
+
+def muon_tp_bucket_bytes(shape: Shape, s: Spec, layers: int) -> float:
+    """Without ZeRO: the largest bucket of the tp owner exchange (parallel/muon.py `buckets`), its send
+    buffer (this rank's slices: within max(bucket_mb, the largest slice), at most the step's) and its
+    receive buffer (the whole matrices this rank owns: within max(bucket_mb, the largest matrix), at
+    most about the step's share, a slice per matrix, plus one matrix), fp32."""
+    mats = block_matrices(shape, s.ep)
+    step = layers * sum(r * c * k for r, c, k in mats) / s.tp
+    r, c, batch = _largest_matrix(mats)
+    whole, cap = batch * r * c, s.bucket_mb * MIB / 4
+    return 4 * (min(step, max(cap, whole / s.tp)) + min(step + whole, max(cap, whole)))

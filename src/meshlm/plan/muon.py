@@ -6,8 +6,8 @@ terms live in memory.py (`muon_memory`), which this module's GEMM pricing (ops.p
   matrix (a block's stacked experts at once) with Newton-Schulz's iterate and Gram matrices, and under
   ZeRO a block's pieces on their way to the owners (this rank's shard of its Muon matrices) and the
   owner's matrices (a 1/n share, at least the largest), fp32; under TP the owner exchange's buffers
-  (this rank's slices of the split updates and the slices of the matrices it owns: a step's, under ZeRO
-  a block's owned 1/n).
+  (this rank's slices of the split updates and the slices of the matrices it owns: one bucket's,
+  `memory.muon_tp_bucket_bytes`; under ZeRO a block's owned 1/n).
 - time: 5 quintic iterations per matrix, each (m×n)(n×m), (m×m)(m×m), (m×m)(m×n) GEMMs with m = min
   side, at the fp32 GEMM rate (`ops.gemm_seconds`). Each matrix is orthogonalised on one rank: the
   runtime deals a stage's matrices round-robin in order of decreasing cost over tp (the TP-split ones)
@@ -15,8 +15,9 @@ terms live in memory.py (`muon_memory`), which this module's GEMM pricing (ops.p
   first of that deal (`ns_share`: whole matrices counted singly, a MoE block's stacked experts as their
   experts). A kv matrix that one kv head leaves unsplit runs on every TP rank.
 - traffic, once per step after backward (nothing hides it): TP sends each owner the slices of its
-  matrices and returns the results, two all-to-alls over tp of this rank's slices of every TP-split
-  update (fp32; under ZeRO per block, of the matrices this rank owns in the shard group); ZeRO runs two
+  matrices and returns the results, two all-to-alls over tp per bucket (`memory.muon_tp_buckets`) of
+  this rank's slices of every TP-split update (fp32; under ZeRO per block, of the matrices this rank
+  owns in the shard group); ZeRO runs two
   all-to-alls per block over the shard group, each carrying this rank's shard of the block's Muon
   matrices in fp32 (to the owners, and the results back; (n-1)/n of it crosses a link).
   Expert matrices count over the same group as the dense ones, as `comm.collectives` counts ZeRO's.
@@ -26,7 +27,7 @@ from __future__ import annotations
 from . import comm as C
 from .hardware import GPU
 from .ops import gemm_seconds
-from .memory import block_matrices, muon_shard_group
+from .memory import block_matrices, muon_shard_group, muon_tp_buckets
 from .spec import Shape, Spec
 
 NS_STEPS = 5  # optim.muon_ns_steps' default
@@ -73,7 +74,7 @@ def muon_step(shape: Shape, s: Spec, layers: int, gpu: GPU | None,
     colls = []
     if s.tp > 1:  # this rank's slices to the owners and the results back; under ZeRO per block, its owned 1/n
         local = 4 * layers * sum(r * c * k for r, c, k in mats) / s.tp / n
-        calls = 2 * (layers if s.zero and n > 1 else 1)
+        calls = 2 * (layers if s.zero and n > 1 else muon_tp_buckets(shape, s.tp, s.ep, s.bucket_mb, layers))
         colls.append(C.make(gpu, "tp", "all_to_all", s.tp, 1, calls, 2 * local / calls, window="step",
                             per="step", comm_efficiency=comm_efficiency))
     if s.zero and n > 1:  # per block: this rank's shard of its Muon matrices to the owners, the results back

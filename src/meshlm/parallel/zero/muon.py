@@ -95,13 +95,10 @@ class ZeroMuon:
         """The owned matrices (this rank's tp slices, joined from the shard group's pieces) orthogonalised:
         those TP splits through one exchange over tp, the others here."""
         whole = {k: torch.cat(p) for k, p in zip(items, pieces)}
-        if x.tp is not None:
-            buf = torch.empty(x.tp.size, dtype=torch.float32, device=x.master.device)
-            for j, k in enumerate(x.tp_items):
-                buf[x.tp.at[j]:x.tp.at[j] + whole[k].numel()] = whole[k]
-            x.tp(buf)
-            for j, k in enumerate(x.tp_items):
-                whole[k] = buf[x.tp.at[j]:x.tp.at[j] + whole[k].numel()]
+        if x.tp is not None:  # one bucket: a unit's owned matrices
+            def take(j: int, v: torch.Tensor) -> None:
+                whole[x.tp_items[j]] = v
+            x.tp.run(lambda j, v: v.copy_(whole[x.tp_items[j]]), take, x.master.device)
         return [whole[k] if x.orthos[k].split else x.orthos[k](whole[k].view(x.orthos[k].local_shape)).reshape(-1)
                 for k in items]
 
