@@ -37,6 +37,7 @@ def attention_task(impl: str, heads: int, kv_heads: int, seq: int, seed: int):
     """This rank's output and q/k/v gradients of the CP core vs full causal SDPA, and the work count."""
     from meshlm.model.llama import AttentionCore
     from meshlm.parallel.context_parallel import RingAttentionCore, UlyssesAttentionCore, cp_split
+    from meshlm.parallel.cp_allgather import AllGatherAttentionCore, CausalRows
     world = int(os.environ["WORLD_SIZE"])
     _, ctx = _context(make_config(parallel__cp=world, parallel__cp_impl=impl, data__seq_len=seq))
     comm = ctx.comm("cp")
@@ -50,7 +51,9 @@ def attention_task(impl: str, heads: int, kv_heads: int, seq: int, seed: int):
     split = cp_split(comm, impl)
     mine = [split.take(t, 2).requires_grad_() for t in (q, k, v)]
     counter = RingCounter()
-    core = RingAttentionCore(comm, counter=counter) if impl == "ring" else UlyssesAttentionCore(comm, AttentionCore())
+    core = (RingAttentionCore(comm, counter=counter) if impl == "ring" else
+            UlyssesAttentionCore(comm, AttentionCore()) if impl == "ulysses" else
+            AllGatherAttentionCore(comm, AttentionCore(), CausalRows(split)))
     out = core(*mine)
     out.backward(split.take(dout, 2))
     errs = [float((out - split.take(ref, 2)).abs().max())]
@@ -62,7 +65,8 @@ def attention_task(impl: str, heads: int, kv_heads: int, seq: int, seed: int):
 
 @pytest.mark.parametrize("impl,world,heads,kv", [("ring", 2, 4, 4), ("ring", 4, 4, 2), ("ring", 4, 4, 1),
                                                  ("ulysses", 2, 4, 4), ("ulysses", 4, 4, 2),
-                                                 ("ulysses", 4, 8, 1)])
+                                                 ("ulysses", 4, 8, 1), ("allgather", 2, 4, 2),
+                                                 ("allgather", 4, 4, 1)])
 def test_core_matches_full_attention(pools, impl, world, heads, kv):
     res = pools(world).run(attention_task, impl, heads, kv, 32, 7)
     for rank, (errs, _) in enumerate(res):
@@ -131,6 +135,10 @@ BYTES_CASES = [
     (4, {"parallel__cp": 4, "parallel__cp_impl": "ulysses", "model__n_kv_heads": 2}),
     (2, {"parallel__cp": 2, "parallel__cp_impl": "ulysses", "training__ac": "full"}),
     (4, {"parallel__cp": 2, "parallel__tp": 2, "parallel__sp": True}),
+    (2, {"parallel__cp": 2, "parallel__cp_impl": "allgather", "model__n_kv_heads": 2}),
+    (4, {"parallel__cp": 4, "parallel__cp_impl": "allgather", "model__n_kv_heads": 1, "training__ac": "full"}),
+    (2, {"parallel__cp": 2, "parallel__cp_impl": "allgather", "training__precision": "bf16"}),
+    (4, {"parallel__cp": 2, "parallel__tp": 2, "parallel__sp": True, "parallel__cp_impl": "allgather"}),
 ]
 
 
@@ -166,6 +174,20 @@ ROWS = [
                                 "parallel__pp_virtual": 2}),
     ("pp2-cp2-tied-ulysses", 4, {"parallel__pp": 2, "parallel__cp": 2, "parallel__cp_impl": "ulysses",
                                  "model__tie_embeddings": True}),
+    ("cp2-allgather-gqa", 2, {"parallel__cp": 2, "parallel__cp_impl": "allgather", "model__n_kv_heads": 2}),
+    ("cp4-allgather-kv1-ac-selective", 4, {"parallel__cp": 4, "parallel__cp_impl": "allgather",
+                                           "model__n_kv_heads": 1, "training__ac": "selective"}),
+    ("cp2-allgather-ac-full-accum", 2, {"parallel__cp": 2, "parallel__cp_impl": "allgather", "training__ac": "full",
+                                        "training__micro_batch": 1}),
+    ("dp2-cp2-allgather-zero3", 4, {"parallel__dp": 2, "parallel__cp": 2, "parallel__cp_impl": "allgather",
+                                    "parallel__zero": 3}),
+    ("cp2-tp2-sp-allgather", 4, {"parallel__cp": 2, "parallel__tp": 2, "parallel__sp": True,
+                                 "parallel__cp_impl": "allgather"}),
+    ("pp2-cp2-allgather-interleaved", 4, {"parallel__pp": 2, "parallel__cp": 2, "parallel__cp_impl": "allgather",
+                                          "parallel__pp_schedule": "interleaved", "parallel__pp_virtual": 2}),
+    ("cp2-allgather-bf16", 2, {"parallel__cp": 2, "parallel__cp_impl": "allgather", "training__precision": "bf16"}),
+    ("cp2-allgather-compile", 2, {"parallel__cp": 2, "parallel__cp_impl": "allgather", "training__compile": True,
+                                  "training__steps": 4}),
     ("cp2-bf16", 2, {"parallel__cp": 2, "training__precision": "bf16"}),
     ("cp2-ulysses-bf16", 2, {"parallel__cp": 2, "parallel__cp_impl": "ulysses", "training__precision": "bf16"}),
     ("cp2-compile", 2, {"parallel__cp": 2, "training__compile": True, "training__steps": 4}),
@@ -189,7 +211,7 @@ def _eval_losses(run_dir: str) -> list[float]:
         return [json.loads(line)["eval_loss"] for line in f if "eval_loss" in line]
 
 
-@pytest.mark.parametrize("impl", ["ring", "ulysses"])
+@pytest.mark.parametrize("impl", ["ring", "ulysses", "allgather"])
 def test_eval_loss_is_the_full_sequence_mean(pools, impl):
     """The held-out loss (eval batches sized micro_batch × dp: dp = 1 here, as in one process)."""
     from harness import train_case
@@ -218,7 +240,8 @@ def test_eval_loss_is_the_full_sequence_mean(pools, impl):
      "parallel.sp: each CP rank's 18 tokens are not divisible by tp 4"),
     (4, {"parallel__cp": 4, "parallel__cp_impl": "ulysses", "model__n_heads": 12, "model__n_kv_heads": 6,
          "model__dim": 96}, "model.n_kv_heads: ulysses needs the 6 kv heads"),
-    (2, {"parallel__cp": 2, "parallel__cp_impl": "zigzag"}, "parallel.cp_impl: 'zigzag' is not one of ring, ulysses"),
+    (2, {"parallel__cp": 2, "parallel__cp_impl": "zigzag"}, "parallel.cp_impl: 'zigzag' is not one of ring, ulysses, allgather"),
+    (2, {"parallel__cp": 2, "parallel__cp_impl": "allgather", "data__seq_len": 30}, "data.seq_len: 30 is not divisible by 4"),
 ])
 def test_bad_cp_input_is_refused_in_one_line(world, overrides, msg):
     cfg = make_config(**overrides)

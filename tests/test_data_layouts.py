@@ -68,6 +68,12 @@ CASES = [
     ("flex-tp2-sp", 2, {**FLEX, "parallel__tp": 2, "parallel__sp": True}),
     ("flex-pp2-zbh1-ac-selective", 2, {**FLEX, "parallel__pp": 2, "parallel__pp_schedule": "zb-h1",
                                        "training__ac": "selective"}),
+    ("mask-cp2-allgather", 2, {**MASK, "parallel__cp": 2, "parallel__cp_impl": "allgather"}),
+    ("mask-cp2-allgather-gqa-ac-full", 2, {**MASK, "parallel__cp": 2, "parallel__cp_impl": "allgather",
+                                           "model__n_kv_heads": 2, "training__ac": "full"}),
+    ("mask-cp2-allgather-tp2-sp", 4, {**MASK, "parallel__cp": 2, "parallel__cp_impl": "allgather",
+                                      "parallel__tp": 2, "parallel__sp": True}),
+    ("mask-pp2-cp2-allgather", 4, {**MASK, "parallel__pp": 2, "parallel__cp": 2, "parallel__cp_impl": "allgather"}),
     ("mix-dp2", 2, {**MIX, "parallel__dp": 2}),
     ("mix-zero3-dp4", 4, {**MIX, "parallel__dp": 4, "parallel__zero": 3}),
     ("mix-tp2-pp2", 4, {**MIX, "parallel__tp": 2, "parallel__pp": 2}),
@@ -87,6 +93,9 @@ def test_data_layout_matches_one_process(pools, corpora, name, world, overrides)
     ref = _reference(corpora, o)
     got = run_local(make_config(**o)) if world == 1 else run_layout(pools, make_config(**o), world)
     assert_same_losses(ref, got, 1e-5)
+    if "parallel__cp" in o:  # the mask matters on this data: the unmasked losses differ
+        plain = reference(**{k: v for k, v in o.items() if k in ("data__path", "model__n_kv_heads")})
+        assert abs(plain[0]["loss"] - got[0]["loss"]) > 1e-4, (plain[0]["loss"], got[0]["loss"])
     if "data__mix" in o:  # tokens drawn per source, logged every step
         n = len(ref)
         assert ref[-1]["data"] == {os.path.normpath(corpora["docs"]): n * 6 * 32,   # 0.7·8 -> 6 sequences
@@ -148,8 +157,13 @@ def test_attn_impl_resolves_and_refuses():
 def test_mixture_and_mask_refusals(corpora):
     from meshlm.layout import resolve
     cfg = make_config(**_cfg(corpora, {**MASK, "parallel__cp": 2}))
-    with pytest.raises(C.ConfigError, match="data.document_mask: not available with context parallelism"):
+    with pytest.raises(C.ConfigError, match="data.document_mask: not available with context parallelism") as e:
         resolve(cfg, 2)
+    assert "parallel.cp_impl = allgather" in str(e.value) and "\n" not in str(e.value)
+    cfg = make_config(**_cfg(corpora, {**MASK, "parallel__cp": 2, "parallel__cp_impl": "ulysses"}))
+    with pytest.raises(C.ConfigError, match="cp_impl = ulysses: its core takes no mask"):
+        resolve(cfg, 2)
+    resolve(make_config(**_cfg(corpora, {**MASK, "parallel__cp": 2, "parallel__cp_impl": "allgather"})), 2)
     cfg = make_config(**_cfg(corpora, {**MIX, "data__path": "$docs"}))
     with pytest.raises(C.ConfigError, match="give data.path or data.mix, not both"):
         resolve(cfg, 1)

@@ -77,14 +77,16 @@ def check_shape(args: ModelArgs, tp: int, pp: int, pp_virtual: int) -> None:
 
 
 def check_cp(args: ModelArgs, cp: int, impl: str, tp: int, sp: bool, seq_len: int) -> None:
-    """Context parallelism against the sequence and the heads (shared with the planner). Ring cuts each
-    sequence in 2·cp chunks (zig-zag); Ulysses in cp, and splits each TP rank's heads over cp."""
+    """Context parallelism against the sequence and the heads (shared with the planner). Ring and
+    allgather cut each sequence in 2·cp chunks (zig-zag); Ulysses in cp, and splits each TP rank's heads
+    over cp."""
     if cp == 1:
         return
-    chunks = 2 * cp if impl == "ring" else cp
+    zigzag = impl != "ulysses"
+    chunks = 2 * cp if zigzag else cp
     if seq_len % chunks:
         raise ConfigError(f"data.seq_len: {seq_len} is not divisible by {chunks} "
-                          f"({'2×cp: ring attention holds 2 chunks per rank' if impl == 'ring' else 'cp'})")
+                          f"({f'2×cp: {impl} attention holds 2 chunks per rank' if zigzag else 'cp'})")
     if sp and tp > 1 and (seq_len // cp) % tp:
         raise LayoutError(f"parallel.sp: each CP rank's {seq_len // cp} tokens are not divisible by tp {tp}")
     if impl == "ulysses":

@@ -66,8 +66,8 @@ def attn_kernel(cfg: Config) -> str:
     impl = cfg.model.attn_impl
     choose(impl, ATTN_IMPLS, "model.attn_impl", ConfigError)
     if impl == "flex" and cfg.parallel.cp > 1:
-        raise ConfigError("model.attn_impl: flex is not available with context parallelism (cp > 1): the ring "
-                          "and Ulysses cores run their own attention over key/value blocks; use sdpa or auto")
+        raise ConfigError("model.attn_impl: flex is not available with context parallelism (cp > 1): the ring, "
+                          "Ulysses and all-gather cores run their own attention; use sdpa or auto")
     if impl == "auto":
         return "flex" if cfg.data.document_mask and cfg.parallel.cp == 1 else "sdpa"
     return impl

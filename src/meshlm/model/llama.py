@@ -74,21 +74,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
-def document_mask(docs: torch.Tensor) -> torch.Tensor:
-    """[B, S] document ids -> [B, 1, S, S] boolean mask: causal, and never across documents (data.
-    document_mask). Positions are not restarted per document: RoPE scores depend only on the distance
-    between two tokens of one document, so a restart would change nothing (docs/data.md)."""
-    s = docs.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=docs.device).tril()
-    return (docs[:, None, :, None] == docs[:, None, None, :]) & causal
+def document_mask(docs: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, S] document ids -> [B, 1, R, S] boolean mask: causal, and never across documents (data.
+    document_mask), for the queries at positions `rows` [R] of the sequence (None: all of it; all-gather
+    context parallelism: this rank's tokens). Positions are not restarted per document: RoPE scores
+    depend only on the distance between two tokens of one document, so a restart would change nothing
+    (docs/data.md)."""
+    keys = torch.arange(docs.shape[1], device=docs.device)
+    rows = keys if rows is None else rows
+    causal = rows[:, None] >= keys[None, :]
+    return (docs[:, None, rows, None] == docs[:, None, None, :]) & causal
 
 
-def attention_mask(kernel: str, docs: torch.Tensor | None, seq: int, device: torch.device):
+def attention_mask(kernel: str, docs: torch.Tensor | None, seq: int, device: torch.device,
+                   positions: torch.Tensor | None = None):
     """The mask every block of one forward shares: None (causal SDPA), the dense document mask (SDPA),
-    or a FlexAttention BlockMask (causal, and inside one document when `docs` is given)."""
+    or a FlexAttention BlockMask (causal, and inside one document when `docs` is given). `docs` longer
+    than the `seq` tokens attended: they are the whole sequence's and the queries sit at `positions`."""
     if kernel == "flex":
         return flex_block_mask(docs, seq, device)
-    return None if docs is None else document_mask(docs)
+    if docs is None:
+        return None
+    return document_mask(docs, positions if docs.shape[1] > seq else None)
 
 
 class AttentionCore(nn.Module):
@@ -197,7 +204,8 @@ class Llama(nn.Module):
         else:
             cos, sin = cos[positions], sin[positions]
         # cos covers the positions attention sees (under SP more than this rank's shard of h)
-        mask = None if cache is not None else attention_mask(self.args.attn_kernel, docs, cos.shape[0], h.device)
+        mask = None if cache is not None else attention_mask(self.args.attn_kernel, docs, cos.shape[0], h.device,
+                                                                positions)
         for key in self.layers if blocks is None else blocks:
             if cache is not None:
                 h = self.layers[key](h, cos, sin, cache.layers[key])

@@ -14,6 +14,8 @@ the loss) runs on this rank's tokens unchanged. Two cores (parallel.cp_impl):
 - ulysses (DeepSpeed-Ulysses): an all-to-all swaps the sequence split for a head split, each rank
   attends over the full sequence for H/c heads, and a second all-to-all swaps back. Contiguous split
   (rank i holds chunk i of c): a full-sequence attention is balanced already.
+- allgather (Llama 3): k and v all-gathered, local queries against the whole sequence, any mask
+  (parallel/cp_allgather.py). The ring's zig-zag split.
 
 Per-block attention goes through a kernel that returns its log-sum-exp: on CUDA torch's fused flash
 (bf16/fp16) or memory-efficient (fp32) ops, on CPU a plain implementation. Positions: each rank applies
@@ -303,20 +305,26 @@ class ContextParallel:
 
 
 def cp_split(comm: Comm, impl: str) -> CPSplit:
-    return CPSplit(comm.size, comm.rank, impl == "ring")
+    return CPSplit(comm.size, comm.rank, impl != "ulysses")
 
 
 def apply_context_parallel(model: nn.Module, comm: Comm, impl: str, plan, sp: bool) -> ContextParallel:
     """Swap every attention core for the CP one (after activation checkpointing: a CP core saves only
     q, k, v, the output and its log-sum-exp, so selective AC leaves it alone) and, unless SP's hook
     does it (composed with this split), pass each rank's true positions to the model."""
+    from .cp_allgather import AllGatherAttentionCore, CausalRows, gather_docs_hook
     from .tensor_parallel import positions_hook
 
     cp = ContextParallel(comm, cp_split(comm, impl), impl)
+    causal = CausalRows(cp.split)
     for parent, attr in plan.attention_cores(model):
         inner = getattr(parent, attr)
         inner = getattr(inner, "_wrapped", inner)  # a selective-AC wrapper: the plain core inside
-        setattr(parent, attr, RingAttentionCore(comm) if impl == "ring" else UlyssesAttentionCore(comm, inner))
+        core = (RingAttentionCore(comm) if impl == "ring" else UlyssesAttentionCore(comm, inner) if impl == "ulysses"
+                else AllGatherAttentionCore(comm, inner, causal))
+        setattr(parent, attr, core)
+    if impl == "allgather":
+        model.register_forward_pre_hook(gather_docs_hook(comm), with_kwargs=True)
     if not sp:
         model.register_forward_pre_hook(positions_hook(1, plan, cp.split), with_kwargs=True)
     return cp

@@ -112,6 +112,8 @@ def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first:
         for kind, calls, nbytes in by_kind(tp_traffic(a, tokens, layers, first, last, sq, s.ac, e, pb, moe_ffn)
                                            + tp_weight_traffic(a, t, layers, pb)):
             add("tp", kind, t, 1, calls * m, nbytes / calls)
+    # the ring's sends hide behind its block attention; Ulysses' all-to-alls and allgather's gather and
+    # reduce-scatter sit on the critical path (the attention waits for them)
     for kind, calls, nbytes in by_kind(cp_traffic(a, tokens, layers, cp, s.cp_impl, t, s.ac, e)):
         add("cp", kind, cp, t, calls * m, nbytes / calls, window="attention" if kind == "p2p" else "none")
     if s.ep > 1:  # per MoE block: tokens out and back in forward (again under full AC), both in backward;

@@ -113,7 +113,8 @@ def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes:
     the log-sum-exp whatever the kernel and AC mode (the ring's custom Function; Ulysses' inner fused
     attention), so the attention term is the fused one. Under Ulysses k and v count max(kv heads, cp)
     heads (kv heads fewer than cp are repeated before the all-to-all) and wo's input is the all-to-all's
-    output, not a view of the attention output: one more e·d/t. Selective AC leaves that core alone.
+    output, not a view of the attention output: one more e·d/t. Under allgather the attention saves
+    the gathered k and v of the whole sequence (cp × the local ones). Selective AC leaves that core alone.
     MoE blocks: the routed experts keep gate, up, silu(gate) and the product (4·e·F'/t, 3 under
     selective) for each routed copy, the router its gathered input (e·d) instead of the norm output
     shard. Measured against saved-tensor hooks in tests/test_plan_vs_measured.py.
@@ -131,8 +132,8 @@ def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes:
     if cp > 1:
         if cp_impl == "ulysses":  # the all-to-all back makes wo's input a tensor of its own (+e·q)
             attn = e * (3 * dq + 2 * max(_ceil(a.n_kv_heads, t), cp) * a.head_dim) + 4 * hq
-        else:
-            attn = e * (2 * dq + 2 * kvd) + 4 * hq
+        else:  # ring: the local k, v; allgather: the gathered ones
+            attn = e * (2 * dq + 2 * kvd * (cp if cp_impl == "allgather" else 1)) + 4 * hq
     elif ac == "selective":
         attn = e * (2 * dq + 2 * kvd)
     elif flash or compiled or ac == "op":
@@ -295,20 +296,30 @@ def head_bytes(a, t: int, dsp: float, e: int, compiled: bool, chunks: int = 0) -
     return norm_head + 4 * vocab_real(a, t), (vocab_real(a, t) + vocab_rows(a, t)) * 4
 
 
-def dense_mask_bytes(micro_batch: int, seq_len: int) -> float:
-    """The [B, 1, S, S] boolean document mask SDPA is given (model.attn_impl = "sdpa"), held for the
-    micro-batch's forward and backward; flex's BlockMask is a few index tensors per block row."""
-    return float(micro_batch) * seq_len * seq_len
+def dense_mask_bytes(micro_batch: int, seq_len: int, attn_mask: str = "dense", cp: int = 1,
+                     cp_impl: str = "ring") -> float:
+    """The boolean mask SDPA is given, held for the micro-batch's forward and backward: the [B, 1, S, S]
+    document mask (model.attn_impl = "sdpa"); under allgather CP its rows are this rank's S/cp queries,
+    and without documents the core's causal rows [S/cp, S] (shared by the batch). Flex's BlockMask is a
+    few index tensors per block row; other causal attention takes no mask."""
+    rows = seq_len / cp if cp > 1 and cp_impl == "allgather" else seq_len
+    if attn_mask == "dense":
+        return float(micro_batch) * rows * seq_len
+    return rows * seq_len if rows < seq_len else 0.0
 
 
 def cp_buffer_bytes(a, t: int, cp: int, impl: str, e: int) -> float:
     """Transient bytes per local token of one CP attention core in backward (the larger pass). Ring:
     the k,v block held and the one arriving (4·e·kv), the fp32 dk,dv accumulator held and arriving
-    (16·kv) and the fp32 dq (4·q). Ulysses: send and receive buffers of q, k, v (2·e·(q + 2·kv'))."""
+    (16·kv) and the fp32 dq (4·q). Ulysses: send and receive buffers of q, k, v (2·e·(q + 2·kv')).
+    Allgather: dk,dv of the whole sequence and their rank-order copy for the reduce-scatter (2·2·e·c·kv)
+    and its output (2·e·kv)."""
     kvd = _ceil(a.n_kv_heads, t) * a.head_dim
     dq = a.n_heads // t * a.head_dim
     if impl == "ring":
         return (4 * e + 16) * kvd + 4 * dq
+    if impl == "allgather":
+        return 2 * e * kvd * (2 * cp + 1)
     return 2 * e * (dq + 2 * max(_ceil(a.n_kv_heads, t), cp) * a.head_dim)
 
 
@@ -387,8 +398,9 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
         buffers["hpz_secondary"] = state_bytes_per_param(s.precision)[0] * (sp.dense + sp.expert) / s.hpz_group
     if s.zero >= 3 and s.quantize_weights:  # qwZ: the int8 rows of one unit's gather
         buffers["qwz_int8"] = packed_bytes(int(sp.unit))
-    if attn_mask == "dense":
-        buffers["attn_mask"] = dense_mask_bytes(s.micro_batch, s.seq_len)
+    mask = dense_mask_bytes(s.micro_batch, s.seq_len, attn_mask, s.cp, s.cp_impl)
+    if mask:
+        buffers["attn_mask"] = mask
     if s.optim == "muon":  # optim.name = "muon" (plan/muon.py)
         delta, buffers["muon"] = muon_memory(shape, s, sp.layers)
         optim += delta
@@ -442,8 +454,7 @@ def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, 
         head_units = accum if (pp > 1 and schedule == "gpipe") else 1
         head_saved, loss_buf = head_bytes(a, tp, dsp, e, compiled, loss_chunks)
         base += head_units * tokens * head_saved + tokens * loss_buf
-    if attn_mask == "dense":
-        base += dense_mask_bytes(mb, seq_len)
+    base += dense_mask_bytes(mb, seq_len, attn_mask, cp, cp_impl)
     if optimizer == "muon":
         delta, buf = muon_memory(shape, Spec(dp=dp, tp=tp, cp=cp, ep=ep, zero=zero, zero_group=n, bucket_mb=bucket_mb),
                                  spp.layers)

@@ -62,14 +62,19 @@ def cp_traffic(args, tokens: float, layers: float, cp: int, impl: str, tp: int, 
       ring: forward (c-1) sends of k,v (2·e·T·kv each); backward (c-1) again and c sends of the fp32
             gradient accumulators dk,dv (2·4·T·kv); full AC runs the forward again.
       ulysses: all-to-alls of q, k, v and the output (e·T·(2q + 2kv')/4 each, kv' = max(kv heads, c) ×
-            head_dim: kv heads are repeated up to c), forward and backward; full AC adds a forward."""
+            head_dim: kv heads are repeated up to c), forward and backward; full AC adds a forward.
+      allgather: forward an all-gather of k,v (output c·2·e·T·kv), backward a reduce-scatter of dk,dv in
+            the activation dtype (input c·2·e·T·kv); full AC gathers again. Document masking adds one
+            all-gather of the int64 document ids per forward of a stage (8·c·T), not counted here."""
     if cp == 1:
         return []
     fwd = 2 if ac == "full" else 1
     hkv = max(1, args.n_kv_heads // tp)
+    kv = 2 * act_bytes * tokens * hkv * args.head_dim
     if impl == "ring":
-        kv = 2 * act_bytes * tokens * hkv * args.head_dim
         return [("p2p", layers * (cp - 1) * (fwd + 1), kv), ("p2p", layers * cp, kv * 4 / act_bytes)]
+    if impl == "allgather":
+        return [("all_gather", layers * fwd, cp * kv), ("reduce_scatter", layers, cp * kv)]
     qkvo = act_bytes * tokens * args.head_dim * (2 * (args.n_heads // tp) + 2 * max(hkv, cp))
     return [("all_to_all", 4 * layers * (fwd + 1), qkvo / 4)]
 
