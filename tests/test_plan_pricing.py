@@ -60,6 +60,21 @@ def test_config_keys_choose_the_mask():
         code_options(cfg)
 
 
+def test_allgather_cp_is_priced_with_the_dense_mask_it_passes():
+    """All-gather CP runs SDPA under a boolean mask with or without documents (not the causal flash
+    kernels): priced at the dense-mask rate over every key, so dearer than the ring's causal kernels."""
+    assert attention_mask(False, "auto", cp_allgather=True) == "dense"
+    assert attention_mask(True, "auto", cp_allgather=True) == "dense"
+    cfg = make_config(parallel__cp=2, parallel__cp_impl="allgather")
+    assert code_options(cfg)["attn_mask"] == "dense"
+    cfg.parallel.cp_impl = "ring"
+    assert code_options(cfg)["attn_mask"] == "causal"
+    spec = Spec(cp=2, micro_batch=16, ac="selective", seq_len=2048)
+    ring = _attn(Options(compiled=True), dataclasses.replace(spec, cp_impl="ring"))
+    gather = _attn(Options(compiled=True, attn_mask="dense"), dataclasses.replace(spec, cp_impl="allgather"))
+    assert gather > 2 * ring
+
+
 def test_moe_optimizer_and_accumulation_cover_every_parameter():
     """Only top_k experts run per token, but AdamW, clipping and the fp32 gradient accumulation touch
     all of them: those seconds do not depend on top_k, and equal bytes per parameter over HBM."""

@@ -176,10 +176,13 @@ def spec_from_config(cfg: Config, world: int) -> Spec:
                 quantize_grads=bool(p.quantize_grads), optim=cfg.optim.name)
 
 
-def attention_mask(document_mask: bool, attn_impl: str = "auto") -> str:
+def attention_mask(document_mask: bool, attn_impl: str = "auto", cp_allgather: bool = False) -> str:
     """How the attention kernel masks (ops.StageWork.attn_mask): model.attn_impl = "auto" runs flex
     with a document mask and SDPA's causal kernels without; "sdpa" with a document mask passes SDPA a
-    dense [B, 1, S, S] mask."""
+    dense [B, 1, S, S] mask. All-gather context parallelism always hands SDPA a dense boolean mask (its
+    queries sit at zig-zag positions: parallel/cp_allgather.py), with or without documents."""
+    if cp_allgather:
+        return "dense"
     if attn_impl == "flex" or (attn_impl == "auto" and document_mask):
         return "flex"
     return "dense" if document_mask else "causal"
@@ -194,8 +197,9 @@ def code_options(cfg: Config) -> dict:
     chunks = int(getattr(cfg.training, "loss_chunks", 0) or 0)
     if chunks < 0:
         raise PlanError(f"training.loss_chunks: must be >= 0 (0: off), got {chunks}")
+    allgather = cfg.parallel.cp > 1 and cfg.parallel.cp_impl == "allgather"
     return {"compiled": bool(_resolved(cfg, "compile")), "loss_chunks": chunks,
-            "attn_mask": attention_mask(bool(getattr(cfg.data, "document_mask", False)), impl)}
+            "attn_mask": attention_mask(bool(getattr(cfg.data, "document_mask", False)), impl, allgather)}
 
 
 def _choice(value, allowed, key):
