@@ -9,11 +9,13 @@ import dataclasses
 import pytest
 
 from harness import make_config
+from meshlm.config import ConfigError
 from meshlm.model.args import PRESETS
 from meshlm.plan.estimate import GRAD_ACCUM_BYTES, Options, estimate, optimizer_bytes_per_param
 from meshlm.plan.hardware import get_gpu
 from meshlm.plan.ops import causal_blocks
-from meshlm.plan.spec import PlanError, Shape, Spec, attention_mask, code_options
+from meshlm.plan.spec import (PlanError, Shape, Spec, attention_mask, code_options, spec_from_config,
+                               spec_of_layout)
 
 H100 = get_gpu("h100")
 ONE_B = Shape(PRESETS["llama3-1b"], "llama3-1b")
@@ -58,6 +60,25 @@ def test_config_keys_choose_the_mask():
     cfg.model.attn_impl = "xformers"
     with pytest.raises(PlanError, match="model.attn_impl"):
         code_options(cfg)
+
+
+def test_search_under_a_document_mask_runs_cp_with_the_allgather_core():
+    """A document mask runs under CP only through the all-gather core: the search gives every cp > 1
+    layout cp_impl = allgather, priced with the dense mask that core passes; a pinned ring finds nothing,
+    and `estimate` refuses the ring with the data section's own one-line reason."""
+    from meshlm.plan.search import plan
+    o = Options(compiled=True, attn_mask="flex")
+    res = plan(ONE_B, H100, 8, 8192, 64 * 8192, top=5, fixed={"cp": 2}, o=o)
+    assert res.ranked and {r["layout"]["cp_impl"] for r in res.ranked} == {"allgather"}
+    spec = spec_of_layout(res.ranked[0]["layout"])
+    dense = estimate(ONE_B, spec, H100, dataclasses.replace(o, attn_mask="dense"))
+    assert res.ranked[0]["step_s"] == pytest.approx(dense["step_s"])
+    assert res.ranked[0]["step_s"] > estimate(ONE_B, spec, H100, o)["step_s"]  # not priced as flex
+    none = plan(ONE_B, H100, 8, 8192, 64 * 8192, top=5, fixed={"cp": 2, "cp_impl": "ring"}, o=o)
+    assert not none.ranked and "a document mask under cp needs cp_impl = allgather" in none.reasons
+    cfg = make_config(parallel__cp=2, data__document_mask=True)
+    with pytest.raises(ConfigError, match="cp_impl = allgather"):
+        spec_from_config(cfg, 2)
 
 
 def test_allgather_cp_is_priced_with_the_dense_mask_it_passes():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import Counter
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -169,10 +170,22 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
     ranked = []
     for _, _, spec in best:
         check(shape, spec)  # the search's own checks must agree with the estimator's
-        ranked.append(estimate(shape, spec, gpu, o, validate=False))
+        ranked.append(estimate(shape, spec, gpu, cp_core(o, spec.cp, fx)[1], validate=False))
     ranked.sort(key=lambda r: (r["step_s"], r["per_gpu"]["total"]))
     counts["ranked_in_detail"] = len(ranked)
     return PlanResult(ranked[:top], counts, reasons, examples, time.perf_counter() - t0, G)
+
+
+def cp_core(o: Options, cp: int, fx: dict) -> tuple[str | None, Options]:
+    """(parallel.cp_impl, the options to price with) of a layout: with a document mask (`o.attn_mask`
+    not causal) only the all-gather core runs under CP, and it hands SDPA a dense mask
+    (spec.attention_mask); None: the pinned cp_impl takes no mask."""
+    impl = fx.get("cp_impl", "ring")
+    if cp == 1 or o.attn_mask == "causal":
+        return impl, o
+    if impl != "allgather" and "cp_impl" in fx:
+        return None, o
+    return "allgather", dataclasses.replace(o, attn_mask="dense")
 
 
 def _schedules(pp: int, n_layers: int, fx: dict) -> list[tuple[str, int]]:
@@ -237,7 +250,10 @@ def _layouts(ctx: _Search, deg: _Degrees) -> None:
     # nvme offload frees the same GPU memory as optimizer offload, only slower: searched only when fixed
     offs = [x for x in ("none", "optimizer", "nvme") if want("offload", x) and (x != "nvme" or fx.get("offload") == "nvme")
             and (x == "none" or ctx.optim != "muon")]  # Muon runs without offload
-    cp_impl = fx.get("cp_impl", "ring")
+    cp_impl, o = cp_core(o, cp, fx)
+    if cp_impl is None:
+        reject("a document mask under cp needs cp_impl = allgather")
+        return
     for (sched, v), split in ((sv, x) for sv in _schedules(pp, a.n_layers, fx)
                               for x in (_splits(a.n_layers, pp * sv[1], fx) if pp > 1 else [()])):
         for sp in sps:

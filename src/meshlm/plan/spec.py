@@ -159,6 +159,7 @@ def _resolved(cfg: Config, key: str):
 def spec_from_config(cfg: Config, world: int) -> Spec:
     """The layout a training config asks for on `world` GPUs (dp = -1 takes the ranks left over)."""
     p, t = cfg.parallel, cfg.training
+    cfg.data.check(cfg)  # what the data section refuses (a document mask under a CP core without masks)
     for key in ("tp", "pp", "cp", "ep", "pp_virtual"):
         if getattr(p, key) < 1:
             raise PlanError(f"parallel.{key}: must be >= 1, got {getattr(p, key)}")
