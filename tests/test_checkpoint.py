@@ -30,7 +30,7 @@ def _layout(spec: str) -> dict:
             out["parallel__sp"] = True
         elif tok == "offload":
             out["parallel__offload"] = "optimizer"
-        elif tok in ("ring", "ulysses"):
+        elif tok in ("ring", "ulysses", "allgather"):
             out["parallel__cp_impl"] = tok
         elif tok in ("1f1b", "zb-h1", "gpipe"):
             out["parallel__pp_schedule"] = tok
@@ -133,6 +133,7 @@ RESHARD_CASES = [
     ("cp2", "1proc"),
     ("1proc", "cp2 ulysses"),
     ("dp2 cp2 zero3", "cp2 tp2 sp"),
+    ("cp2 allgather", "dp2 zero1"),
 ]
 
 

@@ -84,6 +84,11 @@ CASES = [
     ("dp2-cp2-tp2-zero1", 8, {"parallel__dp": 2, "parallel__cp": 2, "parallel__tp": 2, "parallel__zero": 1}),
     ("pp2-cp2-tp2-sp-ulysses", 8, {"parallel__pp": 2, "parallel__cp": 2, "parallel__tp": 2, "parallel__sp": True,
                                    "parallel__cp_impl": "ulysses"}),
+    # all-gather CP (Llama 3's): alone with GQA, and with ZeRO-3 over dp×cp (more rows in test_cp.py,
+    # document-mask rows in test_data_layouts.py)
+    ("cp2-allgather-kv2", 2, {"parallel__cp": 2, "parallel__cp_impl": "allgather", "model__n_kv_heads": 2}),
+    ("dp2-cp2-allgather-zero3", 4, {"parallel__dp": 2, "parallel__cp": 2, "parallel__cp_impl": "allgather",
+                                    "parallel__zero": 3}),
 ]
 
 
