@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--preset", default="small")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--impl", nargs="+", default=["ring", "ulysses"])
+    ap.add_argument("--impl", nargs="+", default=["ring", "ulysses", "allgather"])
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--ac", default="none")
@@ -90,8 +90,8 @@ def main() -> None:
 
     from meshlm.model.from_config import model_args
     from meshlm.plan.volume import cp_step_bytes as expected_bytes
-    from meshlm.plan.estimate import estimate
-    from meshlm.plan.spec import shape_from_config, spec_from_config
+    from meshlm.plan.estimate import Options, estimate
+    from meshlm.plan.spec import code_options, priced_on, shape_from_config, spec_from_config
 
     base = {"model.preset": a.preset, "model.max_seq_len": a.seq_len, "data.seq_len": a.seq_len,
             "training.micro_batch": 1, "training.global_batch": 1, "training.precision": a.precision,
@@ -114,7 +114,8 @@ def main() -> None:
             got_b = sum(v[1] for k, v in r["stats"].items() if k != "recv")
             want_b = sum(v[1] for k, v in want.items() if k != "recv")
             ok = "yes" if {k: v for k, v in r["stats"].items()} == {k: tuple(map(float, v)) for k, v in want.items()} else "NO"
-            pred = estimate(shape_from_config(cfg), spec_from_config(cfg, c))["per_gpu"]["activations"]
+            o = Options(attn_mask=code_options(priced_on(cfg, gpu=False))["attn_mask"])  # all-gather: a dense mask
+            pred = estimate(shape_from_config(cfg), spec_from_config(cfg, c), o=o)["per_gpu"]["activations"]
             first = first or r
             name = "cp1" if c == 1 else f"cp{c} {impl}"
             print(f"| {name} | {r['total'] / 1e6:.1f} | {first['total'] / r['total']:.2f}× | {pred / 1e6:.1f} "

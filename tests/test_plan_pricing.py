@@ -84,15 +84,15 @@ def test_search_under_a_document_mask_runs_cp_with_the_allgather_core():
 def test_allgather_cp_is_priced_with_the_dense_mask_it_passes():
     """All-gather CP runs SDPA under a boolean mask with or without documents (not the causal flash
     kernels): priced at the dense-mask rate over every key, so dearer than the ring's causal kernels."""
-    assert attention_mask(False, "auto", cp_allgather=True) == "dense"
+    assert attention_mask(False, "auto", cp_allgather=True) == "rows"  # the causal rows, one for the batch
     assert attention_mask(True, "auto", cp_allgather=True) == "dense"
     cfg = make_config(parallel__cp=2, parallel__cp_impl="allgather")
-    assert code_options(cfg)["attn_mask"] == "dense"
+    assert code_options(cfg)["attn_mask"] == "rows"
     cfg.parallel.cp_impl = "ring"
     assert code_options(cfg)["attn_mask"] == "causal"
     spec = Spec(cp=2, micro_batch=16, ac="selective", seq_len=2048)
     ring = _attn(Options(compiled=True), dataclasses.replace(spec, cp_impl="ring"))
-    gather = _attn(Options(compiled=True, attn_mask="dense"), dataclasses.replace(spec, cp_impl="allgather"))
+    gather = _attn(Options(compiled=True, attn_mask="rows"), dataclasses.replace(spec, cp_impl="allgather"))
     assert gather > 2 * ring
 
 

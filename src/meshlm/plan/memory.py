@@ -305,7 +305,20 @@ def dense_mask_bytes(micro_batch: int, seq_len: int, attn_mask: str = "dense", c
     rows = seq_len / cp if cp > 1 and cp_impl == "allgather" else seq_len
     if attn_mask == "dense":
         return float(micro_batch) * rows * seq_len
-    return rows * seq_len if rows < seq_len else 0.0
+    return rows * seq_len if attn_mask == "rows" or rows < seq_len else 0.0
+
+
+def saved_mask_bytes(micro_batch: int, seq_len: int, attn_mask: str, cp: int, cp_impl: str, ac: str,
+                     e: int) -> float:
+    """Bytes of mask one block saves per micro-batch: SDPA turns a boolean mask into an additive one in
+    the activation dtype on every call and keeps it for backward (seen in a saved-tensor probe of the
+    all-gather core, bench/cp.py), so each block holds its own e-byte copy of the rows it attends
+    (rows × S per sequence, a document mask; all-gather CP: this rank's S/cp rows, and without documents
+    one [S/cp, S] for the batch, "rows"). None where the core is recomputed."""
+    if attn_mask not in ("dense", "rows") or ac == "full" or (cp == 1 and ac == "selective"):
+        return 0.0
+    rows = seq_len / cp if cp > 1 and cp_impl == "allgather" else seq_len
+    return float(e) * (micro_batch if attn_mask == "dense" else 1) * rows * seq_len
 
 
 def cp_buffer_bytes(a, t: int, cp: int, impl: str, e: int) -> float:
@@ -374,7 +387,7 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
     t, sq = s.tp, (s.sp and s.tp > 1)
     dsp = a.dim / t if sq else a.dim
     blk_tok = _per_token(shape, s.seq_len, e, t, sq, s.ac, flash, attn_math_bytes, compiled, s.cp, s.cp_impl)
-    blk = blk_tok * tokens
+    blk = blk_tok * tokens + saved_mask_bytes(s.micro_batch, s.seq_len, attn_mask, s.cp, s.cp_impl, s.ac, e)
     units = inflight(s.pp_schedule, s.pp, s.accum, s.pp_virtual, sp.rank)
     acts = held_layers(s.pp_schedule, s.pp, s.accum, s.pp_virtual, sp.rank, sp.chunks) * blk
     if sp.embed:
@@ -388,7 +401,8 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
     # Backward of one block: full AC first recomputes all of its activations; otherwise gradient
     # temporaries take about half a block's worth while its saved tensors are being released.
     blk_none = blk if s.ac == "none" else tokens * _per_token(shape, s.seq_len, e, t, sq, "none", flash,
-                                                              attn_math_bytes, compiled, s.cp, s.cp_impl)
+                                                              attn_math_bytes, compiled, s.cp, s.cp_impl) \
+        + saved_mask_bytes(s.micro_batch, s.seq_len, attn_mask, s.cp, s.cp_impl, "none", e)
     buffers["backward_working"] = blk_none * (1.0 if s.ac == "full" else 0.5)
     if sp.head:
         buffers["loss"] = tokens * loss_buf
@@ -469,10 +483,12 @@ def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, 
         base += cp_buffer_bytes(a, tp, cp, cp_impl, e) * tokens
     if ep > 1:
         base += 2 * shape.top_k * shape.capacity_factor * e * a.dim * tokens
-    none = _per_token(shape, seq_len, e, tp, sq, "none", flash, amb, compiled, cp, cp_impl) * tokens
+    def block(ac: str) -> float:
+        return _per_token(shape, seq_len, e, tp, sq, ac, flash, amb, compiled, cp, cp_impl) * tokens \
+            + saved_mask_bytes(mb, seq_len, attn_mask, cp, cp_impl, ac, e)
+    none = block("none")
     scale = held_layers(schedule, pp, accum, v, spp.rank, spp.chunks)
-    acts = {ac: _per_token(shape, seq_len, e, tp, sq, ac, flash, amb, compiled, cp, cp_impl) * tokens * scale
-            + none * (1.0 if ac == "full" else 0.5) for ac in AC_MODES}
+    acts = {ac: block(ac) * scale + none * (1.0 if ac == "full" else 0.5) for ac in AC_MODES}
     return base, optim_bytes, acts
 
 

@@ -207,6 +207,9 @@ def _parts(seconds: float, kernels: float, launch: float, cpu: bool) -> tuple[fl
 # attention kernels; 16 blocks × 5.5e11 FLOPs × (2 forwards + 2.5) in 160.6 ms is 0.249 of 989 TFLOP/s.
 # Rows that fed it: "meshlm llama3-1b docmask" (tests/test_plan_validation.py marks it).
 DENSE_MASK_FRACTION = 0.249
+# attn_mask values under which SDPA is handed a boolean mask: a document mask ([B, 1, S, S], or under
+# all-gather CP this rank's rows of it) and all-gather CP's causal rows ([S/cp, S], shared by the batch)
+DENSE_MASKS = ("dense", "rows")
 FLEX_BLOCK = 128  # FlexAttention's default BlockMask block (torch.nn.attention.flex_attention._DEFAULT_SPARSE_BLOCK_SIZE)
 
 
@@ -229,7 +232,7 @@ def attention_seconds(w: "StageWork", gpu: GPU, peak: float, full_flops: float, 
     if rates is not None:  # a calibrated CPU: the fitted rate holds the kernel's forward : backward mix
         return full_flops / 2 / rates.attn_flops_s, 2.5 * full_flops / 2 / rates.attn_flops_s
     arch = gpu.arch
-    if w.attn_mask == "dense":
+    if w.attn_mask in DENSE_MASKS:
         rate = peak * DENSE_MASK_FRACTION * gpu.attn_scale
         return full_flops / rate, 2.5 * full_flops / rate
     kernel = "fa2" if w.attn_mask == "flex" or arch != "hopper" else w.kernel
@@ -263,7 +266,8 @@ class StageWork:
     kernel: str = "cudnn"
     attn_dropout: bool = False
     recompute_gemms: tuple = ()   # estimate.Options.recompute_gemms
-    attn_mask: str = "causal"     # causal | dense (SDPA with a document mask) | flex (a BlockMask)
+    attn_mask: str = "causal"     # causal | dense (SDPA with a document mask) | rows (all-gather CP's
+    #                               causal rows, a dense mask shared by the batch) | flex (a BlockMask)
     doc_tokens: int = 0           # mean document length the flex BlockMask skips by (0: unknown)
     loss_chunks: int = 0          # training.loss_chunks: the head and loss run over this many chunks
 

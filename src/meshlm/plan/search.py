@@ -181,8 +181,10 @@ def cp_core(o: Options, cp: int, fx: dict) -> tuple[str | None, Options]:
     not causal) only the all-gather core runs under CP, and it hands SDPA a dense mask
     (spec.attention_mask); None: the pinned cp_impl takes no mask."""
     impl = fx.get("cp_impl", "ring")
-    if cp == 1 or o.attn_mask == "causal":
+    if cp == 1:
         return impl, o
+    if o.attn_mask == "causal":  # a pinned all-gather core still hands SDPA its causal rows
+        return impl, dataclasses.replace(o, attn_mask="rows") if impl == "allgather" else o
     if impl != "allgather" and "cp_impl" in fx:
         return None, o
     return "allgather", dataclasses.replace(o, attn_mask="dense")

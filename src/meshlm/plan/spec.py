@@ -181,9 +181,10 @@ def attention_mask(document_mask: bool, attn_impl: str = "auto", cp_allgather: b
     """How the attention kernel masks (ops.StageWork.attn_mask): model.attn_impl = "auto" runs flex
     with a document mask and SDPA's causal kernels without; "sdpa" with a document mask passes SDPA a
     dense [B, 1, S, S] mask. All-gather context parallelism always hands SDPA a dense boolean mask (its
-    queries sit at zig-zag positions: parallel/cp_allgather.py), with or without documents."""
+    queries sit at zig-zag positions: parallel/cp_allgather.py): the document mask's rows, or without
+    documents its causal rows ("rows": one mask for the whole batch)."""
     if cp_allgather:
-        return "dense"
+        return "dense" if document_mask else "rows"
     if attn_impl == "flex" or (attn_impl == "auto" and document_mask):
         return "flex"
     return "dense" if document_mask else "causal"
