@@ -114,7 +114,8 @@ def main() -> None:
             got_b = sum(v[1] for k, v in r["stats"].items() if k != "recv")
             want_b = sum(v[1] for k, v in want.items() if k != "recv")
             ok = "yes" if {k: v for k, v in r["stats"].items()} == {k: tuple(map(float, v)) for k, v in want.items()} else "NO"
-            o = Options(attn_mask=code_options(priced_on(cfg, gpu=False))["attn_mask"])  # all-gather: a dense mask
+            code = code_options(priced_on(cfg, gpu=False))
+            o = Options(attn_mask=code["attn_mask"], attn_impl=code["attn_impl"])  # all-gather: flex or a dense mask
             pred = estimate(shape_from_config(cfg), spec_from_config(cfg, c), o=o)["per_gpu"]["activations"]
             first = first or r
             name = "cp1" if c == 1 else f"cp{c} {impl}"

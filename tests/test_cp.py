@@ -39,6 +39,7 @@ def attention_task(impl: str, heads: int, kv_heads: int, seq: int, seed: int):
     from meshlm.parallel.context_parallel import RingAttentionCore, UlyssesAttentionCore, cp_split
     from meshlm.parallel.cp_allgather import AllGatherAttentionCore, CausalRows
     world = int(os.environ["WORLD_SIZE"])
+    impl, flex = impl.split("-")[0], impl.endswith("-flex")  # allgather-flex: its causal rows a BlockMask
     _, ctx = _context(make_config(parallel__cp=world, parallel__cp_impl=impl, data__seq_len=seq))
     comm = ctx.comm("cp")
     g = torch.Generator().manual_seed(seed)
@@ -53,7 +54,7 @@ def attention_task(impl: str, heads: int, kv_heads: int, seq: int, seed: int):
     counter = RingCounter()
     core = (RingAttentionCore(comm, counter=counter) if impl == "ring" else
             UlyssesAttentionCore(comm, AttentionCore()) if impl == "ulysses" else
-            AllGatherAttentionCore(comm, AttentionCore(), CausalRows(split)))
+            AllGatherAttentionCore(comm, AttentionCore(), CausalRows(split, flex)))
     out = core(*mine)
     out.backward(split.take(dout, 2))
     errs = [float((out - split.take(ref, 2)).abs().max())]
@@ -66,7 +67,8 @@ def attention_task(impl: str, heads: int, kv_heads: int, seq: int, seed: int):
 @pytest.mark.parametrize("impl,world,heads,kv", [("ring", 2, 4, 4), ("ring", 4, 4, 2), ("ring", 4, 4, 1),
                                                  ("ulysses", 2, 4, 4), ("ulysses", 4, 4, 2),
                                                  ("ulysses", 4, 8, 1), ("allgather", 2, 4, 2),
-                                                 ("allgather", 4, 4, 1)])
+                                                 ("allgather", 4, 4, 1), ("allgather-flex", 2, 4, 2),
+                                                 ("allgather-flex", 4, 4, 1)])
 def test_core_matches_full_attention(pools, impl, world, heads, kv):
     res = pools(world).run(attention_task, impl, heads, kv, 32, 7)
     for rank, (errs, _) in enumerate(res):
@@ -175,17 +177,22 @@ ROWS = [
     ("pp2-cp2-tied-ulysses", 4, {"parallel__pp": 2, "parallel__cp": 2, "parallel__cp_impl": "ulysses",
                                  "model__tie_embeddings": True}),
     ("cp2-allgather-gqa", 2, {"parallel__cp": 2, "parallel__cp_impl": "allgather", "model__n_kv_heads": 2}),
-    ("cp4-allgather-kv1-ac-selective", 4, {"parallel__cp": 4, "parallel__cp_impl": "allgather",
-                                           "model__n_kv_heads": 1, "training__ac": "selective"}),
+    # all-gather rows run flex (auto); "-sdpa" rows hand SDPA the dense causal rows instead
+    ("cp4-allgather-kv1-ac-selective-sdpa", 4, {"parallel__cp": 4, "parallel__cp_impl": "allgather",
+                                                "model__n_kv_heads": 1, "training__ac": "selective",
+                                                "model__attn_impl": "sdpa"}),
     ("cp2-allgather-ac-full-accum", 2, {"parallel__cp": 2, "parallel__cp_impl": "allgather", "training__ac": "full",
                                         "training__micro_batch": 1}),
     ("dp2-cp2-allgather-zero3", 4, {"parallel__dp": 2, "parallel__cp": 2, "parallel__cp_impl": "allgather",
                                     "parallel__zero": 3}),
     ("cp2-tp2-sp-allgather", 4, {"parallel__cp": 2, "parallel__tp": 2, "parallel__sp": True,
                                  "parallel__cp_impl": "allgather"}),
-    ("pp2-cp2-allgather-interleaved", 4, {"parallel__pp": 2, "parallel__cp": 2, "parallel__cp_impl": "allgather",
-                                          "parallel__pp_schedule": "interleaved", "parallel__pp_virtual": 2}),
+    ("pp2-cp2-allgather-interleaved-sdpa", 4, {"parallel__pp": 2, "parallel__cp": 2, "parallel__cp_impl": "allgather",
+                                               "parallel__pp_schedule": "interleaved", "parallel__pp_virtual": 2,
+                                               "model__attn_impl": "sdpa"}),
     ("cp2-allgather-bf16", 2, {"parallel__cp": 2, "parallel__cp_impl": "allgather", "training__precision": "bf16"}),
+    ("cp2-allgather-bf16-sdpa", 2, {"parallel__cp": 2, "parallel__cp_impl": "allgather",
+                                    "training__precision": "bf16", "model__attn_impl": "sdpa"}),
     ("cp2-allgather-compile", 2, {"parallel__cp": 2, "parallel__cp_impl": "allgather", "training__compile": True,
                                   "training__steps": 4}),
     ("cp2-bf16", 2, {"parallel__cp": 2, "training__precision": "bf16"}),

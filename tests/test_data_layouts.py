@@ -74,6 +74,10 @@ CASES = [
     ("mask-cp2-allgather-tp2-sp", 4, {**MASK, "parallel__cp": 2, "parallel__cp_impl": "allgather",
                                       "parallel__tp": 2, "parallel__sp": True}),
     ("mask-pp2-cp2-allgather", 4, {**MASK, "parallel__pp": 2, "parallel__cp": 2, "parallel__cp_impl": "allgather"}),
+    ("flex-cp2-allgather-gqa-ac-selective", 2, {**FLEX, "parallel__cp": 2, "parallel__cp_impl": "allgather",
+                                                "model__n_kv_heads": 2, "training__ac": "selective"}),
+    ("flex-cp2-allgather-tp2-sp", 4, {**FLEX, "parallel__cp": 2, "parallel__cp_impl": "allgather",
+                                      "parallel__tp": 2, "parallel__sp": True}),
     ("mix-dp2", 2, {**MIX, "parallel__dp": 2}),
     ("mix-zero3-dp4", 4, {**MIX, "parallel__dp": 4, "parallel__zero": 3}),
     ("mix-tp2-pp2", 4, {**MIX, "parallel__tp": 2, "parallel__pp": 2}),
@@ -140,7 +144,8 @@ def test_mixture_resumes_across_layouts(pools, corpora, tmp_path):
 
 
 def test_attn_impl_resolves_and_refuses():
-    """auto is flex under a document mask and sdpa otherwise (and under cp, where flex is refused)."""
+    """auto is flex under a document mask and under all-gather CP (whose causal rows SDPA would get as a
+    dense mask), sdpa otherwise; the ring and Ulysses cores refuse flex."""
     from meshlm.layout import resolve
     from meshlm.model.from_config import model_args
     assert model_args(make_config(data__document_mask=True)).attn_kernel == "flex"
@@ -148,8 +153,12 @@ def test_attn_impl_resolves_and_refuses():
     assert model_args(make_config(model__attn_impl="flex")).attn_kernel == "flex"
     assert model_args(make_config(data__document_mask=True, model__attn_impl="sdpa")).attn_kernel == "sdpa"
     assert model_args(make_config(parallel__cp=2)).attn_kernel == "sdpa"
-    with pytest.raises(C.ConfigError, match="model.attn_impl: flex is not available with context parallelism"):
-        resolve(make_config(model__attn_impl="flex", parallel__cp=2), 2)
+    assert model_args(make_config(parallel__cp=2, parallel__cp_impl="allgather")).attn_kernel == "flex"
+    assert model_args(make_config(parallel__cp=2, parallel__cp_impl="allgather",
+                                  model__attn_impl="sdpa")).attn_kernel == "sdpa"
+    for impl in ("ring", "ulysses"):
+        with pytest.raises(C.ConfigError, match=f"model.attn_impl: flex is not available with parallel.cp_impl = {impl}"):
+            resolve(make_config(model__attn_impl="flex", parallel__cp=2, parallel__cp_impl=impl), 2)
     with pytest.raises(C.ConfigError, match="model.attn_impl: 'xformers' is not one of auto, sdpa, flex"):
         resolve(make_config(model__attn_impl="xformers"), 1)
 

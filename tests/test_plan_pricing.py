@@ -56,7 +56,8 @@ def test_config_keys_choose_the_mask():
     cfg = make_config(data__document_mask=True)
     cfg.model.attn_impl = "sdpa"  # the key as config.py carries it (set here whether or not it is declared)
     cfg.training.loss_chunks = 4
-    assert code_options(cfg) == {"compiled": cfg.training.compile, "loss_chunks": 4, "attn_mask": "dense"}
+    assert code_options(cfg) == {"compiled": cfg.training.compile, "loss_chunks": 4, "attn_mask": "dense",
+                                 "attn_impl": "sdpa"}
     cfg.model.attn_impl = "xformers"
     with pytest.raises(PlanError, match="model.attn_impl"):
         code_options(cfg)
@@ -64,36 +65,55 @@ def test_config_keys_choose_the_mask():
 
 def test_search_under_a_document_mask_runs_cp_with_the_allgather_core():
     """A document mask runs under CP only through the all-gather core: the search gives every cp > 1
-    layout cp_impl = allgather, priced with the dense mask that core passes; a pinned ring finds nothing,
-    and `estimate` refuses the ring with the data section's own one-line reason."""
+    layout cp_impl = allgather, priced with the mask that core runs (flex under auto, a dense one under
+    attn_impl = sdpa); a pinned ring finds nothing, and `estimate` refuses the ring with the data
+    section's own one-line reason."""
     from meshlm.plan.search import plan
-    o = Options(compiled=True, attn_mask="flex")
-    res = plan(ONE_B, H100, 8, 8192, 64 * 8192, top=5, fixed={"cp": 2}, o=o)
-    assert res.ranked and {r["layout"]["cp_impl"] for r in res.ranked} == {"allgather"}
-    spec = spec_of_layout(res.ranked[0]["layout"])
-    dense = estimate(ONE_B, spec, H100, dataclasses.replace(o, attn_mask="dense"))
-    assert res.ranked[0]["step_s"] == pytest.approx(dense["step_s"])
-    assert res.ranked[0]["step_s"] > estimate(ONE_B, spec, H100, o)["step_s"]  # not priced as flex
-    none = plan(ONE_B, H100, 8, 8192, 64 * 8192, top=5, fixed={"cp": 2, "cp_impl": "ring"}, o=o)
-    assert not none.ranked and "a document mask under cp needs cp_impl = allgather" in none.reasons
+    for o, kind in ((Options(compiled=True, attn_mask="flex"), "flex"),
+                    (Options(compiled=True, attn_mask="dense", attn_impl="sdpa"), "dense")):
+        res = plan(ONE_B, H100, 8, 8192, 64 * 8192, top=5, fixed={"cp": 2}, o=o)
+        assert res.ranked and {r["layout"]["cp_impl"] for r in res.ranked} == {"allgather"}
+        spec = spec_of_layout(res.ranked[0]["layout"])
+        priced = estimate(ONE_B, spec, H100, dataclasses.replace(o, attn_mask=kind))
+        assert res.ranked[0]["step_s"] == pytest.approx(priced["step_s"])
+        none = plan(ONE_B, H100, 8, 8192, 64 * 8192, top=5, fixed={"cp": 2, "cp_impl": "ring"}, o=o)
+        assert not none.ranked and "a document mask under cp needs cp_impl = allgather" in none.reasons
     cfg = make_config(parallel__cp=2, data__document_mask=True)
     with pytest.raises(ConfigError, match="cp_impl = allgather"):
         spec_from_config(cfg, 2)
 
 
-def test_allgather_cp_is_priced_with_the_dense_mask_it_passes():
-    """All-gather CP runs SDPA under a boolean mask with or without documents (not the causal flash
-    kernels): priced at the dense-mask rate over every key, so dearer than the ring's causal kernels."""
-    assert attention_mask(False, "auto", cp_allgather=True) == "rows"  # the causal rows, one for the batch
-    assert attention_mask(True, "auto", cp_allgather=True) == "dense"
+def test_allgather_cp_mask_follows_attn_impl():
+    """All-gather CP's queries sit at zig-zag positions, so SDPA would get a boolean mask (its causal
+    rows, or the document mask's), priced at the dense-mask rate over every key; auto runs flex
+    instead, priced as causal attention at FA2's rate over the blocks its BlockMask keeps (the
+    sequence's, shared over cp), with no mask held or saved."""
+    assert attention_mask(False, "auto", cp_allgather=True) == "flex"
+    assert attention_mask(True, "auto", cp_allgather=True) == "flex"
+    assert attention_mask(False, "sdpa", cp_allgather=True) == "rows"  # the causal rows, one for the batch
+    assert attention_mask(True, "sdpa", cp_allgather=True) == "dense"
     cfg = make_config(parallel__cp=2, parallel__cp_impl="allgather")
+    assert code_options(cfg)["attn_mask"] == "flex"
+    cfg.model.attn_impl = "sdpa"
     assert code_options(cfg)["attn_mask"] == "rows"
     cfg.parallel.cp_impl = "ring"
     assert code_options(cfg)["attn_mask"] == "causal"
-    spec = Spec(cp=2, micro_batch=16, ac="selective", seq_len=2048)
-    ring = _attn(Options(compiled=True), dataclasses.replace(spec, cp_impl="ring"))
-    gather = _attn(Options(compiled=True, attn_mask="rows"), dataclasses.replace(spec, cp_impl="allgather"))
-    assert gather > 2 * ring
+    spec = Spec(cp=2, micro_batch=16, ac="none", seq_len=8192)
+    ring = dataclasses.replace(spec, cp_impl="ring")
+    gather = dataclasses.replace(spec, cp_impl="allgather")
+    rows = _attn(Options(compiled=True, attn_impl="sdpa"), gather)  # estimate resolves causal -> rows
+    assert rows == pytest.approx(_attn(Options(compiled=True, attn_mask="rows"), gather))
+    flex = _attn(Options(compiled=True), gather)  # auto: causal -> flex
+    assert flex == pytest.approx(_attn(Options(compiled=True, attn_mask="flex"), gather))
+    assert rows > 2 * _attn(Options(compiled=True), ring) and flex < rows / 2
+    # flex over short documents: the sequence's kept blocks, not one rank's chunk's
+    docs = _attn(Options(compiled=True, attn_mask="flex", doc_tokens=512), gather)
+    assert docs == pytest.approx(flex * causal_blocks(8192, 512) / causal_blocks(8192))
+    mem = [estimate(ONE_B, gather, H100, Options(compiled=True, attn_mask=k, attn_impl=i))["per_gpu"]
+           for k, i in (("rows", "sdpa"), ("flex", "auto"))]
+    assert mem[1]["activations"] < mem[0]["activations"] and mem[1]["total"] < mem[0]["total"]
+    detail = estimate(ONE_B, gather, H100, Options(compiled=True))["memory_detail"]["buffers"]
+    assert "attn_mask" not in detail
 
 
 def test_moe_optimizer_and_accumulation_cover_every_parameter():

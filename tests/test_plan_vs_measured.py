@@ -121,22 +121,25 @@ def activation_task(cfg_dict: dict) -> int:
 
 CP_ACTS = [(c, impl, ac) for c in (1, 2, 4) for impl in ("ring", "ulysses") for ac in ("none", "selective")
            if not (c == 1 and impl == "ulysses")] + [(2, "ring", "full"), (2, "allgather", "none"),
-                                                     (4, "allgather", "selective")]
+                                                     (4, "allgather", "selective"), (2, "allgather-sdpa", "none"),
+                                                     (4, "allgather-sdpa", "selective")]
 
 
 @pytest.mark.parametrize("cp,impl,ac", CP_ACTS, ids=[f"cp{c}-{i}-{a}" for c, i, a in CP_ACTS])
 def test_predicted_cp_activations_match_measured(pools, cp, impl, ac):
     """The planner's activation bytes per rank (blocks, embedding ids, head and loss) against the
-    tensors autograd really saves in one forward, within 3%: they fall as 1/cp (all-gather's saved
-    mask copy per block included: memory.saved_mask_bytes)."""
+    tensors autograd really saves in one forward, within 3%: they fall as 1/cp (all-gather under SDPA:
+    its saved mask copy per block included, memory.saved_mask_bytes; under flex, auto, none)."""
+    impl, attn = impl.split("-")[0], "sdpa" if impl.endswith("-sdpa") else "auto"
     over = {"parallel__cp": cp, "parallel__cp_impl": impl, "training__ac": ac, "data__seq_len": 128,
-            "model__n_kv_heads": 2 if impl == "ring" else 1}
+            "model__n_kv_heads": 2 if impl == "ring" else 1, "model__attn_impl": attn}
     cfg = make_config(**over)
     if cp == 1:
         measured = _local(activation_task, cfg)
     else:
         measured = pools(cp).run(activation_task, C.to_dict(cfg))[0]
-    o = Options(attn_mask=code_options(priced_on(cfg, gpu=False))["attn_mask"])  # all-gather: a dense mask
+    code = code_options(priced_on(cfg, gpu=False))
+    o = Options(attn_mask=code["attn_mask"], attn_impl=code["attn_impl"])  # all-gather: flex or a dense mask
     pred = estimate(shape_from_config(cfg), spec_from_config(cfg, cp), o=o)["per_gpu"]["activations"]
     print(f"cp{cp} {impl} ac={ac}: measured {measured} B, planned {pred:.0f} B ({measured / pred:.3f})")
     assert measured == pytest.approx(pred, rel=0.03)

@@ -19,19 +19,32 @@ from torch.autograd import Function
 _COMPILED: dict = {}
 
 
-def flex_block_mask(docs: torch.Tensor | None, seq: int, device: torch.device):
+def flex_block_mask(docs: torch.Tensor | None, seq: int, device: torch.device,
+                    rows: torch.Tensor | None = None, keys: int | None = None):
     """A BlockMask over [seq, seq]: causal, and with `docs` ([B, S] document id per token) never across
-    documents. Positions are not restarted per document (RoPE is relative; docs/data.md)."""
+    documents. Positions are not restarted per document (RoPE is relative; docs/data.md). `rows`: the
+    true positions of the `seq` queries among `keys` keys (all-gather context parallelism: this rank's
+    zig-zag tokens against the whole sequence, parallel/cp_allgather.py); flex then skips the key
+    blocks above each query block's diagonal as it does for contiguous rows."""
     from torch.nn.attention.flex_attention import create_block_mask
+
+    n_keys = seq if rows is None else (docs.shape[1] if docs is not None else keys)
+    if rows is None:
+        def pos(q):
+            return q
+    else:
+        def pos(q):
+            return rows[q]
 
     if docs is None:
         def causal(b, h, q, kv):
-            return q >= kv
-        return create_block_mask(causal, None, None, seq, seq, device=device)
+            return pos(q) >= kv
+        return create_block_mask(causal, None, None, seq, n_keys, device=device)
 
     def same_document(b, h, q, kv):
-        return (q >= kv) & (docs[b, q] == docs[b, kv])
-    return create_block_mask(same_document, docs.shape[0], None, seq, seq, device=device)
+        p = pos(q)
+        return (p >= kv) & (docs[b, p] == docs[b, kv])
+    return create_block_mask(same_document, docs.shape[0], None, seq, n_keys, device=device)
 
 
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torch.Tensor:

@@ -60,16 +60,19 @@ def model_args(cfg: Config) -> ModelArgs:
 
 
 def attn_kernel(cfg: Config) -> str:
-    """model.attn_impl resolved: auto is flex under a document mask (a dense [B,1,S,S] mask takes SDPA
-    off its flash kernels) and sdpa otherwise; flex is refused under context parallelism, whose ring
-    and Ulysses cores run attention over key/value blocks of their own (docs/data.md)."""
+    """model.attn_impl resolved. A dense boolean mask takes SDPA off its flash kernels, so auto is
+    flex wherever SDPA would be handed one: under a document mask, and under all-gather context
+    parallelism (its queries sit at zig-zag positions: even its causal mask is a [S/cp, S] tensor);
+    otherwise SDPA's causal kernels. Flex is refused under the ring and Ulysses cores, which run
+    attention over key/value blocks of their own (docs/data.md)."""
     impl = cfg.model.attn_impl
     choose(impl, ATTN_IMPLS, "model.attn_impl", ConfigError)
-    if impl == "flex" and cfg.parallel.cp > 1:
-        raise ConfigError("model.attn_impl: flex is not available with context parallelism (cp > 1): the ring, "
-                          "Ulysses and all-gather cores run their own attention; use sdpa or auto")
+    allgather = cfg.parallel.cp > 1 and cfg.parallel.cp_impl == "allgather"
+    if impl == "flex" and cfg.parallel.cp > 1 and not allgather:
+        raise ConfigError(f"model.attn_impl: flex is not available with parallel.cp_impl = {cfg.parallel.cp_impl} "
+                          "(the ring and Ulysses cores run their own attention); use allgather, sdpa or auto")
     if impl == "auto":
-        return "flex" if cfg.data.document_mask and cfg.parallel.cp == 1 else "sdpa"
+        return "flex" if allgather or (cfg.data.document_mask and cfg.parallel.cp == 1) else "sdpa"
     return impl
 
 

@@ -92,7 +92,8 @@ def attention_mask(kernel: str, docs: torch.Tensor | None, seq: int, device: tor
     or a FlexAttention BlockMask (causal, and inside one document when `docs` is given). `docs` longer
     than the `seq` tokens attended: they are the whole sequence's and the queries sit at `positions`."""
     if kernel == "flex":
-        return flex_block_mask(docs, seq, device)
+        whole = docs is not None and docs.shape[1] > seq
+        return flex_block_mask(docs, seq, device, positions if whole else None)
     if docs is None:
         return None
     return document_mask(docs, positions if docs.shape[1] > seq else None)

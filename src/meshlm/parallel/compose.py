@@ -136,8 +136,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Lay
     # training.loss_chunks: the head moves into the loss (before TP, which hooks the head it finds)
     loss_head = head_in_loss(model, plan, cfg.training.loss_chunks) if cfg.training.loss_chunks else None
     sp = cfg.parallel.sp and layout.tp > 1
-    cp = (apply_context_parallel(model, ctx.comm("cp"), cfg.parallel.cp_impl, plan, sp) if layout.cp > 1
-          else None)
+    cp = (apply_context_parallel(model, ctx.comm("cp"), cfg.parallel.cp_impl, plan, sp,
+                                 model.args.attn_kernel == "flex") if layout.cp > 1 else None)
     # tp > 1: every tensor-parallel split (vocab-parallel, padded); tp = 1: only the vocabulary padding, if any
     tp = (apply_tensor_parallel(model, ctx.comm("tp"), cfg.parallel.sp, plan, table, cp and cp.split,
                                 fuse_entry=cfg.training.precision != "fp8")

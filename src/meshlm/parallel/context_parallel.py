@@ -308,15 +308,17 @@ def cp_split(comm: Comm, impl: str) -> CPSplit:
     return CPSplit(comm.size, comm.rank, impl != "ulysses")
 
 
-def apply_context_parallel(model: nn.Module, comm: Comm, impl: str, plan, sp: bool) -> ContextParallel:
+def apply_context_parallel(model: nn.Module, comm: Comm, impl: str, plan, sp: bool,
+                           flex: bool = False) -> ContextParallel:
     """Swap every attention core for the CP one (after activation checkpointing: a CP core saves only
     q, k, v, the output and its log-sum-exp, so selective AC leaves it alone) and, unless SP's hook
-    does it (composed with this split), pass each rank's true positions to the model."""
+    does it (composed with this split), pass each rank's true positions to the model. `flex`: the
+    model attends with FlexAttention (all-gather only: its causal rows are then a BlockMask)."""
     from .cp_allgather import AllGatherAttentionCore, CausalRows, gather_docs_hook
     from .tensor_parallel import positions_hook
 
     cp = ContextParallel(comm, cp_split(comm, impl), impl)
-    causal = CausalRows(cp.split)
+    causal = CausalRows(cp.split, flex)
     for parent, attr in plan.attention_cores(model):
         inner = getattr(parent, attr)
         inner = getattr(inner, "_wrapped", inner)  # a selective-AC wrapper: the plain core inside

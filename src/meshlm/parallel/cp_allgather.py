@@ -20,6 +20,7 @@ from torch import nn
 
 from ..distributed.comm import Comm
 from ..distributed.functional import all_gather_dim, gather_seq
+from ..model.flex import flex_block_mask
 from ..model.ops import eager_under_compile
 
 
@@ -33,24 +34,34 @@ def sequence_order(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
 
 class CausalRows:
     """The causal mask of this rank's queries [S/c] against the sequence's keys [S], by true positions,
-    one tensor shared by every layer (so the blocks save one mask, not one each). `split`: the
-    context_parallel.CPSplit (zig-zag) of this rank."""
+    one mask shared by every layer (so the blocks save one mask, not one each): a dense boolean one
+    for SDPA, or with `flex` (model.attn_kernel = "flex") a BlockMask that skips the key blocks above
+    each query block's diagonal. `split`: the context_parallel.CPSplit (zig-zag) of this rank."""
 
-    def __init__(self, split):
-        self.split, self.mask = split, None
+    def __init__(self, split, flex: bool = False):
+        self.split, self.flex, self.mask, self.key = split, flex, None, None
 
-    def __call__(self, local: int, device: torch.device) -> torch.Tensor:
-        m = self.mask
-        if m is None or m.shape[0] != local or m.device != device:
+    def __call__(self, local: int, device: torch.device):
+        if self.key != (local, device):
             rows = self.split.positions(local, device)
-            m = self.mask = rows[:, None] >= torch.arange(local * self.split.size, device=device)[None, :]
-        return m
+            keys = local * self.split.size
+            self.mask = (flex_block_mask(None, local, device, rows, keys) if self.flex
+                         else rows[:, None] >= torch.arange(keys, device=device)[None, :])
+            self.key = (local, device)
+        return self.mask
+
+
+def _keys_of(mask) -> int:
+    """How many keys a mask covers: a dense one's last dim, a BlockMask's KV_LEN."""
+    return mask.shape[-1] if isinstance(mask, torch.Tensor) else mask.seq_lengths[1]
 
 
 class AllGatherAttentionCore(nn.Module):
     """q, k, v: [B, H, S/c, D] this rank's zig-zag chunks; k and v are gathered to [B, Hkv, S, D] and the
-    model's own core (`inner`, SDPA) attends under `mask` (rows: these queries, columns: the sequence;
-    the model's document mask) or the causal rows."""
+    model's own core (`inner`: SDPA, or flex under a BlockMask) attends under `mask` (rows: these
+    queries, columns: the sequence; the model's document mask) or the causal rows. A mask over this
+    rank's keys alone is the model's causal-only BlockMask (flex without documents, built before the
+    model knows of CP): the causal rows replace it."""
 
     def __init__(self, comm: Comm, inner: nn.Module, causal: CausalRows):
         super().__init__()
@@ -60,7 +71,7 @@ class AllGatherAttentionCore(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
         kv = gather_seq(torch.stack((k, v)).unsqueeze(0), self.comm, 0)  # [c, 2, B, Hkv, S/c, D]
         kv = sequence_order([p for r in kv.unbind(0) for p in r.chunk(2, -2)], -2)
-        if mask is None:
+        if mask is None or _keys_of(mask) != kv.shape[-2]:
             mask = self.causal(q.shape[2], q.device)
         return self.inner(q, kv[0], kv[1], mask)
 

@@ -15,6 +15,7 @@ a sharded optimizer step and HSDP replica all-reduces are exposed.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -24,7 +25,7 @@ from .memory import (block_params_local, pipeline_roles, stage_memory, stage_par
                      vocab_rows)
 from .muon import muon_step
 from .ops import Rates
-from .spec import Shape, Spec, check
+from .spec import Shape, Spec, allgather_mask, check
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,11 @@ class Options:
     recompute_gemms: tuple = ()
     # how the attention is masked (ops.StageWork.attn_mask): causal; dense = SDPA with a document mask
     # (data.document_mask under model.attn_impl = "sdpa"); flex = a BlockMask (attn_impl "flex", or
-    # "auto" with the document mask); doc_tokens: mean document length flex skips blocks by (0: unknown)
+    # "auto" with the document mask); doc_tokens: mean document length flex skips blocks by (0: unknown).
+    # attn_impl: model.attn_impl, which decides the mask of all-gather CP layouts (spec.allgather_mask);
+    # None: another framework's run, whose attention is the causal kernel `attn_kernel` under any CP
     attn_mask: str = "causal"
+    attn_impl: str | None = "auto"
     doc_tokens: int = 0
     loss_chunks: int = 0           # training.loss_chunks: logits of one chunk alive at a time (0: off)
     step_overhead_s: float | None = None  # GPU idle per step outside every kernel (None: STEP_GAP_S)
@@ -337,6 +341,8 @@ def estimate(shape: Shape, s: Spec, gpu: GPU | None = None, o: Options | None = 
     o = o or Options()
     if validate:
         check(shape, s)
+    if s.cp > 1 and s.cp_impl == "allgather":
+        o = dataclasses.replace(o, attn_mask=allgather_mask(o.attn_mask, o.attn_impl))
     stages = pipeline_roles(s.pp)
     mems = [stage_memory(shape, s, st, o.flash, o.attn_math_bytes, compiled=o.compiled, loss_chunks=o.loss_chunks,
                          attn_mask=o.attn_mask) for st in stages]

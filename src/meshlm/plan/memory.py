@@ -305,7 +305,7 @@ def dense_mask_bytes(micro_batch: int, seq_len: int, attn_mask: str = "dense", c
     rows = seq_len / cp if cp > 1 and cp_impl == "allgather" else seq_len
     if attn_mask == "dense":
         return float(micro_batch) * rows * seq_len
-    return rows * seq_len if attn_mask == "rows" or rows < seq_len else 0.0
+    return rows * seq_len if attn_mask == "rows" else 0.0
 
 
 def saved_mask_bytes(micro_batch: int, seq_len: int, attn_mask: str, cp: int, cp_impl: str, ac: str,

@@ -237,7 +237,11 @@ def attention_seconds(w: "StageWork", gpu: GPU, peak: float, full_flops: float, 
         return full_flops / rate, 2.5 * full_flops / rate
     kernel = "fa2" if w.attn_mask == "flex" or arch != "hopper" else w.kernel
     # flex: a Triton kernel of FlashAttention-2's structure, priced at FA2's rate (no flex measurement
-    # here), over the blocks its BlockMask keeps (the causal kernel's share of them)
+    # here), over the blocks its BlockMask keeps (the causal kernel's share of them). One call spans
+    # the whole sequence's keys (all-gather CP: this rank's zig-zag rows, balanced, so its share of
+    # the kept blocks is the sequence's over cp)
+    if w.attn_mask == "flex":
+        chunk = w.seq_len
     kept = causal_blocks(int(chunk), w.doc_tokens) / causal_blocks(int(chunk)) if w.attn_mask == "flex" else 1.0
     frac = attention_fraction(kernel, a.head_dim, int(chunk), True, arch) * gpu.attn_scale
     a_f = kept * full_flops / 2 / (peak * frac)

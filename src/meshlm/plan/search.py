@@ -19,7 +19,7 @@ from .comm import link
 from .estimate import Options, bubble_formula, estimate, micro_times, time_model
 from .hardware import GIB, GPU
 from .memory import pipeline_roles, stage_totals
-from .spec import AC_MODES, PlanError, Shape, Spec, check
+from .spec import AC_MODES, PlanError, Shape, Spec, allgather_mask, check
 
 FIXABLE = {"dp": int, "tp": int, "pp": int, "cp": int, "ep": int, "zero": int, "zero_group": int,
            "sp": lambda v: str(v).lower() in ("1", "true", "yes", "on"), "pp_schedule": str,
@@ -177,17 +177,17 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
 
 
 def cp_core(o: Options, cp: int, fx: dict) -> tuple[str | None, Options]:
-    """(parallel.cp_impl, the options to price with) of a layout: with a document mask (`o.attn_mask`
-    not causal) only the all-gather core runs under CP, and it hands SDPA a dense mask
-    (spec.attention_mask); None: the pinned cp_impl takes no mask."""
+    """(parallel.cp_impl, the options to price with) of a layout: with a document mask or flex
+    (`o.attn_mask` not causal) only the all-gather core runs under CP, and an all-gather layout is
+    priced with its own mask (spec.allgather_mask); None: the pinned cp_impl takes no mask."""
     impl = fx.get("cp_impl", "ring")
     if cp == 1:
         return impl, o
-    if o.attn_mask == "causal":  # a pinned all-gather core still hands SDPA its causal rows
-        return impl, dataclasses.replace(o, attn_mask="rows") if impl == "allgather" else o
+    if o.attn_mask == "causal" and impl != "allgather":
+        return impl, o
     if impl != "allgather" and "cp_impl" in fx:
         return None, o
-    return "allgather", dataclasses.replace(o, attn_mask="dense")
+    return "allgather", dataclasses.replace(o, attn_mask=allgather_mask(o.attn_mask, o.attn_impl))
 
 
 def _schedules(pp: int, n_layers: int, fx: dict) -> list[tuple[str, int]]:

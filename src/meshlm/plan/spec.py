@@ -178,16 +178,27 @@ def spec_from_config(cfg: Config, world: int) -> Spec:
 
 
 def attention_mask(document_mask: bool, attn_impl: str = "auto", cp_allgather: bool = False) -> str:
-    """How the attention kernel masks (ops.StageWork.attn_mask): model.attn_impl = "auto" runs flex
-    with a document mask and SDPA's causal kernels without; "sdpa" with a document mask passes SDPA a
-    dense [B, 1, S, S] mask. All-gather context parallelism always hands SDPA a dense boolean mask (its
-    queries sit at zig-zag positions: parallel/cp_allgather.py): the document mask's rows, or without
+    """How the attention kernel masks (ops.StageWork.attn_mask), as model.from_config.attn_kernel
+    resolves the kernel: "auto" runs flex with a document mask and SDPA's causal kernels without;
+    "sdpa" with a document mask passes SDPA a dense [B, 1, S, S] mask. Under all-gather context
+    parallelism (queries at zig-zag positions: parallel/cp_allgather.py) auto and flex run a BlockMask
+    over the rank's rows, while "sdpa" hands SDPA a dense one: the document mask's rows, or without
     documents its causal rows ("rows": one mask for the whole batch)."""
     if cp_allgather:
-        return "dense" if document_mask else "rows"
+        return "flex" if attn_impl != "sdpa" else "dense" if document_mask else "rows"
     if attn_impl == "flex" or (attn_impl == "auto" and document_mask):
         return "flex"
     return "dense" if document_mask else "causal"
+
+
+def allgather_mask(attn_mask: str, attn_impl: str | None = "auto") -> str:
+    """The mask kind of an all-gather CP layout, from the kind its model runs without CP (a search
+    prices CP layouts of a config whose own cp may be 1): a document mask stays dense (sdpa) or flex,
+    and causal attention becomes flex's causal rows, or under attn_impl = sdpa the dense ones. None:
+    not meshlm's code (a published run): its causal kernel stays as given."""
+    if attn_mask == "causal" and attn_impl is not None:
+        return "rows" if attn_impl == "sdpa" else "flex"
+    return attn_mask
 
 
 def code_options(cfg: Config) -> dict:
@@ -201,7 +212,8 @@ def code_options(cfg: Config) -> dict:
         raise PlanError(f"training.loss_chunks: must be >= 0 (0: off), got {chunks}")
     allgather = cfg.parallel.cp > 1 and cfg.parallel.cp_impl == "allgather"
     return {"compiled": bool(_resolved(cfg, "compile")), "loss_chunks": chunks,
-            "attn_mask": attention_mask(bool(getattr(cfg.data, "document_mask", False)), impl, allgather)}
+            "attn_mask": attention_mask(bool(getattr(cfg.data, "document_mask", False)), impl, allgather),
+            "attn_impl": impl}
 
 
 def _choice(value, allowed, key):
