@@ -14,6 +14,7 @@
 #   bash bench/gpu_session.sh calibrate  # `meshlm train` with metrics.profile_step, `meshlm estimate --calibrate`
 #   bash bench/gpu_session.sh kernels    # bench/kernels.py: attention per SDPA backend and flex, the validation
 #                                        # rows' GEMMs, eager element-wise rates, each against the planner's
+#   bash bench/gpu_session.sh cp-kernel  # bench/cp_kernel.py: an all-gather CP rank's attention, flex vs dense mask
 #   bash bench/gpu_session.sh sizes | offload | checks | nocompile   # small, 8b offload, CLI paths, eager
 #   bash bench/gpu_session.sh all        # every piece above in turn (a machine without the 10-minute limit)
 # Results go to $OUT (or ./gpu-out) as JSON plus a log (log.txt); each piece starts with the card, driver,
@@ -172,6 +173,13 @@ kernels)
   card kernels
   timeout 540 $PY bench/kernels.py --budget-s 420 --out "$OUT/kernels.json"
   ;;
+cp-kernel)
+  # one all-gather CP rank's attention at 32K-131K (flex BlockMask rows vs SDPA's dense rows mask), with
+  # the planner's seconds and each kernel's peak memory; then flex's compiled backward on CUDA (test_flex)
+  card cp-kernel
+  timeout 400 $PY bench/cp_kernel.py --budget-s 300 --out "$OUT/cp_kernel.json"
+  timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_flex.py 2>&1 | tail -n 5
+  ;;
 *)
   echo "gpu_session.sh: unknown piece '$1' (see the list at the top of this file)"
   return 2
@@ -179,7 +187,7 @@ kernels)
 esac
 }
 
-PIECES="mfu docmask 3b 3b-noac fp8 fp8-loss moe peers-1b peers-3b peers-3b-chunks calibrate kernels"
+PIECES="mfu docmask 3b 3b-noac fp8 fp8-loss moe peers-1b peers-3b peers-3b-chunks calibrate kernels cp-kernel"
 if [ "${1:-mfu}" = all ]; then
   for p in $PIECES sizes offload checks nocompile; do piece "$p"; done
 else

@@ -109,3 +109,27 @@ def test_bad_input_is_one_line_before_any_work(capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("bench/kernels.py: ") and words in err and "\n" not in err
+
+
+def test_cp_kernel_plumbing_agrees_and_prices_with_the_planner(tmp_path):
+    """bench/cp_kernel.py on a CPU (--tiny): both kernels of an all-gather CP rank give the same
+    output (flex under the rows' BlockMask, SDPA under the dense rows mask), and each row carries the
+    planner's seconds for its mask kind (flex; rows, or dense with documents)."""
+    spec = importlib.util.spec_from_file_location("bench_cp_kernel", ROOT / "bench" / "cp_kernel.py")
+    cpk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cpk)
+    out = cpk.main(["--device", "cpu", "--tiny", "--warmup", "1", "--reps", "3", "--out", str(tmp_path / "c.json")])
+    rows = json.loads((tmp_path / "c.json").read_text())["cp_attention"]
+    assert [(r["kernel"], r["cp"], r["doc_tokens"]) for r in rows] == [
+        (k, c, d) for _, _, _, c, d in cpk.TINY for k in cpk.KERNELS] and rows == out["cp_attention"]
+    gpu = get_gpu("h100")
+    for r, case in zip(rows, [c for c in cpk.TINY for _ in cpk.KERNELS]):
+        assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0
+        pf, pb = cpk.predicted(case, r["kernel"], gpu, "fp32")
+        assert r["pred_fwd_ms"] == pytest.approx(pf * 1e3) and r["pred_bwd_ms"] == pytest.approx(pb * 1e3)
+        if r["kernel"] == "sdpa":
+            assert r["max_diff"] < 1e-5
+    flex, sdpa = (cpk.predicted(cpk.CASES[-1], k, gpu, "bf16") for k in cpk.KERNELS)  # 131K, cp 16, 8K docs
+    assert 10 * sum(flex) < sum(sdpa)  # flex skips the blocks outside the documents; the dense mask computes all
+    with pytest.raises(SystemExit):
+        cpk.main(["--device", "cpu"])  # only --tiny runs on a CPU

@@ -48,3 +48,58 @@ def test_one_block_mask_per_forward(monkeypatch):
     monkeypatch.setattr(llama, "flex_block_mask", lambda *a: built.append(a) or make(*a))
     flex(torch.randint(0, 256, (2, 24)), docs=torch.zeros(2, 24, dtype=torch.long))
     assert len(built) == 1 and ARGS.n_layers > 1
+
+
+def _dense_blocks(bm):
+    """A BlockMask's [B, nq, nkv] maps of partial and full key blocks (head 0)."""
+    def dense(num, idx):
+        n = idx.shape[-1]
+        keep = torch.arange(n)[None, None, :] < num[..., None].long()
+        out = torch.zeros(*idx.shape, dtype=torch.bool)
+        return out.scatter_(-1, idx.long(), keep)[:, 0]
+    return dense(bm.kv_num_blocks, bm.kv_indices), dense(bm.full_kv_num_blocks, bm.full_kv_indices)
+
+
+@pytest.mark.parametrize("seq,cp,doc", [(512, 1, 0), (512, 1, 128), (1024, 2, 0), (1024, 2, 256), (2048, 4, 384),
+                                        (1024, 4, 0)])
+def test_block_mask_from_bounds_equals_torchs_and_the_planners_count(seq, cp, doc):
+    """The block map built from block bounds (never the [B, rows, keys] mask) is the one torch's
+    create_block_mask derives from the full mask, for contiguous rows and all-gather CP's zig-zag
+    rows, causal and packed documents; and the blocks kept over every CP rank are the planner's
+    ops.causal_blocks, so flex is priced for the work it does."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from meshlm.parallel.context_parallel import CPSplit
+    from meshlm.plan.ops import causal_blocks
+    docs = (torch.arange(seq) // doc)[None].expand(2, seq).contiguous() if doc else None
+    kept = 0
+    for rank in range(cp):
+        rows = CPSplit(cp, rank, True).positions(seq // cp) if cp > 1 else None
+        mine = llama.flex_block_mask(docs, seq // cp, "cpu", rows, seq)
+        p = rows if rows is not None else torch.arange(seq)
+        mod = (lambda b, h, q, k: p[q] >= k) if docs is None else \
+            (lambda b, h, q, k: (p[q] >= k) & (docs[b, p[q]] == docs[b, k]))
+        ref = create_block_mask(mod, None if docs is None else 2, None, seq // cp, seq, device="cpu")
+        (mp, mf), (rp, rf) = _dense_blocks(mine), _dense_blocks(ref)
+        assert torch.equal(mp, rp) and torch.equal(mf, rf), rank
+        assert mine.seq_lengths == (seq // cp, seq)
+        kept += int((mp | mf)[0].sum())
+    assert kept == causal_blocks(seq, doc)
+
+
+def test_block_mask_never_builds_the_full_mask(monkeypatch):
+    """At all-gather CP's long-context shape (8K rows of 128K keys, documents) the mask is built from
+    block bounds only: torch's full-mask path is never called, and its index tensors hold one entry
+    per 128x128 block (16,384x fewer than rows x keys) at either of two sizes 10x apart."""
+    import torch.nn.attention.flex_attention as fa
+    from meshlm.parallel.context_parallel import CPSplit
+
+    def refuse(*a, **k):
+        raise AssertionError("the full mask was built")
+    monkeypatch.setattr(fa, "create_mask", refuse)
+    for seq in (12288, 122880):
+        docs = (torch.arange(seq) // 4096)[None]
+        rows = CPSplit(16, 3, True).positions(seq // 16)
+        bm = llama.flex_block_mask(docs, seq // 16, "cpu", rows, seq)
+        assert bm.seq_lengths == (seq // 16, seq)
+        assert bm.kv_indices.numel() == -(-seq // 16 // 128) * (seq // 128)
+        assert 0 < int(bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum()) < bm.kv_indices.numel() // 4

@@ -19,32 +19,65 @@ from torch.autograd import Function
 _COMPILED: dict = {}
 
 
+BLOCK = 128  # FlexAttention's default BlockMask block (the planner's ops.FLEX_BLOCK)
+
+
+def _span(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of `block` along the last dim: the least and the greatest value ([..., n_blocks])."""
+    n = -(-x.shape[-1] // block)
+    pad = n * block - x.shape[-1]
+    lo = torch.nn.functional.pad(x, (0, pad), value=torch.iinfo(x.dtype).max).unflatten(-1, (n, block))
+    hi = torch.nn.functional.pad(x, (0, pad), value=torch.iinfo(x.dtype).min).unflatten(-1, (n, block))
+    return lo.amin(-1), hi.amax(-1)
+
+
+def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [B, H, nq, nkv] block map as FlexAttention's (count, indices): the kept kv blocks of each
+    query block first, in order."""
+    num = blocks.sum(-1, dtype=torch.int32)
+    idx = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return num, idx
+
+
 def flex_block_mask(docs: torch.Tensor | None, seq: int, device: torch.device,
-                    rows: torch.Tensor | None = None, keys: int | None = None):
+                    rows: torch.Tensor | None = None, keys: int | None = None, block: int = BLOCK):
     """A BlockMask over [seq, seq]: causal, and with `docs` ([B, S] document id per token) never across
     documents. Positions are not restarted per document (RoPE is relative; docs/data.md). `rows`: the
     true positions of the `seq` queries among `keys` keys (all-gather context parallelism: this rank's
-    zig-zag tokens against the whole sequence, parallel/cp_allgather.py); flex then skips the key
-    blocks above each query block's diagonal as it does for contiguous rows."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    zig-zag tokens against the whole sequence, parallel/cp_allgather.py).
+
+    Built from block bounds, never from the [B, seq, keys] mask (create_block_mask evaluates the mask
+    function at every pair: at 131K keys and 8K rows that is 10⁹ elements and int64 temporaries of
+    8 GB): a key block is kept where some query of the block may see some key of it (positions reach
+    it, document ranges meet) and is full where every pair is visible (all past it, one document);
+    the mask function decides the pairs of the partial blocks. Memory: B·(seq/128)·(keys/128)."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     n_keys = seq if rows is None else (docs.shape[1] if docs is not None else keys)
-    if rows is None:
-        def pos(q):
-            return q
-    else:
-        def pos(q):
-            return rows[q]
+    pos = torch.arange(seq, device=device) if rows is None else rows
+    kv = torch.arange(n_keys, device=device)
+    (q_lo, q_hi), (k_lo, k_hi) = _span(pos, block), _span(kv, block)
+    reach = q_hi[:, None] >= k_lo[None, :]                 # some query at or past some key
+    past = q_lo[:, None] >= k_hi[None, :]                  # every query past every key
+    def at(q):  # a query's true position (contiguous rows: its index, no gather in the kernel)
+        return q if rows is None else rows[q]
 
     if docs is None:
-        def causal(b, h, q, kv):
-            return pos(q) >= kv
-        return create_block_mask(causal, None, None, seq, n_keys, device=device)
+        def mask_mod(b, h, q, k):
+            return at(q) >= k
+        keep, full = reach[None, None], past[None, None]
+    else:
+        (dq_lo, dq_hi), (dk_lo, dk_hi) = _span(docs[:, pos], block), _span(docs, block)
+        meet = (dq_hi[:, :, None] >= dk_lo[:, None, :]) & (dq_lo[:, :, None] <= dk_hi[:, None, :])
+        one = (dq_lo == dq_hi)[:, :, None] & (dk_lo == dk_hi)[:, None, :] & (dq_lo[:, :, None] == dk_lo[:, None, :])
 
-    def same_document(b, h, q, kv):
-        p = pos(q)
-        return (p >= kv) & (docs[b, p] == docs[b, kv])
-    return create_block_mask(same_document, docs.shape[0], None, seq, n_keys, device=device)
+        def mask_mod(b, h, q, k):
+            p = at(q)
+            return (p >= k) & (docs[b, p] == docs[b, k])
+        keep, full = (reach[None] & meet)[:, None], (past[None] & one)[:, None]
+    partial = keep & ~full
+    return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(seq, n_keys))
 
 
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torch.Tensor:

@@ -210,7 +210,7 @@ DENSE_MASK_FRACTION = 0.249
 # attn_mask values under which SDPA is handed a boolean mask: a document mask ([B, 1, S, S], or under
 # all-gather CP this rank's rows of it) and all-gather CP's causal rows ([S/cp, S], shared by the batch)
 DENSE_MASKS = ("dense", "rows")
-FLEX_BLOCK = 128  # FlexAttention's default BlockMask block (torch.nn.attention.flex_attention._DEFAULT_SPARSE_BLOCK_SIZE)
+FLEX_BLOCK = 128  # the BlockMask block meshlm builds (model.flex.BLOCK: FlexAttention's default, 128)
 
 
 @lru_cache(maxsize=1024)
