@@ -345,7 +345,7 @@ def estimate(shape: Shape, s: Spec, gpu: GPU | None = None, o: Options | None = 
         o = dataclasses.replace(o, attn_mask=allgather_mask(o.attn_mask, o.attn_impl))
     stages = pipeline_roles(s.pp)
     mems = [stage_memory(shape, s, st, o.flash, o.attn_math_bytes, compiled=o.compiled, loss_chunks=o.loss_chunks,
-                         attn_mask=o.attn_mask) for st in stages]
+                         attn_mask=o.attn_mask, recompute_gemms=o.recompute_gemms) for st in stages]
     worst = max(mems, key=lambda x: x["total"])
     usable = o.usable(gpu)
     out = {
@@ -372,5 +372,6 @@ def quick(shape: Shape, s: Spec, gpu: GPU, o: Options) -> tuple[float, float]:
     """(worst-rank bytes, predicted step seconds) with the bubble formula: what the search ranks by."""
     stages = pipeline_roles(s.pp)
     total = max(stage_memory(shape, s, st, o.flash, o.attn_math_bytes, compiled=o.compiled,
-                             loss_chunks=o.loss_chunks, attn_mask=o.attn_mask)["total"] for st in stages)
+                             loss_chunks=o.loss_chunks, attn_mask=o.attn_mask,
+                             recompute_gemms=o.recompute_gemms)["total"] for st in stages)
     return total, time_model(shape, s, gpu, o, simulate=False)["step_s"]

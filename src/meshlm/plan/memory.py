@@ -92,7 +92,7 @@ def minimal_block_bytes(d: int, ffn: int, heads: int, kv_heads: int, head_dim: i
 def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes: int, tp: int = 1,
                            sp: bool = False, ac: str = "none", flash: bool = True,
                            attn_math_bytes: int | None = None, compiled: bool = False, cp: int = 1,
-                           cp_impl: str = "ring") -> float:
+                           cp_impl: str = "ring", recompute_gemms: tuple = ()) -> float:
     """Bytes one Block saves for backward on one rank, for `tokens` local tokens (micro_batch×seq/cp).
 
     none: `minimal_block_bytes` (the saved set of model/ops.py and the SP linears). The unfused math
@@ -101,7 +101,9 @@ def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes:
     wo's input), only the log-sum-exp goes. op (per-op selective checkpointing of each block) keeps
     the block input and the outputs of the matmuls (q, k, v before RoPE, the attention output and its
     log-sum-exp, gate, up, and the wo / w2 outputs before their TP reduction, e·d each) and recomputes
-    the norms, RoPE and the residual adds. full keeps the block input only (e·d').
+    the norms, RoPE and the residual adds; under another framework's op policy the matmuls it runs
+    again (`recompute_gemms`, estimate.Options) keep no output (torchtitan's: wk, wo, w3). full keeps
+    the block input only (e·d').
 
     `compiled` (training.compile, fused attention, dense FFN, cp = 1): inductor's partitioner keeps the
     same set (the SwiGLU-down node is opaque to it, model/ops.py), except that under selective the
@@ -147,6 +149,11 @@ def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes:
         norm, ffn = 4 * e * dsp + 8 * dsp / d, 2 * e * f_local  # norm inputs + outputs, rstd; gate, up
     if compiled_core and ac == "selective":
         attn -= e * dq  # the recomputed core's output is wo's input: not saved
+    if ac == "op" and recompute_gemms:  # outputs recomputed, not kept (a CP core keeps its own q, k, v)
+        width = {"wq": dq, "wk": kvd, "wv": kvd, "wo": d, "w1": f_local, "w3": f_local, "w2": d}
+        outs = ("w1", "w3") + (("wo", "w2") if not (compiled_core and t == 1) else ())
+        attn -= 0 if cp > 1 else e * sum(width[g] for g in recompute_gemms if g in ("wq", "wk", "wv"))
+        ffn -= e * sum(width[g] for g in recompute_gemms if g in outs)
     if shape.moe:  # averaged over the blocks: MoE ones (moe.every, moe.first_dense) and dense ones
         x_local, frac = a.expert_dim / t, a.n_moe_blocks / a.n_layers
         n_ffn = 3 if ac == "selective" else 4
@@ -275,8 +282,10 @@ def inflight(schedule: str, p: int, m: int, v: int, rank: int) -> float:
 
 @lru_cache(maxsize=65536)
 def _per_token(shape: Shape, seq_len: int, e: int, t: int, sp: bool, ac: str, flash: bool,
-               amb: int | None, compiled: bool = False, cp: int = 1, cp_impl: str = "ring") -> float:
-    return block_activation_bytes(shape, 1.0, seq_len, e, t, sp, ac, flash, amb, compiled, cp, cp_impl)
+               amb: int | None, compiled: bool = False, cp: int = 1, cp_impl: str = "ring",
+               recompute_gemms: tuple = ()) -> float:
+    return block_activation_bytes(shape, 1.0, seq_len, e, t, sp, ac, flash, amb, compiled, cp, cp_impl,
+                                  recompute_gemms)
 
 
 def head_bytes(a, t: int, dsp: float, e: int, compiled: bool, chunks: int = 0) -> tuple[float, float]:
@@ -369,7 +378,7 @@ def _stage_params_cached(shape: Shape, key: Spec, stage: str) -> StageParams:
 
 def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
                  attn_math_bytes: int | None = None, detail: bool = True, compiled: bool = False,
-                 loss_chunks: int = 0, attn_mask: str = "causal") -> dict:
+                 loss_chunks: int = 0, attn_mask: str = "causal", recompute_gemms: tuple = ()) -> dict:
     """Bytes on one rank of `stage` ('first', 'last' or 'only'): the per_gpu breakdown plus details."""
     a = shape.args
     e = ACT_BYTES[s.precision]
@@ -386,7 +395,8 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
     tokens = s.micro_batch * s.seq_len / s.cp
     t, sq = s.tp, (s.sp and s.tp > 1)
     dsp = a.dim / t if sq else a.dim
-    blk_tok = _per_token(shape, s.seq_len, e, t, sq, s.ac, flash, attn_math_bytes, compiled, s.cp, s.cp_impl)
+    blk_tok = _per_token(shape, s.seq_len, e, t, sq, s.ac, flash, attn_math_bytes, compiled, s.cp, s.cp_impl,
+                         recompute_gemms)
     blk = blk_tok * tokens + saved_mask_bytes(s.micro_batch, s.seq_len, attn_mask, s.cp, s.cp_impl, s.ac, e)
     units = inflight(s.pp_schedule, s.pp, s.accum, s.pp_virtual, sp.rank)
     acts = held_layers(s.pp_schedule, s.pp, s.accum, s.pp_virtual, sp.rank, sp.chunks) * blk
@@ -449,7 +459,8 @@ def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, 
                  cp_impl: str = "ring", bucket_mb: float = 25.0, flash: bool = True,
                  amb: int | None = None, compiled: bool = False,
                  pp_layers: tuple = (), loss_chunks: int = 0,
-                 attn_mask: str = "causal", optimizer: str = "adamw") -> tuple[float, float, dict[str, float]]:
+                 attn_mask: str = "causal", optimizer: str = "adamw",
+                 recompute_gemms: tuple = ()) -> tuple[float, float, dict[str, float]]:
     """The same totals as stage_memory, split for the search: (bytes that depend on neither AC nor
     offload, optimizer-state bytes, {ac: activation + backward working-set bytes}). Kept lean because
     the search calls it for every candidate; tests check it against stage_memory. `optimizer`: optim.name."""
@@ -484,7 +495,7 @@ def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, 
     if ep > 1:
         base += 2 * shape.top_k * shape.capacity_factor * e * a.dim * tokens
     def block(ac: str) -> float:
-        return _per_token(shape, seq_len, e, tp, sq, ac, flash, amb, compiled, cp, cp_impl) * tokens \
+        return _per_token(shape, seq_len, e, tp, sq, ac, flash, amb, compiled, cp, cp_impl, recompute_gemms) * tokens \
             + saved_mask_bytes(mb, seq_len, attn_mask, cp, cp_impl, ac, e)
     none = block("none")
     scale = held_layers(schedule, pp, accum, v, spp.rank, spp.chunks)

@@ -271,7 +271,8 @@ def _layouts(ctx: _Search, deg: _Degrees) -> None:
                             continue
                         parts = [stage_totals(shape, st, tp, sp, cp, pp, v, ep, zero, g, dp, mb, m, sched,
                                               seq_len, precision, cp_impl, 25.0, o.flash, o.attn_math_bytes,
-                                              o.compiled, split, o.loss_chunks, o.attn_mask, ctx.optim)
+                                              o.compiled, split, o.loss_chunks, o.attn_mask, ctx.optim,
+                                              o.recompute_gemms)
                                  for st in stages]
                         variants = []
                         for off in offs:
