@@ -61,11 +61,12 @@ def _dense_blocks(bm):
 
 
 @pytest.mark.parametrize("seq,cp,doc", [(512, 1, 0), (512, 1, 128), (1024, 2, 0), (1024, 2, 256), (2048, 4, 384),
-                                        (1024, 4, 0)])
+                                        (1024, 4, 0), (300, 1, 100), (640, 2, 96), (40, 1, 7)])
 def test_block_mask_from_bounds_equals_torchs_and_the_planners_count(seq, cp, doc):
     """The block map built from block bounds (never the [B, rows, keys] mask) is the one torch's
     create_block_mask derives from the full mask, for contiguous rows and all-gather CP's zig-zag
-    rows, causal and packed documents; and the blocks kept over every CP rank are the planner's
+    rows, causal and packed documents, short last blocks included (a superset where a query block
+    spans two zig-zag chunks); and the blocks kept over every CP rank are the planner's
     ops.causal_blocks, so flex is priced for the work it does."""
     from torch.nn.attention.flex_attention import create_block_mask
     from meshlm.parallel.context_parallel import CPSplit
@@ -80,10 +81,14 @@ def test_block_mask_from_bounds_equals_torchs_and_the_planners_count(seq, cp, do
             (lambda b, h, q, k: (p[q] >= k) & (docs[b, p[q]] == docs[b, k]))
         ref = create_block_mask(mod, None if docs is None else 2, None, seq // cp, seq, device="cpu")
         (mp, mf), (rp, rf) = _dense_blocks(mine), _dense_blocks(ref)
-        assert torch.equal(mp, rp) and torch.equal(mf, rf), rank
+        if cp == 1 or seq // (2 * cp) % 128 == 0:  # query blocks inside one zig-zag chunk: the same map
+            assert torch.equal(mp, rp) and torch.equal(mf, rf), rank
+        else:  # a query block across two chunks: bounds keep a superset (the mask function decides)
+            assert not ((rp | rf) & ~(mp | mf)).any() and not (mf & ~rf).any(), rank
         assert mine.seq_lengths == (seq // cp, seq)
         kept += int((mp | mf)[0].sum())
-    assert kept == causal_blocks(seq, doc)
+    if seq % (256 * cp) == 0:  # whole blocks in each zig-zag chunk: the planner's count
+        assert kept == causal_blocks(seq, doc)
 
 
 def test_block_mask_never_builds_the_full_mask(monkeypatch):

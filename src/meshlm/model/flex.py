@@ -25,10 +25,9 @@ BLOCK = 128  # FlexAttention's default BlockMask block (the planner's ops.FLEX_B
 def _span(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per block of `block` along the last dim: the least and the greatest value ([..., n_blocks])."""
     n = -(-x.shape[-1] // block)
-    pad = n * block - x.shape[-1]
-    lo = torch.nn.functional.pad(x, (0, pad), value=torch.iinfo(x.dtype).max).unflatten(-1, (n, block))
-    hi = torch.nn.functional.pad(x, (0, pad), value=torch.iinfo(x.dtype).min).unflatten(-1, (n, block))
-    return lo.amin(-1), hi.amax(-1)
+    pad = n * block - x.shape[-1]  # a short last block, padded with its own last element
+    blocks = torch.cat([x, x[..., -1:].expand(*x.shape[:-1], pad)], -1).unflatten(-1, (n, block))
+    return blocks.amin(-1), blocks.amax(-1)
 
 
 def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +57,9 @@ def flex_block_mask(docs: torch.Tensor | None, seq: int, device: torch.device,
     kv = torch.arange(n_keys, device=device)
     (q_lo, q_hi), (k_lo, k_hi) = _span(pos, block), _span(kv, block)
     reach = q_hi[:, None] >= k_lo[None, :]                 # some query at or past some key
-    past = q_lo[:, None] >= k_hi[None, :]                  # every query past every key
+    whole_q = torch.arange(len(q_lo), device=device) < seq // block  # the last block may be short:
+    whole_k = torch.arange(len(k_lo), device=device) < n_keys // block  # never full (as torch's map)
+    past = (q_lo[:, None] >= k_hi[None, :]) & whole_q[:, None] & whole_k[None, :]  # every query past every key
     def at(q):  # a query's true position (contiguous rows: its index, no gather in the kernel)
         return q if rows is None else rows[q]
 
