@@ -56,10 +56,12 @@ def flex_block_mask(docs: torch.Tensor | None, seq: int, device: torch.device,
     pos = torch.arange(seq, device=device) if rows is None else rows
     kv = torch.arange(n_keys, device=device)
     (q_lo, q_hi), (k_lo, k_hi) = _span(pos, block), _span(kv, block)
-    reach = q_hi[:, None] >= k_lo[None, :]                 # some query at or past some key
-    whole_q = torch.arange(len(q_lo), device=device) < seq // block  # the last block may be short:
-    whole_k = torch.arange(len(k_lo), device=device) < n_keys // block  # never full (as torch's map)
-    past = (q_lo[:, None] >= k_hi[None, :]) & whole_q[:, None] & whole_k[None, :]  # every query past every key
+    reach = q_hi[:, None] >= k_lo[None, :]  # some query at or past some key
+    # every query past every key; a short last block is never full (torch's map does the same)
+    whole_q = torch.arange(len(q_lo), device=device) < seq // block
+    whole_k = torch.arange(len(k_lo), device=device) < n_keys // block
+    past = (q_lo[:, None] >= k_hi[None, :]) & whole_q[:, None] & whole_k[None, :]
+
     def at(q):  # a query's true position (contiguous rows: its index, no gather in the kernel)
         return q if rows is None else rows[q]
 
