@@ -162,7 +162,7 @@ def format_estimate(r: dict, gpu=None, sources: tuple[str, dict] | None = None) 
              "layout: " + ", ".join(f"{k}={v}" for k, v in L.items()),
              (f"memory per GPU, worst rank ({d['stage']} stage, {d['layers']} layers, "
               f"{d['inflight_microbatches']:g} micro-batches in flight, flash={r['flash']}, "
-              f"compiled={r['compiled']}):")]
+              f"compiled={r['compiled']}, attention mask={r['attn_mask']}):")]
     for k in ("params", "grads", "optim", "activations", "buffers", "total"):
         lines.append(f"  {k:<12}{_gib(pg[k]):>14}")
     if pg["cpu_optim"]:

@@ -359,6 +359,7 @@ def estimate(shape: Shape, s: Spec, gpu: GPU | None = None, o: Options | None = 
         "memory_detail": worst["detail"],
         "flash": o.flash,
         "compiled": o.compiled,
+        "attn_mask": o.attn_mask,  # how attention is masked, as priced (ops.StageWork.attn_mask)
         "hbm_bytes": gpu.hbm_bytes if gpu else None,
         "usable_bytes": usable,
         "fits": None if usable is None else worst["total"] <= usable,
