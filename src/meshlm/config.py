@@ -77,7 +77,7 @@ class ModelConfig:
     qk_norm: bool | None = None       # per-head q/k RMSNorm (Qwen3)
     vocab_multiple: int = 128  # embedding/head rows padded to a multiple of this × tp; 1: no padding
     init_from: str = ""  # "hf:DIR": start from a Hugging Face model (shape from its config.json)
-    attn_impl: str = "auto"  # auto: flex with data.document_mask (cp = 1), else sdpa (choices.ATTN_IMPLS)
+    attn_impl: str = "auto"  # auto: flex with data.document_mask or cp_impl = allgather, else sdpa (choices.ATTN_IMPLS)
     moe: MoEConfig = field(default_factory=MoEConfig)
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
 
