@@ -177,7 +177,8 @@ cp-kernel)
   # one all-gather CP rank's attention at 32K-131K (flex BlockMask rows vs SDPA's dense rows mask), with
   # the planner's seconds and each kernel's peak memory; then flex's compiled backward on CUDA (test_flex)
   card cp-kernel
-  timeout 400 $PY bench/cp_kernel.py --budget-s 300 --out "$OUT/cp_kernel.json"
+  timeout 340 $PY bench/cp_kernel.py --budget-s 260 --out "$OUT/cp_kernel.json"
+  timeout 60 $PY bench/block_mask.py --device cuda
   timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_flex.py 2>&1 | tail -n 5
   ;;
 *)
