@@ -190,6 +190,8 @@ ROWS = [
     ("pp2-cp2-allgather-interleaved-sdpa", 4, {"parallel__pp": 2, "parallel__cp": 2, "parallel__cp_impl": "allgather",
                                                "parallel__pp_schedule": "interleaved", "parallel__pp_virtual": 2,
                                                "model__attn_impl": "sdpa"}),
+    ("pp2-cp2-allgather-zb-h1", 4, {"parallel__pp": 2, "parallel__cp": 2, "parallel__cp_impl": "allgather",
+                                    "parallel__pp_schedule": "zb-h1"}),
     ("cp2-allgather-bf16", 2, {"parallel__cp": 2, "parallel__cp_impl": "allgather", "training__precision": "bf16"}),
     ("cp2-allgather-bf16-sdpa", 2, {"parallel__cp": 2, "parallel__cp_impl": "allgather",
                                     "training__precision": "bf16", "model__attn_impl": "sdpa"}),
