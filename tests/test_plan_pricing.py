@@ -14,8 +14,8 @@ from meshlm.model.args import PRESETS
 from meshlm.plan.estimate import GRAD_ACCUM_BYTES, Options, estimate, optimizer_bytes_per_param
 from meshlm.plan.hardware import get_gpu
 from meshlm.plan.ops import causal_blocks
-from meshlm.plan.spec import (PlanError, Shape, Spec, attention_mask, code_options, spec_from_config,
-                               spec_of_layout)
+from meshlm.plan.spec import (PlanError, Shape, Spec, allgather_mask, attention_mask, code_options,
+                              shape_from_config, spec_from_config, spec_of_layout)
 
 H100 = get_gpu("h100")
 ONE_B = Shape(PRESETS["llama3-1b"], "llama3-1b")
@@ -88,16 +88,16 @@ def test_allgather_cp_mask_follows_attn_impl():
     rows, or the document mask's), priced at the dense-mask rate over every key; auto runs flex
     instead, priced as causal attention at FA2's rate over the blocks its BlockMask keeps (the
     sequence's, shared over cp), with no mask held or saved."""
-    assert attention_mask(False, "auto", cp_allgather=True) == "flex"
-    assert attention_mask(True, "auto", cp_allgather=True) == "flex"
-    assert attention_mask(False, "sdpa", cp_allgather=True) == "rows"  # the causal rows, one for the batch
-    assert attention_mask(True, "sdpa", cp_allgather=True) == "dense"
-    cfg = make_config(parallel__cp=2, parallel__cp_impl="allgather")
-    assert code_options(cfg)["attn_mask"] == "flex"
-    cfg.model.attn_impl = "sdpa"
-    assert code_options(cfg)["attn_mask"] == "rows"
-    cfg.parallel.cp_impl = "ring"
-    assert code_options(cfg)["attn_mask"] == "causal"
+    for docs, impl, kind in ((False, "auto", "flex"), (True, "auto", "flex"), (False, "flex", "flex"),
+                             (False, "sdpa", "rows"), (True, "sdpa", "dense")):  # rows: one for the batch
+        assert allgather_mask(attention_mask(docs, impl), impl) == kind
+    assert allgather_mask("causal", None) == "causal"  # a published run's own causal kernel
+    for cp_impl, impl, kind in (("allgather", "auto", "flex"), ("allgather", "sdpa", "rows"), ("ring", "auto", "causal")):
+        cfg = make_config(parallel__cp=2, parallel__cp_impl=cp_impl)
+        cfg.model.attn_impl = impl
+        assert code_options(cfg)["attn_mask"] == "causal"  # the config's mask without CP
+        est = estimate(shape_from_config(cfg), spec_from_config(cfg, 2), H100, Options(**code_options(cfg)))
+        assert est["attn_mask"] == kind  # the layout's own
     spec = Spec(cp=2, micro_batch=16, ac="none", seq_len=8192)
     ring = dataclasses.replace(spec, cp_impl="ring")
     gather = dataclasses.replace(spec, cp_impl="allgather")

@@ -177,25 +177,22 @@ def spec_from_config(cfg: Config, world: int) -> Spec:
                 quantize_grads=bool(p.quantize_grads), optim=cfg.optim.name)
 
 
-def attention_mask(document_mask: bool, attn_impl: str = "auto", cp_allgather: bool = False) -> str:
-    """How the attention kernel masks (ops.StageWork.attn_mask), as model.from_config.attn_kernel
-    resolves the kernel: "auto" runs flex with a document mask and SDPA's causal kernels without;
-    "sdpa" with a document mask passes SDPA a dense [B, 1, S, S] mask. Under all-gather context
-    parallelism (queries at zig-zag positions: parallel/cp_allgather.py) auto and flex run a BlockMask
-    over the rank's rows, while "sdpa" hands SDPA a dense one: the document mask's rows, or without
-    documents its causal rows ("rows": one mask for the whole batch)."""
-    if cp_allgather:
-        return "flex" if attn_impl != "sdpa" else "dense" if document_mask else "rows"
+def attention_mask(document_mask: bool, attn_impl: str = "auto") -> str:
+    """How the attention kernel masks without CP (ops.StageWork.attn_mask), as model.from_config.
+    attn_kernel resolves the kernel: "auto" runs flex with a document mask and SDPA's causal kernels
+    without; "sdpa" with a document mask passes SDPA a dense [B, 1, S, S] mask. A layout's own mask:
+    `allgather_mask` (estimate applies it to all-gather CP layouts)."""
     if attn_impl == "flex" or (attn_impl == "auto" and document_mask):
         return "flex"
     return "dense" if document_mask else "causal"
 
 
 def allgather_mask(attn_mask: str, attn_impl: str | None = "auto") -> str:
-    """The mask kind of an all-gather CP layout, from the kind its model runs without CP (a search
-    prices CP layouts of a config whose own cp may be 1): a document mask stays dense (sdpa) or flex,
-    and causal attention becomes flex's causal rows, or under attn_impl = sdpa the dense ones. None:
-    not meshlm's code (a published run): its causal kernel stays as given."""
+    """The mask kind of an all-gather CP layout, from the kind the model runs without CP. Its queries
+    sit at zig-zag positions (parallel/cp_allgather.py), so even causal attention is masked: auto and
+    flex run a BlockMask over the rank's rows, "sdpa" hands SDPA a dense one, the document mask's rows
+    ("dense") or without documents its causal rows ("rows": one mask for the whole batch). None: not
+    meshlm's code (a published run): its causal kernel stays as given."""
     if attn_mask == "causal" and attn_impl is not None:
         return "rows" if attn_impl == "sdpa" else "flex"
     return attn_mask
@@ -210,9 +207,10 @@ def code_options(cfg: Config) -> dict:
     chunks = int(getattr(cfg.training, "loss_chunks", 0) or 0)
     if chunks < 0:
         raise PlanError(f"training.loss_chunks: must be >= 0 (0: off), got {chunks}")
-    allgather = cfg.parallel.cp > 1 and cfg.parallel.cp_impl == "allgather"
+    # the mask without CP: estimate gives an all-gather layout its own (spec.allgather_mask), and a
+    # search prices layouts of every cp from this one
     return {"compiled": bool(_resolved(cfg, "compile")), "loss_chunks": chunks,
-            "attn_mask": attention_mask(bool(getattr(cfg.data, "document_mask", False)), impl, allgather),
+            "attn_mask": attention_mask(bool(getattr(cfg.data, "document_mask", False)), impl),
             "attn_impl": impl}
 
 
