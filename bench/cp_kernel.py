@@ -95,6 +95,8 @@ def predicted(case: tuple, kernel: str, gpu, precision: str, batch: int = 1) -> 
 def row(b, case: tuple, kernel: str, precision: str, ref: dict) -> dict:
     dev = b.device
     q, k, v, rows, docs = tensors(case, 1, dev, K.DTYPES[precision])
+    if kernel == "flex" and dev.type == "cuda":
+        torch._dynamo.reset()  # a fresh compile per shape: no recompile limit falls back to eager flex
     if dev.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(dev)
