@@ -78,6 +78,11 @@ CASES = [
                                                 "model__n_kv_heads": 2, "training__ac": "selective"}),
     ("flex-cp2-allgather-tp2-sp", 4, {**FLEX, "parallel__cp": 2, "parallel__cp_impl": "allgather",
                                       "parallel__tp": 2, "parallel__sp": True}),
+    ("mask-cp2-ulysses", 2, {**MASK, "parallel__cp": 2, "parallel__cp_impl": "ulysses"}),
+    ("flex-cp2-ulysses-gqa-ac-selective", 2, {**FLEX, "parallel__cp": 2, "parallel__cp_impl": "ulysses",
+                                              "model__n_kv_heads": 2, "training__ac": "selective"}),
+    ("flex-cp2-ulysses-tp2-sp", 4, {**FLEX, "parallel__cp": 2, "parallel__cp_impl": "ulysses",
+                                    "parallel__tp": 2, "parallel__sp": True}),
     ("mix-dp2", 2, {**MIX, "parallel__dp": 2}),
     ("mix-zero3-dp4", 4, {**MIX, "parallel__dp": 4, "parallel__zero": 3}),
     ("mix-tp2-pp2", 4, {**MIX, "parallel__tp": 2, "parallel__pp": 2}),
@@ -144,8 +149,8 @@ def test_mixture_resumes_across_layouts(pools, corpora, tmp_path):
 
 
 def test_attn_impl_resolves_and_refuses():
-    """auto is flex under a document mask and under all-gather CP (whose causal rows SDPA would get as a
-    dense mask), sdpa otherwise; the ring and Ulysses cores refuse flex."""
+    """auto is flex under a document mask (not under the ring) and under all-gather CP (whose causal
+    rows SDPA would get as a dense mask), sdpa otherwise; the ring refuses flex."""
     from meshlm.layout import resolve
     from meshlm.model.from_config import model_args
     assert model_args(make_config(data__document_mask=True)).attn_kernel == "flex"
@@ -156,9 +161,12 @@ def test_attn_impl_resolves_and_refuses():
     assert model_args(make_config(parallel__cp=2, parallel__cp_impl="allgather")).attn_kernel == "flex"
     assert model_args(make_config(parallel__cp=2, parallel__cp_impl="allgather",
                                   model__attn_impl="sdpa")).attn_kernel == "sdpa"
-    for impl in ("ring", "ulysses"):
-        with pytest.raises(C.ConfigError, match=f"model.attn_impl: flex is not available with parallel.cp_impl = {impl}"):
-            resolve(make_config(model__attn_impl="flex", parallel__cp=2, parallel__cp_impl=impl), 2)
+    with pytest.raises(C.ConfigError, match="model.attn_impl: flex is not available with parallel.cp_impl = ring"):
+        resolve(make_config(model__attn_impl="flex", parallel__cp=2), 2)
+    ulysses = model_args(make_config(parallel__cp=2, parallel__cp_impl="ulysses", data__document_mask=True))
+    assert ulysses.attn_kernel == "flex" and ulysses.mask_rows == "all"  # its core attends every query
+    assert model_args(make_config(parallel__cp=2, parallel__cp_impl="ulysses")).attn_kernel == "sdpa"
+    assert model_args(make_config(parallel__cp=2, parallel__cp_impl="allgather")).mask_rows == "local"
     with pytest.raises(C.ConfigError, match="model.attn_impl: 'xformers' is not one of auto, sdpa, flex"):
         resolve(make_config(model__attn_impl="xformers"), 1)
 
@@ -168,11 +176,10 @@ def test_mixture_and_mask_refusals(corpora):
     cfg = make_config(**_cfg(corpora, {**MASK, "parallel__cp": 2}))
     with pytest.raises(C.ConfigError, match="data.document_mask: not available with context parallelism") as e:
         resolve(cfg, 2)
-    assert "parallel.cp_impl = allgather" in str(e.value) and "\n" not in str(e.value)
-    cfg = make_config(**_cfg(corpora, {**MASK, "parallel__cp": 2, "parallel__cp_impl": "ulysses"}))
-    with pytest.raises(C.ConfigError, match="cp_impl = ulysses: its core takes no mask"):
-        resolve(cfg, 2)
-    resolve(make_config(**_cfg(corpora, {**MASK, "parallel__cp": 2, "parallel__cp_impl": "allgather"})), 2)
+    assert "parallel.cp_impl = ring: its core takes no mask" in str(e.value) and "\n" not in str(e.value)
+    assert "use parallel.cp_impl = allgather or ulysses" in str(e.value)
+    for impl in ("allgather", "ulysses"):
+        resolve(make_config(**_cfg(corpora, {**MASK, "parallel__cp": 2, "parallel__cp_impl": impl})), 2)
     cfg = make_config(**_cfg(corpora, {**MIX, "data__path": "$docs"}))
     with pytest.raises(C.ConfigError, match="give data.path or data.mix, not both"):
         resolve(cfg, 1)

@@ -108,3 +108,18 @@ def test_block_mask_never_builds_the_full_mask(monkeypatch):
         assert bm.seq_lengths == (seq // 16, seq)
         assert bm.kv_indices.numel() == -(-seq // 16 // 128) * (seq // 128)
         assert 0 < int(bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum()) < bm.kv_indices.numel() // 4
+
+
+def test_masks_for_every_row_cover_the_whole_sequence():
+    """Under Ulysses (ModelArgs.mask_rows = "all") the model's mask covers every query of the whole
+    sequence, though it holds only its chunk of tokens; without documents it needs none (SDPA's
+    causal kernel); under all-gather ("local") it covers this rank's rows at their positions."""
+    docs = (torch.arange(64) // 20)[None]
+    local = torch.arange(16, 32)
+    full = llama.attention_mask("sdpa", docs, 16, "cpu", local, "all")
+    assert full.shape == (1, 1, 64, 64) and torch.equal(full, llama.document_mask(docs))
+    rows = llama.attention_mask("sdpa", docs, 16, "cpu", local, "local")
+    assert rows.shape == (1, 1, 16, 64) and torch.equal(rows, full[:, :, 16:32])
+    bm = llama.attention_mask("flex", docs, 16, "cpu", local, "all")
+    assert bm.seq_lengths == (64, 64)
+    assert llama.attention_mask("flex", None, 16, "cpu", local, "all") is None

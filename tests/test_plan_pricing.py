@@ -64,10 +64,10 @@ def test_config_keys_choose_the_mask():
 
 
 def test_search_under_a_document_mask_runs_cp_with_the_allgather_core():
-    """A document mask runs under CP only through the all-gather core: the search gives every cp > 1
-    layout cp_impl = allgather, priced with the mask that core runs (flex under auto, a dense one under
-    attn_impl = sdpa); a pinned ring finds nothing, and `estimate` refuses the ring with the data
-    section's own one-line reason."""
+    """A document mask runs under CP through the all-gather core or Ulysses: the search gives every
+    cp > 1 layout cp_impl = allgather, priced with the mask that core runs (flex under auto, a dense one
+    under attn_impl = sdpa), unless Ulysses is pinned (priced with the mask it has without CP); a pinned
+    ring finds nothing, and `estimate` refuses the ring with the data section's own one-line reason."""
     from meshlm.plan.search import plan
     for o, kind in ((Options(compiled=True, attn_mask="flex"), "flex"),
                     (Options(compiled=True, attn_mask="dense", attn_impl="sdpa"), "dense")):
@@ -77,10 +77,20 @@ def test_search_under_a_document_mask_runs_cp_with_the_allgather_core():
         priced = estimate(ONE_B, spec, H100, dataclasses.replace(o, attn_mask=kind))
         assert res.ranked[0]["step_s"] == pytest.approx(priced["step_s"])
         none = plan(ONE_B, H100, 8, 8192, 64 * 8192, top=5, fixed={"cp": 2, "cp_impl": "ring"}, o=o)
-        assert not none.ranked and "a document mask under cp needs cp_impl = allgather" in none.reasons
+        assert not none.ranked and "a document mask under cp needs cp_impl = allgather or ulysses" in none.reasons
+        # pinned Ulysses: its core attends the whole sequence under the mask it has without CP
+        uly = plan(ONE_B, H100, 8, 8192, 64 * 8192, top=5, fixed={"cp": 2, "cp_impl": "ulysses"}, o=o)
+        assert uly.ranked and {r["layout"]["cp_impl"] for r in uly.ranked} == {"ulysses"}
+        top = uly.ranked[0]
+        assert top["attn_mask"] == o.attn_mask
+        assert top["step_s"] == pytest.approx(estimate(ONE_B, spec_of_layout(top["layout"]), H100, o)["step_s"])
+        if kind == "dense":  # the whole [B, 1, S, S] mask on every rank
+            assert top["memory_detail"]["buffers"]["attn_mask"] == top["layout"]["micro_batch"] * 8192 ** 2
     cfg = make_config(parallel__cp=2, data__document_mask=True)
-    with pytest.raises(ConfigError, match="cp_impl = allgather"):
+    with pytest.raises(ConfigError, match="cp_impl = allgather or ulysses"):
         spec_from_config(cfg, 2)
+    cfg.parallel.cp_impl = "ulysses"
+    assert spec_from_config(cfg, 2).cp_impl == "ulysses"
 
 
 def test_allgather_cp_mask_follows_attn_impl():

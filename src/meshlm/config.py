@@ -94,10 +94,10 @@ class DataConfig:
     def check(self, cfg: Config) -> None:
         if self.seq_len < 1:
             raise ConfigError(f"data.seq_len: must be >= 1, got {self.seq_len}")
-        if self.document_mask and cfg.parallel.cp > 1 and cfg.parallel.cp_impl != "allgather":
-            raise ConfigError(f"data.document_mask: not available with context parallelism (cp > 1) and "
-                              f"parallel.cp_impl = {cfg.parallel.cp_impl}: its core takes no mask; use "
-                              f"parallel.cp_impl = allgather")
+        if self.document_mask and cfg.parallel.cp > 1 and cfg.parallel.cp_impl == "ring":
+            raise ConfigError("data.document_mask: not available with context parallelism (cp > 1) and "
+                              "parallel.cp_impl = ring: its core takes no mask; use parallel.cp_impl = "
+                              "allgather or ulysses")
         if self.mix and self.path:
             raise ConfigError("data.mix: give data.path or data.mix, not both")
 

@@ -41,7 +41,8 @@ def model_args(cfg: Config) -> ModelArgs:
     changes = model_changes(m)
     if m.init_from:
         base = _hf_base(m.init_from, changes)
-    args = dataclasses.replace(base, **changes, attn_kernel=attn_kernel(cfg))
+    ulysses = cfg.parallel.cp > 1 and cfg.parallel.cp_impl == "ulysses"
+    args = dataclasses.replace(base, **changes, attn_kernel=attn_kernel(cfg), mask_rows="all" if ulysses else "local")
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
                 "vocab_multiple"):
         if getattr(args, key) < 1:
@@ -61,18 +62,19 @@ def model_args(cfg: Config) -> ModelArgs:
 
 def attn_kernel(cfg: Config) -> str:
     """model.attn_impl resolved. A dense boolean mask takes SDPA off its flash kernels, so auto is
-    flex wherever SDPA would be handed one: under a document mask, and under all-gather context
-    parallelism (its queries sit at zig-zag positions: even its causal mask is a [S/cp, S] tensor);
-    otherwise SDPA's causal kernels. Flex is refused under the ring and Ulysses cores, which run
-    attention over key/value blocks of their own (docs/data.md)."""
+    flex wherever SDPA would be handed one: under a document mask (without CP, or under Ulysses, whose
+    core attends the whole sequence), and under all-gather context parallelism (its queries sit at
+    zig-zag positions: even its causal mask is a [S/cp, S] tensor); otherwise SDPA's causal kernels.
+    Flex is refused under the ring, which runs attention over key/value blocks of its own
+    (docs/data.md); under Ulysses without documents it has no mask to use (SDPA's causal kernel runs)."""
     impl = cfg.model.attn_impl
     choose(impl, ATTN_IMPLS, "model.attn_impl", ConfigError)
-    allgather = cfg.parallel.cp > 1 and cfg.parallel.cp_impl == "allgather"
-    if impl == "flex" and cfg.parallel.cp > 1 and not allgather:
-        raise ConfigError(f"model.attn_impl: flex is not available with parallel.cp_impl = {cfg.parallel.cp_impl} "
-                          "(the ring and Ulysses cores run their own attention); use allgather, sdpa or auto")
+    cp_impl = cfg.parallel.cp_impl if cfg.parallel.cp > 1 else None
+    if impl == "flex" and cp_impl == "ring":
+        raise ConfigError("model.attn_impl: flex is not available with parallel.cp_impl = ring (the ring "
+                          "runs its own attention); use allgather or ulysses, sdpa or auto")
     if impl == "auto":
-        return "flex" if allgather or (cfg.data.document_mask and cfg.parallel.cp == 1) else "sdpa"
+        return "flex" if cp_impl == "allgather" or (cfg.data.document_mask and cp_impl != "ring") else "sdpa"
     return impl
 
 

@@ -87,16 +87,21 @@ def document_mask(docs: torch.Tensor, rows: torch.Tensor | None = None) -> torch
 
 
 def attention_mask(kernel: str, docs: torch.Tensor | None, seq: int, device: torch.device,
-                   positions: torch.Tensor | None = None):
+                   positions: torch.Tensor | None = None, rows: str = "local"):
     """The mask every block of one forward shares: None (causal SDPA), the dense document mask (SDPA),
     or a FlexAttention BlockMask (causal, and inside one document when `docs` is given). `docs` longer
-    than the `seq` tokens attended: they are the whole sequence's and the queries sit at `positions`."""
+    than the `seq` tokens attended: they are the whole sequence's, and the queries sit at `positions`
+    (rows "local") or are the whole sequence's too (rows "all": ModelArgs.mask_rows)."""
+    if rows == "all" and docs is None:  # a whole-sequence causal mask is SDPA's is_causal: none needed
+        return None
+    whole = docs is not None and docs.shape[1] > seq
+    if whole and rows == "all":
+        seq, whole = docs.shape[1], False
     if kernel == "flex":
-        whole = docs is not None and docs.shape[1] > seq
         return flex_block_mask(docs, seq, device, positions if whole else None)
     if docs is None:
         return None
-    return document_mask(docs, positions if docs.shape[1] > seq else None)
+    return document_mask(docs, positions if whole else None)
 
 
 class AttentionCore(nn.Module):
@@ -206,7 +211,7 @@ class Llama(nn.Module):
             cos, sin = cos[positions], sin[positions]
         # cos covers the positions attention sees (under SP more than this rank's shard of h)
         mask = None if cache is not None else attention_mask(self.args.attn_kernel, docs, cos.shape[0], h.device,
-                                                                positions)
+                                                                positions, self.args.mask_rows)
         for key in self.layers if blocks is None else blocks:
             if cache is not None:
                 h = self.layers[key](h, cos, sin, cache.layers[key])

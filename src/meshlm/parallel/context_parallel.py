@@ -276,19 +276,22 @@ def _heads_to_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
 
 class UlyssesAttentionCore(nn.Module):
     """All-to-all to a head split, the model's own attention core over the full sequence, and back.
-    kv heads fewer than c are repeated to c first (each rank then receives the one its q heads use)."""
+    kv heads fewer than c are repeated to c first (each rank then receives the one its q heads use).
+    `mask`: the model's document mask over the whole sequence (ModelArgs.mask_rows = "all"), which the
+    inner core applies as it would without CP."""
 
     def __init__(self, comm: Comm, inner: nn.Module):
         super().__init__()
         self.comm, self.inner = comm, inner
 
     @eager_under_compile
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
         c = self.comm.size
         if k.shape[1] < c:
             k, v = k.repeat_interleave(c // k.shape[1], 1), v.repeat_interleave(c // v.shape[1], 1)
         q, k, v = (_seq_to_heads(t, self.comm) for t in (q, k, v))
-        return _heads_to_seq(self.inner(q, k, v), self.comm)
+        out = self.inner(q, k, v) if mask is None else self.inner(q, k, v, mask)
+        return _heads_to_seq(out, self.comm)
 
 
 # ---------------------------------------------------------------------------------- apply
@@ -325,8 +328,8 @@ def apply_context_parallel(model: nn.Module, comm: Comm, impl: str, plan, sp: bo
         core = (RingAttentionCore(comm) if impl == "ring" else UlyssesAttentionCore(comm, inner) if impl == "ulysses"
                 else AllGatherAttentionCore(comm, inner, causal))
         setattr(parent, attr, core)
-    if impl == "allgather":
-        model.register_forward_pre_hook(gather_docs_hook(comm), with_kwargs=True)
+    if impl != "ring":  # the cores that take a mask get the whole sequence's document ids
+        model.register_forward_pre_hook(gather_docs_hook(comm, zigzag=impl == "allgather"), with_kwargs=True)
     if not sp:
         model.register_forward_pre_hook(positions_hook(1, plan, cp.split), with_kwargs=True)
     return cp

@@ -76,13 +76,16 @@ class AllGatherAttentionCore(nn.Module):
         return self.inner(q, kv[0], kv[1], mask)
 
 
-def gather_docs_hook(comm: Comm):
+def gather_docs_hook(comm: Comm, zigzag: bool = True):
     """A forward pre-hook on the model: replace `docs` (this rank's tokens) with the whole sequence's
-    document ids, in sequence order, so the model's mask covers every key."""
+    document ids, in sequence order (`zigzag`: each rank holds two chunks, all-gather's split; else one
+    contiguous chunk, Ulysses'), so the model's mask covers every key."""
     def hook(model, args, kwargs):
         docs = kwargs.get("docs")
         if docs is not None:
             full = all_gather_dim(docs.contiguous(), comm, 1)
-            kwargs = dict(kwargs, docs=sequence_order(list(full.chunk(2 * comm.size, 1)), 1))
+            if zigzag:
+                full = sequence_order(list(full.chunk(2 * comm.size, 1)), 1)
+            kwargs = dict(kwargs, docs=full)
         return args, kwargs
     return hook

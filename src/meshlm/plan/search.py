@@ -178,14 +178,13 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
 
 def cp_core(o: Options, cp: int, fx: dict) -> tuple[str | None, Options]:
     """(parallel.cp_impl, the options to price with) of a layout: with a document mask or flex
-    (`o.attn_mask` not causal) only the all-gather core runs under CP, and an all-gather layout is
-    priced with its own mask (spec.allgather_mask); None: the pinned cp_impl takes no mask."""
+    (`o.attn_mask` not causal) the ring cannot run, so CP layouts use the all-gather core unless
+    Ulysses is pinned (its core attends the whole sequence under the mask it has without CP); an
+    all-gather layout is priced with its own mask (spec.allgather_mask); None: a pinned ring."""
     impl = fx.get("cp_impl", "ring")
-    if cp == 1:
+    if cp == 1 or (o.attn_mask == "causal" and impl != "allgather") or impl == "ulysses":
         return impl, o
-    if o.attn_mask == "causal" and impl != "allgather":
-        return impl, o
-    if impl != "allgather" and "cp_impl" in fx:
+    if impl == "ring" and "cp_impl" in fx:
         return None, o
     return "allgather", dataclasses.replace(o, attn_mask=allgather_mask(o.attn_mask, o.attn_impl))
 
@@ -254,7 +253,7 @@ def _layouts(ctx: _Search, deg: _Degrees) -> None:
             and (x == "none" or ctx.optim != "muon")]  # Muon runs without offload
     cp_impl, o = cp_core(o, cp, fx)
     if cp_impl is None:
-        reject("a document mask under cp needs cp_impl = allgather")
+        reject("a document mask under cp needs cp_impl = allgather or ulysses")
         return
     for (sched, v), split in ((sv, x) for sv in _schedules(pp, a.n_layers, fx)
                               for x in (_splits(a.n_layers, pp * sv[1], fx) if pp > 1 else [()])):
