@@ -167,6 +167,7 @@ def test_attn_impl_resolves_and_refuses():
     assert ulysses.attn_kernel == "flex" and ulysses.mask_rows == "all"  # its core attends every query
     assert model_args(make_config(parallel__cp=2, parallel__cp_impl="ulysses")).attn_kernel == "sdpa"
     assert model_args(make_config(parallel__cp=2, parallel__cp_impl="allgather")).mask_rows == "local"
+    assert model_args(make_config(parallel__tp=2)).mask_rows == "own"
     with pytest.raises(C.ConfigError, match="model.attn_impl: 'xformers' is not one of auto, sdpa, flex"):
         resolve(make_config(model__attn_impl="xformers"), 1)
 

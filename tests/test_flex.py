@@ -112,8 +112,9 @@ def test_block_mask_never_builds_the_full_mask(monkeypatch):
 
 def test_masks_for_every_row_cover_the_whole_sequence():
     """Under Ulysses (ModelArgs.mask_rows = "all") the model's mask covers every query of the whole
-    sequence, though it holds only its chunk of tokens; without documents it needs none (SDPA's
-    causal kernel); under all-gather ("local") it covers this rank's rows at their positions."""
+    sequence, though it holds only its chunk of tokens; under all-gather ("local") this rank's rows at
+    their positions; without documents, under either, the CP core masks causal attention itself and
+    the model builds none (without CP, "own", flex gets its causal BlockMask)."""
     docs = (torch.arange(64) // 20)[None]
     local = torch.arange(16, 32)
     full = llama.attention_mask("sdpa", docs, 16, "cpu", local, "all")
@@ -122,4 +123,7 @@ def test_masks_for_every_row_cover_the_whole_sequence():
     assert rows.shape == (1, 1, 16, 64) and torch.equal(rows, full[:, :, 16:32])
     bm = llama.attention_mask("flex", docs, 16, "cpu", local, "all")
     assert bm.seq_lengths == (64, 64)
-    assert llama.attention_mask("flex", None, 16, "cpu", local, "all") is None
+    assert llama.attention_mask("flex", docs, 16, "cpu", local, "local").seq_lengths == (16, 64)
+    for rows in ("all", "local"):
+        assert llama.attention_mask("flex", None, 16, "cpu", local, rows) is None
+    assert llama.attention_mask("flex", None, 16, "cpu").seq_lengths == (16, 16)

@@ -41,10 +41,10 @@ class ModelArgs:
     moe_first_dense: int = 0      # leading blocks that keep the dense FFN (DeepSeek's first_k_dense)
     aux_loss_coef: float = 0.01   # weight of each MoE block's load-balancing loss
     attn_kernel: str = "sdpa"     # sdpa or flex (FlexAttention with a block mask); model.attn_impl resolved
-    # the queries a document mask covers when `docs` spans more tokens than the model holds (context
-    # parallelism): "local" (this rank's, at `positions`: all-gather CP) or "all" (the whole sequence:
-    # Ulysses, whose core attends every query after its all-to-all)
-    mask_rows: str = "local"
+    # the queries the model's mask covers: "own" (its tokens: no context parallelism); under CP, where
+    # `docs` spans the whole sequence and the CP core masks causal attention itself, "local" (this
+    # rank's queries, at `positions`: all-gather) or "all" (every query: Ulysses, after its all-to-all)
+    mask_rows: str = "own"
 
     @property
     def moe(self) -> bool:

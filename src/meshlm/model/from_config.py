@@ -41,8 +41,9 @@ def model_args(cfg: Config) -> ModelArgs:
     changes = model_changes(m)
     if m.init_from:
         base = _hf_base(m.init_from, changes)
-    ulysses = cfg.parallel.cp > 1 and cfg.parallel.cp_impl == "ulysses"
-    args = dataclasses.replace(base, **changes, attn_kernel=attn_kernel(cfg), mask_rows="all" if ulysses else "local")
+    cp_impl = cfg.parallel.cp_impl if cfg.parallel.cp > 1 else None
+    rows = {None: "own", "ulysses": "all"}.get(cp_impl, "local")
+    args = dataclasses.replace(base, **changes, attn_kernel=attn_kernel(cfg), mask_rows=rows)
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
                 "vocab_multiple"):
         if getattr(args, key) < 1:

@@ -87,21 +87,21 @@ def document_mask(docs: torch.Tensor, rows: torch.Tensor | None = None) -> torch
 
 
 def attention_mask(kernel: str, docs: torch.Tensor | None, seq: int, device: torch.device,
-                   positions: torch.Tensor | None = None, rows: str = "local"):
+                   positions: torch.Tensor | None = None, rows: str = "own"):
     """The mask every block of one forward shares: None (causal SDPA), the dense document mask (SDPA),
-    or a FlexAttention BlockMask (causal, and inside one document when `docs` is given). `docs` longer
-    than the `seq` tokens attended: they are the whole sequence's, and the queries sit at `positions`
-    (rows "local") or are the whole sequence's too (rows "all": ModelArgs.mask_rows)."""
-    if rows == "all" and docs is None:  # a whole-sequence causal mask is SDPA's is_causal: none needed
-        return None
-    whole = docs is not None and docs.shape[1] > seq
-    if whole and rows == "all":
-        seq, whole = docs.shape[1], False
-    if kernel == "flex":
-        return flex_block_mask(docs, seq, device, positions if whole else None)
+    or a FlexAttention BlockMask (causal, and inside one document when `docs` is given). `rows`
+    (ModelArgs.mask_rows): "own", the `seq` tokens attended; under context parallelism `docs` are the
+    whole sequence's and the queries are this rank's at `positions` ("local") or all of them ("all"),
+    and without documents the CP core masks causal attention itself: no mask."""
+    if rows == "own":
+        return flex_block_mask(docs, seq, device) if kernel == "flex" else \
+            None if docs is None else document_mask(docs)
     if docs is None:
         return None
-    return document_mask(docs, positions if whole else None)
+    local = positions if rows == "local" else None
+    if kernel == "flex":
+        return flex_block_mask(docs, seq if local is not None else docs.shape[1], device, local)
+    return document_mask(docs, local)
 
 
 class AttentionCore(nn.Module):

@@ -51,17 +51,11 @@ class CausalRows:
         return self.mask
 
 
-def _keys_of(mask) -> int:
-    """How many keys a mask covers: a dense one's last dim, a BlockMask's KV_LEN."""
-    return mask.shape[-1] if isinstance(mask, torch.Tensor) else mask.seq_lengths[1]
-
-
 class AllGatherAttentionCore(nn.Module):
     """q, k, v: [B, H, S/c, D] this rank's zig-zag chunks; k and v are gathered to [B, Hkv, S, D] and the
     model's own core (`inner`: SDPA, or flex under a BlockMask) attends under `mask` (rows: these
-    queries, columns: the sequence; the model's document mask) or the causal rows. A mask over this
-    rank's keys alone is the model's causal-only BlockMask (flex without documents, built before the
-    model knows of CP): the causal rows replace it."""
+    queries, columns: the sequence; the model's document mask, ModelArgs.mask_rows = "local") or,
+    without documents, the causal rows."""
 
     def __init__(self, comm: Comm, inner: nn.Module, causal: CausalRows):
         super().__init__()
@@ -71,7 +65,7 @@ class AllGatherAttentionCore(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
         kv = gather_seq(torch.stack((k, v)).unsqueeze(0), self.comm, 0)  # [c, 2, B, Hkv, S/c, D]
         kv = sequence_order([p for r in kv.unbind(0) for p in r.chunk(2, -2)], -2)
-        if mask is None or _keys_of(mask) != kv.shape[-2]:
+        if mask is None:
             mask = self.causal(q.shape[2], q.device)
         return self.inner(q, kv[0], kv[1], mask)
 
