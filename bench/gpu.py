@@ -57,7 +57,9 @@ def measure(preset: str, mb: int, a, **extra) -> dict:
     tokens = trainer.cfg.training.global_batch * a.seq_len  # global_batch in `extra`: accumulation
     flops = trainer.meter.flops_per_step
     out = {"preset": preset, "params": trainer.args.num_params(), "seq_len": a.seq_len, "micro_batch": mb,
-           "step_s": step_s, "tokens_per_s": tokens / step_s, "tflops": flops / step_s / 1e12,
+           "step_s": step_s, "steps": len(recs), "step_s_min": min(r["step_s"] for r in recs),
+           "step_s_max": max(r["step_s"] for r in recs), "precision": a.precision,
+           "tokens_per_s": tokens / step_s, "tflops": flops / step_s / 1e12,
            "mfu": flops / step_s / trainer.meter.peak_flops if trainer.meter.peak_flops else 0.0,
            "peak_label": trainer.meter.peak_label, "peak_mem_gib": recs[-1]["mem"]["peak"] / 2 ** 30,
            "final_loss": recs[-1]["loss"], "tail_loss": statistics.mean(r["loss"] for r in recs[-10:]),

@@ -68,8 +68,8 @@ def cmd_train(args, extra: list[str]) -> int:
                 f.write(C.to_toml(cfg))
     if not args.worker and int(os.environ.get("RANK", "0")) == 0:
         t = cfg.training
-        print(f"meshlm: {cfg.model.preset}, {world} worker{'s' if world > 1 else ''}, precision {t.precision}, "
-              f"compile {'on' if t.compile else 'off'}, run dir {run_dir}", file=sys.stderr)
+        print(f"meshlm: {cfg.model.preset}, {world} worker{'s' if world > 1 else ''}{_shared_gpus(cfg, world)}, "
+              f"precision {t.precision}, compile {'on' if t.compile else 'off'}, run dir {run_dir}", file=sys.stderr)
     if not worker and (world > 1 or args.max_restarts):
         code = spawn(world, os.path.join(run_dir, "config.toml"), run_dir, args.max_restarts)
         for line in incidents(run_dir):  # stragglers, spikes, restarts: what the job lived through
@@ -192,6 +192,15 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         getattr(module, fn)(sub)
     return p
+
+
+def _shared_gpus(cfg, world: int) -> str:
+    """The start-up line's note when this node's workers outnumber its GPUs (mesh.ranks_share_gpus)."""
+    import torch
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    n = torch.cuda.device_count() if cfg.training.device != "cpu" and torch.cuda.is_available() else 0
+    return f" sharing {n} GPU{'s' if n > 1 else ''} (gloo through host memory: for checks, not speed)" \
+        if 0 < n < local else ""
 
 
 def main(argv: list[str] | None = None) -> int:

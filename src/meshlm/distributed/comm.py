@@ -8,6 +8,7 @@ textbook unit (DDP moves 2Ψ, ZeRO-3 3Ψ). `wire_bytes` is what a ring actually 
 """
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import threading
@@ -57,6 +58,23 @@ class Handle:
             self.after = None
 
 
+def _staged(method):
+    """Through host memory when this group is gloo and the tensors are on a GPU: ranks that share one
+    GPU (more local ranks than devices, `mesh.pick_device`) cannot use NCCL, which refuses two ranks on
+    one device, and gloo does not take every collective on CUDA tensors (docs/architecture.md, "Ranks
+    sharing a GPU"). The first argument is the output, filled in place; async calls complete at once."""
+    @functools.wraps(method)
+    def run(self, *args, **kw):
+        if not (self._host_staged() and any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)):
+            return method(self, *args, **kw)
+        host = [a.detach().cpu() if isinstance(a, torch.Tensor) else a for a in args]
+        wanted_async = kw.pop("async_op", False)
+        method(self, *host, **kw)
+        args[0].copy_(host[0])
+        return Handle(self, method.__name__, None) if wanted_async else None
+    return run
+
+
 class Comm:
     """A process group along one mesh dimension. With one member every operation is a no-op."""
 
@@ -67,6 +85,7 @@ class Comm:
         self.stats: dict[str, Stat] = defaultdict(Stat)
         self.watchdog = None  # set by the trainer: names lagging ranks when a collective times out
         self._native_rs: bool | None = None  # gloo: does this torch build have reduce_scatter?
+        self._gloo: bool | None = None  # is the group gloo (CUDA tensors then go through host memory)?
 
     # -- accounting ---------------------------------------------------------------------------
     def _book(self, kind: str, nbytes: int, wire_factor: float) -> None:
@@ -104,17 +123,24 @@ class Comm:
         work = self._guard(kind, fn, group=self.group, async_op=True, **kw)
         return Handle(self, kind, work, after)
 
+    def _host_staged(self) -> bool:
+        if self._gloo is None:
+            self._gloo = self.group is not None and dist.get_backend(self.group) == "gloo"
+        return self._gloo
+
     @property
     def ring(self) -> float:
         return (self.size - 1) / self.size
 
     # -- collectives --------------------------------------------------------------------------
+    @_staged
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         if self.size == 1:
             return Handle(self, "all_reduce", None) if async_op else None
         return self._run("all_reduce", 2 * t.numel() * t.element_size(), self.ring,
                          lambda **kw: dist.all_reduce(t, op=op, **kw), async_op)
 
+    @_staged
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False, kind: str = "all_gather"):
         """out (size × shard.numel(), contiguous) <- every rank's shard, in rank order. `kind`: the name
         it is booked under (ZeRO++ books its node-local gathers apart: docs/zero.md)."""
@@ -124,6 +150,7 @@ class Comm:
         return self._run(kind, out.numel() * out.element_size(), self.ring,
                          lambda **kw: _all_gather(out, shard, **kw), async_op)
 
+    @_staged
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         """out <- this rank's 1/size slice of the sum of every rank's `full` (flat, divisible)."""
         if self.size == 1:
@@ -143,6 +170,7 @@ class Comm:
         return self._run("reduce_scatter", nbytes, self.ring,
                          lambda **kw: _reduce_scatter(out, full, op=op, **kw), async_op)
 
+    @_staged
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
                    in_splits: list[int] | None = None, async_op: bool = False, kind: str = "all_to_all"):
         """Rank r sends `inp`'s i-th block (dim 0) to rank i and receives rank i's r-th block into `out`'s
@@ -166,6 +194,7 @@ class Comm:
                     self._native_rs = False
         return self._native_rs
 
+    @_staged
     def broadcast(self, t: torch.Tensor, src_index: int = 0) -> None:
         if self.size == 1:
             return
@@ -181,6 +210,8 @@ class Comm:
         """ops: ("send"|"recv", tensor, peer index in this group); started together, returns works."""
         if not ops:
             return []
+        if self._host_staged() and any(t.is_cuda for _, t, _ in ops):
+            return self._staged_p2p(ops)
         p2p = []
         for kind, t, peer in ops:
             self._book(kind, t.numel() * t.element_size(), 1.0)
@@ -188,6 +219,17 @@ class Comm:
             p2p.append(dist.P2POp(fn, t, self.ranks[peer], group=self.group))
         # not numbered: pipeline stages send different numbers of messages by design
         return self._guard("send/recv", dist.batch_isend_irecv, p2p)
+
+    def _staged_p2p(self, ops: list[tuple[str, torch.Tensor, int]]) -> list:
+        """batch_p2p through host memory (see `_staged`), waited for here: received tensors are filled
+        when it returns, and the works returned are already complete."""
+        host = [(kind, t.detach().cpu(), peer) for kind, t, peer in ops]
+        works = self.batch_p2p(host)
+        self.wait_p2p(works)
+        for (kind, t, _), (_, h, _) in zip(ops, host):
+            if kind == "recv":
+                t.copy_(h)
+        return []
 
     def wait_p2p(self, works: list) -> None:
         t0 = time.perf_counter()

@@ -126,11 +126,18 @@ class ParallelContext:
             c.group, c.watchdog = None, None
 
 
+def ranks_share_gpus() -> bool:
+    """More local ranks than CUDA devices: ranks take the devices round-robin and talk over gloo through
+    host memory (NCCL refuses two ranks on one device): a way to run multi-rank CUDA paths on one GPU,
+    for checking, not for speed (docs/architecture.md, "Ranks sharing a GPU")."""
+    return torch.cuda.is_available() and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count()
+
+
 def pick_device(kind: str = "auto") -> torch.device:
     if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if kind in ("cuda", "auto"):
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     raise ValueError(f"training.device: unknown device '{kind}'")
@@ -163,9 +170,9 @@ def _init_world(device: torch.device, timeout_s: float) -> bool:
         # exists, those defaults would hold the group until the interpreter's finalization, past
         # destroy_process_group, with its gloo threads. Imported first, they hold None.
         import torch.distributed.nn.functional  # noqa: F401
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None,
+        nccl = device.type == "cuda" and not ranks_share_gpus()
+        dist.init_process_group("nccl" if nccl else "gloo", timeout=timedelta(seconds=timeout_s),
+                                device_id=device if nccl else None,
                                 **_attempt_store(int(os.environ.get("RANK", "0")), world, timeout_s))
     return world > 1
 

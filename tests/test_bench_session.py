@@ -1,0 +1,105 @@
+"""The GPU session's pieces cannot rot between the rare sessions that have a GPU: each piece fits one
+lent-device call (its `timeout`s summed from bench/gpu_session.sh), the headline piece fits 8 minutes,
+the ledger lists every piece and picks the oldest, and the new pieces run end to end on a CPU in their
+plumbing mode (issue 47)."""
+import json
+import os
+import pathlib
+import re
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import headline  # noqa: E402
+import ledger  # noqa: E402
+
+
+def piece_timeouts() -> dict[str, int]:
+    """{piece: the sum of its `timeout N` commands}, read from the script's case arms."""
+    text = (ROOT / "bench" / "gpu_session.sh").read_text()
+    out, current = {}, None
+    for line in text.splitlines():
+        if m := re.match(r"^([a-z0-9][a-z0-9-]*)\)$", line):
+            current = m.group(1)
+            out[current] = 0
+        elif line.strip() == ";;":
+            current = None
+        elif current and (m := re.search(r"\btimeout (\d+) ", line)):
+            out[current] += int(m.group(1))
+    return out
+
+
+def test_every_piece_fits_one_call_and_headline_fits_eight_minutes():
+    sums = piece_timeouts()
+    assert set(ledger.pieces()) <= set(sums)
+    too_long = {p: s for p, s in sums.items() if s >= 570}
+    assert not too_long, too_long  # a lent-device call runs at most 600 s
+    assert sums["headline"] <= 480
+    assert sum(t for _, t in headline.ROWS) <= headline.HEADLINE_BUDGET_S < sums["headline"]
+    for piece in ("headline", "next", "overlap", "multirank"):
+        assert piece in sums, piece
+
+
+def test_next_takes_never_run_pieces_first_then_the_oldest(tmp_path, monkeypatch):
+    monkeypatch.setattr(ledger, "LEDGER", str(tmp_path / "LEDGER.json"))
+    order = ledger.pieces()
+    assert ledger.next_piece() == order[0]  # nothing ran yet
+    ran = {p: {"date": f"2026-11-{10 + i:02d}"} for i, p in enumerate(order)}
+    ledger.write_json(ledger.LEDGER, {"pieces": dict(list(ran.items())[:-1])})
+    assert ledger.next_piece() == order[-1]  # the one never run
+    ran[order[-1]]["date"], ran[order[2]]["date"] = "2026-11-30", "2026-11-01"
+    ledger.write_json(ledger.LEDGER, {"pieces": ran})
+    assert ledger.next_piece() == order[2]  # the oldest
+
+
+def test_ingest_files_a_piece_under_its_date_and_card(tmp_path, monkeypatch):
+    monkeypatch.setattr(ledger, "RESULTS", str(tmp_path / "results"))
+    monkeypatch.setattr(ledger, "LEDGER", str(tmp_path / "results" / "LEDGER.json"))
+    out = tmp_path / "out" / "overlap"
+    out.mkdir(parents=True)
+    meta = {"piece": "overlap", "date": "2026-11-26", "name": "NVIDIA H200", "driver": "580.1", "torch": "2.11.0",
+            "commit": "abc1234"}
+    (out / "meta.json").write_text(json.dumps(meta))
+    (out / "overlap.json").write_text("{}")
+    (tmp_path / "out" / "log.txt").write_text("not a piece")
+    assert ledger.ingest(str(tmp_path / "out")) == ["overlap"]
+    assert (tmp_path / "results" / "2026-11-26-nvidia-h200" / "overlap" / "overlap.json").exists()
+    line = json.loads((tmp_path / "results" / "LEDGER.json").read_text())["pieces"]["overlap"]
+    assert line["dir"] == os.path.join("2026-11-26-nvidia-h200", "overlap") and line["driver"] == "580.1"
+
+
+@pytest.mark.slow
+def test_headline_plumbing_on_a_cpu(tmp_path):
+    report = headline.main(["--device", "cpu", "--tiny", "--out", str(tmp_path),
+                            "--rows", "ceilings,mfu-1b,docmask-1b-sdpa,docmask-1b-flex,mla-step"])
+    rows = report["rows"]
+    assert rows["ceilings"]["status"] == "ok" and rows["ceilings"]["result"]["gemm"][0]["bf16_tflops"] > 0
+    for name in ("mfu-1b", "docmask-1b-sdpa", "docmask-1b-flex"):
+        r = rows[name]["result"]
+        assert rows[name]["status"] == "ok" and r["tokens_per_s"] > 0 and r["steps"] == 2, rows[name]
+    flex, sdpa = rows["docmask-1b-flex"]["result"], rows["docmask-1b-sdpa"]["result"]
+    assert (flex["attn_impl"], sdpa["attn_impl"], flex["micro_batch"]) == ("flex", "sdpa", sdpa["micro_batch"])
+    assert report["summary"]["flex_over_sdpa"] > 0
+    assert json.loads((tmp_path / "headline.json").read_text())["rows"].keys() == rows.keys()
+
+
+@pytest.mark.slow
+def test_overlap_plumbing_on_a_cpu(tmp_path):
+    out = tmp_path / "overlap.json"
+    import overlap
+    report = overlap.main(["--device", "cpu", "--tiny", "--reps", "3", "--out", str(out)])
+    row, = report["rows"]
+    assert row["alone_s"] > 0 and row["contended_s"] > 0 and row["achieved_GBps"] > 0
+    assert json.loads(out.read_text())["summary"]["nvlink"]["mean_slowdown"] == row["slowdown"]
+
+
+@pytest.mark.slow
+def test_multirank_plumbing_on_a_cpu(tmp_path):
+    import multirank
+    report = multirank.main(["--device", "cpu", "--precisions", "fp32", "--layouts", "dp2-zero3",
+                             "--out", str(tmp_path / "multirank.json")])
+    row, = report["rows"]
+    assert row["ok"] and row["steps"] == multirank.BASE["training.steps"] and not row["shared_gpu"], row
+    assert report["preemption"]["ok"], report["preemption"]  # a CPU reads the flag in the step it rode in
