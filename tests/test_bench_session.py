@@ -103,3 +103,14 @@ def test_multirank_plumbing_on_a_cpu(tmp_path):
     row, = report["rows"]
     assert row["ok"] and row["steps"] == multirank.BASE["training.steps"] and not row["shared_gpu"], row
     assert report["preemption"]["ok"], report["preemption"]  # a CPU reads the flag in the step it rode in
+
+
+def test_docs_gpu_tables_are_generated_from_the_ledger():
+    """docs/benchmarks.md's GPU block and LEDGER.md equal what `bench/ledger.py render` makes of the
+    ledger: a number typed by hand there, or a result ingested without re-rendering, fails here."""
+    assert ledger.render(check=True) == [], "run `python bench/ledger.py render`"
+    led = ledger.load()["pieces"]
+    text = (ROOT / "bench" / "results" / "LEDGER.md").read_text()
+    for piece in ledger.pieces():  # every piece is listed, with its date or "never"
+        assert re.search(rf"^\| `{re.escape(piece)}` \| ({led[piece]['date'] if piece in led else 'never'}) \|",
+                         text, flags=re.M), piece
