@@ -286,7 +286,8 @@ def cpu_device(rate_flops: float, link_bytes_s: float, ranks: int, cores: int, t
     share = core_share(ranks, cores, threads, load)
     ram = 64.0  # GB; the calibration predicts time, memory stays the planner's own model
     gpu = get_gpu("custom", peak_tflops=rate_flops * share / 1e12, hbm_gb=ram,
-                  nvlink_gbps=link_bytes_s * share / GB, ib_gbps=link_bytes_s * share / GB, gpus_per_node=1024)
+                  nvlink_gbps=link_bytes_s * share / GB, ib_gbps=link_bytes_s * share / GB, gpus_per_node=1024,
+                  overlap_slowdown=0.0)  # a CPU's collectives are priced by core share (core_share) instead
     if latency is None:
         return gpu
     return dataclasses.replace(gpu, link_latency_s=max(latency[0], latency[1] / share))

@@ -13,7 +13,7 @@ import sys
 from .. import config as C
 from .estimate import CATEGORIES, Options, estimate, step_categories
 from .goodput import Resilience, describe as describe_goodput, goodput
-from .hardware import GIB, HardwareError, describe, get_gpu, names
+from .hardware import FLAG_FIELDS, GIB, HardwareError, describe, get_gpu, names
 from .ops import KERNELS
 from .search import PlanError, parse_fix, plan
 from .spec import (OPTIMIZERS, Shape, code_options, presets, priced_on, shape_from_config, spec_from_config,
@@ -43,6 +43,9 @@ def _hardware_flags(p: argparse.ArgumentParser, gpu_required: bool) -> None:
                    help="sequential disk read per GPU's share of the node's drives, GB/s (nvme offload; default 6.5)")
     g.add_argument("--disk-write-gbps", type=float,
                    help="sequential disk write per GPU's share, GB/s (nvme offload; default 3.5)")
+    g.add_argument("--overlap-slowdown", type=float,
+                   help="fraction by which compute beside an overlapped collective slows (default 0.197, measured: "
+                        "bench/overlap.py)")
     m = p.add_argument_group("model assumptions (docs/planner.md)")
     m.add_argument("--efficiency", type=float, default=None,
                    help="price all model math at this fraction of peak instead of the per-operation model")
@@ -105,9 +108,7 @@ def _options(args, cfg) -> Options:
 
 
 def _gpu(args):
-    flags = {k: getattr(args, k, None) for k in ("peak_tflops", "hbm_gb", "hbm_tbps", "nvlink_gbps", "ib_gbps",
-                                                 "pcie_gbps", "gpus_per_node", "cpu_adam_gparams",
-                                                 "disk_read_gbps", "disk_write_gbps")}
+    flags = {k: getattr(args, k, None) for k in FLAG_FIELDS}
     return get_gpu(args.gpu, **flags)
 
 
@@ -182,7 +183,9 @@ def format_estimate(r: dict, gpu=None, sources: tuple[str, dict] | None = None) 
                      f"{t['recompute_s']:.3f} s, exposed comm {t['exposed_comm_microbatch_s'] + t['exposed_comm_step_s']:.3f} s, "
                      f"bubble {t['bubble_s']:.3f} s ({t['bubble_fraction']:.1%}, {t['bubble_source']}), "
                      f"optimizer {t['optimizer_s'] + t['offload_s']:.3f} s"
-                     + (f" (disk I/O {t['offload_io_s']:.3f} s)" if t["offload_io_s"] else ""))
+                     + (f" (disk I/O {t['offload_io_s']:.3f} s)" if t["offload_io_s"] else "")
+                     + (f", compute beside comm +{t['overlap_slowdown_s']:.3f} s (overlap_slowdown "
+                        f"{gpu.overlap_slowdown:g})" if gpu is not None else ""))
         lines += _categories(r, sources)
         if r["comm"]:
             lines.append(f"  {'group':<13}{'kind':<15}{'link':<7}{'n':>6}{'GB/step':>10}{'time s':>9}{'exposed':>9}  overlaps")

@@ -220,7 +220,7 @@ def _stage_time(shape: Shape, s: Spec, stage: str, gpu: GPU, o: Options) -> dict
     m = s.accum
     windows = {"forward": m * t_f, "backward": m * (t_b + t_rc), "attention": m * t_attn}
     last_bwd = t_b + t_rc
-    exposed_mb = exposed_step = 0.0
+    exposed_mb = exposed_step = overlap_mb = overlap_step = 0.0
     by_window: dict[tuple[str, str], list] = {}
     for c in colls:
         by_window.setdefault((c.window, c.per), []).append(c)
@@ -239,12 +239,17 @@ def _stage_time(shape: Shape, s: Spec, stage: str, gpu: GPU, o: Options) -> dict
         exposed = max(0.0, total - hidden, tail)
         for c in cs:
             c.exposed_s = exposed * (c.seconds / total) if total > 0 else 0.0
+        # the compute beside the hidden part runs slower (GPU.overlap_slowdown; docs/planner.md)
+        slowed = gpu.overlap_slowdown * max(0.0, total - exposed)
         if per == "step":
             exposed_step += exposed
+            overlap_step += slowed
         else:
             exposed_mb += exposed
+            overlap_mb += slowed
     return {"t_f": t_f, "t_b": t_b, "t_rc": t_rc, "exposed_mb": exposed_mb, "exposed_step": exposed_step,
-            "collectives": colls, "params": sp, "ops": ops, "muon_s": muon_s}
+            "overlap_mb": overlap_mb, "overlap_step": overlap_step, "collectives": colls, "params": sp,
+            "ops": ops, "muon_s": muon_s}
 
 
 def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | None = None) -> dict:
@@ -252,11 +257,11 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
     times = [_stage_time(shape, s, st, gpu, o) for st in stages]
 
     def slot(x: dict) -> float:
-        return x["t_f"] + x["t_b"] + x["t_rc"] + x["exposed_mb"] / s.accum
+        return x["t_f"] + x["t_b"] + x["t_rc"] + (x["exposed_mb"] + x["overlap_mb"]) / s.accum
 
     worst = max(times, key=slot)
     m, p, v = s.accum, s.pp, s.pp_virtual
-    x = worst["exposed_mb"] / m
+    x = (worst["exposed_mb"] + worst["overlap_mb"]) / m
     f, b = worst["t_f"] + x / 2, worst["t_b"] + worst["t_rc"] + x / 2
     w = worst["t_b"] / 2
     bubble, source = bubble_formula(s.pp_schedule, p, m, v, f, b, w), "formula"
@@ -265,7 +270,8 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
         if sim is not None:
             bubble, source = sim, "simulator"
     busy = m * slot(worst)
-    step_exposed = max(t["exposed_step"] for t in times)
+    step_exposed = max(t["exposed_step"] + t["overlap_step"] for t in times)
+    step_overlap = max(t["overlap_step"] for t in times)
     # optimizer step: read master, m, v, grad; write master, m, v and the compute copy (HBM bound); the
     # per-op model also reads the gradients once more for the clipping norm (train_step clips first)
     pb, gb, ob = state_bytes_per_param(s.precision)
@@ -300,7 +306,8 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
         "mfu": model_flops / (step * world * gpu.peak(s.precision)),
         "time": {"forward_s": m * worst["t_f"], "backward_s": m * worst["t_b"], "recompute_s": m * worst["t_rc"],
                  "exposed_comm_microbatch_s": worst["exposed_mb"], "bubble_s": busy * bubble,
-                 "bubble_fraction": bubble, "bubble_source": source, "exposed_comm_step_s": step_exposed,
+                 "overlap_slowdown_s": worst["overlap_mb"] + step_overlap,
+                 "bubble_fraction": bubble, "bubble_source": source, "exposed_comm_step_s": step_exposed - step_overlap,
                  "optimizer_s": opt_s, "muon_ns_s": muon_s, "offload_s": offload_s, "offload_io_s": io_s,
                  "overhead_s": overhead_s},
         "ops": None if worst["ops"] is None else {k: m * v for k, v in worst["ops"].items()},
@@ -313,7 +320,8 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
 # the step's categories in the order `meshlm estimate` prints them (step_categories)
 CATEGORIES = {"gemm": "GEMM", "attention": "attention", "elementwise": "element-wise", "launch": "launch / dispatch",
               "loss": "loss", "grad_accum": "grad accumulation", "recompute": "recompute", "compute": "compute (flat)",
-              "optimizer": "optimizer", "comm": "communication exposed", "bubble": "bubble",
+              "optimizer": "optimizer", "comm": "communication exposed",
+              "overlap": "compute beside comm", "bubble": "bubble",
               "overhead": "per-step overhead"}
 
 
@@ -330,7 +338,8 @@ def step_categories(r: dict) -> dict:
                "elementwise": ops["elementwise_s"], "launch": ops["launch_s"], "loss": ops["loss_s"],
                "grad_accum": ops["grad_accum_s"], "recompute": ops["recompute_s"]}
     out.update(optimizer=t["optimizer_s"] + t["muon_ns_s"] + t["offload_s"],
-               comm=t["exposed_comm_microbatch_s"] + t["exposed_comm_step_s"], bubble=t["bubble_s"],
+               comm=t["exposed_comm_microbatch_s"] + t["exposed_comm_step_s"], overlap=t["overlap_slowdown_s"],
+               bubble=t["bubble_s"],
                overhead=t["overhead_s"])
     return out
 

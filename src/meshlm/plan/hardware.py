@@ -52,6 +52,12 @@ class GPU:
     #                                IB); a calibrated CPU sets what a probe of its collectives measured
 
     attn_scale: float = 1.0        # achieved / table attention rate; a calibration from a GPU run fits it
+    # Compute that runs beside an overlapped collective slows by this fraction of the collective's hidden
+    # time: NCCL keeps 8-32 CTAs resident for a transfer, and a GEMM beside such a kernel lost +8.9% (8
+    # CTAs), +18.7% (16), +31.5% (32) on an H200, about the share of SMs held, whatever the bytes moved
+    # (50 or 450 GB/s). 0.197 is the mean of those 27 rows (bench/overlap.py, bench/results/2026-11-26-
+    # nvidia-h200/overlap/; docs/planner.md). Assumed the same on every card (an A100's 108 SMs lose more)
+    overlap_slowdown: float = 0.197
 
     def peak(self, precision: str) -> float:
         """The dense peak MFU is reported against: fp8 runs report against the bf16 peak (the blocks'
@@ -99,6 +105,7 @@ FLAG_FIELDS = {
     "cpu_adam_gparams": ("cpu_adam_params_per_s", 1e9),
     "disk_read_gbps": ("disk_read_bw", GB),
     "disk_write_gbps": ("disk_write_bw", GB),
+    "overlap_slowdown": ("overlap_slowdown", 1),
 }
 
 
@@ -137,8 +144,9 @@ def get_gpu(name: str | None, **overrides) -> GPU | None:
     changes = {}
     for flag, value in given.items():
         field, unit = FLAG_FIELDS[flag]
-        if value <= 0:
-            raise HardwareError(f"--{flag.replace('_', '-')}: must be positive, got {value}")
+        if value < 0 or (value == 0 and flag != "overlap_slowdown"):  # no slowdown (0) is a real setting
+            raise HardwareError(f"--{flag.replace('_', '-')}: must be {'>= 0' if flag == 'overlap_slowdown' else 'positive'}"
+                                f", got {value}")
         changes[field] = int(value) if field == "gpus_per_node" else float(value) * unit
     return dataclasses.replace(base, **changes)
 
