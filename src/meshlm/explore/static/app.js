@@ -32,7 +32,7 @@ function fillInputs() {
   setValue("training.precision", "bf16");
   setValue("training.compile", "auto");  // as `meshlm plan`: compiled on a GPU, eager for a CPU run's calibration
   setValue("global_batch_tokens", OPTIONS.defaults.global_batch_tokens);
-  input("efficiency").placeholder = OPTIONS.defaults.efficiency;
+  input("efficiency").placeholder = OPTIONS.defaults.efficiency ?? "per operation";  // null: plan/ops.py's model
   input("comm_efficiency").placeholder = OPTIONS.defaults.comm_efficiency;
   api("/api/runs").then((res) => {  // runs to calibrate from (docs/planner.md, "Calibration from a run")
     for (const r of res.runs) input("calibrate").add(new Option(r.name, r.name));

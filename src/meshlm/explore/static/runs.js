@@ -21,8 +21,8 @@ async function selectRun(name) {
 function predictionCaption(p) {  // rank 0 is what the run measured; the planner's stage of it
   if (p.error) return "planner: " + p.error;
   const ranks = p.world === 1 ? "1 rank" : `${p.world} ranks`;
-  return `planner: rank 0 of ${ranks}, ${p.stage === "first" ? "the first pipeline stage" : "no pipeline"} ` +
-    `(world size from ${p.world_source})`;
+  return `planner: rank 0 of ${ranks}, ${p.stage === "first" ? "the first pipeline stage" : "no pipeline"} — ` +
+    `world size from ${p.world_source}`;
 }
 
 function renderRunTables(r, last) {
