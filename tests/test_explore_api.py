@@ -13,9 +13,11 @@ import torch
 
 from meshlm import config as C
 from meshlm.cli import main
+from meshlm.explore.api import LAYOUT_INPUTS
 from meshlm.explore.server import make_server, url_of
 from meshlm.distributed.mesh import pick_device
 from meshlm.train.metrics import PEAK_COMMENT, PEAK_FLOPS, MetricsLog, device_peak
+from plan_rows import emitted_rows
 
 TINY = ["--model.preset", "debug", "--data.seq_len", "32", "--training.global_batch", "4", "--training.micro_batch",
         "2", "--training.steps", "6", "--training.eval_every", "3", "--training.eval_batches", "1",
@@ -123,11 +125,10 @@ def _toml_config(text):
         os.unlink(f.name)
 
 
-def test_plan_table_and_export_match_emit_config(served, capsys, tmp_path):
-    emitted = tmp_path / "best.toml"
-    code, ranked, err = cli_json(capsys, ["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "16", "--seq-len",
-                                          "4096", "--global-batch-tokens", str(2 ** 21), "--top", "5", "--json",
-                                          "--emit-config", str(emitted)])
+def test_plan_rows_load_exactly_and_match_emit_config(served, capsys):
+    argv = ["--model", "llama3-8b", "--gpu", "h100", "--gpus", "16", "--seq-len", "4096",
+            "--global-batch-tokens", str(2 ** 21), "--top", "5"]
+    code, ranked, err = cli_json(capsys, ["plan", *argv, "--json"])
     assert code == 0, err
     body = {"model.preset": "llama3-8b", "gpu": "h100", "gpus": 16, "data.seq_len": 4096,
             "global_batch_tokens": 2 ** 21, "training.precision": "bf16", "top": 5,
@@ -136,19 +137,21 @@ def test_plan_table_and_export_match_emit_config(served, capsys, tmp_path):
     assert status == 200, res
     assert [r["layout"] for r in res["ranked"]] == [r["layout"] for r in ranked]
     assert [r["step_s"] for r in res["ranked"]] == [r["step_s"] for r in ranked]
-    assert res["ranked"][0]["toml"] == emitted.read_text()
-    # clicking row 1 loads its layout into the inputs; the estimate's export is then the same file
-    L = res["ranked"][0]["layout"]
-    loaded = dict(body, **{"parallel.tp": L["tp"], "parallel.sp": L["sp"], "parallel.pp": L["pp"],
-                           "parallel.pp_schedule": L["pp_schedule"], "parallel.pp_virtual": L["pp_virtual"],
-                           "parallel.cp": L["cp"], "parallel.zero": L["zero"], "parallel.offload": L["offload"],
-                           "parallel.zero_group": L["zero_group"] if L["zero"] and L["zero_group"] != L["dp"] else 0,
-                           "training.micro_batch": L["micro_batch"], "training.ac": L["ac"]})
-    del loaded["top"]
-    status, est = call(served[0], "/api/estimate", loaded)
-    assert status == 200, est
-    assert est["toml"] == emitted.read_text()
-    assert est["estimate"]["step_s"] == pytest.approx(ranked[0]["step_s"])
+    # a row's inputs are every layout key of the config (not a list the page keeps), dp and microbatches
+    # left derived; the options' layout defaults are the same keys
+    assert all(sorted(r["inputs"]) == LAYOUT_INPUTS for r in res["ranked"]) and "parallel.pp_layers" in LAYOUT_INPUTS
+    assert all(r["inputs"]["parallel.dp"] == -1 and r["inputs"]["parallel.microbatches"] == 0 for r in res["ranked"])
+    defaults = call(served[0], "/api/options")[1]["layout_defaults"]
+    assert sorted(defaults) == LAYOUT_INPUTS and defaults["training.micro_batch"] == 1
+    del body["top"]
+    for row, emitted in zip(res["ranked"], emitted_rows(argv, 3)):
+        assert row["toml"] == emitted and row["inputs"]["parallel.pp_layers"] == row["layout"]["pp_layers"]
+        # clicking the row loads its inputs: the estimate is then the row's, and its export the same file
+        status, est = call(served[0], "/api/estimate", dict(body, **row["inputs"]))
+        assert status == 200, est
+        assert est["toml"] == emitted
+        assert est["estimate"]["step_s"] == row["step_s"]
+        assert est["estimate"]["per_gpu"]["total"] == row["per_gpu_total"]
 
 
 def test_plan_prices_the_chosen_optimizer_as_the_cli_does(served, capsys, tmp_path):
@@ -220,6 +223,13 @@ BAD = [  # (body, key the page shows it next to, a piece of the one-line reason)
     ({"efficiency": 1.5}, "efficiency", "must be in (0, 1]"),
     ({"parallel.nonsense": 1}, "parallel.nonsense", "unknown input"),
     ({"model.dim": {"a": 1}}, "model.dim", "expected a value"),
+    ({"gpus": ""}, "gpus", "gpus: required, got a blank value"),  # blank is never 1 GPU
+    ({"gpus": None}, "gpus", "gpus: required, got a blank value"),
+    ({"global_batch_tokens": " "}, "global_batch_tokens", "required, got a blank value"),
+    ({"data.seq_len": ""}, "data.seq_len", "data.seq_len: required, got a blank value"),
+    ({"parallel.tp": ""}, "parallel.tp", "parallel.tp: required, got a blank value"),
+    ({"parallel.pp_layers": [4, "x"]}, "parallel.pp_layers", "expected a list of integers"),
+    ({"gpus": 8, "parallel.pp": 2, "parallel.pp_layers": [10, 20]}, "parallel.pp_layers", "pp_layers"),
 ]
 
 
@@ -246,6 +256,9 @@ def test_400_messages_are_the_cli_messages(served, capsys):
 
 def test_malformed_requests(served):
     base = served[0]
+    assert call(base, "/api/plan", {"gpus": "", "model.preset": "llama3-8b"}) == \
+        (400, {"error": "gpus: required, got a blank value", "key": "gpus"})
+    assert call(base, "/api/estimate", {"model.dim": ""})[0] == 200  # blank shape: the preset's
     assert call(base, "/api/estimate", raw=b"{not json")[0] == 400
     assert call(base, "/api/estimate", raw=b"[1, 2]") == (400, {"error": "request: expected a JSON object", "key": "request"})
     assert call(base, "/api/plan", {"gpus": 8, "global_batch_tokens": 100})[0] == 400
@@ -300,8 +313,11 @@ def test_static_files_and_host_check(served):
     status, page = call(base, "/")
     assert status == 200 and b"meshlm explore" in page
     assert not re.search(rb'(src|href)="(https?:)?//', page)  # no CDN: every asset is served from here
-    for path in ("/app.js", "/charts.js", "/style.css"):
-        assert call(base, path)[0] == 200
+    assert call(base, "/index.html") == (200, page)
+    assets = re.findall(rb'(?:src|href)="(/[\w.]+)"', page)
+    assert len(assets) >= 6  # the stylesheet and every script module the page loads
+    for path in assets:
+        assert call(base, path.decode())[0] == 200
     for path in ("/../../../etc/passwd", "/static/../api.py", "/index.html/../../server.py"):
         assert call(base, path)[0] == 404
     assert call(base, "/api/options", headers={"Host": "attacker.example:80"})[0] == 403

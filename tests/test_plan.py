@@ -328,11 +328,22 @@ def test_plan_emit_config_trains_and_resolves(tmp_path, capsys):
      "--global-batch-tokens"),
     (["--model", "small", "--gpu", "h100", "--gpus", "8", "--fix", "tq=2"], "--fix"),
     (["--gpu", "h100", "--gpus", "8"], "--model"),
+    (["--model", "small", "--gpu", "h100", "--gpus", "8", "--top", "2", "--emit-rank", "3"], "--emit-rank"),
 ])
 def test_plan_bad_input(capsys, argv, needle):
     assert _run(["plan"] + argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err
+
+
+def test_plan_counts_every_candidate_once():
+    """fit + out of memory + invalid = searched (the explorer's caption adds them up); dominated is part of fit."""
+    from meshlm.plan.hardware import get_gpu
+    from meshlm.plan.search import plan
+    from meshlm.plan.spec import Shape, presets
+    c = plan(Shape(presets()["llama3-8b"], "llama3-8b"), get_gpu("a100-40gb"), 16, 4096, 2 ** 20).counts
+    assert c["fit"] + c["oom"] + c["invalid"] == c["candidates"] and 0 < c["dominated"] < c["fit"]
+    assert c["oom"] and c["invalid"]
 
 
 def test_plan_reports_when_nothing_fits(capsys):

@@ -31,9 +31,12 @@ CONFIG_KEYS = {f"model.{k}" for k in ("preset", "dim", "n_layers", "n_heads", "n
     | {f"model.moe.{k}" for k in ("num_experts", "top_k", "capacity_factor", "shared_experts")} \
     | {"data.seq_len", "optim.name"} \
     | {f"training.{k}" for k in ("precision", "compile", "micro_batch", "ac")} \
-    | {f"parallel.{k}" for k in ("dp", "zero", "zero_group", "tp", "sp", "pp", "pp_schedule", "pp_virtual", "cp",
-                                 "cp_impl", "ep", "offload", "offload_buffer_mb", "bucket_mb", "reduce_dtype",
-                                 "quantize_weights", "hpz_group", "quantize_grads")}
+    | {f"parallel.{k}" for k in ("dp", "zero", "zero_group", "tp", "sp", "pp", "pp_schedule", "pp_virtual",
+                                 "pp_layers", "microbatches", "cp", "cp_impl", "ep", "offload", "offload_buffer_mb",
+                                 "bucket_mb", "reduce_dtype", "quantize_weights", "hpz_group", "quantize_grads")}
+SEARCHED = ("parallel.", "training.micro_batch", "training.ac")  # the keys a plan row sets (the search chooses)
+LAYOUT_INPUTS = sorted(k for k in CONFIG_KEYS if k.startswith(SEARCHED))
+REQUIRED_FLAGS = {"gpus", "global_batch_tokens", "top"}  # blank is an error; other blank flags keep the profile's
 # where an error whose leading key is not an input belongs
 KEY_ALIASES = {"training.global_batch": "global_batch_tokens", "parallel": "gpus", "parallel.microbatches":
                "training.micro_batch", "seq_len": "data.seq_len", "model": "model.preset"}
@@ -104,6 +107,7 @@ def options() -> dict:
                 "disk_write_gbps": g.disk_write_bw / 1e9} for k, g in PROFILES.items()}
     return {"presets": models, "gpus": gpus,
             "choices": {"training.precision": list(PRECISIONS), "training.ac": list(AC_MODES),
+                        "training.compile": ["auto", "true", "false"],
                         "parallel.pp_schedule": list(SCHEDULES), "parallel.cp_impl": list(CP_IMPLS),
                         "parallel.offload": ["none", "optimizer", "nvme"], "parallel.zero": [0, 1, 2, 3],
                         "optim.name": list(OPTIMIZERS)},
@@ -111,14 +115,39 @@ def options() -> dict:
             "defaults": {"efficiency": Options.efficiency, "comm_efficiency": Options.comm_efficiency,
                          "attn_kernel": Options.attn_kernel,
                          "global_batch_tokens": 2 ** 22},
+            # what a layout key is when no plan row set it; micro-batch 1, not the config's 8 (sized for the tiny model)
+            "layout_defaults": dict(layout_inputs(C.Config()), **{"training.micro_batch": 1}),
             "examples": EXAMPLES}
+
+
+def _get(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def layout_inputs(cfg: C.Config) -> dict:
+    """Every layout key of a config as the page's inputs (a plan row's, or the defaults the page resets
+    to), read from the config so that no key is left out. dp and microbatches go back to "derived"
+    (-1, 0): the row's values are what those give, and the form keeps deriving them when the GPU count
+    or batch changes."""
+    out = {k: _get(cfg, k) for k in LAYOUT_INPUTS}
+    return dict(out, **{"parallel.dp": -1, "parallel.microbatches": 0})
+
+
+def _blank(v) -> bool:
+    return v is None or (isinstance(v, str) and not v.strip())
 
 
 # ---------------------------------------------------------------------------------- request parsing
 
 def _number(body: dict, key: str, kind=float, default=None, low: float = 0.0):
+    """A numeric flag: absent takes `default` (as the command line does); blank is an error for the
+    REQUIRED_FLAGS, so an emptied field never turns into a default silently."""
     v = body.get(key, default)
-    if v is None or v == "":
+    if _blank(v):
+        if key in body and key in REQUIRED_FLAGS:
+            raise BadRequest(f"{key}: required, got a blank value", key)
         return default
     try:
         if isinstance(v, bool):
@@ -142,11 +171,15 @@ def parse(body, layout: bool = True, runs_root: str | None = None):
         if not isinstance(k, str) or (k not in FLAGS and k not in CONFIG_KEYS):
             raise BadRequest(f"{k}: unknown input", None)
     cfg = C.Config()
-    searched = ("parallel.", "training.micro_batch", "training.ac")  # the search chooses these
     for k, v in body.items():
-        if k not in CONFIG_KEYS or v is None or v == "" or (not layout and k.startswith(searched)):
+        if k not in CONFIG_KEYS or (not layout and k.startswith(SEARCHED)):
             continue
-        if not isinstance(v, (str, int, float, bool)):
+        if _blank(v):  # blank means "the preset's" only where the config has no value of its own
+            if _get(cfg, k) is not None:
+                raise BadRequest(f"{k}: required, got a blank value", k)
+            continue
+        listed = isinstance(v, list) and isinstance(_get(cfg, k), list)  # parallel.pp_layers: config.apply checks it
+        if not listed and not isinstance(v, (str, int, float, bool)):
             raise BadRequest(f"{k}: expected a value, got {type(v).__name__}", k)
         # booleans as text, so that an integer key refuses `true` as the command line does
         C.apply(cfg, k, ("true" if v else "false") if isinstance(v, bool) else v)
@@ -234,10 +267,10 @@ def run_plan(body, runs_root: str | None = None) -> dict:
         raise BadRequest(str(e)) from None
     rows = []
     for r in res.ranked:
-        spec = spec_of_layout(r["layout"])
+        row_cfg = to_config(shape, spec_of_layout(r["layout"]), cfg)
         rows.append({"layout": r["layout"], "step_s": r["step_s"], "mfu": r["mfu"],
                      "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"], "per_gpu_total": r["per_gpu"]["total"],
-                     "toml": C.to_toml(to_config(shape, spec, cfg))})
+                     "inputs": layout_inputs(row_cfg), "toml": C.to_toml(row_cfg)})
     return {"ranked": rows, "counts": dict(res.counts), "reasons": dict(res.reasons.most_common(8)),
             "elapsed_s": res.elapsed_s, "global_batch": res.global_batch}
 

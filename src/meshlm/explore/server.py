@@ -15,10 +15,10 @@ from urllib.parse import parse_qs, urlparse
 
 from . import api, runs
 
-STATIC = {"/": ("index.html", "text/html; charset=utf-8"),
-          "/app.js": ("app.js", "text/javascript; charset=utf-8"),
-          "/charts.js": ("charts.js", "text/javascript; charset=utf-8"),
-          "/style.css": ("style.css", "text/css; charset=utf-8")}
+TYPES = {"html": "text/html; charset=utf-8", "js": "text/javascript; charset=utf-8", "css": "text/css; charset=utf-8"}
+STATIC = {"/" + name: (name, TYPES[name.rsplit(".", 1)[1]])
+          for name in ("index.html", "app.js", "charts.js", "form.js", "explorer.js", "runs.js", "style.css")}
+STATIC["/"] = STATIC["/index.html"]
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 MAX_BODY = 1 << 16
 

@@ -81,6 +81,9 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
                    help="pin a dimension, e.g. --fix tp=8 --fix zero=3 (repeatable)")
     p.add_argument("--emit-config", metavar="FILE", help="write the best layout as a meshlm train config")
+    p.add_argument("--emit-rank", type=int, default=1, metavar="N",
+                   help="with --emit-config: write the N-th ranked layout instead (default 1, the best; "
+                        "`meshlm explore`'s row N)")
     f = p.add_argument_group("failures and checkpoints (plan/goodput.py)")
     f.add_argument("--failures-per-gpu-hour", type=float, default=Resilience.failures_per_gpu_hour,
                    help="per-GPU failure rate (default: Llama 3's, 419 in 54 days on 16,384 GPUs)")
@@ -230,6 +233,8 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
         tokens = args.global_batch_tokens or (cfg.training.global_batch * seq if args.config else 2 ** 22)
         if args.top < 1:
             raise PlanError(f"--top: must be >= 1, got {args.top}")
+        if not 1 <= args.emit_rank <= args.top:
+            raise PlanError(f"--emit-rank: must be 1 to --top = {args.top}, got {args.emit_rank}")
         if not args.gpu and not args.calibrate:
             raise PlanError("--gpu: give a GPU profile (or --calibrate RUN_DIR)")
         cfg, gpu, opts, _ = _device(args, cfg, args.gpus)  # --emit-config: compile as priced
@@ -256,7 +261,9 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
     if not res.ranked:
         return _fail("no layout fits; see --explain", 1)
     if args.emit_config:
-        best = spec_of_layout(res.ranked[0]["layout"])
+        if args.emit_rank > len(res.ranked):
+            return _fail(f"--emit-rank: only {len(res.ranked)} layouts fit, no row {args.emit_rank}", 1)
+        best = spec_of_layout(res.ranked[args.emit_rank - 1]["layout"])
         try:
             with open(args.emit_config, "w") as f:
                 f.write(C.to_toml(to_config(shape, best, cfg)))

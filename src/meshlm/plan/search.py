@@ -128,6 +128,8 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
     keep = max(3 * top, 20)
 
     def reject(reason: str, n: int = 1, example: str | None = None) -> None:
+        # every candidate is counted once: fit, oom or invalid add up to "candidates" (dominated is part of fit)
+        counts["candidates"] += n
         counts["invalid" if not reason.startswith("out of memory") else "oom"] += n
         reasons[reason] += n
         if example and reason not in examples:
@@ -285,13 +287,15 @@ def _layouts(ctx: _Search, deg: _Degrees) -> None:
                         if not fits:
                             need = min(x[3] for x in variants)
                             left = len(mbs) - i  # larger micro-batches need even more memory
-                            counts["candidates"] += left * len(variants)
                             reject("out of memory even with the most memory-saving AC / offload", left * len(variants),
                                    f"tp{tp} cp{cp} pp{pp} dp{dp} zero{zero} g{g} {sched} mb{mb}: needs "
                                    f"{need / GIB:.1f} GiB > usable {usable / GIB:.1f} GiB")
                             break
-                        counts["candidates"] += len(variants)
+                        counts["candidates"] += len(fits)
                         counts["fit"] += len(fits)
+                        if len(fits) < len(variants):
+                            reject("out of memory with this AC / offload (a more memory-saving one fits)",
+                                   len(variants) - len(fits))
                         # fastest AC without offload; with offload only an AC cheaper than that one
                         order = {x: j for j, x in enumerate(AC_MODES)}
                         plain = [x for x in fits if x[2] == "none"]

@@ -52,7 +52,9 @@ function stackedBar(svg, parts, opts) {
   if (opts.limit) {
     const lx = x0 + opts.limit * scale;
     el("line", { x1: lx, x2: lx, y1: 2, y2: y0 + h + 6, stroke: "#111", "stroke-width": 2, "stroke-dasharray": "4 2" }, svg);
-    el("text", { x: lx - 3, y: y0 + h + 16, "text-anchor": "end" }, svg, opts.limitLabel || "");
+    const t = el("text", { x: lx - 3, y: y0 + h + 16, "text-anchor": "end", class: "limit" }, svg, opts.limitLabel || "");
+    // far over the limit the line sits near the left edge: the label goes right of it, inside the chart
+    if (lx - 3 - t.getComputedTextLength() < 0) { t.setAttribute("x", lx + 3); t.setAttribute("text-anchor", "start"); }
   }
   let lx = x0;
   parts.forEach((p, i) => {  // legend
@@ -106,6 +108,14 @@ function lineChart(svg, series, opts) {
     el("text", { x: lx + 11, y: 12 }, svg, s.name);
     lx += 20 + s.name.length * 6;
   });
+}
+
+// A simulated or measured pipeline timeline with its caption, or `none` (the reason there is none).
+function drawPipeline(svg, caption, tl, none) {
+  if (!tl || tl.skipped) { clear(svg); svg.style.height = "10px"; caption.textContent = tl ? tl.skipped : none; return; }
+  timeline(svg, tl);
+  caption.textContent = `${tl.name}, ${tl.p} ranks × ${tl.m} micro-batches × ${tl.v} chunks (${tl.source}): ` +
+    `${(100 * tl.bubble).toFixed(1)}% of the ranks' time idle`;
 }
 
 // tl: {p, rows: [[[start, end, kind, mb, chunk], ...] per rank], makespan}: one lane per rank.
