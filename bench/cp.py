@@ -86,6 +86,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--ac", default="none")
+    ap.add_argument("--attn-impl", default="flex", choices=("flex", "sdpa"),
+                    help="model.attn_impl of the all-gather rows (auto is sdpa on a CPU, flex on CUDA)")
     a = ap.parse_args()
 
     from meshlm.model.from_config import model_args
@@ -107,7 +109,8 @@ def main() -> None:
     first = None
     for c in a.cp:
         for impl in (a.impl if c > 1 else ["-"]):
-            ov = dict(base, **{"parallel.cp": c, "parallel.cp_impl": impl if c > 1 else "ring"})
+            ov = dict(base, **{"parallel.cp": c, "parallel.cp_impl": impl if c > 1 else "ring"},
+                      **({"model.attn_impl": a.attn_impl} if impl == "allgather" else {}))
             cfg = _config(ov)
             r = measure(ov, c, a.steps)
             want = expected_bytes(args, 1, a.seq_len, 1, c, impl, 1, a.ac, e)

@@ -157,6 +157,7 @@ def test_cp_bytes_match_theory(pools, world, overrides):
 
 # -- composition ------------------------------------------------------------------------------
 
+FLEX = {"model__attn_impl": "flex"}  # "auto" is SDPA on a CPU: rows that prove flex name it
 ROWS = [
     ("cp2-ac-full", 2, {"parallel__cp": 2, "training__ac": "full"}),
     ("cp2-ac-selective", 2, {"parallel__cp": 2, "training__ac": "selective"}),
@@ -176,26 +177,30 @@ ROWS = [
                                 "parallel__pp_virtual": 2}),
     ("pp2-cp2-tied-ulysses", 4, {"parallel__pp": 2, "parallel__cp": 2, "parallel__cp_impl": "ulysses",
                                  "model__tie_embeddings": True}),
-    ("cp2-allgather-gqa", 2, {"parallel__cp": 2, "parallel__cp_impl": "allgather", "model__n_kv_heads": 2}),
-    # all-gather rows run flex (auto); "-sdpa" rows hand SDPA the dense causal rows instead
+    ("cp2-allgather-gqa", 2, {**FLEX, "parallel__cp": 2, "parallel__cp_impl": "allgather", "model__n_kv_heads": 2}),
+    # all-gather rows run flex (pinned: "auto" is SDPA on a CPU, flex on CUDA); "-sdpa" rows hand SDPA the
+    # dense causal rows instead
     ("cp4-allgather-kv1-ac-selective-sdpa", 4, {"parallel__cp": 4, "parallel__cp_impl": "allgather",
                                                 "model__n_kv_heads": 1, "training__ac": "selective",
                                                 "model__attn_impl": "sdpa"}),
-    ("cp2-allgather-ac-full-accum", 2, {"parallel__cp": 2, "parallel__cp_impl": "allgather", "training__ac": "full",
+    ("cp2-allgather-ac-full-accum", 2, {**FLEX, "parallel__cp": 2, "parallel__cp_impl": "allgather",
+                                        "training__ac": "full",
                                         "training__micro_batch": 1}),
-    ("dp2-cp2-allgather-zero3", 4, {"parallel__dp": 2, "parallel__cp": 2, "parallel__cp_impl": "allgather",
+    ("dp2-cp2-allgather-zero3", 4, {**FLEX, "parallel__dp": 2, "parallel__cp": 2, "parallel__cp_impl": "allgather",
                                     "parallel__zero": 3}),
-    ("cp2-tp2-sp-allgather", 4, {"parallel__cp": 2, "parallel__tp": 2, "parallel__sp": True,
+    ("cp2-tp2-sp-allgather", 4, {**FLEX, "parallel__cp": 2, "parallel__tp": 2, "parallel__sp": True,
                                  "parallel__cp_impl": "allgather"}),
     ("pp2-cp2-allgather-interleaved-sdpa", 4, {"parallel__pp": 2, "parallel__cp": 2, "parallel__cp_impl": "allgather",
                                                "parallel__pp_schedule": "interleaved", "parallel__pp_virtual": 2,
                                                "model__attn_impl": "sdpa"}),
-    ("pp2-cp2-allgather-zb-h1", 4, {"parallel__pp": 2, "parallel__cp": 2, "parallel__cp_impl": "allgather",
+    ("pp2-cp2-allgather-zb-h1", 4, {**FLEX, "parallel__pp": 2, "parallel__cp": 2, "parallel__cp_impl": "allgather",
                                     "parallel__pp_schedule": "zb-h1"}),
-    ("cp2-allgather-bf16", 2, {"parallel__cp": 2, "parallel__cp_impl": "allgather", "training__precision": "bf16"}),
+    ("cp2-allgather-bf16", 2, {**FLEX, "parallel__cp": 2, "parallel__cp_impl": "allgather",
+                               "training__precision": "bf16"}),
     ("cp2-allgather-bf16-sdpa", 2, {"parallel__cp": 2, "parallel__cp_impl": "allgather",
                                     "training__precision": "bf16", "model__attn_impl": "sdpa"}),
-    ("cp2-allgather-compile", 2, {"parallel__cp": 2, "parallel__cp_impl": "allgather", "training__compile": True,
+    ("cp2-allgather-compile", 2, {**FLEX, "parallel__cp": 2, "parallel__cp_impl": "allgather",
+                                  "training__compile": True,
                                   "training__steps": 4}),
     ("cp2-bf16", 2, {"parallel__cp": 2, "training__precision": "bf16"}),
     ("cp2-ulysses-bf16", 2, {"parallel__cp": 2, "parallel__cp_impl": "ulysses", "training__precision": "bf16"}),

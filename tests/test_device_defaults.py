@@ -1,5 +1,5 @@
-"""training.precision / training.compile = "auto": each device's defaults, resolved before any worker
-starts (layout.device_defaults), written into config.toml; explicit values win."""
+"""training.precision / training.compile / model.attn_impl = "auto": each device's defaults, resolved
+before any worker starts (layout.device_defaults), written into config.toml; explicit values win."""
 import pytest
 import torch
 
@@ -124,3 +124,49 @@ def test_plan_compiles_on_a_gpu_unless_told_not_to(capsys):
         got[flag] = json.loads(capsys.readouterr().out)[0]
     assert got[()] == got[("--compile",)]  # "auto" on a GPU profile
     assert got[()]["compiled"] is True and got[("--no-compile",)]["compiled"] is False
+
+
+def test_attention_auto_is_sdpa_on_a_cpu_and_stays_auto_on_cuda(monkeypatch):
+    """model.attn_impl = "auto" per device (issue 47; docs/benchmarks.md, "Attention kernels by device"):
+    on a CPU the config gets sdpa (flex fuses only its forward there), on CUDA it stays auto and the
+    model runs flex under a document mask (measured 1.11x SDPA's dense mask on an H200); explicit wins."""
+    from meshlm.model.from_config import model_args
+    mask = [("data.document_mask", "true")]
+    cpu = device_defaults(C.load(None, mask + [("training.device", "cpu")]))
+    assert cpu.model.attn_impl == "sdpa" and model_args(cpu).attn_kernel == "sdpa"
+    pinned = device_defaults(C.load(None, mask + [("training.device", "cpu"), ("model.attn_impl", "flex")]))
+    assert model_args(pinned).attn_kernel == "flex"
+    _gpu(monkeypatch)
+    gpu = device_defaults(C.load(None, mask))
+    assert gpu.model.attn_impl == "auto" and model_args(gpu).attn_kernel == "flex"
+    assert model_args(device_defaults(C.load(None, []))).attn_kernel == "sdpa"  # no mask: SDPA's causal kernel
+
+
+def test_start_up_line_names_the_attention_kernel_and_why(monkeypatch, tmp_path, capsys):
+    from meshlm.cli import main
+    from meshlm.train import launch
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: 0)
+    lines = []
+    for impl in ("auto", "flex"):
+        run = tmp_path / impl
+        assert main(["train", "--nproc", "2", "--run-dir", str(run), "--model.preset", "debug", "--training.micro_batch",
+                     "4", "--training.device", "cpu", "--data.document_mask", "true", "--model.attn_impl", impl]) == 0
+        lines.append(capsys.readouterr().err.splitlines()[0])
+    assert ", attention sdpa (auto: SDPA with the mask on a CPU, where flex fuses only its forward)," in lines[0]
+    assert ", attention flex, run dir" in lines[1], lines[1]
+    assert C.load(str(tmp_path / "auto" / "config.toml")).model.attn_impl == "sdpa"  # resolved into config.toml
+
+
+def test_ranks_beyond_the_gpus_share_them_over_gloo(monkeypatch):
+    """More local ranks than CUDA devices (two ranks on one GPU, bench/multirank.py): device
+    local_rank % count, and gloo (whose Comm stages CUDA tensors through host memory) instead of NCCL."""
+    from meshlm.distributed import mesh
+    _gpu(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert mesh.ranks_share_gpus() and mesh.pick_device("auto") == torch.device("cuda", 0) and chosen == [0]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert not mesh.ranks_share_gpus()

@@ -24,6 +24,7 @@ def cmd_train(args, extra: list[str]) -> int:
         if rest:
             raise C.ConfigError(f"unrecognised argument: {rest[0]}")
         cfg = C.load(args.config, pairs)
+        asked_attn = cfg.model.attn_impl
         device_defaults(cfg)  # training.precision / compile "auto": this machine's values, into config.toml
         pin_model_shape(cfg)  # model.init_from: the HF model's shape goes into config.toml
         worker = args.worker or under_launcher()
@@ -69,7 +70,8 @@ def cmd_train(args, extra: list[str]) -> int:
     if not args.worker and int(os.environ.get("RANK", "0")) == 0:
         t = cfg.training
         print(f"meshlm: {cfg.model.preset}, {world} worker{'s' if world > 1 else ''}{_shared_gpus(cfg, world)}, "
-              f"precision {t.precision}, compile {'on' if t.compile else 'off'}, run dir {run_dir}", file=sys.stderr)
+              f"precision {t.precision}, compile {'on' if t.compile else 'off'}{_attention(cfg, asked_attn)}, "
+              f"run dir {run_dir}", file=sys.stderr)
     if not worker and (world > 1 or args.max_restarts):
         code = spawn(world, os.path.join(run_dir, "config.toml"), run_dir, args.max_restarts)
         for line in incidents(run_dir):  # stragglers, spikes, restarts: what the job lived through
@@ -192,6 +194,22 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         getattr(module, fn)(sub)
     return p
+
+
+def _attention(cfg, asked: str) -> str:
+    """The start-up line's attention kernel where a mask makes the choice matter (a document mask, or
+    all-gather CP's zig-zag rows), and why when "auto" chose it (docs/benchmarks.md, "Attention kernels
+    by device")."""
+    from .model.from_config import attn_kernel
+    masked = cfg.data.document_mask or (cfg.parallel.cp > 1 and cfg.parallel.cp_impl == "allgather")
+    if not masked:
+        return ""
+    kernel = attn_kernel(cfg)
+    if asked != "auto":
+        return f", attention {kernel}"
+    why = "SDPA with the mask on a CPU, where flex fuses only its forward" if cfg.model.attn_impl == "sdpa" \
+        else "flex on CUDA, measured faster than SDPA's dense mask"
+    return f", attention {kernel} (auto: {why})"
 
 
 def _shared_gpus(cfg, world: int) -> str:

@@ -555,13 +555,19 @@ def _check_device_keys(t: TrainingConfig) -> None:
 def resolve_auto(cfg: Config, cuda: bool, bf16: bool = True) -> Config:
     """Replace training.precision / compile = "auto" by this device's values, in place (a new
     training section, so copies that share the old one keep theirs): bf16 with fp32 masters and
-    compiled blocks on a GPU (fp32 on one without bf16), fp32 eager on a CPU. Explicit values stay.
+    compiled blocks on a GPU (fp32 on one without bf16), fp32 eager on a CPU; and model.attn_impl =
+    "auto" by sdpa on a CPU (on a GPU it stays auto: flex where a mask is). Explicit values stay.
     Training resolves for its own device (layout.device_defaults), the planner for the device it
     prices (plan/spec.py priced_on)."""
     t = cfg.training
     _check_device_keys(t)
     precision = ("bf16" if cuda and bf16 else "fp32") if t.precision == AUTO else t.precision
     cfg.training = dataclasses.replace(t, precision=precision, compile=cuda if t.compile == AUTO else t.compile)
+    if not cuda and cfg.model.attn_impl == AUTO:
+        # model.attn_impl: on a CPU flex fuses only its forward (the backward is SDPA's math), so SDPA with a
+        # dense mask is the faster kernel there (docs/benchmarks.md, "Attention kernels by device"); on CUDA "auto"
+        # stays and model.from_config.attn_kernel picks flex where a mask is, as measured faster
+        cfg.model = dataclasses.replace(cfg.model, attn_impl="sdpa")
     return cfg
 
 

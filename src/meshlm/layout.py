@@ -100,10 +100,11 @@ def check_cp(args: ModelArgs, cp: int, impl: str, tp: int, sp: bool, seq_len: in
 
 
 def device_defaults(cfg: Config) -> Config:
-    """training.precision / compile = "auto" resolved for the device training.device names (in place):
+    """training.precision / compile and model.attn_impl = "auto" resolved for the device training.device
+    names (in place):
     a CUDA device, with or without bf16, or a CPU. A GPU job resolves on every rank, each for its own."""
     t = cfg.training
-    if "auto" not in (t.precision, t.compile):  # nothing to probe (still checked)
+    if "auto" not in (t.precision, t.compile, cfg.model.attn_impl):  # nothing to probe (still checked)
         return resolve_auto(cfg, False)
     import torch
     kind = t.device
