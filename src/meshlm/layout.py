@@ -109,7 +109,8 @@ def device_defaults(cfg: Config) -> Config:
     import torch
     kind = t.device
     cuda = kind == "cuda" or (kind == "auto" and torch.cuda.is_available())
-    bf16 = cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    # bf16 support is asked only where it decides something (precision "auto")
+    bf16 = t.precision == "auto" and cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     return resolve_auto(cfg, cuda, bf16)
 
 
