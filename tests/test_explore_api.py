@@ -375,12 +375,13 @@ def test_trained_run_records_its_peak(served):
     device = pick_device("auto")
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)
-        known = [flops for key, flops in cards.PEAK_FLOPS.items() if key in gpu]
-        if not known:
+        family = cards.family(gpu)
+        if family is None:
             assert all(r["peak_flops"] == 0 and r["mfu"] == 0 and "unknown peak" in r["peak_label"] for r in steps)
             assert PEAK_COMMENT not in config
             return
-        assert all(r["peak_label"] == f"{gpu} (datasheet bf16)" and r["peak_flops"] == known[0] for r in steps)
+        assert all(r["peak_label"] == f"{gpu} (datasheet bf16)" and r["peak_flops"] == cards.PEAK_FLOPS[family]
+                   for r in steps)
     else:
         assert all("measured" in r["peak_label"] and r["peak_flops"] > 0 for r in steps)
     assert all(0 < r["mfu"] <= 1 for r in steps)
