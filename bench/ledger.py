@@ -56,10 +56,10 @@ def environment(device: str = "cuda") -> dict:
     (the rows' processes get the whole card). `card`: the planner profile of the card, or None."""
     import torch
 
-    from meshlm.plan.hardware import DEVICE_NAMES
+    from meshlm.cards import card as card_of
     s = smi() if device == "cuda" else {}
     name = s.get("name", "cpu")
-    card = next((prof for key, prof in DEVICE_NAMES if key.lower() in name.lower()), None)
+    card = card_of(name)
     commit = os.environ.get("MESHLM_COMMIT") or _git_commit()
     return {"name": name, "card": card, "driver": s.get("driver_version"), "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d", time.gmtime()), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",

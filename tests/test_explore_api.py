@@ -11,12 +11,12 @@ import urllib.request
 import pytest
 import torch
 
-from meshlm import config as C
+from meshlm import cards, config as C
 from meshlm.cli import main
 from meshlm.explore.api import LAYOUT_INPUTS
 from meshlm.explore.server import make_server, url_of
 from meshlm.distributed.mesh import pick_device
-from meshlm.train.metrics import PEAK_COMMENT, PEAK_FLOPS, MetricsLog, device_peak
+from meshlm.train.metrics import PEAK_COMMENT, MetricsLog, device_peak
 from plan_rows import emitted_rows
 
 TINY = ["--model.preset", "debug", "--data.seq_len", "32", "--training.global_batch", "4", "--training.micro_batch",
@@ -366,7 +366,7 @@ def test_mfu_over_100_percent_is_impossible(tmp_path):
 
 def test_trained_run_records_its_peak(served):
     """Each step's MFU is against the peak of the device that ran (training.device = auto): a CPU's is
-    measured, a known GPU's is its datasheet's (train/metrics.PEAK_FLOPS), and an unknown GPU has none
+    measured, a known GPU's is its datasheet's (cards.PEAK_FLOPS), and an unknown GPU has none
     (MFU 0, nothing noted in config.toml)."""
     _, root, name = served
     recs = [json.loads(x) for x in (root / name / "metrics.jsonl").read_text().splitlines()]
@@ -375,12 +375,13 @@ def test_trained_run_records_its_peak(served):
     device = pick_device("auto")
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)
-        known = [flops for key, flops in PEAK_FLOPS.items() if key in gpu]
-        if not known:
+        family = cards.family(gpu)
+        if family is None:
             assert all(r["peak_flops"] == 0 and r["mfu"] == 0 and "unknown peak" in r["peak_label"] for r in steps)
             assert PEAK_COMMENT not in config
             return
-        assert all(r["peak_label"] == f"{gpu} (datasheet bf16)" and r["peak_flops"] == known[0] for r in steps)
+        assert all(r["peak_label"] == f"{gpu} (datasheet bf16)" and r["peak_flops"] == cards.PEAK_FLOPS[family]
+                   for r in steps)
     else:
         assert all("measured" in r["peak_label"] and r["peak_flops"] > 0 for r in steps)
     assert all(0 < r["mfu"] <= 1 for r in steps)

@@ -2,11 +2,13 @@
 runtime (parallelize, the trainer) and the planner all read these lists, so a value exists everywhere
 or nowhere. A pipeline schedule is listed here only once it has a runtime (pipeline/schedules.py
 asserts that its registry is exactly this list), so an unimplemented name gets the same one-line
-refusal as any unknown value. Pure Python: the planner imports it without torch.
+refusal as any unknown value. What each precision holds in bytes (HELD) is here too, for the same
+reason. Pure Python: the planner imports it without torch.
 """
 from __future__ import annotations
 
 import signal
+from dataclasses import dataclass
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise")  # torchao float8 recipe names (training.fp8_recipe)
@@ -27,9 +29,29 @@ ON_ERROR = ("stop", "continue")  # checkpoint.on_error: what a failed save or ex
 CATCHABLE_SIGNALS = tuple(s.name for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP))
 OPTIMIZERS = ("adamw", "muon")  # optim.name
 
-# Bytes per element of each dtype name (activations, reductions, parameters).
+# Bytes per element of each dtype name (reductions, exports); a precision's tensors: HELD.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-DTYPE_BYTES["fp8"] = 2  # fp8 training holds bf16 parameters and activations; only the matmuls cast
+
+
+@dataclass(frozen=True)
+class Held:
+    """Bytes per element of what one training precision holds. The planner's memory, traffic and
+    optimizer time all read this one table rather than each deciding what fp32 means in bytes."""
+    param: int  # parameters (the compute copy) and the collectives that move them
+    act: int    # activations
+    grad: int   # gradients: accumulated in fp32 at every precision
+    optim: int  # AdamW state per parameter: fp32 m and v, plus an fp32 master when param is below fp32
+
+    @property
+    def master(self) -> bool:
+        """An fp32 master beside the parameters: the optimizer writes the compute copy back each step."""
+        return self.param < DTYPE_BYTES["fp32"]
+
+
+# fp8 (torchao float8 training) holds bf16 parameters and activations: only the block matmuls cast, and
+# Float8Linear saves its high-precision input and weight for backward (torchao/float8/float8_linear.py)
+HELD = {"fp32": Held(param=4, act=4, grad=4, optim=8), "bf16": Held(param=2, act=2, grad=4, optim=12),
+        "fp16": Held(param=2, act=2, grad=4, optim=12), "fp8": Held(param=2, act=2, grad=4, optim=12)}
 # torch attribute of each dtype name (`torch_dtype` looks it up; torch is imported only there).
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 

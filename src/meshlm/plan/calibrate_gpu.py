@@ -62,7 +62,7 @@ def card(peak_label: str | None, peak_flops: float | None) -> GPU:
     gpu = profile_of_device(peak_label or "")
     if gpu is None:
         raise PlanError(f"--calibrate: the run's device ({peak_label or 'not logged'}) has no GPU profile "
-                        f"(plan/hardware.py DEVICE_NAMES)")
+                        f"(cards.DEVICE_NAMES)")
     return dataclasses.replace(gpu, peak_flops=peak_flops) if peak_flops else gpu
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..choices import DTYPE_BYTES, HELD
 from .hardware import GPU
 from .volume import QUANT_BLOCK, cp_traffic, packed_bytes, tp_traffic, tp_weight_traffic
 
@@ -93,11 +94,9 @@ def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first:
     """Every collective one rank of a stage runs in one step (before overlap is applied).
 
     sp_dense / sp_expert: that rank's dense and expert parameters before ZeRO sharding."""
-    from .memory import state_bytes_per_param
     a = shape.args
-    e = 4 if s.precision == "fp32" else 2
-    pb = state_bytes_per_param(s.precision)[0]
-    rb = 4 if s.reduce_dtype == "fp32" else 2
+    e, pb = HELD[s.precision].act, HELD[s.precision].param
+    rb = DTYPE_BYTES[s.reduce_dtype]
     t, cp, dp, p, m = s.tp, s.cp, s.dp, s.pp, s.accum
     tokens = s.micro_batch * s.seq_len / cp
     sq = s.sp and t > 1

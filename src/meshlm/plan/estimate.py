@@ -19,6 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..choices import HELD
 from . import comm as C
 from .hardware import GIB, GPU
 from .memory import (block_params_local, pipeline_roles, stage_memory, stage_params, state_bytes_per_param,
@@ -140,8 +141,8 @@ GRAD_ACCUM_BYTES = 12
 
 
 def optimizer_bytes_per_param(precision: str) -> float:
-    b = sum(OPT_KERNEL_BYTES.values())
-    return b - OPT_KERNEL_BYTES["copy"] if precision == "fp32" else b
+    """Bytes the optimizer's kernels move per parameter; no copy kernel without a master (fp32)."""
+    return sum(b for k, b in OPT_KERNEL_BYTES.items() if k != "copy" or HELD[precision].master)
 
 
 def grad_accum_seconds(params: float, bw: float) -> float:
@@ -287,7 +288,7 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
         io_s = 12 * shard / gpu.disk_read_bw + 12 * shard / gpu.disk_write_bw
         offload_s = max(io_s, shard * (gb + pb) / gpu.pcie_bw + shard / gpu.cpu_adam_params_per_s)
     elif o.efficiency is not None:  # the flat model: read and write the state, read the gradient once
-        opt_s = shard * (2 * ob + gb + (pb if s.precision != "fp32" else 0)) / gpu.hbm_bw
+        opt_s = shard * (2 * ob + gb + (pb if HELD[s.precision].master else 0)) / gpu.hbm_bw
     else:
         opt_s = shard * optimizer_bytes_per_param(s.precision) / _bandwidth(gpu, o)
     overhead_s = 0.0

@@ -1,13 +1,16 @@
 """GPU profiles: the handful of numbers the planner needs about a machine.
 
 Bandwidths are per GPU and per direction (what one rank can push into a collective), peak FLOP/s are
-dense (no structured sparsity). HBM sizes are what `nvidia-smi` reports as total memory, not the
-marketing number, because that is what the allocator can hand out.
+dense (no structured sparsity); each family's datasheet peak is cards.PEAK_FLOPS, which the trainer's
+MFU reads too. HBM sizes are what `nvidia-smi` reports as total memory, not the marketing number,
+because that is what the allocator can hand out.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+from .. import cards
 
 GB = 1e9
 GIB = 2 ** 30
@@ -23,7 +26,7 @@ class GPU:
     ib_bw: float               # inter-node NIC bandwidth per GPU, bytes/s per direction
     gpus_per_node: int = 8
     pcie_bw: float = 50 * GB   # host link (optimizer offload), bytes/s per direction
-    fp32_ratio: float = 0.5    # fp32 matmuls run as TF32: this fraction of the bf16 peak
+    fp32_ratio: float = cards.FP32_RATIO  # fp32 matmuls run as TF32: this fraction of the bf16 peak
     # CPU AdamW throughput per GPU's share of the host (--cpu-adam-gparams). It is memory-bound (~28 B of
     # host traffic per parameter): torch's fused CPU AdamW did 4.1-4.8e9 params/s on a 16-core host that
     # served one H100 (docs/benchmarks.md); on an 8-GPU node the host's ~400 GB/s is shared 8 ways.
@@ -62,36 +65,33 @@ class GPU:
     def peak(self, precision: str) -> float:
         """The dense peak MFU is reported against: fp8 runs report against the bf16 peak (the blocks'
         GEMMs run faster, see fp8_gemm_speedup, but the output head and attention stay bf16)."""
-        return self.peak_flops * (self.fp32_ratio if precision == "fp32" else 1.0)
+        return cards.peak(self.peak_flops, precision, self.fp32_ratio)
 
 
+_PEAK = cards.PEAK_FLOPS
 PROFILES: dict[str, GPU] = {
-    "h100-sxm-80gb": GPU("H100-SXM-80GB", 989e12, 81559 * 2 ** 20, 3.35e12, 450 * GB, 50 * GB, 8, 50 * GB),
-    "h200": GPU("H200", 989e12, 143771 * 2 ** 20, 4.8e12, 450 * GB, 50 * GB, 8, 50 * GB),
+    "h100-sxm-80gb": GPU("H100-SXM-80GB", _PEAK["H100"], 81559 * 2 ** 20, 3.35e12, 450 * GB, 50 * GB, 8, 50 * GB),
+    "h200": GPU("H200", _PEAK["H200"], 143771 * 2 ** 20, 4.8e12, 450 * GB, 50 * GB, 8, 50 * GB),
     # Grand Teton H100 as torchtitan benchmarks it (docs/performance.md there): 96 GB HBM2e at 2.4 TB/s,
     # 400 Gb/s RDMA per GPU; at its 500 W power limit it is h100-96gb-500w below
-    "h100-96gb": GPU("H100-96GB-HBM2e", 989e12, 96e9, 2.4e12, 450 * GB, 50 * GB, 8, 50 * GB),
+    "h100-96gb": GPU("H100-96GB-HBM2e", _PEAK["H100"], 96e9, 2.4e12, 450 * GB, 50 * GB, 8, 50 * GB),
     # the same card at the 500 W power limit torchtitan ran it at: the tensor-core clock a power limit
     # leaves is in no datasheet, so the peak is read off two datasheets of the same 132-SM GH100 die:
     # H100 NVL at 400 W, 835 TFLOP/s dense bf16 (1,671 with sparsity), and H100 SXM at 700 W, 989; linear
     # in the power limit between the two -> 886 TFLOP/s at 500 W (an interpolation, not a measurement)
-    "h100-96gb-500w": GPU("H100-96GB-HBM2e-500W", 835e12 + (989e12 - 835e12) * (500 - 400) / (700 - 400), 96e9,
+    "h100-96gb-500w": GPU("H100-96GB-HBM2e-500W", 835e12 + (_PEAK["H100"] - 835e12) * (500 - 400) / (700 - 400), 96e9,
                           2.4e12, 450 * GB, 50 * GB, 8, 50 * GB),
     # A100: 108 SMs (NVIDIA A100 whitepaper); the GEMM ceiling is the H100's measured fraction (assumed:
     # no A100 measurement in this repository)
     # DGX A100: 4 × 3.84 TB U.2 data drives for 8 GPUs (DGX A100 user guide), half a drive per GPU
-    "a100-80gb": GPU("A100-80GB", 312e12, 81920 * 2 ** 20, 2.039e12, 300 * GB, 25 * GB, 8, 25 * GB, sms=108, arch="ampere",
+    "a100-80gb": GPU("A100-80GB", _PEAK["A100"], 81920 * 2 ** 20, 2.039e12, 300 * GB, 25 * GB, 8, 25 * GB, sms=108, arch="ampere",
                      disk_read_bw=3.25 * GB, disk_write_bw=1.75 * GB),
-    "a100-40gb": GPU("A100-40GB", 312e12, 40960 * 2 ** 20, 1.555e12, 300 * GB, 25 * GB, 8, 25 * GB, sms=108, arch="ampere",
+    "a100-40gb": GPU("A100-40GB", _PEAK["A100"], 40960 * 2 ** 20, 1.555e12, 300 * GB, 25 * GB, 8, 25 * GB, sms=108, arch="ampere",
                      disk_read_bw=3.25 * GB, disk_write_bw=1.75 * GB),
-    "b200": GPU("B200", 2250e12, 183359 * 2 ** 20, 8.0e12, 900 * GB, 50 * GB, 8, 50 * GB, sms=148),
+    "b200": GPU("B200", _PEAK["B200"], 183359 * 2 ** 20, 8.0e12, 900 * GB, 50 * GB, 8, 50 * GB, sms=148),
 }
 ALIASES = {"h100": "h100-sxm-80gb", "h100-sxm": "h100-sxm-80gb", "a100": "a100-80gb",
            "a100-80": "a100-80gb", "a100-40": "a100-40gb", "h100-500w": "h100-96gb-500w"}
-# torch.cuda.get_device_name() -> profile, for runs that logged their device (metrics `peak_label`)
-DEVICE_NAMES = (("H100 80GB HBM3", "h100-sxm-80gb"), ("H100 SXM", "h100-sxm-80gb"), ("H200", "h200"),
-                ("A100-SXM4-80GB", "a100-80gb"), ("A100 80GB", "a100-80gb"), ("A100-SXM4-40GB", "a100-40gb"),
-                ("B200", "b200"))
 
 # Command-line flag -> (GPU field, multiplier from the flag's unit to SI bytes or FLOP/s).
 FLAG_FIELDS = {
@@ -153,10 +153,8 @@ def get_gpu(name: str | None, **overrides) -> GPU | None:
 
 def profile_of_device(label: str) -> GPU | None:
     """The profile of a CUDA device name (as metrics' peak_label starts), or None for an unknown one."""
-    for key, name in DEVICE_NAMES:
-        if key.lower() in label.lower():
-            return PROFILES[name]
-    return None
+    name = cards.card(label)
+    return PROFILES[name] if name else None
 
 
 def describe(gpu: GPU) -> str:

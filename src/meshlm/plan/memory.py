@@ -16,8 +16,8 @@ from functools import lru_cache
 from ..model.args import padded_vocab
 from ..schedule.actions import stage_index
 from ..schedule.stage import estimate_costs, partition
-from ..choices import AC_MODES
-from .spec import ACT_BYTES, Shape, Spec
+from ..choices import AC_MODES, HELD
+from .spec import Shape, Spec
 from .volume import packed_bytes
 
 MIB = 2 ** 20
@@ -53,8 +53,9 @@ def zero_state_bytes(psi: float, n_shard: int, stage: int, param_bytes: float = 
 
 
 def state_bytes_per_param(precision: str) -> tuple[int, int, int]:
-    """(params, grads, optim) bytes per parameter in meshlm's convention."""
-    return (4, 4, 8) if precision == "fp32" else (2, 4, 12)
+    """(params, grads, optim) bytes per parameter in meshlm's convention (choices.HELD)."""
+    h = HELD[precision]
+    return h.param, h.grad, h.optim
 
 
 def korthikanti_block_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
@@ -381,7 +382,7 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
                  loss_chunks: int = 0, attn_mask: str = "causal", recompute_gemms: tuple = ()) -> dict:
     """Bytes on one rank of `stage` ('first', 'last' or 'only'): the per_gpu breakdown plus details."""
     a = shape.args
-    e = ACT_BYTES[s.precision]
+    e = HELD[s.precision].act
     sp, params, grads, optim, fixed_buf = _stage_static(shape, s, stage)
     cpu_optim = disk_optim = 0.0
     if s.offload == "optimizer":
@@ -465,7 +466,7 @@ def stage_totals(shape: Shape, stage: str, tp: int, sp: bool, cp: int, pp: int, 
     offload, optimizer-state bytes, {ac: activation + backward working-set bytes}). Kept lean because
     the search calls it for every candidate; tests check it against stage_memory. `optimizer`: optim.name."""
     a = shape.args
-    e = ACT_BYTES[precision]
+    e = HELD[precision].act
     spp, params, grads, optim, fixed_buf = _static(shape, stage, tp, pp, v, ep, zero, n * cp if zero else 1,
                                                   dp * cp > 1, bucket_mb, precision, schedule, pp_layers)
     tokens = mb * seq_len / cp

@@ -22,6 +22,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..choices import HELD
 from .hardware import GPU
 from .memory import vocab_rows
 
@@ -289,7 +290,7 @@ def stage_compute(w: StageWork, gpu: GPU, rates: Rates | None = None) -> dict:
     attention kernels alone (the window ring-CP transfers hide behind), plus the per-op breakdown."""
     shape, a, t, T = w.shape, w.shape.args, w.tp, w.tokens
     fp8 = w.precision == "fp8" and rates is None
-    e = 4 if w.precision == "fp32" else 2
+    e = HELD[w.precision].act
     peak = gpu.peak(w.precision)
     launch = gpu.launch_compiled_s if w.compiled else gpu.launch_eager_s
     q_width = a.n_heads // t * a.head_dim

@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..choices import HELD
 from .comm import link
 from .estimate import Options, bubble_formula, estimate, micro_times, time_model
 from .hardware import GIB, GPU
@@ -331,7 +332,7 @@ def _lower_bound(shape, gpu, o, tp, cp, pp, v, sched, seq_len, mb, m, ac, stages
     tokens = mb * seq_len / cp  # sq: sequence parallelism (sp below is the stage's parameters)
     tp_s = 0.0
     if tp > 1:
-        e = 4 if precision == "fp32" else 2
+        e = HELD[precision].act
         tp_s = 2 * (tp - 1) / tp * e * shape.args.dim * tokens / (link(gpu, tp, 1)[1] * o.comm_efficiency)
     full, busy = [], []
     for st in stages:  # the real worst stage is unknown here: bound with the least of the per-stage bounds

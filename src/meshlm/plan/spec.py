@@ -9,14 +9,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..choices import AC_MODES, CP_IMPLS, DTYPE_BYTES, OFFLOAD, OPTIMIZERS, PP_SCHEDULES as SCHEDULES, PRECISIONS, choose
+from ..choices import AC_MODES, CP_IMPLS, OFFLOAD, OPTIMIZERS, PP_SCHEDULES as SCHEDULES, PRECISIONS, choose
 from ..config import AUTO, Config, ConfigError, resolve_auto
 from ..layout import batch_split, check_cp, check_ep, check_shape, check_zeropp, model_args
 from ..model import args as model_args_module
 
-# training.precision = "fp8" (torchao float8 training) keeps bf16 activations: Float8Linear saves its
-# high-precision input and weight for backward (torchao/float8/float8_linear.py) and casts again there
-ACT_BYTES = {**DTYPE_BYTES, "fp8": 2}
 PLAN_PRECISIONS = tuple(dict.fromkeys(PRECISIONS + ("fp8",)))
 
 
@@ -287,7 +284,6 @@ def to_config(shape: Shape, s: Spec, base: Config | None = None) -> Config:
 
 
 __all__ = [
-    "ACT_BYTES",
     "ConfigError",
     "PlanError",
     "Shape",

@@ -11,19 +11,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import cards
 from ..distributed.comm import merge_stats, reset_stats
 from .straggler import StragglerWatch, split
 
 if TYPE_CHECKING:
     from .state import TrainState
-
-# Dense bf16 tensor-core peaks (FLOP/s), from the vendors' datasheets.
-PEAK_FLOPS = {
-    "H100": 989e12,
-    "H200": 989e12,
-    "A100": 312e12,
-    "B200": 2250e12,
-}
 
 
 def device_profile(device: torch.device):
@@ -32,13 +25,8 @@ def device_profile(device: torch.device):
     if device.type != "cuda":
         return None
     from ..plan.hardware import get_gpu
-    name = torch.cuda.get_device_name(device)
-    big = torch.cuda.get_device_properties(device).total_memory > 60e9
-    for key, profile in (("H200", "h200"), ("H100", "h100"), ("B200", "b200"),
-                         ("A100", "a100-80gb" if big else "a100-40gb")):
-        if key in name:
-            return get_gpu(profile)
-    return None
+    card = cards.device_card(torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory)
+    return get_gpu(card) if card else None
 
 
 def device_peak(device: torch.device, training=None) -> tuple[float, str]:
@@ -52,9 +40,9 @@ def device_peak(device: torch.device, training=None) -> tuple[float, str]:
         return override * 1e12, f"training.peak_tflops = {override:g}"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, flops in PEAK_FLOPS.items():
-            if key in name:
-                return flops, f"{name} (datasheet bf16)"
+        family = cards.family(name)
+        if family:
+            return cards.PEAK_FLOPS[family], f"{name} (datasheet bf16)"
         return 0.0, f"{name} (unknown peak; set training.peak_tflops)"
     dtypes = [torch.float32]
     low = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(getattr(training, "precision", "fp32"))
