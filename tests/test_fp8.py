@@ -8,7 +8,7 @@ import tempfile
 import pytest
 import torch
 
-from harness import make_config, read_metrics, run_local, reference, sources_corpus, train_case
+from harness import make_config, read_metrics, reference, run_local, sources_corpus, train_case, twin
 from meshlm import config as C
 from meshlm.layout import resolve
 
@@ -24,10 +24,11 @@ FP8 = {"training__precision": "fp8", "training__fp8_emulate": True}
 # Data pinned.
 STEPS = {"training__steps": 8, "data__path": sources_corpus()}
 WITHIN = 0.02
-# the premise, checked in each test: two bf16 runs that differ only in accumulation order (micro-batches
-# of 1 instead of 2; the gradients summed in fp32 in another grouping) agree to well under the bound on
-# the compared steps, on whatever CPU runs this (measured <= 7e-5; WITHIN / 20 leaves room for kernels not
-# seen yet, and a CPU that exceeds it is told "noise floor", not "fp8 broke": over 12 steps it was 1.04e-3)
+# the premise, checked in each test: two bf16 runs that differ only in accumulation order (harness.twin:
+# micro-batches of 1 instead of 2, the gradients summed in fp32 in another grouping) agree to well under
+# the bound on the compared steps, on whatever CPU runs this (measured <= 7e-5; WITHIN / 20 leaves room for
+# kernels not seen yet, and a CPU that exceeds it is told "noise floor", not "fp8 broke": over 12 steps
+# it was 1.04e-3)
 FLOOR = WITHIN / 20
 
 
@@ -35,8 +36,8 @@ def bf16_reference(**single) -> list[dict]:
     """One process's bf16 losses over STEPS, after checking that the comparison is meaningful on this
     CPU (FLOOR): the bf16 run-to-run spread under another accumulation order is small."""
     ref = reference(training__precision="bf16", **STEPS, **single)
-    twin = reference(training__precision="bf16", **STEPS, **single, training__micro_batch=1)
-    spread = max(abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(ref, twin))
+    other = reference(**twin({"training__precision": "bf16", **STEPS, **single}))
+    spread = max(abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(ref, other))
     print(f"bf16 spread under another accumulation order {spread:.2e}")
     assert spread <= FLOOR, f"bf16 runs differing only in accumulation order {spread:.2e} apart (> {FLOOR}): " \
                             "on this CPU the fp8-vs-bf16 steps compared are not above bf16's noise floor"

@@ -11,7 +11,8 @@ import tempfile
 import pytest
 import torch
 
-from harness import assert_half_losses, assert_same_losses, make_config, reference, rows, run_layout, train_case, train_in
+from harness import (assert_half_losses, assert_same_losses, make_config, reference, rows, run_layout, train_case,
+                     train_in)
 from meshlm import config as C
 from meshlm.model.from_config import model_args
 from meshlm.model.llama import Llama
