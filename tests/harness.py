@@ -241,11 +241,12 @@ def assert_same_losses(ref: list[dict], got: list[dict], rtol: float) -> None:
 # Half-precision layout rows (bf16, fp16) against one process (issue #45). The proof of equivalence is fp32
 # (1e-5); these rows check the half-precision path, whose losses drift from one process's as each kernel's
 # accumulation order rounds differently, and that order follows the CPU (AMX tiles, AVX-512, AVX2). HALF:
-# the stated bound, 2x the worst measured over the suite's rows (4.6e-4: cp2-bf16 at step 10 with AMX kernels;
-# 3e-4 on the developers' CPU). Where a CPU's own bf16 noise approaches it the bound follows that noise,
-# measured in the same test: the spread between two one-process runs that differ only in accumulation order
-# (`twin`), its running max, times SPREAD (a layout rounds in more places than the twin: every split matmul,
-# not only the gradient sums; cp2-bf16 at step 10 was 3.1x the twin's 1.5e-4). Never below HALF.
+# the stated bound, 2x the worst measured (4.6e-4: cp2-bf16 at step 10 with AMX kernels; 3e-4 on the
+# developers' CPU; every half-precision row passes it under AMX, AVX-512 and AVX2 kernels, `make test-isa`).
+# Where a CPU's own bf16 noise approaches it the bound follows that noise, measured in the same test: the
+# spread between two one-process runs that differ only in accumulation order (`twin`), its running max,
+# times SPREAD (a layout rounds in more places than the twin: every split matmul, not only the gradient
+# sums; cp2-bf16 at step 10 was 3.1x the twin's 1.5e-4). Never below HALF.
 HALF = 1e-3
 SPREAD = 4
 
