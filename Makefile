@@ -1,4 +1,6 @@
-# Commands: `make train`, `make test` and `make test-fast` (the edit loop); all create the virtual environment when missing.
+# Commands: `make train`; `make test` (the suite less its `slowest` tier, <= 15 min on two cores), `make test-slow`
+# (that tier), `make test-isa` (the precision-sensitive tests under each CPU instruction set) and `make test-fast`
+# (the edit loop); all create the virtual environment when missing. CI (.ci/run) runs test, test-slow and test-isa.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # CPU machines get the CPU build on disk; GPU users install their CUDA torch into the venv first
@@ -6,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.meshlm-installed
 
-.PHONY: train test test-fast setup clean recipes
+.PHONY: train test test-slow test-isa test-fast setup clean recipes
 
 setup: $(STAMP)
 
@@ -20,7 +22,16 @@ train: $(STAMP)
 	$(VENV)/bin/meshlm train --checkpoint.every 300 $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slowest" $(PYTEST_ARGS)
+
+# the longest tests (marker `slowest` in pyproject.toml), left out of `make test` to keep it within 15 minutes
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slowest $(PYTEST_ARGS)
+
+# the tests marked `isa` (bf16, fp16, fp8, int8 trajectories) once per CPU instruction set torch offers here:
+# the machine's defaults, AVX-512 without AMX, AVX2 (tests/isa_matrix.py; rows the CPU lacks are skipped, saying so)
+test-isa: $(STAMP)
+	$(PY) tests/isa_matrix.py $(PYTEST_ARGS)
 
 # the edit loop: no worker pools but one equivalence row per dimension, no compile, no launches (marker
 # `slow` in pyproject.toml, tests/conftest.py); `make test` before pushing

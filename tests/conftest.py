@@ -30,9 +30,11 @@ def pytest_unconfigure(config):
 
 def pytest_collection_modifyitems(items):
     """`make test-fast` (-m "not slow") is the edit loop: a test that needs gloo worker pools is slow
-    unless it is marked `fast` (one equivalence row per dimension is); others say `slow` themselves."""
+    unless it is marked `fast` (one equivalence row per dimension is); others say `slow` themselves. A
+    `slowest` test (left out of `make test` too) is always slow."""
     for item in items:
-        if "pools" in item.fixturenames and item.get_closest_marker("fast") is None:
+        if item.get_closest_marker("slowest") is not None or (
+                "pools" in item.fixturenames and item.get_closest_marker("fast") is None):
             item.add_marker(pytest.mark.slow)
 
 

@@ -52,6 +52,7 @@ def test_chunked_loss_equals_the_plain_loss_and_gradients(chunks):
     assert not grads[1][VOCAB:].any()  # padded rows get no gradient
 
 
+@pytest.mark.isa  # bf16 logits from this CPU's matmul kernels
 def test_chunked_loss_in_bf16_matches_the_plain_loss():
     """16-bit logits: the softmax runs in fp32 either way."""
     head, h, y = _head_and_input(torch.bfloat16)

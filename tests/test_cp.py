@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import assert_same_losses, make_config, reference, run_layout, run_local
+from harness import assert_half_losses, assert_same_losses, make_config, reference, rows, run_layout, run_local
 from test_tp import comm_task
 from meshlm import config as C
 from meshlm.config import ConfigError
@@ -21,7 +21,6 @@ from meshlm.parallel.context_parallel import CPSplit, PlainKernel, RingCounter
 from meshlm.plan.volume import cp_step_bytes as expected_bytes
 
 FP32 = 1e-5
-BF16 = 1e-3  # test_equivalence.py: bf16 rows agree within a stated 1e-3
 COMPILED = 1e-4  # inductor fuses the block's element-wise ops differently from eager: measured ~1e-6
 
 
@@ -210,13 +209,14 @@ ROWS = [
 ]
 
 
-@pytest.mark.parametrize("name,world,overrides", ROWS, ids=[r[0] for r in ROWS])
+@pytest.mark.parametrize("name,world,overrides", rows(ROWS))
 def test_cp_layout_matches_one_process(pools, name, world, overrides):
     single = {k: v for k, v in overrides.items() if not k.startswith("parallel__")}
-    ref = reference(**single)
     got = run_layout(pools, make_config(**overrides), world)
-    tol = BF16 if overrides.get("training__precision") == "bf16" else COMPILED if "compile" in name else FP32
-    assert_same_losses(ref, got, tol)
+    if overrides.get("training__precision") == "bf16":
+        assert_half_losses(single, got)  # harness.HALF, or the CPU's own bf16 noise where larger (issue #45)
+    else:
+        assert_same_losses(reference(**single), got, COMPILED if "compile" in name else FP32)
 
 
 def _eval_losses(run_dir: str) -> list[float]:

@@ -2,15 +2,15 @@
 
 import pytest
 
-from harness import assert_same_losses, make_config, reference, rows, run_layout
+from harness import assert_half_losses, assert_same_losses, make_config, reference, rows, run_layout
 
 FP32 = 1e-5
 # bf16 compute: data parallelism reduces gradients in fp32, so per-micro-batch compute is identical and
 # the measured worst case over 10 steps is ~1e-7; layouts that split matmuls (TP) sum bf16 partials in a
 # different order. ZeRO sums the clipping norm over shards, so the clip coefficient differs in its last
 # bits and some bf16 roundings of the parameters flip: measured worst 2e-5 (zero3-dp2-bf16) to 3e-4
-# (with HSDP and accumulation); with clipping off the same rows agree to 1e-7. Stated tolerance: 1e-3.
-BF16 = 1e-3
+# (with HSDP and accumulation); with clipping off the same rows agree to 1e-7. Bound: harness.HALF (1e-3),
+# following the CPU's own bf16 noise where that is larger (harness.assert_half_losses, issue #45).
 
 
 CASES = [
@@ -99,7 +99,8 @@ FAST = {"dp2", "zero3-dp2", "tp2-sp", "pp2-1f1b", "cp2-ring"}
 @pytest.mark.parametrize("name,world,overrides", rows(CASES, FAST))
 def test_layout_matches_one_process(pools, name, world, overrides):
     single = {k: v for k, v in overrides.items() if not k.startswith("parallel__")}
-    ref = reference(**single)
     got = run_layout(pools, make_config(**overrides), world)
-    tol = BF16 if overrides.get("training__precision") == "bf16" else FP32
-    assert_same_losses(ref, got, tol)
+    if overrides.get("training__precision") == "bf16":
+        assert_half_losses(single, got)
+    else:
+        assert_same_losses(reference(**single), got, FP32)

@@ -45,7 +45,7 @@ def rank_logs(run_dir) -> str:
     return "\n".join(out)
 
 
-@pytest.mark.slow
+@pytest.mark.slowest  # a quarter of the suite's time: `make test-slow`, which CI runs after `make test`
 def test_soak_every_launch_exits_zero(tmp_path):
     """50 launches of `meshlm train --nproc 2` across dp/ZeRO-3, tp, pp, cp and ep, two at a time:
     every one exits 0, says done, and no rank's stderr has an exit abort or a thread that outlived

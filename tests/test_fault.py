@@ -58,6 +58,7 @@ def assert_same_as(ref: list[dict], run_dir: str) -> None:
 CASE = {"checkpoint.every": 2, "checkpoint.keep": 10, "training.micro_batch": 1, "checkpoint.resume": "auto"}
 
 
+@pytest.mark.slowest  # a launch that restarts (the suite's second-longest item after the exit soak): `make test-slow`
 def test_sigkilled_worker_restarts_and_resumes(tmp_path, pools):
     ref = run_layout(pools, make_config(**{k.replace(".", "__"): v for k, v in CASE.items()}), 2)
     run = tmp_path / "run"
@@ -78,7 +79,7 @@ def test_sigkilled_worker_restarts_and_resumes(tmp_path, pools):
     assert_same_as(ref, str(run))
 
 
-@pytest.mark.slow
+@pytest.mark.slowest  # a launch that restarts (third-longest): `make test-slow`
 def test_kill_during_checkpoint_write_uses_the_previous_one(tmp_path):
     ref = run_local(make_config(training__steps=8, **{k.replace(".", "__"): v for k, v in CASE.items()}))
     run = tmp_path / "run"

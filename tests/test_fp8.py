@@ -8,20 +8,45 @@ import tempfile
 import pytest
 import torch
 
-from harness import make_config, read_metrics, run_local, reference, sources_corpus, train_case
+from harness import make_config, read_metrics, reference, run_local, sources_corpus, train_case, twin
 from meshlm import config as C
 from meshlm.layout import resolve
 
 FP8 = {"training__precision": "fp8", "training__fp8_emulate": True}
-STEPS = {"training__steps": 30, "data__path": sources_corpus()}
-# float8 e4m3 keeps 3 mantissa bits against bf16's 7: the debug model's emulated fp8 losses measured within
-# 0.3% of bf16's over 30 steps in one process on the standard library's sources (data pinned); the issue's
-# bound is 2%.
+# Where fp8 against bf16 means something (issue #45). The comparison used to run 30 steps; from about step 9
+# on, the standard library's sources reach batches on which the loss levels off or jumps and any perturbation
+# is amplified: two bf16 runs that differ only in accumulation order were 5.7e-4 apart at step 9 and 1.2e-2
+# at step 26 with AMX kernels, fp8 against bf16 4.9e-2 (tp2-kv1) there, so the 2% bound held only on the CPU
+# it was measured on. Over the first 8 steps (loss 5.51 -> 4.20) the same two bf16 runs agree within 7e-5
+# (AMX and AVX2 kernels alike) and fp8 stays within 1.4e-3 of bf16 (one process: 6.4e-4 with AMX kernels,
+# 1.4e-3 with AVX2 ones; the tp2-kv1 layouts 9e-4 on both): the issue's 2% is 14x the worst measured, and a
+# scale 16x too large (most values saturate) is 2.7-13% off from step 2 on (test_bound_catches_a_saturating_scale).
+# Data pinned.
+STEPS = {"training__steps": 8, "data__path": sources_corpus()}
 WITHIN = 0.02
+# the premise, checked in each test: two bf16 runs that differ only in accumulation order (harness.twin:
+# micro-batches of 1 instead of 2, the gradients summed in fp32 in another grouping) agree to well under
+# the bound on the compared steps, on whatever CPU runs this (measured <= 7e-5; WITHIN / 20 leaves room for
+# kernels not seen yet, and a CPU that exceeds it is told "noise floor", not "fp8 broke": over 12 steps
+# it was 1.04e-3)
+FLOOR = WITHIN / 20
+
+
+def bf16_reference(**single) -> list[dict]:
+    """One process's bf16 losses over STEPS, after checking that the comparison is meaningful on this
+    CPU (FLOOR): the bf16 run-to-run spread under another accumulation order is small."""
+    ref = reference(training__precision="bf16", **STEPS, **single)
+    other = reference(**twin({"training__precision": "bf16", **STEPS, **single}))
+    spread = max(abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(ref, other))
+    print(f"bf16 spread under another accumulation order {spread:.2e}")
+    assert spread <= FLOOR, f"bf16 runs differing only in accumulation order {spread:.2e} apart (> {FLOOR}): " \
+                            "on this CPU the fp8-vs-bf16 steps compared are not above bf16's noise floor"
+    return ref
 
 
 def assert_near_bf16(ref: list[dict], got: list[dict]) -> None:
-    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, 31))
+    n = STEPS["training__steps"]
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, n + 1))
     worst = 0.0
     for a, b in zip(ref, got):
         rel = abs(a["loss"] - b["loss"]) / a["loss"]
@@ -58,10 +83,24 @@ def test_block_linears_convert_and_state_dict_keys_stay():
     assert model.layers["0"].attention.wq.weight.grad is not None
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_emulated_fp8_within_2_percent_of_bf16(recipe):
     got = run_local(make_config(**FP8, **STEPS, training__fp8_recipe=recipe))
-    assert_near_bf16(reference(training__precision="bf16", **STEPS), got)
+    assert_near_bf16(bf16_reference(), got)
+
+
+@pytest.mark.isa
+def test_bound_catches_a_saturating_scale(monkeypatch):
+    """The bound is tight enough to see broken quantisation: every float8 scale 16x too large (values above
+    1/16 of a tensor's absmax saturate at e4m3's 448) trains 2.7-13% away from bf16 over the same steps."""
+    import torchao.float8.float8_scaling_utils as scaling
+
+    right = scaling.tensor_to_scale
+    monkeypatch.setattr(scaling, "tensor_to_scale", lambda *a, **k: right(*a, **k) * 16)
+    got = run_local(make_config(**FP8, **STEPS))
+    with pytest.raises(AssertionError, match="fp8 loss"):
+        assert_near_bf16(bf16_reference(), got)
 
 
 ALL = {"Float8Linear": 28}  # 7 linears in each of the debug model's 4 blocks
@@ -89,10 +128,11 @@ def float8_kinds(trainer) -> dict[str, int]:
     return kinds
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("name,world,overrides,kinds", [pytest.param(*c, id=c[0]) for c in LAYOUTS])
 def test_emulated_fp8_layout_within_2_percent_of_bf16(pools, name, world, overrides, kinds):
     single = {k: v for k, v in overrides.items() if not k.startswith("parallel__")}
-    ref = reference(training__precision="bf16", **STEPS, **single)
+    ref = bf16_reference(**single)
     run_dir = tempfile.mkdtemp(prefix="meshlm-fp8-")
     seen = pools(world).run(train_case, C.to_dict(make_config(**FP8, **STEPS, **overrides)), run_dir, 0,
                             float8_kinds)

@@ -7,11 +7,10 @@ import tempfile
 
 import pytest
 
-from harness import assert_same_losses, make_config, reference, rows, run_layout
+from harness import assert_half_losses, assert_same_losses, make_config, reference, rows, run_layout
 from test_checkpoint import RESHARD, _layout, _train
 
 FP32 = 1e-5
-BF16 = 1e-3  # as tests/test_equivalence.py
 MOE = {"model__preset": "moe-debug", "training__steps": 4}
 
 
@@ -39,19 +38,43 @@ CASES = [
 ]
 
 
+def assert_same_routing(ref: list[dict], got: list[dict]) -> None:
+    """fp32: the routing metrics are global, the same in every layout (aux_loss to 1e-5, counts exactly)."""
+    for a, b in zip(ref, got):
+        assert set(b["moe"]) == {"aux_loss", "tokens_per_expert_min", "tokens_per_expert_max", "dropped"}
+        for k in ("tokens_per_expert_min", "tokens_per_expert_max", "dropped"):
+            assert a["moe"][k] == b["moe"][k], (k, a["moe"], b["moe"])
+        assert abs(a["moe"]["aux_loss"] - b["moe"]["aux_loss"]) <= FP32 * a["moe"]["aux_loss"]
+
+
+def assert_bf16_routing_near(ref: list[dict], got: list[dict], exact: list[dict]) -> None:
+    """bf16 (issue #45): rounding flips near-tie routing choices, and each flip moves aux_loss by a discrete
+    step, so no fixed bound holds on every CPU (1e-3 did on AVX2; AMX kernels made ep2 3.0e-3 off at step 4).
+    The bound comes from this test's own fp32 run (`exact`, equal to every fp32 layout within 1e-5): a bf16
+    run strays from the exact routing by e (one process's bf16 vs fp32, its running max over the steps so
+    far: measured 1.5e-5, 7.9e-4, 9.5e-4, 8.4e-3 at steps 1-4 with AMX kernels), and two bf16 runs that each
+    stray that far are at most 2e apart. Measured ep2 vs one process: 0, 4.9e-5, 6.4e-4, 3.0e-3."""
+    e = 0.0
+    for a, b, x in zip(ref, got, exact):
+        assert set(b["moe"]) == {"aux_loss", "tokens_per_expert_min", "tokens_per_expert_max", "dropped"}
+        e = max(e, abs(a["moe"]["aux_loss"] - x["moe"]["aux_loss"]) / x["moe"]["aux_loss"])
+        rel = abs(a["moe"]["aux_loss"] - b["moe"]["aux_loss"]) / a["moe"]["aux_loss"]
+        assert rel <= 2 * e + FP32, f"step {a['step']}: aux_loss {b['moe']} vs one process {a['moe']} " \
+                                    f"(rel {rel:.2e} > twice bf16's own distance from fp32, {e:.2e})"
+
+
 @pytest.mark.parametrize("name,world,overrides", rows(CASES, {"ep2"}))  # ep2 also in `make test-fast`
 def test_moe_layout_matches_one_process(pools, name, world, overrides):
     single = {**MOE, **{k: v for k, v in overrides.items() if not k.startswith("parallel__")}}
     ref = reference(**single)
     got = run_layout(pools, make_config(**MOE, **overrides), world)
-    bf16 = overrides.get("training__precision") == "bf16"
-    assert_same_losses(ref, got, BF16 if bf16 else FP32)
-    for a, b in zip(ref, got):  # the routing metrics are global: the same in every layout
-        assert set(b["moe"]) == {"aux_loss", "tokens_per_expert_min", "tokens_per_expert_max", "dropped"}
-        if not bf16:  # bf16 rounding may flip a near-tie in the routing
-            for k in ("tokens_per_expert_min", "tokens_per_expert_max", "dropped"):
-                assert a["moe"][k] == b["moe"][k], (k, a["moe"], b["moe"])
-        assert abs(a["moe"]["aux_loss"] - b["moe"]["aux_loss"]) <= (1e-3 if bf16 else 1e-5) * a["moe"]["aux_loss"]
+    if overrides.get("training__precision") == "bf16":
+        assert_half_losses(single, got)
+        fp32 = {k: v for k, v in single.items() if k != "training__precision"}
+        assert_bf16_routing_near(ref, got, reference(**fp32))
+    else:
+        assert_same_losses(ref, got, FP32)
+        assert_same_routing(ref, got)
     if "capacity_factor" in str(overrides):
         assert all(m["moe"]["dropped"] > 0 for m in got), [m["moe"] for m in got]
 

@@ -11,7 +11,8 @@ import tempfile
 import pytest
 import torch
 
-from harness import assert_same_losses, make_config, reference, rows, run_layout, train_case, train_in
+from harness import (assert_half_losses, assert_same_losses, make_config, reference, rows, run_layout, train_case,
+                     train_in)
 from meshlm import config as C
 from meshlm.model.from_config import model_args
 from meshlm.model.llama import Llama
@@ -21,7 +22,6 @@ from meshlm.parallel.placement import PlacementTable
 from meshlm.train.optim import MasterOptimizer
 
 FP32 = 1e-5
-BF16 = 1e-3  # as tests/test_equivalence.py
 MUON = {"optim__name": "muon"}
 
 
@@ -163,7 +163,10 @@ def test_muon_layout_matches_one_process(pools, name, world, overrides):
     adamw = reference(**{k: v for k, v in single.items() if k != "optim__name"})
     assert abs(ref[-1]["loss"] - adamw[-1]["loss"]) > 1e-3  # Muon's losses are its own
     got = run_layout(pools, make_config(**MUON, **overrides), world)
-    assert_same_losses(ref, got, BF16 if overrides.get("training__precision") in ("bf16", "fp16") else FP32)
+    if overrides.get("training__precision") in ("bf16", "fp16"):
+        assert_half_losses(single, got)  # harness.HALF, or the CPU's own noise where larger (issue #45)
+    else:
+        assert_same_losses(ref, got, FP32)
 
 
 # -- checkpoints ----------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ def assert_close(ref: dict, got: dict) -> None:
 LAYOUTS = {"dp2": dict(parallel__dp=2, parallel__zero=1), "tp2": dict(parallel__tp=2, parallel__dp=1)}
 
 
+@pytest.mark.isa  # the 4σ judgement is data- and kernel-dependent: it must hold with every CPU's kernels
 def test_corrupt_batch_is_skipped_alike_in_every_layout(pools, tmp_path):
     ref_lines = train(pools, make_config(**BASE), 1, str(tmp_path / "one"))
     spikes = [r["spike"] for r in ref_lines if "spike" in r]

@@ -201,6 +201,7 @@ def trapped_steps(cfg_dict: dict, steps: int, overflow_at: int) -> list[tuple[fl
     return [(tr.meter.global_loss(o["loss_sum"]), bool(o["skipped"])) for o in outs]
 
 
+@pytest.mark.isa  # fp16 losses against one process's: `make test-isa` runs them under every CPU kernel family
 @pytest.mark.parametrize("overrides", [
     {"parallel__pp": 2},
     {"parallel__pp": 2, "parallel__pp_schedule": "zb-h1"},

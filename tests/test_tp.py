@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import assert_same_losses, make_config, read_metrics, reference, run_layout, run_local, train_case
+from harness import (assert_half_losses, assert_same_losses, make_config, read_metrics, reference, rows, run_layout,
+                     run_local, train_case)
 from meshlm import config as C
 from meshlm.config import ConfigError
 from meshlm.layout import resolve
@@ -108,18 +109,19 @@ CASES = [
                                         "model__qkv_bias": True, "model__qk_norm": True, "model__head_dim": 32,
                                         "training__clip": 0.05}),
 ]
-TOL = {"fp32": FP32, "bf16": 1e-3, "fp16": 1e-3}
 
 
-@pytest.mark.parametrize("name,world,overrides", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name,world,overrides", rows(CASES))
 def test_tp_matches_one_process(pools, name, world, overrides):
     overrides = {**SHORT, **overrides}
     single = {k: v for k, v in overrides.items() if not k.startswith("parallel__")}
     ref = reference(**single)
     got = run_layout(pools, make_config(**overrides), world)
-    tol = TOL[overrides.get("training__precision", "fp32")]
-    assert_same_losses(ref, got, tol)
-    if tol == FP32:  # the global grad norm counts each element once (bf16 noise is amplified by spikes)
+    if overrides.get("training__precision", "fp32") != "fp32":
+        assert_half_losses(single, got)  # harness.HALF, or the CPU's own noise where larger (issue #45)
+    else:
+        assert_same_losses(ref, got, FP32)
+        # the global grad norm counts each element once (bf16 noise is amplified by spikes)
         for a, b in zip(ref, got):
             assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (a["grad_norm"], b["grad_norm"])
 

@@ -203,7 +203,9 @@ Q_ROWS = [
 ]
 
 
-@pytest.mark.parametrize("name,world,over", rows(Q_ROWS))
+# `isa` (the four-rank rows; the eight-rank ones would cost minutes per CPU kernel family): the int8 rounding of
+# each block follows the fp32 values this CPU's kernels produced
+@pytest.mark.parametrize("name,world,over", rows(Q_ROWS, isa=[r[0] for r in Q_ROWS if r[1] == 4]))
 def test_quantized_runs_stay_close(pools, name, world, over):
     keep = {k: v for k, v in over.items() if k == "training__micro_batch"}
     ref = reference(**keep)

@@ -180,9 +180,10 @@ def prepare(inputs: list[str], tokenizer_spec: str, out_dir: str, val_fraction: 
 
     tmp = f"{out_dir.rstrip(os.sep)}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    bar = _progress(progress)
-    try:
+    bar = None
+    try:  # from the directory's creation on: a SIGTERM right after it (cli: KeyboardInterrupt) removes it too
+        os.makedirs(tmp)
+        bar = _progress(progress)
         writer = _StreamWriter(tmp, shard_tokens)
         tasks = _tasks(sources, text_field)
         initargs = (spec, frame, dtype.str)
