@@ -48,3 +48,16 @@ def test_the_progress_bar_starts_no_thread(tmp_path):
     log.write({"step": 1, "loss": 1.0, "tokens_per_s": 1.0, "mfu": 0.1})
     log.close()
     assert [t.name for t in set(threading.enumerate()) - before] == []
+
+
+def test_readme_quotes_the_recorded_make_train_output():
+    """The README's quoted `make train` ending is one recorded run's text (docs/make_train_output.txt),
+    which keeps each machine's exact output: the numbers vary with the CPU's kernels and threads."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    with open(os.path.join(root, "docs", "make_train_output.txt"), encoding="utf-8") as f:
+        recorded = f.read()
+    quote = readme.split("a fresh clone printed, on the developers' machine,\n\n```\n", 1)[1].split("```", 1)[0]
+    assert quote.strip() and quote in recorded, quote
+    assert recorded.count("meshlm: done, step 1200 loss") >= 2  # more than one machine, each as printed
