@@ -283,7 +283,8 @@ def timeline_json(tl, source: str) -> dict:
 
 def simulated_timeline(out: dict, spec) -> dict | None:
     """The chosen schedule through the simulator, with the planner's own per-micro-batch costs (the
-    F, B, W it uses for the bubble in plan/estimate.py: exposed communication split over F and B)."""
+    F, B, W it uses for the bubble in plan/estimate.py: exposed communication and the compute slowed
+    beside hidden communication split over F and B)."""
     if spec.pp == 1 or "time" not in out:
         return None
     p, m, v = spec.pp, spec.accum, spec.pp_virtual
@@ -294,7 +295,7 @@ def simulated_timeline(out: dict, spec) -> dict | None:
                            f"(bubble from the {out['time']['bubble_source']})"}
     from ..schedule import build_schedule, simulate
     t = out["time"]
-    x = t["exposed_comm_microbatch_s"] / m
+    x = (t["exposed_comm_microbatch_s"] + t["overlap_microbatch_s"]) / m  # as time_model prices the slot
     f = t["forward_s"] / m + x / 2
     b = (t["backward_s"] + t["recompute_s"]) / m + x / 2
     w = min(t["backward_s"] / m / 2, b)

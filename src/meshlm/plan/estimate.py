@@ -308,6 +308,7 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
         "time": {"forward_s": m * worst["t_f"], "backward_s": m * worst["t_b"], "recompute_s": m * worst["t_rc"],
                  "exposed_comm_microbatch_s": worst["exposed_mb"], "bubble_s": busy * bubble,
                  "overlap_slowdown_s": worst["overlap_mb"] + step_overlap,
+                 "overlap_microbatch_s": worst["overlap_mb"],
                  "bubble_fraction": bubble, "bubble_source": source, "exposed_comm_step_s": step_exposed - step_overlap,
                  "optimizer_s": opt_s, "muon_ns_s": muon_s, "offload_s": offload_s, "offload_io_s": io_s,
                  "overhead_s": overhead_s},

@@ -65,7 +65,8 @@ function renderTime(r, res) {
     (tm.offload_io_s ? ` · nvme offload disk I/O ${fmtNum(tm.offload_io_s, 3)} s of the optimizer's ${fmtNum(tm.offload_s, 3)} s` : "");
   stackedBar($("#time-bar"), [
     { name: "forward", value: tm.forward_s }, { name: "backward", value: tm.backward_s }, { name: "recompute", value: tm.recompute_s },
-    { name: "exposed comm", value: tm.exposed_comm_microbatch_s + tm.exposed_comm_step_s }, { name: "bubble", value: tm.bubble_s },
+    { name: "exposed comm", value: tm.exposed_comm_microbatch_s + tm.exposed_comm_step_s },
+    { name: "compute beside comm", value: tm.overlap_slowdown_s }, { name: "bubble", value: tm.bubble_s },
     { name: "optimizer", value: tm.optimizer_s + tm.offload_s }], { fmt: (s) => fmtNum(s, 3) + " s" });
   // the per-operation model's breakdown of the compute (plan/ops.py); absent with a flat --efficiency
   const ops = r.ops || {};
