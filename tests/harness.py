@@ -274,6 +274,15 @@ def assert_half_losses(single: dict, got: list[dict]) -> None:
     print(f"worst relative loss difference {worst:.2e}; twin spread {spread:.2e}")
 
 
+def assert_layout_losses(single: dict, got: list[dict], rtol: float = 1e-5) -> None:
+    """A layout's losses against one process's (`single`: make_config's keys): fp32 within `rtol`; bf16,
+    fp16 and fp8 through assert_half_losses, whose bound follows the CPU's own noise (issue #45)."""
+    if single.get("training__precision", "fp32") != "fp32":
+        assert_half_losses(single, got)
+    else:
+        assert_same_losses(reference(**single), got, rtol)
+
+
 def half_precision(case) -> bool:
     """Whether a row's overrides (any dict in it) train in bf16, fp16 or fp8."""
     return any(isinstance(v, dict) and v.get("training__precision", "fp32") != "fp32" for v in case)

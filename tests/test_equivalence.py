@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness import assert_half_losses, assert_same_losses, make_config, reference, rows, run_layout
+from harness import assert_layout_losses, make_config, rows, run_layout
 
 FP32 = 1e-5
 # bf16 compute: data parallelism reduces gradients in fp32, so per-micro-batch compute is identical and
@@ -100,7 +100,4 @@ FAST = {"dp2", "zero3-dp2", "tp2-sp", "pp2-1f1b", "cp2-ring"}
 def test_layout_matches_one_process(pools, name, world, overrides):
     single = {k: v for k, v in overrides.items() if not k.startswith("parallel__")}
     got = run_layout(pools, make_config(**overrides), world)
-    if overrides.get("training__precision") == "bf16":
-        assert_half_losses(single, got)
-    else:
-        assert_same_losses(reference(**single), got, FP32)
+    assert_layout_losses(single, got, FP32)
