@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from meshlm.model.flex import flex_block_mask  # noqa: E402
-from meshlm.parallel.context_parallel import CPSplit  # noqa: E402
+from meshlm.parallel.dims.context_parallel import CPSplit  # noqa: E402
 
 # (batch, sequence, cp, document length): one process with documents, then all-gather CP rows
 CASES = ((4, 2048, 1, 700), (4, 8192, 1, 700), (1, 32768, 4, 4096), (1, 65536, 8, 4096))

@@ -60,7 +60,8 @@ PROBE_BYTES = [4096 * 4 ** k for k in range(6)]  # fp32 all-reduces of 4 KB .. 4
 def _probe_rank(rank: int, port: int, calls: int, q) -> None:
     import torch
     import torch.distributed as dist
-    from meshlm.train.metrics import sched_seconds
+
+    from meshlm.train.observe.metrics import sched_seconds
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     rows = []

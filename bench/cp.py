@@ -37,10 +37,11 @@ def _worker(rank: int, world: int, port: int, overrides: dict, steps: int, out) 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     import torch
+
     from meshlm.distributed.comm import reset_stats
     from meshlm.distributed.mesh import init_context, pick_device, shutdown
     from meshlm.layout import resolve
-    from meshlm.train.saved import saved_bytes
+    from meshlm.train.observe.saved import saved_bytes
     from meshlm.train.trainer import Trainer
 
     torch.set_num_threads(max(1, 2 // world))
@@ -91,9 +92,14 @@ def main() -> None:
     a = ap.parse_args()
 
     from meshlm.model.from_config import model_args
-    from meshlm.plan.volume import cp_step_bytes as expected_bytes
     from meshlm.plan.estimate import Options, estimate
-    from meshlm.plan.spec import code_options, priced_on, shape_from_config, spec_from_config
+    from meshlm.plan.spec import (
+        code_options,
+        priced_on,
+        shape_from_config,
+        spec_from_config,
+    )
+    from meshlm.plan.volume import cp_step_bytes as expected_bytes
 
     base = {"model.preset": a.preset, "model.max_seq_len": a.seq_len, "data.seq_len": a.seq_len,
             "training.micro_batch": 1, "training.global_batch": 1, "training.precision": a.precision,

@@ -1,7 +1,7 @@
 """One rank's attention under all-gather context parallelism, on one device, next to the planner.
 
 An all-gather CP rank attends its S/cp zig-zag queries to the whole sequence's S keys
-(parallel/cp_allgather.py). Its rows are not contiguous, so even causal attention needs a mask over
+(parallel/dims/cp_allgather.py). Its rows are not contiguous, so even causal attention needs a mask over
 them: meshlm runs FlexAttention with a BlockMask over the rows (model.attn_impl = auto / flex) or hands
 SDPA a boolean [S/cp, S] mask (attn_impl = sdpa). This script times both kernels at the long-context
 shapes CP is for (no collective: the gather is priced apart, and one GPU has no peers), forward and
@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 from meshlm.model.args import PRESETS  # noqa: E402
 from meshlm.model.flex import flex_attend, flex_block_mask  # noqa: E402
-from meshlm.parallel.context_parallel import CPSplit  # noqa: E402
+from meshlm.parallel.dims.context_parallel import CPSplit  # noqa: E402
 from meshlm.plan import ops  # noqa: E402
 from meshlm.plan.spec import Shape  # noqa: E402
 

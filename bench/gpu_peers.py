@@ -85,8 +85,9 @@ def hf_model(preset: str, peer: str, device: torch.device):
 
 def measure_peer(preset: str, mb: int, a, peer: str) -> dict:
     """The `--child` side: train `peer` for warmup + steps steps, one row of the table."""
-    from meshlm.parallel.adamw import decays, fused_adamw_supported
-    from meshlm.train.metrics import device_peak
+    from meshlm.parallel.dims.grad_sync import decays
+    from meshlm.parallel.optim.adamw import fused_adamw_supported
+    from meshlm.train.observe.metrics import device_peak
     device = pick_device(a.device)
     torch.manual_seed(0)
     model = hf_model(preset, peer, device)

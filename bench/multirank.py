@@ -2,7 +2,7 @@
 workers on the one device (mesh.ranks_share_gpus: gloo through host memory, since NCCL refuses two ranks
 on one device), for dp2 ZeRO-3, tp2 + SP and pp2 (1F1B), each against one process on the same GPU:
 fp32 per-step losses within 1e-5 relative, bf16 within 1%. Then the preemption flag, which on CUDA is
-read one step late (train/preempt.py): rank 1 sends itself SIGTERM in step 3 of a dp2 run; the run
+read one step late (train/resilience/preempt.py): rank 1 sends itself SIGTERM in step 3 of a dp2 run; the run
 must exit 143 having saved the step it stopped at, 4 on CUDA and 3 on a CPU.
 On a CPU (`--device cpu`) the same runs are the suite's gloo paths: plumbing for the script.
 

@@ -3,7 +3,7 @@
     PYTHONPATH=src .venv/bin/python bench/muon_tp.py [--preset debug] [--tp 2] [--dp 1] [--zero 0]
 
 Trains one warm-up step on gloo workers, then wraps `newton_schulz` (the module attribute that
-parallel/muon.py calls) to record the shape of every call, and Muon's step to read what every `Comm`
+parallel/optim/muon.py calls) to record the shape of every call, and Muon's step to read what every `Comm`
 of the rank booked during it. Prints per rank: NS calls, NS FLOPs (counted from the recorded shapes:
 per quintic iteration 4·m²·n + 2·m³ for an m×n matrix, m ≤ n), and the bytes booked per collective
 kind, the tp exchange's buckets and the largest one's send + receive buffers (without ZeRO;

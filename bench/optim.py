@@ -56,7 +56,8 @@ class ListOptimizer:
     def __init__(self, named, cfg):
         import torch
 
-        from meshlm.parallel.adamw import decays, fused_adamw_supported
+        from meshlm.parallel.dims.grad_sync import decays
+        from meshlm.parallel.optim.adamw import fused_adamw_supported
         self.params = [p for _, p in named]
         self.masters = [p.detach().float() for p in self.params]
         self.fused = fused_adamw_supported("cpu")
@@ -86,7 +87,7 @@ def run_row(name: str, shapes, reps: int) -> dict:
     import torch
 
     from meshlm.config import OptimConfig
-    from meshlm.parallel.grad_sync import accumulate_into_view
+    from meshlm.parallel.dims.grad_sync import accumulate_into_view
     from meshlm.train.optim import MasterOptimizer
     cfg = OptimConfig()
     g = torch.Generator().manual_seed(1)

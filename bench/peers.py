@@ -31,8 +31,17 @@ import json
 import sys
 
 from spawn import join_gloo  # noqa: E402  (bench/spawn.py)
-from zero import (compare, make_cfg, measure, meshlm_runner, parser, plain_model, release_freed,  # noqa: E402
-                  run_variant, torch_step)
+from zero import (  # noqa: E402
+    compare,
+    make_cfg,
+    measure,
+    meshlm_runner,
+    parser,
+    plain_model,
+    release_freed,
+    run_variant,
+    torch_step,
+)
 
 # row: (dimension, meshlm's parallel.* settings)
 ROWS = {
@@ -59,8 +68,14 @@ def tp_peer(cfg, rank: int, world: int):
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, loss_parallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        loss_parallel,
+        parallelize_module,
+    )
 
     sp = cfg.parallel.sp
     model = torch_block_model(cfg)
@@ -154,13 +169,13 @@ def pp_peer(cfg, rank: int, world: int):
     import torch.distributed as dist
     from torch.distributed import pipelining
 
-    from meshlm.model.from_config import model_args
     from meshlm.model import Llama, materialize
+    from meshlm.model.from_config import model_args
     from meshlm.parallel import cross_entropy
-    from meshlm.parallel.llama_plan import LLAMA_PLAN
+    from meshlm.parallel.plans.llama import LLAMA_PLAN
     from meshlm.schedule.actions import stage_index
-    from meshlm.schedule.stage import stage_blocks
     from meshlm.schedule.schedules import V_SHAPED
+    from meshlm.schedule.stage import stage_blocks
 
     p, name = cfg.parallel, cfg.parallel.pp_schedule
     v, m = p.pp_virtual, cfg.training.global_batch // cfg.training.micro_batch

@@ -3,7 +3,7 @@
     .venv/bin/python bench/pp.py [--pp 4] [--microbatches 8] [--steps 3] [--rounds 3] [--schedules gpipe 1f1b ...]
 
 For each schedule this trains a few steps of an 8-block model on `pp` gloo workers (one thread each),
-times every step on rank 0, and gathers every step's measured timeline (parallel/pipeline/trace.py).
+times every step on rank 0, and gathers every step's measured timeline (parallel/dims/pipeline/trace.py).
 Schedules alternate over several rounds on the same workers; the table reports medians over all.
 It prints a markdown table (docs/benchmarks.md): median step time and its ratio to gpipe, next to
 the simulator's ratio twice: with the textbook costs (F=1, B=2, W=B/2) and with the per-action
@@ -33,11 +33,12 @@ def _worker(rank: int, world: int, port: int, tasks, out) -> None:
                       MASTER_PORT=str(port))
     import torch
     import torch.distributed as dist
+
     from meshlm import config as C
     from meshlm.distributed.mesh import init_context, pick_device
     from meshlm.layout import resolve
+    from meshlm.parallel.dims.pipeline.trace import gather_spans, measured_bubble
     from meshlm.schedule.replay import p2p_batches
-    from meshlm.parallel.pipeline.trace import gather_spans, measured_bubble
     from meshlm.train.trainer import Trainer
 
     torch.set_num_threads(1)

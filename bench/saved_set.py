@@ -30,12 +30,11 @@ import time
 import types
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-from spawn import join_gloo, spawn_gloo  # noqa: E402  (bench/spawn.py)
-
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from spawn import join_gloo, spawn_gloo  # noqa: E402  (bench/spawn.py)
 
-from meshlm.train.saved import saved_bytes  # noqa: E402
+from meshlm.train.observe.saved import saved_bytes  # noqa: E402
 
 AC_ORDER = ("none", "op", "selective", "full")
 
@@ -65,7 +64,7 @@ def make_legacy(model: torch.nn.Module) -> None:
 @contextlib.contextmanager
 def unfused_entry():
     """While building: every TP region keeps the entry hook (gather_seq under SP), as before issue 17."""
-    from meshlm.parallel.llama_plan import LlamaModelPlan
+    from meshlm.parallel.plans.llama import LlamaModelPlan
     fused = LlamaModelPlan.tp_regions
     LlamaModelPlan.tp_regions = lambda self, model: [dataclasses.replace(r, fused_entry=False)
                                                 for r in fused(self, model)]

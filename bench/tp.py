@@ -28,6 +28,7 @@ def start_trainer(rank: int, world: int, port: int, overrides: dict, steps: int)
     import time
 
     import torch
+
     from meshlm import config as C
     from meshlm.distributed.comm import reset_stats
     from meshlm.distributed.mesh import init_context, pick_device
@@ -53,9 +54,10 @@ def start_trainer(rank: int, world: int, port: int, overrides: dict, steps: int)
 
 def _worker(rank: int, world: int, port: int, overrides: dict, steps: int, out) -> None:
     import torch
+
     from meshlm.distributed.mesh import shutdown
-    from meshlm.parallel.moe_plan import model_plan_for
-    from meshlm.train.saved import block_saved_bytes
+    from meshlm.parallel.plans.moe import model_plan_for
+    from meshlm.train.observe.saved import block_saved_bytes
 
     try:
         cfg, layout, ctx, trainer, _ = start_trainer(rank, world, port, overrides, steps)

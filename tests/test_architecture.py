@@ -23,8 +23,8 @@ def test_importing_the_package_leaves_the_compiler_out():
     """torch._dynamo costs about as much as torch to import: a process that never builds an optimizer or
     compiles (`meshlm train --nproc`'s launcher, the planner's commands) must not pay it at import
     (model/ops.py eager_under_compile)."""
-    code = ("import sys, meshlm.cli, meshlm.train.trainer, meshlm.parallel.compose, meshlm.parallel.expert_parallel, "
-            "meshlm.parallel.context_parallel; print('torch._dynamo' in sys.modules)")
+    code = ("import sys, meshlm.cli, meshlm.train.trainer, meshlm.parallel.compose, meshlm.parallel.dims.expert_parallel, "
+            "meshlm.parallel.dims.context_parallel; print('torch._dynamo' in sys.modules)")
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]

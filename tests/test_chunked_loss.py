@@ -1,4 +1,4 @@
-"""training.loss_chunks (parallel/chunked_loss.py): the chunked head + cross-entropy equals the plain one
+"""training.loss_chunks (parallel/features/chunked_loss.py): the chunked head + cross-entropy equals the plain one
 (loss and gradients), never makes or saves a whole [tokens, vocab] tensor, and gives one process's
 losses under vocab-parallel TP (with SP too), a zero-bubble pipeline and ZeRO-3 with tied embeddings."""
 import json
@@ -7,13 +7,20 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import (
+    assert_same_losses,
+    make_config,
+    reference,
+    rows,
+    run_layout,
+    train_in,
+)
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness import assert_same_losses, make_config, reference, rows, run_layout, train_in
 from meshlm.config import ConfigError
 from meshlm.layout import resolve
-from meshlm.parallel.chunked_loss import _FNS, LossHead
+from meshlm.parallel.features.chunked_loss import _FNS, LossHead
 from meshlm.parallel.swap import swap_in
 
 N, D, ROWS, VOCAB = 61, 32, 512, 500  # 12 padded rows, as model.vocab_multiple makes them

@@ -10,14 +10,14 @@ import tempfile
 import pytest
 import torch
 import torch.nn.functional as F
-
 from harness import assert_layout_losses, make_config, rows, run_layout, run_local
 from test_tp import comm_task
+
 from meshlm import config as C
 from meshlm.config import ConfigError
 from meshlm.layout import resolve
 from meshlm.model.from_config import model_args
-from meshlm.parallel.context_parallel import CPSplit, PlainKernel, RingCounter
+from meshlm.parallel.dims.context_parallel import CPSplit, PlainKernel, RingCounter
 from meshlm.plan.volume import cp_step_bytes as expected_bytes
 
 FP32 = 1e-5
@@ -35,8 +35,12 @@ def _context(cfg):
 def attention_task(impl: str, heads: int, kv_heads: int, seq: int, seed: int):
     """This rank's output and q/k/v gradients of the CP core vs full causal SDPA, and the work count."""
     from meshlm.model.llama import AttentionCore
-    from meshlm.parallel.context_parallel import RingAttentionCore, UlyssesAttentionCore, cp_split
-    from meshlm.parallel.cp_allgather import AllGatherAttentionCore, CausalRows
+    from meshlm.parallel.dims.context_parallel import (
+        RingAttentionCore,
+        UlyssesAttentionCore,
+        cp_split,
+    )
+    from meshlm.parallel.dims.cp_allgather import AllGatherAttentionCore, CausalRows
     world = int(os.environ["WORLD_SIZE"])
     impl, flex = impl.split("-")[0], impl.endswith("-flex")  # allgather-flex: its causal rows a BlockMask
     _, ctx = _context(make_config(parallel__cp=world, parallel__cp_impl=impl, data__seq_len=seq))

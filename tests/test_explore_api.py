@@ -10,14 +10,15 @@ import urllib.request
 
 import pytest
 import torch
+from plan_rows import emitted_rows
 
-from meshlm import cards, config as C
+from meshlm import cards
+from meshlm import config as C
 from meshlm.cli import main
+from meshlm.distributed.mesh import pick_device
 from meshlm.explore.api import LAYOUT_INPUTS
 from meshlm.explore.server import make_server, url_of
-from meshlm.distributed.mesh import pick_device
-from meshlm.train.metrics import PEAK_COMMENT, MetricsLog, device_peak
-from plan_rows import emitted_rows
+from meshlm.train.observe.metrics import PEAK_COMMENT, MetricsLog, device_peak
 
 TINY = ["--model.preset", "debug", "--data.seq_len", "32", "--training.global_batch", "4", "--training.micro_batch",
         "2", "--training.steps", "6", "--training.eval_every", "3", "--training.eval_batches", "1",

@@ -1,4 +1,4 @@
-"""Surviving failures (train/fault.py): a worker SIGKILLed mid-run under `--max-restarts` and one killed
+"""Surviving failures (train/resilience/fault.py): a worker SIGKILLed mid-run under `--max-restarts` and one killed
 while a checkpoint is half written both end in exit 0 with the uninterrupted run's losses; a NaN
 loss stops bf16 with one line and leaves the last good checkpoint newest; checkpoint.every = "auto"
 picks the Young/Daly interval from the measured save time."""
@@ -11,9 +11,9 @@ import sys
 import time
 
 import pytest
-
 from fault_plugin import plugin_env
 from harness import TINY, make_config, run_layout, run_local
+
 from meshlm.cli import main
 
 
@@ -132,9 +132,10 @@ def test_nan_loss_stops_bf16_with_one_line(tmp_path, monkeypatch, capsys):
 
 def test_fp16_keeps_skipping_instead(tmp_path, monkeypatch):
     """fp16: a non-finite gradient norm is the loss scaler's business (skipped step), not a stop."""
-    from meshlm.train.fault import FiniteGuard
     import torch
+
     from meshlm.distributed.mesh import init_context, pick_device
+    from meshlm.train.resilience.fault import FiniteGuard
     ctx = init_context({"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1}, pick_device("cpu"))
     for precision, stops in (("fp16", False), ("bf16", True), ("fp32", True)):
         g = FiniteGuard(precision, torch.device("cpu"), ctx.comm("world"), str(tmp_path))

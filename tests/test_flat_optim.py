@@ -4,9 +4,8 @@ import torch
 from torch import nn
 
 from meshlm.config import OptimConfig
-from meshlm.parallel.adamw import decays
-from meshlm.parallel.data_parallel import GradBuckets
-from meshlm.parallel.grad_sync import Reduction, flat_groups
+from meshlm.parallel.dims.data_parallel import GradBuckets
+from meshlm.parallel.dims.grad_sync import Reduction, decays, flat_groups
 from meshlm.train.optim import MasterOptimizer
 
 SHAPES = [("emb", (16, 8)), ("norm", (8,)), ("experts", (4, 6, 8)), ("bias", (6,)), ("head", (16, 8))]
@@ -88,7 +87,7 @@ def test_zero_unit_steps_runs_of_equal_decay():
     alignment padding between them; the padding is what the gradient buffer zeroes (`gaps`)."""
     from types import SimpleNamespace
 
-    from meshlm.parallel.zero.units import Unit
+    from meshlm.parallel.dims.zero.units import Unit
     ps = [nn.Parameter(torch.zeros(s)) for s in [(3,), (5, 4), (6, 4), (3,), (7,)]]  # fp32: 4-element align
     one_rank = Reduction(SimpleNamespace(size=1, rank=0, name="x"), ())
     u = Unit("u", ps, [f"p{i}" for i in range(5)], None, None, one_rank)

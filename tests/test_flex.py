@@ -69,7 +69,8 @@ def test_block_mask_from_bounds_equals_torchs_and_the_planners_count(seq, cp, do
     spans two zig-zag chunks); and the blocks kept over every CP rank are the planner's
     ops.causal_blocks, so flex is priced for the work it does."""
     from torch.nn.attention.flex_attention import create_block_mask
-    from meshlm.parallel.context_parallel import CPSplit
+
+    from meshlm.parallel.dims.context_parallel import CPSplit
     from meshlm.plan.ops import causal_blocks
     docs = (torch.arange(seq) // doc)[None].expand(2, seq).contiguous() if doc else None
     kept = 0
@@ -96,7 +97,8 @@ def test_block_mask_never_builds_the_full_mask(monkeypatch):
     block bounds only: torch's full-mask path is never called, and its index tensors hold one entry
     per 128x128 block (16,384x fewer than rows x keys) at either of two sizes 10x apart."""
     import torch.nn.attention.flex_attention as fa
-    from meshlm.parallel.context_parallel import CPSplit
+
+    from meshlm.parallel.dims.context_parallel import CPSplit
 
     def refuse(*a, **k):
         raise AssertionError("the full mask was built")

@@ -1,4 +1,4 @@
-"""fp8 training (training.precision = "fp8", parallel/float8.py) on the CPU through torchao's emulation:
+"""fp8 training (training.precision = "fp8", parallel/features/float8.py) on the CPU through torchao's emulation:
 which linears convert, losses near bf16 in one process and in layouts, checkpoints interchangeable with
 bf16 runs, and the one-line refusals."""
 import shutil
@@ -7,8 +7,16 @@ import tempfile
 
 import pytest
 import torch
+from harness import (
+    make_config,
+    read_metrics,
+    reference,
+    run_local,
+    sources_corpus,
+    train_case,
+    twin,
+)
 
-from harness import make_config, read_metrics, reference, run_local, sources_corpus, train_case, twin
 from meshlm import config as C
 from meshlm.layout import resolve
 
@@ -63,8 +71,8 @@ def test_block_linears_convert_and_state_dict_keys_stay():
     from meshlm.layout import model_args
     from meshlm.model import build_model
     from meshlm.model.init import materialize
-    from meshlm.parallel.float8 import convert_to_float8
-    from meshlm.parallel.moe_plan import model_plan_for
+    from meshlm.parallel.features.float8 import convert_to_float8
+    from meshlm.parallel.plans.moe import model_plan_for
 
     model = build_model(model_args(make_config()))
     materialize(model, 0, "cpu", torch.bfloat16)

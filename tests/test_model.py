@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from meshlm.model import PRESETS, Llama, ModelArgs, init_tensor, materialize
-from meshlm.parallel.activation_checkpoint import apply_ac
-from meshlm.parallel.llama_plan import LLAMA_PLAN
+from meshlm.parallel.features.activation_checkpoint import apply_ac
+from meshlm.parallel.plans.llama import LLAMA_PLAN
 
 DEBUG = PRESETS["debug"]
 

@@ -1,4 +1,4 @@
-"""Muon (parallel/muon.py): Newton-Schulz against a plain reference, the update against a hand-written
+"""Muon (parallel/optim/muon.py): Newton-Schulz against a plain reference, the update against a hand-written
 Muon step, which parameters the model plan gives it, and every layout built so far reproducing one
 process's losses (fp32 <= 1e-5); checkpoints carry the momentum and reshard."""
 from __future__ import annotations
@@ -10,15 +10,29 @@ import tempfile
 
 import pytest
 import torch
+from harness import (
+    assert_layout_losses,
+    assert_same_losses,
+    make_config,
+    reference,
+    rows,
+    run_layout,
+    train_case,
+    train_in,
+)
 
-from harness import (assert_layout_losses, assert_same_losses, make_config, reference, rows, run_layout, train_case,
-                     train_in)
 from meshlm import config as C
 from meshlm.model.from_config import model_args
 from meshlm.model.llama import Llama
-from meshlm.parallel.moe_plan import model_plan_for
-from meshlm.parallel.muon import NS_COEFFS, MuonAdamW, deal, newton_schulz, ns_flops
+from meshlm.parallel.optim.muon import (
+    NS_COEFFS,
+    MuonAdamW,
+    deal,
+    newton_schulz,
+    ns_flops,
+)
 from meshlm.parallel.placement import PlacementTable
+from meshlm.parallel.plans.moe import model_plan_for
 from meshlm.train.optim import MasterOptimizer
 
 FP32 = 1e-5
@@ -307,7 +321,8 @@ def test_tp_split_matrix_is_orthogonalised_on_one_rank(pools, name, world, overr
     """Each TP-split matrix runs Newton-Schulz on exactly one rank of the world per step (one tp group
     at tp2; under ZeRO one rank of the shard group times tp); the ranks' NS FLOPs differ by at most
     one matrix's, and the busiest rank's equal the planner's `ns_share`."""
-    from meshlm.plan.muon import ns_flops as planned_flops, ns_share
+    from meshlm.plan.muon import ns_flops as planned_flops
+    from meshlm.plan.muon import ns_share
     from meshlm.plan.spec import shape_from_config, spec_from_config
 
     cfg = make_config(**MUON, **overrides, training__steps=2)

@@ -1,12 +1,12 @@
-"""One optimizer interface (parallel/adamw.py `Optimizer`) for the three AdamW wrappers the layouts build."""
+"""One optimizer interface (parallel/optim/adamw.py `Optimizer`) for the three AdamW wrappers the layouts build."""
 import inspect
 
 import pytest
 
-from meshlm.parallel.adamw import Optimizer
-from meshlm.parallel.muon import MuonAdamW
-from meshlm.parallel.zero.nvme import NvmeOptimizer
-from meshlm.parallel.zero.optim import ZeroOptimizer
+from meshlm.parallel.optim.adamw import Optimizer
+from meshlm.parallel.optim.muon import MuonAdamW
+from meshlm.parallel.optim.nvme import NvmeOptimizer
+from meshlm.parallel.optim.zero_adamw import ZeroOptimizer
 from meshlm.train.optim import MasterOptimizer
 
 MEMBERS = [n for n, v in vars(Optimizer).items() if callable(v) and not n.startswith("_")]

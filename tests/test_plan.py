@@ -108,7 +108,8 @@ def test_parameter_split_over_stages_and_tp():
 
 
 def test_pipeline_formulas_match_the_simulator():
-    from meshlm.schedule import build_schedule as build, simulate
+    from meshlm.schedule import build_schedule as build
+    from meshlm.schedule import simulate
     for name, p, m, v in [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 8, 32, 1), ("interleaved", 4, 8, 2),
                           ("interleaved", 4, 8, 3), ("zb-h1", 4, 8, 1), ("zb-h1", 6, 3, 1), ("1f1b", 6, 3, 1)]:
         for f, b, w in ((1.0, 2.0, 1.0), (1.2, 2.5, 1.1)):
@@ -369,15 +370,15 @@ def _measure_block(torch, ac, dtype, b, s, d, h, kv, ffn, math):
     parameters and the RoPE tables (model-wide, not per block)."""
     from meshlm.model.args import ModelArgs
     from meshlm.model.llama import Llama
-    from meshlm.parallel.activation_checkpoint import apply_ac
-    from meshlm.parallel.llama_plan import LLAMA_PLAN
+    from meshlm.parallel.features.activation_checkpoint import apply_ac
+    from meshlm.parallel.plans.llama import LLAMA_PLAN
     args = ModelArgs(dim=d, n_layers=1, n_heads=h, n_kv_heads=kv, ffn_dim=ffn, vocab_size=64, max_seq_len=s)
     torch.manual_seed(0)
     model = Llama(args).to(dtype)
     apply_ac(model, ac, LLAMA_PLAN)
     cos, sin = model.rope(s, torch.device("cpu"))
     cos, sin = cos[:s], sin[:s]
-    from meshlm.train.saved import saved_bytes
+    from meshlm.train.observe.saved import saved_bytes
     x = torch.randn(b, s, d, dtype=dtype, requires_grad=True)
     out = []
     ctx = torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]) if math else _null()
@@ -432,9 +433,9 @@ def test_whole_model_activations_match_saved_tensors(precision):
 
     from meshlm.model.args import ModelArgs
     from meshlm.model.llama import Llama
-    from meshlm.parallel.activation_checkpoint import apply_ac
-    from meshlm.parallel.llama_plan import LLAMA_PLAN
-    from meshlm.train.saved import saved_bytes
+    from meshlm.parallel.features.activation_checkpoint import apply_ac
+    from meshlm.parallel.plans.llama import LLAMA_PLAN
+    from meshlm.train.observe.saved import saved_bytes
     b, s = 2, 64
     args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=300, max_seq_len=s)
     for ac in ("none", "selective", "full"):
@@ -453,7 +454,7 @@ def test_whole_model_activations_match_saved_tensors(precision):
 @pytest.mark.parametrize("bucket_mb", [25.0, 8192.0])
 def test_last_gradient_bucket_stays_exposed(bucket_mb):
     """DP reduces one bucket per call and the last bucket fills only when the backward ends
-    (parallel/data_parallel.py), so at least one call of the all-reduce is exposed even when the
+    (parallel/dims/data_parallel.py), so at least one call of the all-reduce is exposed even when the
     backward is long enough to hide the rest; gradients that fit one bucket are exposed whole."""
     from meshlm.plan.spec import Spec
     sh = _shape("llama3-1b")

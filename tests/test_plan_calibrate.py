@@ -7,8 +7,8 @@ import json
 import os
 
 import pytest
-
 from harness import make_config, train_in
+
 from meshlm import config as C
 from meshlm.cli import main
 from meshlm.plan import calibrate as K
@@ -255,8 +255,8 @@ def test_functions_that_block_in_a_collective_are_comm():
     import re
     src = os.path.join(os.path.dirname(K.__file__), "..")
     names = set()
-    for f in ("distributed/functional.py", "parallel/vocab_parallel.py", "parallel/context_parallel.py",
-              "parallel/zero/sync.py"):
+    for f in ("distributed/functional.py", "parallel/dims/vocab_parallel.py", "parallel/dims/context_parallel.py",
+              "parallel/dims/zero/sync.py"):
         with open(os.path.join(src, f)) as fh:
             names |= set(re.findall(r"^class (\w+)\((?:torch\.autograd\.)?Function\)", fh.read(), re.M))
     assert len(names) >= 10 and names == set(K.COLLECTIVE_FUNCTIONS)

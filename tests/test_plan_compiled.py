@@ -18,8 +18,8 @@ def _compiled_block_bytes(torch, ac, dtype, b, s, d, h, kv, ffn) -> int:
     """Bytes a compiled block 0 saves for backward: distinct storages, without parameters, RoPE tables
     and the CPU generator state that checkpointing keeps (uint8, a fixed 5 KB per region)."""
     from meshlm.model.llama import Llama
-    from meshlm.parallel.activation_checkpoint import apply_ac
-    from meshlm.parallel.llama_plan import LLAMA_PLAN
+    from meshlm.parallel.features.activation_checkpoint import apply_ac
+    from meshlm.parallel.plans.llama import LLAMA_PLAN
     args = ModelArgs(dim=d, n_layers=1, n_heads=h, n_kv_heads=kv, ffn_dim=ffn, vocab_size=64, max_seq_len=s)
     torch.manual_seed(0)
     model = Llama(args).to(dtype)
@@ -27,7 +27,7 @@ def _compiled_block_bytes(torch, ac, dtype, b, s, d, h, kv, ffn) -> int:
     block = torch.compile(model.layers["0"], dynamic=False)
     cos, sin = model.rope(s, torch.device("cpu"))
     cos, sin = cos[:s], sin[:s]
-    from meshlm.train.saved import saved_bytes
+    from meshlm.train.observe.saved import saved_bytes
     x = torch.randn(b, s, d, dtype=dtype, requires_grad=True)
     block(x, cos, sin)  # compile outside the measurement
     out = []

@@ -1,12 +1,17 @@
 """Issue 6 item 6: the planner's per-rank params/grads/optimizer bytes equal what the trainer measures
 from live tensors (metrics.jsonl `mem`, rank 0) within 2%, for every layout that can run here."""
 import pytest
-
 from harness import make_config, run_layout, run_local
+
 from meshlm import config as C
 from meshlm.plan.estimate import Options, estimate
 from meshlm.plan.memory import stage_memory
-from meshlm.plan.spec import code_options, priced_on, shape_from_config, spec_from_config
+from meshlm.plan.spec import (
+    code_options,
+    priced_on,
+    shape_from_config,
+    spec_from_config,
+)
 
 CASES = [
     ("one-process-fp32", 1, {}),
@@ -63,8 +68,8 @@ def test_planner_tp_traffic_matches_runtime_count(sp, ac):
     """The planner's TP collectives per step equal the runtime's count and bytes (verified byte for byte
     against Comm's books in test_tp), every kind."""
     from meshlm.model.from_config import model_args
-    from meshlm.plan.volume import tp_step_bytes as expected_bytes
     from meshlm.plan.comm import collectives
+    from meshlm.plan.volume import tp_step_bytes as expected_bytes
 
     cfg = make_config(parallel__tp=2, parallel__sp=sp, training__ac=ac, data__seq_len=32)
     shape, spec = shape_from_config(cfg), spec_from_config(cfg, 2)
@@ -102,10 +107,10 @@ def activation_task(cfg_dict: dict) -> int:
     from meshlm import config as C
     from meshlm.distributed.mesh import init_context, pick_device
     from meshlm.layout import resolve
-    from meshlm.model.from_config import model_args
     from meshlm.model import Llama
+    from meshlm.model.from_config import model_args
     from meshlm.parallel import parallelize
-    from meshlm.train.saved import saved_bytes
+    from meshlm.train.observe.saved import saved_bytes
     from meshlm.train.optim import MasterOptimizer
     cfg = C.from_dict(cfg_dict)
     layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")))
@@ -155,8 +160,8 @@ def test_planner_cp_traffic_matches_runtime_count(impl, ac, kv):
     """The planner's CP bytes per step equal the runtime's formula (checked against Comm's books in
     test_cp.test_cp_bytes_match_theory), for cp = 4."""
     from meshlm.model.from_config import model_args
-    from meshlm.plan.volume import cp_step_bytes as expected_bytes
     from meshlm.plan.comm import collectives
+    from meshlm.plan.volume import cp_step_bytes as expected_bytes
 
     cfg = make_config(parallel__cp=4, parallel__cp_impl=impl, training__ac=ac, model__n_kv_heads=kv)
     shape, spec = shape_from_config(cfg), spec_from_config(cfg, 4)

@@ -5,13 +5,13 @@ import os
 import tempfile
 
 import pytest
-
 from harness import make_config, read_metrics, run_layout, run_local
+
 from meshlm import config as C
 from meshlm.layout import resolve
+from meshlm.parallel.dims.pipeline.trace import load_timeline
 from meshlm.schedule import build_schedule, p2p_batches
 from meshlm.schedule.stage import StageCosts, estimate_costs, partition
-from meshlm.parallel.pipeline.trace import load_timeline
 
 
 # -- partitioning -------------------------------------------------------------------------------------
@@ -73,10 +73,11 @@ def test_split_backward_matches_plain_backward(split):
     import dataclasses
 
     import torch
+
     from meshlm.model import PRESETS, Llama
-    from meshlm.parallel.pipeline.backward import input_backward
-    from meshlm.parallel.llama_plan import LLAMA_PLAN
-    from meshlm.parallel.pipeline.runtime import Stage
+    from meshlm.parallel.dims.pipeline.backward import input_backward
+    from meshlm.parallel.dims.pipeline.runtime import Stage
+    from meshlm.parallel.plans.llama import LLAMA_PLAN
 
     torch.manual_seed(0)
     model = Llama(dataclasses.replace(PRESETS["debug"], n_layers=3))

@@ -1,4 +1,4 @@
-"""Saving on preemption (train/preempt.py): a signal of checkpoint.on_signal that reaches one rank stops
+"""Saving on preemption (train/resilience/preempt.py): a signal of checkpoint.on_signal that reaches one rank stops
 every rank at the same step boundary with a checkpoint of that step and one line naming the signal
 and the step; the resume from it gives the uninterrupted run's losses. A real `meshlm train --nproc 2`
 whose worker gets SIGTERM exits 128 + 15 and says so."""
@@ -6,11 +6,11 @@ import os
 import signal
 
 import pytest
-
 from harness import make_config, rows, train_hooked, train_in
-from meshlm.train.checkpoint import list_checkpoints
-from meshlm.train.preempt import PREEMPTED_BASE, Preemption, exit_status
 from test_fault import assert_same_as, launch_until_logging, lines, workers
+
+from meshlm.train.checkpoint import list_checkpoints
+from meshlm.train.resilience.preempt import PREEMPTED_BASE, Preemption, exit_status
 
 CASE = {"training__steps": 6, "checkpoint__resume": "auto"}
 LAYOUTS = [("dp2", 2, {"parallel__dp": 2}), ("tp2xpp2", 4, {"parallel__tp": 2, "parallel__pp": 2})]

@@ -42,7 +42,7 @@ def test_a_short_run_prints_a_python_line_after_def(tmp_path, capsys):
 def test_the_progress_bar_starts_no_thread(tmp_path):
     import threading
 
-    from meshlm.train.metrics import MetricsLog
+    from meshlm.train.observe.metrics import MetricsLog
     before = set(threading.enumerate())
     log = MetricsLog(str(tmp_path), True, 3, 0, progress=True)
     log.write({"step": 1, "loss": 1.0, "tokens_per_s": 1.0, "mfu": 0.1})

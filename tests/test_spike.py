@@ -1,4 +1,4 @@
-"""Loss spikes (train/spike.py): a corrupt global batch (random tokens, injected by data position) is
+"""Loss spikes (train/resilience/spike.py): a corrupt global batch (random tokens, injected by data position) is
 judged a spike at the same step in one process and in dp2 / tp2 layouts; `skip` drops its update,
 `rollback` reloads the checkpoint before it and skips the global batches since; every later loss is
 the same in every layout."""
@@ -6,7 +6,6 @@ import json
 import os
 
 import pytest
-
 from harness import make_config, sources_corpus, train_hooked
 
 CORRUPT = 9  # data position 9: the batch step 10 reads

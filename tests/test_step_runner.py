@@ -7,10 +7,10 @@ import tempfile
 
 import pytest
 import torch
-
 from harness import make_config
+
 from meshlm.data.sampler import Batch
-from meshlm.parallel.pipeline.runtime import PipelineRuntime
+from meshlm.parallel.dims.pipeline.runtime import PipelineRuntime
 from meshlm.parallel.step import Accumulation, StepRunner
 
 MEMBERS = [n for n, v in vars(StepRunner).items() if callable(v) and not n.startswith("_")]

@@ -1,6 +1,7 @@
-"""Stragglers (train/straggler.py): a rank slowed inside every step is named in metrics.jsonl with its
+"""Stragglers (train/observe/straggler.py): a rank slowed inside every step is named in metrics.jsonl with its
 step split, and the launcher's summary and the runs dashboard say so; the fast rank never is."""
 from harness import make_config, train_hooked
+
 from meshlm.train.launch import incidents
 
 
@@ -18,6 +19,7 @@ def test_slow_rank_is_named(pools, tmp_path):
     assert all(r["time_split"]["comm_s"] >= 0.4 for r in steps[2:])  # rank 0 waits for it in collectives
     out = incidents(run)
     assert len(out) == 1 and out[0].startswith("meshlm: straggler: rank 1 from step"), out
-    from meshlm.explore.runs import read_run
     import os
+
+    from meshlm.explore.runs import read_run
     assert read_run(os.path.dirname(run), "run")["incidents"] == [out[0].removeprefix("meshlm: ")]

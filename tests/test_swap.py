@@ -9,9 +9,13 @@ from torch import nn
 
 from meshlm.model import PRESETS, build_model
 from meshlm.model.moe import MoE
-from meshlm.parallel.expert_parallel import ParallelMoE, parallel_moe
+from meshlm.parallel.dims.expert_parallel import ParallelMoE, parallel_moe
+from meshlm.parallel.dims.tensor_parallel import (
+    ReplicatedKVLinear,
+    SumGradLinear,
+    sum_gain_grad,
+)
 from meshlm.parallel.swap import swap_in
-from meshlm.parallel.tensor_parallel import ReplicatedKVLinear, SumGradLinear, sum_gain_grad
 
 
 def test_swaps_keep_names_parameters_and_hooks():

@@ -6,9 +6,18 @@ import tempfile
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import (
+    assert_half_losses,
+    assert_same_losses,
+    make_config,
+    read_metrics,
+    reference,
+    rows,
+    run_layout,
+    run_local,
+    train_case,
+)
 
-from harness import (assert_half_losses, assert_same_losses, make_config, read_metrics, reference, rows, run_layout,
-                     run_local, train_case)
 from meshlm import config as C
 from meshlm.config import ConfigError
 from meshlm.layout import resolve
@@ -28,8 +37,8 @@ def _context(cfg):
 def loss_task(vocab: int, n: int, seed: int):
     """Vocab-parallel CE on this rank's slice vs F.cross_entropy on the full logits."""
     from meshlm.model.args import padded_vocab
+    from meshlm.parallel.dims.vocab_parallel import VocabParallelLoss
     from meshlm.parallel.placement import DimSplit
-    from meshlm.parallel.vocab_parallel import VocabParallelLoss
     _, ctx = _context(make_config(parallel__tp=int(os.environ["WORLD_SIZE"])))
     comm = ctx.comm("tp")
     g = torch.Generator().manual_seed(seed)
@@ -65,8 +74,8 @@ def activation_task(cfg_dict: dict, report_compiled: bool = False):
     """Saved-activation bytes of block 0 by part, forward only (and whether block 0 is compiled)."""
     from meshlm.model import Llama
     from meshlm.parallel import parallelize
-    from meshlm.parallel.moe_plan import model_plan_for
-    from meshlm.train.saved import block_saved_bytes
+    from meshlm.parallel.plans.moe import model_plan_for
+    from meshlm.train.observe.saved import block_saved_bytes
     from meshlm.train.optim import MasterOptimizer
     cfg = C.from_dict(cfg_dict)
     layout, ctx = _context(cfg)

@@ -12,8 +12,8 @@ from datetime import timedelta
 
 import pytest
 import torch
-
 from harness import assert_same_losses, make_config, read_metrics, run_local
+
 from meshlm import config as C
 
 
@@ -94,8 +94,8 @@ def ddp_case(bucket_mb: float) -> float:
 
     from meshlm.distributed.comm import Comm
     from meshlm.model import PRESETS, Llama, materialize
-    from meshlm.parallel.data_parallel import GradBuckets
-    from meshlm.parallel.grad_sync import Reduction
+    from meshlm.parallel.dims.data_parallel import GradBuckets
+    from meshlm.parallel.dims.grad_sync import Reduction
 
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -139,7 +139,7 @@ def hang_case() -> str:
     """Rank 1 stops answering at step 3; rank 0's all-reduce must fail naming rank 1 and the collective."""
     import torch.distributed as dist
 
-    from meshlm.distributed.comm import Comm, CollectiveError, Watchdog
+    from meshlm.distributed.comm import CollectiveError, Comm, Watchdog
 
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(range(world)), timeout=timedelta(seconds=3))

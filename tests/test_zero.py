@@ -183,7 +183,7 @@ def _saved_bytes_after_forward(zero: int) -> tuple[int, object]:
     tr = Trainer(cfg, tempfile.mkdtemp(prefix="meshlm-saved-"), init_context(layout.shape(), pick_device("cpu")),
                  layout)
     x, y, _ = tr.data.next_batch(0, 1)
-    from meshlm.train.saved import saved_bytes
+    from meshlm.train.observe.saved import saved_bytes
     out = []
     saved = saved_bytes(lambda: out.append(tr.par.runner.loss(x[:2], y[:2])))
     out[0].backward()

@@ -1,5 +1,5 @@
 """The GPUs meshlm knows by name: each family's datasheet peak and which card a CUDA device name is.
-The trainer's MFU (train/metrics.py) and the planner's profiles (plan/hardware.py) both read this
+The trainer's MFU (train/observe/metrics.py) and the planner's profiles (plan/hardware.py) both read this
 table, so the two cannot disagree about a card. Pure Python, at the bottom of the layers.
 """
 from __future__ import annotations

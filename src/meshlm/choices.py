@@ -65,7 +65,7 @@ def choose(value, allowed, key: str, error: type[Exception] = ValueError):
 
 def param_dtype(precision: str) -> str:
     """The dtype parameters and activations are held in: fp8 training is bf16 with its block linears'
-    matmuls in float8 (parallel/float8.py)."""
+    matmuls in float8 (parallel/features/float8.py)."""
     return "bf16" if precision == "fp8" else precision
 
 

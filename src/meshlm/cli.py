@@ -17,7 +17,14 @@ def cmd_train(args, extra: list[str]) -> int:
     from .layout import device_defaults
     from .model.from_config import check_init_weights, pin_model_shape
     from .plan.auto import resolve
-    from .train.launch import incidents, preempted, record_error, spawn, under_launcher, worker_errors
+    from .train.launch import (
+        incidents,
+        preempted,
+        record_error,
+        spawn,
+        under_launcher,
+        worker_errors,
+    )
 
     try:
         pairs, rest = C.parse_overrides(extra)
@@ -39,7 +46,7 @@ def cmd_train(args, extra: list[str]) -> int:
         in_process = worker or not (world > 1 or args.max_restarts)  # this process trains: its layout is final
         if in_process:
             from .distributed.mesh import join_world, pick_device
-            from .train.metrics import device_profile
+            from .train.observe.metrics import device_profile
             device = pick_device(cfg.training.device)
             gpu = device_profile(device)  # auto / replan choose for the device that trains
             if worker:  # the world group forms and agrees on the job's restart count before the layout
@@ -47,9 +54,9 @@ def cmd_train(args, extra: list[str]) -> int:
         layout = resolve(cfg, world, gpu, restarts=restarts or 0)
         check_init_weights(cfg)
         cfg.data.check_files()
-        from .train.wandb_sink import check as check_wandb
+        from .train.observe.wandb_sink import check as check_wandb
         check_wandb(cfg)
-        from .parallel.zero.nvme import preflight as offload_preflight
+        from .parallel.optim.nvme import preflight as offload_preflight
         offload_preflight(cfg, layout, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if worker else world)
         run_dir = args.run_dir or os.path.join("runs", f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
         from .train.checkpoint import check_room, preflight
@@ -94,8 +101,10 @@ def cmd_train(args, extra: list[str]) -> int:
         if worker:
             record_error(run_dir, int(os.environ.get("RANK", "0")), f"meshlm: {line}")
         return _fail(line, 1)
-    if "preempted" in last:  # saved and stopped on checkpoint.on_signal; rank 0 said so (train/preempt.py)
-        from .train.preempt import exit_status  # meshlm's launcher gives the status (its torchrun would restart)
+    if "preempted" in last:  # saved and stopped on checkpoint.on_signal; rank 0 said so (train/resilience/preempt.py)
+        from .train.resilience.preempt import (
+            exit_status,  # meshlm's launcher gives the status (its torchrun would restart)
+        )
         return 0 if args.worker else exit_status(last["preempted"]["signal"])
     if last and int(os.environ.get("RANK", "0")) == 0:
         print(f"meshlm: done, step {last.get('step')} loss {last.get('loss', float('nan')):.4f}; "
@@ -149,7 +158,7 @@ def cmd_prepare(args, extra: list[str]) -> int:
 
 
 def cmd_report(args, extra: list[str]) -> int:
-    from .train.report import write_report
+    from .train.observe.report import write_report
     if extra:
         return _fail(f"unrecognised argument: {extra[0]}")
     try:

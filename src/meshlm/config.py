@@ -13,9 +13,23 @@ import sys
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
-from .choices import (AC_MODES, CATCHABLE_SIGNALS, CP_IMPLS, ELASTIC, EXPORT_DTYPES, FP8_RECIPES, OFFLOAD,
-                      ON_ERROR, PP_SCHEDULES, PRECISIONS, REDUCE_DTYPES, SPIKE_ACTIONS, ZERO_STAGES, choose)
-from .choices import OPTIMIZERS
+from .choices import (
+    AC_MODES,
+    CATCHABLE_SIGNALS,
+    CP_IMPLS,
+    ELASTIC,
+    EXPORT_DTYPES,
+    FP8_RECIPES,
+    OFFLOAD,
+    ON_ERROR,
+    OPTIMIZERS,
+    PP_SCHEDULES,
+    PRECISIONS,
+    REDUCE_DTYPES,
+    SPIKE_ACTIONS,
+    ZERO_STAGES,
+    choose,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -193,7 +207,7 @@ class TrainingConfig:
     eval_batches: int = 4
     device: str = "auto"  # auto, cpu, cuda
     peak_tflops: float = 0.0  # peak per device behind MFU; 0: datasheet (GPU) or measured (CPU)
-    spike_zscore: float = 0.0  # > 0: a loss / grad norm this many σ above the window is a spike (train/spike.py)
+    spike_zscore: float = 0.0  # > 0: a loss / grad norm this many σ above the window is a spike (train/resilience/spike.py)
     spike_window: int = 100  # steps the spike statistics look back over
     spike_action: str = "skip"  # skip (drop the update) or rollback (newest checkpoint before it)
     loss_chunks: int = 0  # > 0: output head + loss over this many token chunks, logits never whole
@@ -289,7 +303,7 @@ class MetricsConfig:
     straggler_factor: float = 1.5  # a rank this many times slower than the median step is a straggler
     straggler_steps: int = 3  # consecutive logged steps before it is named (0: off)
     profile_step: int = 0  # N > 0: rank 0 profiles step N into RUN_DIR/profile.json (--calibrate reads it)
-    wandb: bool = False  # also log to Weights & Biases (train/wandb_sink.py; WANDB_MODE=offline works)
+    wandb: bool = False  # also log to Weights & Biases (train/observe/wandb_sink.py; WANDB_MODE=offline works)
     wandb_project: str = "meshlm"
     wandb_run: str = ""  # run name; empty: the run directory's name
     wandb_entity: str = ""  # team or user; empty: wandb's default

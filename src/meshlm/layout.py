@@ -147,7 +147,7 @@ def resolve(cfg: Config, world_size: int) -> Layout:
 
 
 def check_fp8(cfg: Config, args: ModelArgs) -> None:
-    """training.precision = "fp8" (parallel/float8.py) against the install, the model, the layout and the
+    """training.precision = "fp8" (parallel/features/float8.py) against the install, the model, the layout and the
     device; torch is imported only to ask the GPU its compute capability."""
     t = cfg.training
     if t.precision != "fp8":

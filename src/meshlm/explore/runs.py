@@ -13,6 +13,7 @@ import os
 from .. import config as C
 from .api import NAME, BadRequest, NotFound, is_run, run_path, timeline_json
 
+
 def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
     """(step records, eval records). A line being written while we read is skipped, not an error."""
     steps, evals = [], []
@@ -103,7 +104,7 @@ def read_run(root: str, name) -> dict:
            "prediction": predict(path) if config_text else {"error": "no config.toml"}, "pipeline": None}
     trace = os.path.join(path, "pipeline_trace.json")
     if os.path.isfile(trace):
-        from ..parallel.pipeline.trace import load_timeline
+        from ..parallel.dims.pipeline.trace import load_timeline
         try:
             tl, _ = load_timeline(trace)
             out["pipeline"] = timeline_json(tl, "measured")

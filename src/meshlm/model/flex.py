@@ -43,7 +43,7 @@ def flex_block_mask(docs: torch.Tensor | None, seq: int, device: torch.device,
     """A BlockMask over [seq, seq]: causal, and with `docs` ([B, S] document id per token) never across
     documents. Positions are not restarted per document (RoPE is relative; docs/data.md). `rows`: the
     true positions of the `seq` queries among `keys` keys (all-gather context parallelism: this rank's
-    zig-zag tokens against the whole sequence, parallel/cp_allgather.py).
+    zig-zag tokens against the whole sequence, parallel/dims/cp_allgather.py).
 
     Built from block bounds, never from the [B, seq, keys] mask (create_block_mask evaluates the mask
     function at every pair: at 131K keys and 8K rows that is 10⁹ elements and int64 temporaries of

@@ -22,7 +22,7 @@ coef · `aux_grad_scale` into the balance term (Megatron's MoEAuxLossAutoScaler)
 in pipeline stages, under checkpointing and in every layout. The trainer sets `aux_grad_scale` to the
 factor it multiplies the main loss by (1/accumulation, × the fp16 loss scale).
 
-The module holds no parallel state. Three methods are the seams parallel/expert_parallel.py overrides:
+The module holds no parallel state. Three methods are the seams parallel/dims/expert_parallel.py overrides:
 `run_experts` (expert parallelism: it takes the tokens sorted by global expert id and the count per
 expert, and returns the outputs in that order), `token_totals` (context parallelism: the balance term
 over the whole micro-batch) and `aux_scale` (tensor parallelism: each rank's share of its gradient).
@@ -197,13 +197,13 @@ class MoE(nn.Module):
 
     def aux_scale(self) -> float | torch.Tensor:
         """The gradient the balance term receives in backward (a seam: under tensor parallelism each
-        rank feeds its share, parallel/expert_parallel.py)."""
+        rank feeds its share, parallel/dims/expert_parallel.py)."""
         return self.aux_loss_coef * self.aux_grad_scale
 
     def token_totals(self, assigned: torch.Tensor, prob_sum: torch.Tensor, tokens: int):
         """(assignments per expert, summed router probabilities, tokens) of the whole micro-batch from
         this call's. One process sees all of it; the seam context parallelism replaces to sum the
-        ranks holding its other tokens (parallel/expert_parallel.py)."""
+        ranks holding its other tokens (parallel/dims/expert_parallel.py)."""
         return assigned, prob_sum, tokens
 
     def _balance(self, counts: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:

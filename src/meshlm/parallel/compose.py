@@ -5,7 +5,7 @@ trainer drives, built once and frozen: the model, the optimizer over its masters
 synchroniser, the step runner (parallel/step.py) and the placement record of every parameter. Each
 dimension adds to the records as it is applied (placement.py); the model-specific questions (which
 linears TP splits, what a ZeRO unit is, what AC wraps, what a pipeline stage keeps) go to the model
-plan (llama_plan.py).
+plan (plans/llama.py).
 The optimizer class comes from the trainer (train/ sits above parallel/); it must accept
 `(named_params, optim_cfg, device, group_key=)`, implement `adamw.Optimizer` (as ZeRO's optimizers do)
 and expose `.params`, `.names`, `.groups` (the parameters of each flat master, `grad_sync.flat_groups`,
@@ -26,26 +26,27 @@ from ..config import Config
 from ..distributed.mesh import ParallelContext
 from ..layout import Layout
 from ..model.init import canonical_name, init_source, materialize
-from .activation_checkpoint import apply_ac
-from .chunked_loss import chunked_loss, head_in_loss
-from .adamw import Optimizer
-from .context_parallel import ContextParallel, apply_context_parallel
-from .data_parallel import GradBuckets
-from .expert_parallel import MoEStats, apply_expert_parallel, share_tokens_over_cp
-from .float8 import convert_to_float8
-from .grad_sync import GradSync, Reduction
-from .moe_plan import model_plan_for
-from .muon import MuonAdamW
-from .pipeline.build import pipeline_runner, split_model
+from .dims.context_parallel import ContextParallel, apply_context_parallel
+from .dims.data_parallel import GradBuckets
+from .dims.expert_parallel import MoEStats, apply_expert_parallel, share_tokens_over_cp
+from .dims.grad_sync import GradSync, Reduction
+from .dims.pipeline.build import pipeline_runner, split_model
+from .dims.tensor_parallel import apply_tensor_parallel, pad_vocab
+from .dims.zero import shard_model
+from .features.activation_checkpoint import apply_ac
+from .features.chunked_loss import chunked_loss, head_in_loss
+from .features.float8 import convert_to_float8
+from .optim.adamw import Optimizer
+from .optim.muon import MuonAdamW
+from .optim.nvme import NvmeOptimizer
+from .optim.zero_adamw import ZeroOptimizer
+from .optim.zero_muon import ZeroMuon
 from .placement import PlacementTable
+from .plans.moe import model_plan_for
 from .step import Accumulation, StepRunner
-from .tensor_parallel import apply_tensor_parallel, pad_vocab
-from .zero import ZeroOptimizer, shard_model
-from .zero.muon import ZeroMuon
-from .zero.nvme import NvmeOptimizer
 
 if TYPE_CHECKING:
-    from .pipeline.runtime import PipelineRuntime
+    from .dims.pipeline.runtime import PipelineRuntime
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab: int | None = None) -> torch.Tensor:

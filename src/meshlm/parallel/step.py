@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..data.sampler import Batch
-from .grad_sync import GradSync
+from .dims.grad_sync import GradSync
 
 
 class StepRunner(Protocol):

@@ -128,7 +128,7 @@ def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first:
     reps = dp // s.zero_group if s.zero else 1
     psi = sp_dense + sp_expert
     if s.zero == 0:
-        if dp * cp > 1:  # one call per gradient bucket (parallel/data_parallel.py closes a bucket at
+        if dp * cp > 1:  # one call per gradient bucket (parallel/dims/data_parallel.py closes a bucket at
             # bucket_mb); the last one fills when the backward ends, so nothing hides it
             buckets = max(1, int(rb * psi // (s.bucket_mb * 2 ** 20)))
             add("dp", "all_reduce", dp * cp, t, buckets, rb * psi / buckets, window="backward", per="step",

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..choices import AC_MODES, HELD
 from ..model.args import padded_vocab
 from ..schedule.actions import stage_index
 from ..schedule.stage import estimate_costs, partition
-from ..choices import AC_MODES, HELD
 from .spec import Shape, Spec
 from .volume import packed_bytes
 
@@ -449,7 +449,7 @@ def stage_memory(shape: Shape, s: Spec, stage: str, flash: bool = True,
 
 
 def nvme_bytes(shard_params: float, buffer_mb: float) -> tuple[float, float]:
-    """offload = "nvme" (parallel/zero/nvme.py): (host, disk) bytes for `shard_params` sharded parameters.
+    """offload = "nvme" (parallel/optim/nvme.py): (host, disk) bytes for `shard_params` sharded parameters.
     Disk: fp32 master, m and v, 12 B each. Host: the streaming buffer, three slots of master, m, v and an
     fp32 gradient staging chunk (16 B per element), never more than the state needs."""
     return min(buffer_mb * MIB, 3 * 16 * shard_params), 12 * shard_params
@@ -573,7 +573,7 @@ def muon_tp_buckets(shape: Shape, tp: int, ep: int, bucket_mb: float, layers: in
 
 
 def muon_tp_bucket_bytes(shape: Shape, s: Spec, layers: int) -> float:
-    """Without ZeRO: the largest bucket of the tp owner exchange (parallel/muon.py `buckets`), its send
+    """Without ZeRO: the largest bucket of the tp owner exchange (parallel/optim/muon.py `buckets`), its send
     buffer (this rank's slices: within max(bucket_mb, the largest slice), at most the step's) and its
     receive buffer (the whole matrices this rank owns: within max(bucket_mb, the largest matrix), at
     most about the step's share, a slice per matrix, plus one matrix), fp32."""

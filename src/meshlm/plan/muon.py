@@ -1,4 +1,4 @@
-"""What optim.name = "muon" adds to a layout's price (docs/muon.md, parallel/muon.py); the memory
+"""What optim.name = "muon" adds to a layout's price (docs/muon.md, parallel/optim/muon.py); the memory
 terms live in memory.py (`muon_memory`), which this module's GEMM pricing (ops.py) sits above.
 
 - memory: one fp32 momentum per Muon element replaces Adam's two moments (4 bytes less per element,
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from . import comm as C
 from .hardware import GPU
-from .ops import gemm_seconds
 from .memory import block_matrices, muon_shard_group, muon_tp_buckets
+from .ops import gemm_seconds
 from .spec import Shape, Spec
 
 NS_STEPS = 5  # optim.muon_ns_steps' default

@@ -9,9 +9,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..choices import AC_MODES, CP_IMPLS, OFFLOAD, OPTIMIZERS, PP_SCHEDULES as SCHEDULES, PRECISIONS, choose
+from ..choices import AC_MODES, CP_IMPLS, OFFLOAD, OPTIMIZERS, PRECISIONS, choose
+from ..choices import PP_SCHEDULES as SCHEDULES
 from ..config import AUTO, Config, ConfigError, resolve_auto
-from ..layout import batch_split, check_cp, check_ep, check_shape, check_zeropp, model_args
+from ..layout import (
+    batch_split,
+    check_cp,
+    check_ep,
+    check_shape,
+    check_zeropp,
+    model_args,
+)
 from ..model import args as model_args_module
 
 PLAN_PRECISIONS = tuple(dict.fromkeys(PRECISIONS + ("fp8",)))
@@ -186,7 +194,7 @@ def attention_mask(document_mask: bool, attn_impl: str = "auto") -> str:
 
 def allgather_mask(attn_mask: str, attn_impl: str | None = "auto") -> str:
     """The mask kind of an all-gather CP layout, from the kind the model runs without CP. Its queries
-    sit at zig-zag positions (parallel/cp_allgather.py), so even causal attention is masked: auto and
+    sit at zig-zag positions (parallel/dims/cp_allgather.py), so even causal attention is masked: auto and
     flex run a BlockMask over the rank's rows, "sdpa" hands SDPA a dense one, the document mask's rows
     ("dense") or without documents its causal rows ("rows": one mask for the whole batch). None: not
     meshlm's code (a published run): its causal kernel stays as given."""

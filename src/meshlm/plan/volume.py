@@ -110,7 +110,7 @@ def cp_step_bytes(args, micro_batch: int, seq_len: int, accum: int, cp: int, imp
     return booked(cp_traffic(args, micro_batch * seq_len // cp, args.n_layers, cp, impl, tp, ac, act_bytes), accum)
 
 
-# -- ZeRO-3 and ZeRO++ (docs/zero.md "ZeRO++"): parallel/zero/quantize.py packs rows this way
+# -- ZeRO-3 and ZeRO++ (docs/zero.md "ZeRO++"): parallel/dims/zero/quantize.py packs rows this way
 QUANT_BLOCK = 256  # elements per fp32 scale in ZeRO++'s int8 rows
 
 

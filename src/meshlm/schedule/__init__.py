@@ -1,6 +1,6 @@
 """Pipeline schedules as data (pure Python, no torch): per-rank `Action` lists, their checker,
 simulator and drawer, and the stage split. The planner, `layout` and `meshlm schedule` read them; the
-torch side lives in parallel/pipeline/ (runtime.py executes the lists, build.py cuts the model).
+torch side lives in parallel/dims/pipeline/ (runtime.py executes the lists, build.py cuts the model).
 """
 from .actions import Action, ScheduleError, stage_index, stage_owner
 from .check import check_schedule

@@ -102,7 +102,7 @@ def _zbv_compute(p: int, m: int, costs: dict, max_deferred: int | None = None) -
     stage's W goes first of all (before any F), so rank 0 holds one micro-batch of logits.
 
     A deferred W holds more than its chunk's activations: the gradients captured at its boundaries
-    for the weight products (parallel/pipeline/backward.py), about as much again. With `max_deferred`
+    for the weight products (parallel/dims/pipeline/backward.py), about as much again. With `max_deferred`
     a rank holding that many such W's (stage 0's hold none: its I is empty) runs the oldest before
     another F. Also returns the peak over ranks of held chunk activations plus such W's.
     """

@@ -30,11 +30,27 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                   TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import (
+    create_read_items_for_chunk_list,
+)
 
 from ..distributed.comm import Comm
 
@@ -56,7 +72,7 @@ class Pieces:
     parts: list[tuple[tuple[int, ...], torch.Tensor]]
     write: bool
     # Where the parts are meta tensors (offload = "nvme"): what reads and writes their values, one part
-    # at a time (parallel/zero/nvme.FileRange: `read(view) -> tensor`, `write(view, tensor)`)
+    # at a time (parallel/dims/zero/nvme.FileRange: `read(view) -> tensor`, `write(view, tensor)`)
     backing: object | None = None
 
     def nbytes(self) -> int:
@@ -344,8 +360,8 @@ def preflight(cfg, run_dir: str, restarts: int = 0) -> None:
     if weights_only:  # `meshlm convert --from-hf` output: no optimizer state to resume
         raise CheckpointError(f"checkpoint.resume: {path} holds weights only (meshlm convert --from-hf); "
                               f"train from Hugging Face weights with --model.init_from hf:DIR")
-    from ..model.from_config import model_args
     from ..model import build_model
+    from ..model.from_config import model_args
     from ..model.init import canonical_name
 
     with torch.device("meta"):

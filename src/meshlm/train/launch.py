@@ -30,7 +30,7 @@ def under_launcher() -> bool:
 def spawn(nproc: int, config_path: str, run_dir: str, max_restarts: int = 0) -> int:
     """Run `meshlm train` on `nproc` local workers through torchrun; returns its exit status.
     `max_restarts`: torchrun's elastic agent restarts all workers up to that many times after one fails
-    (each restart resumes from the newest complete checkpoint, see train/fault.py)."""
+    (each restart resumes from the newest complete checkpoint, see train/resilience/fault.py)."""
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
     for old in os.listdir(logs):  # one-line errors and outcomes of a previous launch would be misleading
@@ -51,7 +51,7 @@ def spawn(nproc: int, config_path: str, run_dir: str, max_restarts: int = 0) -> 
     code = proc.wait()
     stopped = preempted(run_dir)
     if len(stopped) == nproc:  # every rank saved and stopped on checkpoint.on_signal (and exited 0)
-        from .preempt import exit_status, message
+        from .resilience.preempt import exit_status, message
         name, step, saved = stopped[0]
         print(f"meshlm: {message(name, step, saved)}", file=sys.stderr)
         return exit_status(name)
@@ -88,7 +88,7 @@ def record_done(run_dir: str, rank: int, last: dict) -> None:
 
 
 def record_preempted(run_dir: str, rank: int, how: dict) -> None:
-    """A worker that saved and stopped on a signal (train/preempt.py) says so for the launcher, whose
+    """A worker that saved and stopped on a signal (train/resilience/preempt.py) says so for the launcher, whose
     torchrun reports only that the workers failed. Only under meshlm's launcher, as `record_done`."""
     logs = os.path.join(run_dir, "logs")
     if os.path.isdir(logs):

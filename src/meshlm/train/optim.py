@@ -9,13 +9,13 @@ from torch import nn
 
 from ..config import OptimConfig
 from ..distributed.comm import Comm
-from ..parallel.adamw import adamw_step, decays, fused_adamw_supported
-from ..parallel.grad_sync import flat_groups
+from ..parallel.dims.grad_sync import decays, flat_groups
+from ..parallel.optim.adamw import adamw_step, fused_adamw_supported
 
 
-class MasterOptimizer:  # implements parallel.adamw.Optimizer
+class MasterOptimizer:  # implements parallel.optim.adamw.Optimizer
     """AdamW on fp32 masters kept in flat buffers, one per group of parameters that share weight decay
-    (`adamw.decays`), dtype and the caller's `group_key` (parallelize passes the gradient reduction,
+    (`grad_sync.decays`), dtype and the caller's `group_key` (parallelize passes the gradient reduction,
     so that each group's DP gradient buffer is one tensor, `bind_grads`), cut at `grad_sync.FLAT_MAX`
     elements. The step is then one fused call per weight-decay setting over a handful of buffers
     instead of a list over every tensor (a model may have thousands), and the parameters become views
@@ -152,7 +152,7 @@ def grad_norm(grads: list[torch.Tensor], world: Comm, device: torch.device | str
     """Global L2 norm. `grads`: the gradient pieces this rank owns (`Parallelized.norm_grads`: the
     placement records give every element exactly one owner over the world), so one all-reduce of the
     sum of squares over every rank counts each element once, whatever the layout. `carry`: a float32
-    tensor summed over the world in the same all-reduce, in place (train/preempt.py's per-step flag)."""
+    tensor summed over the world in the same all-reduce, in place (train/resilience/preempt.py's per-step flag)."""
     sq = torch._foreach_norm(grads, 2.0) if grads else []
     part = torch.stack([n.float() for n in sq]).pow(2).sum() if sq else torch.zeros((), device=device)
     if carry is None:

@@ -5,17 +5,20 @@ Checkpoints written by one layout load into any other (docs/checkpointing.md).""
 from __future__ import annotations
 
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 
 from ..config import Config, to_dict
 from ..layout import Layout
 from ..parallel import Parallelized
 from . import checkpoint as ckpt
 from .optim import LossScaler
-from .spike import SpikeDetector
 
 
 class TrainState:
-    def __init__(self, par: Parallelized, sampler, scaler: LossScaler, spikes: SpikeDetector,
+    """`spikes`: the loss-spike window (resilience/spike.SpikeDetector), held as anything with
+    state_dict / load_state_dict, so that the state sits below what observes and acts on it."""
+
+    def __init__(self, par: Parallelized, sampler, scaler: LossScaler, spikes: Stateful,
                  cfg: Config, layout: Layout, rank: int):
         self.par, self.sampler, self.scaler, self.spikes = par, sampler, scaler, spikes
         self.cfg, self.layout, self.rank = cfg, layout, rank

@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 
 import torch
 
 from ..config import Config
 from ..data import default_data_dir
 from ..data.dataset import open_data
-from ..distributed.mesh import ParallelContext, init_context, join_world, pick_device, shutdown
+from ..distributed.mesh import (
+    ParallelContext,
+    init_context,
+    join_world,
+    pick_device,
+    shutdown,
+)
 from ..layout import Layout
 from ..model import build_model
 from ..model.from_config import model_args
@@ -22,12 +29,21 @@ from ..parallel import Parallelized, parallelize
 from ..parallel.step import local_batch
 from ..plan.auto import resolve
 from . import checkpoint as ckpt
-from . import fault, plugins, preempt
+from . import plugins
 from .evaluate import evaluate
-from .metrics import MetricsLog, StepMeter, StepProfiler, device_profile, log_auto, memory
+from .launch import record_error
+from .observe.metrics import (
+    MetricsLog,
+    StepMeter,
+    StepProfiler,
+    device_profile,
+    log_auto,
+    memory,
+)
 from .optim import LossScaler, MasterOptimizer, clip_, grad_norm, lr_at
-from .saving import Saving
-from .spike import SpikeDetector, SpikeHandler
+from .resilience import fault, preempt
+from .resilience.saving import Saving
+from .resilience.spike import SpikeDetector, SpikeHandler
 from .state import TrainState
 
 
@@ -107,7 +123,7 @@ class Trainer:
                                 SpikeDetector(t.spike_zscore, t.spike_window, t.spike_action), cfg, layout, ctx.rank)
         self.checkpointer = ckpt.Checkpointer(os.path.join(run_dir, "checkpoints"), ctx.comm("world"),
                                               cfg.checkpoint.keep, cfg.checkpoint.async_, cfg.checkpoint.on_error)
-        self.watchdog = fault.watch(ctx, cfg.parallel.heartbeat_s, run_dir)
+        self.watchdog = fault.watch(ctx, cfg.parallel.heartbeat_s, partial(record_error, run_dir))
         self.guard = fault.FiniteGuard(t.precision, ctx.device, ctx.comm("world"), run_dir, ctx.restarts)
         self.preempt = preempt.Preemption(cfg.checkpoint.on_signal, ctx.device)
         self.meter = StepMeter(ctx, cfg, self.args, layout, self.par, run_dir,
@@ -185,7 +201,7 @@ class Trainer:
         t0 = time.perf_counter()
         batch = local_batch(self.data.next_batch(self.ctx.index("dp"), self.layout.dp), par.local_tokens,
                             self.ctx.device)
-        self.meter.data_s += time.perf_counter() - t0  # the data share of the step (train/straggler.py)
+        self.meter.data_s += time.perf_counter() - t0  # the data share of the step (train/observe/straggler.py)
         lr = lr_at(state.step, self.cfg.optim, t.steps)
         # fp16: a 0-dim device tensor (scale / accum); otherwise the plain 1 / accum
         scale = scaler.scale / self.layout.accum if scaler.enabled else 1.0 / self.layout.accum
@@ -205,7 +221,7 @@ class Trainer:
         spike = None
         if state.spikes.enabled:  # a host read of the global loss every step, hence off by default
             spike = state.spikes.judge(state.step + 1, self.meter.global_loss(loss_sum), float(norm))
-        if spike is not None:  # the update is not applied (train/spike.py): the same on every rank
+        if spike is not None:  # the update is not applied (train/resilience/spike.py): the same on every rank
             found_inf = torch.ones((), device=self.ctx.device)
         clip_(grads, norm, t.clip)  # harmless on a skipped step: the optimizer ignores the grads
         par.optimizer.set_lr(lr)

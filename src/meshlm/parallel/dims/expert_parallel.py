@@ -1,0 +1,141 @@
+"""Expert parallelism: the experts of every MoE block sharded over the `ep` group, tokens moved to them
+with all-to-all (GShard / Switch / DeepSeek-V3 style).
+
+The ep group is a second view of the data(×cp) ranks (distributed/mesh.py: `ep`, `edp`, `edp_shard`):
+ep consecutive ranks of the flattened dp_replicate × dp_shard × cp block each hold E/ep experts. Each
+rank routes its own micro-batch exactly as one process would (capacity and dropping are decided there,
+at the source), then `ParallelMoE.run_experts`:
+1. exchanges the split sizes: an all-to-all of the per-expert counts (E integers), so every rank knows
+   how many rows each peer sends for each of its local experts;
+2. sends the tokens (already sorted by global expert, hence grouped by destination rank) with an
+   all-to-all of uneven splits;
+3. regroups what arrived (source-major) into expert-major order, runs its experts as one grouped matmul,
+   puts the outputs back in arrival order;
+4. returns them with the reverse all-to-all. The caller combines them with the router weights.
+Both all-to-alls are autograd functions whose backward is the reverse exchange.
+
+Expert gradients already hold the contributions of every peer's tokens; they are summed over the
+expert-data group (the ranks holding the same experts) and divided by dp like every gradient
+(compose.reductions); ZeRO shards them over `edp_shard` (inside one HSDP shard group) and all-reduces
+over `dp_replicate`. Placements record the expert dimension as a `DimSplit` over `ep`, so sharded
+checkpoints reshard between ep degrees.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...distributed.comm import Comm
+from ...distributed.functional import all_to_all, copy_to, reduce_from
+from ...model.moe import BALANCE, CALLS, DROPPED, MoE
+from ...model.ops import eager_under_compile
+from ..placement import DimSplit
+from ..swap import swap_in
+
+
+class ParallelMoE(MoE):
+    """A MoE feed-forward with the parallel state model/moe.py leaves out, set by the dimensions that
+    apply (`parallel_moe`): `experts`, the `DimSplit` of the expert dimension over `ep_comm` from the
+    placement record (None: every expert here); `token_comm`, the cp ranks holding the micro-batch's
+    other tokens; `aux_share`, this TP rank's share of the balance term's gradient."""
+    ep_comm: Comm | None
+    ep_split: DimSplit | None
+    token_comm: Comm | None
+    aux_share: float
+
+    @eager_under_compile  # collectives with data-dependent splits stay eager under compile
+    def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.ep_comm is None:
+            return super().run_experts(x, counts)
+        comm = self.ep_comm
+        ep, n = self.ep_split.parts, self.ep_split.chunk
+        got = torch.empty_like(counts)
+        comm.all_to_all(got, counts)  # split sizes first: rows of each of my experts from each peer
+        got = got.view(ep, n)
+        send, recv = counts.view(ep, n).sum(1).tolist(), got.sum(1).tolist()
+        y = all_to_all(x, comm, recv, send)
+        expert = torch.repeat_interleave(torch.arange(ep * n, device=x.device) % n, got.flatten())
+        perm = torch.argsort(expert, stable=True)  # source-major -> expert-major (sources in order)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel(), device=perm.device)
+        z = self.experts(y[perm], got.sum(0).tolist())
+        return all_to_all(z[inv], comm, send, recv)
+
+    def token_totals(self, assigned: torch.Tensor, prob_sum: torch.Tensor, tokens: int):
+        """Context parallelism: each cp rank routes its chunks of the micro-batch's sequences. The
+        balance term needs the whole micro-batch's assignment fractions and mean probabilities: summed
+        over cp (forward all-reduce, backward all-reduce: each rank's loss is the mean over its own
+        tokens, so the gradient signal of every rank is cp times its share, as for the cross-entropy).
+        Every cp rank then computes the same balance term and feeds its gradient in full; the
+        cp-summed, (dp·cp)-divided gradients come out as one process's. Capacity dropping stays per
+        rank, so it is refused with cp."""
+        c = self.token_comm
+        if c is None:
+            return assigned, prob_sum, tokens
+        return (reduce_from(copy_to(assigned.detach(), c), c).detach(), reduce_from(copy_to(prob_sum, c), c),
+                tokens * c.size)
+
+    def aux_scale(self) -> float | torch.Tensor:
+        return super().aux_scale() * self.aux_share
+
+
+def parallel_moe(model: nn.Module, m: MoE) -> ParallelMoE:
+    """`m` in its ParallelMoE form, seated in `model` by the first dimension that asks; each dimension
+    then sets its own field."""
+    if isinstance(m, ParallelMoE):
+        return m
+    return swap_in(model, m, ParallelMoE, ep_comm=None, ep_split=None, token_comm=None, aux_share=1.0)
+
+
+def apply_expert_parallel(model: nn.Module, comm: Comm, plan, table, experts: set[str]) -> None:
+    """Record the expert split (dim 0 of each stacked expert weight in `experts` over `comm`; the
+    materialisation then keeps only this rank's experts) and hand each MoE feed-forward that split."""
+    split = DimSplit(0, model.args.num_experts, model.args.num_experts, comm.size, comm.rank, comm.name)
+    for name in table.names():
+        if name in experts:
+            table.update(name, lambda pl: pl.split(split))
+    for m in plan.moe_layers(model).values():
+        m = parallel_moe(model, m)
+        m.ep_comm, m.ep_split = comm, split
+
+
+def share_tokens_over_cp(model: nn.Module, comm: Comm, plan) -> None:
+    """Context parallelism: the balance term sums over `comm` (ParallelMoE.token_totals)."""
+    for m in plan.moe_layers(model).values():
+        parallel_moe(model, m).token_comm = comm
+
+
+class MoEStats:
+    """Routing statistics per step for metrics.jsonl `moe`, and the aux-loss gradient scale.
+
+    Every MoE module sums, over the step's training forwards, the tokens assigned to each expert
+    (before dropping), the dropped assignments, its balance term and its call count. `record` sums
+    those over the world (each TP rank routes the same tokens: divided by tp) into one row per MoE
+    block of the model, whichever stage holds it. Under cp every cp rank records the same balance
+    term once per call, so the mean over calls is unchanged."""
+
+    def __init__(self, model: nn.Module, plan, tp: int):
+        args = model.args
+        self.modules = plan.moe_layers(model)
+        self.row = {b: i for i, b in enumerate(i for i in range(args.n_layers) if args.is_moe_block(i))}
+        self.experts, self.tp = args.num_experts, tp
+
+    def begin_step(self, scale: float | torch.Tensor) -> None:
+        """`scale`: what the main loss is multiplied by before backward (1/accum, × fp16's scale)."""
+        for m in self.modules.values():
+            m.aux_grad_scale = scale
+            m.stats = None
+
+    def record(self, world: Comm, device: torch.device) -> dict:
+        E = self.experts
+        rows = torch.zeros(len(self.row), E + 3, dtype=torch.float64, device=device)
+        for b, m in self.modules.items():
+            if m.stats is not None:
+                rows[self.row[b]] = m.stats.to(rows)
+        world.all_reduce(rows)
+        rows = (rows / self.tp).cpu()
+        counts = rows[:, :E]
+        calls = rows[:, E + CALLS].sum().item()
+        return {"aux_loss": rows[:, E + BALANCE].sum().item() / max(calls, 1.0),
+                "tokens_per_expert_min": counts.min().item(), "tokens_per_expert_max": counts.max().item(),
+                "dropped": rows[:, E + DROPPED].sum().item() / max(counts.sum().item(), 1.0)}

@@ -1,0 +1,38 @@
+"""ZeRO stages 1-3 and HSDP (parallel.zero, parallel.zero_group) as a small package:
+
+- units.py: which parameters share a flat buffer, and this rank's range of it;
+- sync.py: `ZeroSync`, the gradient synchroniser that gathers, frees and reduces units around forward and
+  backward, driven by named switches rather than stage numbers;
+- zeropp.py / quantize.py: ZeRO++ (qwZ, hpZ, qgZ) hooks into sync.py's gathers and reductions.
+
+The optimizers over these shards live with the other optimizers (parallel/optim/zero_adamw.py,
+zero_muon.py, nvme.py): they read units, the units never read them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .sync import ZeroSync
+from .units import Unit
+from .zeropp import ZeroPP
+
+__all__ = ["ZeroSwitches", "SWITCHES", "ZeroSync", "Unit", "shard_model"]
+
+
+@dataclass(frozen=True)
+class ZeroSwitches:
+    """What is sharded over the shard group. The optimizer state always is (that is ZeRO-1)."""
+    shard_grads: bool = False     # gradients live as shards; full buffers only while a unit's backward runs
+    shard_params: bool = False    # parameters live as shards; gathered around each use
+    reshard_after_forward: bool = True  # with shard_params: free after forward, gather again for backward
+
+
+SWITCHES = {1: ZeroSwitches(), 2: ZeroSwitches(shard_grads=True),
+            3: ZeroSwitches(shard_grads=True, shard_params=True)}
+
+
+def shard_model(model, named, cfg, plan, split_tied: bool, reduction_of, reduce_dtype, ctx=None) -> ZeroSync:
+    """The synchroniser `parallelize` uses for zero >= 1 (its optimizer: optim/zero_adamw.py `ZeroOptimizer`);
+    `ctx`: the mesh, whose ZeRO++ groups (if any) turn ZeRO++ on."""
+    zpp = ZeroPP.for_job(ctx, cfg.parallel) if ctx is not None else None
+    return ZeroSync(model, named, SWITCHES[cfg.parallel.zero], plan, split_tied, reduction_of, reduce_dtype, zpp)

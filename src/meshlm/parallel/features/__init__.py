@@ -1,0 +1,2 @@
+"""Per-block features that are not a dimension: float8 linears (float8), activation checkpointing
+(activation_checkpoint) and the chunked output head and loss (chunked_loss)."""

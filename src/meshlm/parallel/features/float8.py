@@ -1,0 +1,81 @@
+"""fp8 training (training.precision = "fp8"): bf16 parameters and activations, fp32 masters, and the
+blocks' linears multiplying in float8 through torchao's float8 training (an optional dependency:
+`pip install meshlm[gpu]`; layout.check_fp8 refuses what does not compose before workers start).
+
+Applied after tensor parallelism and materialisation, before compile and ZeRO: each linear then holds
+its local shard, so a column- or row-parallel linear is a plain linear over its slice and converts as
+one (its float8 scales are its shard's). TP's kv-head replicas (`ReplicatedKVLinear`) keep their
+gradient summation in a float8 subclass; under SP the regions' entry gathers through a hook rather than
+inside the linears (tensor_parallel `fuse_entry`), so they stay convertible. The embedding, the output head, the norms and MoE routers stay
+bf16. Float8Linear keeps the ordinary `weight` / `bias` parameters and no buffers (dynamic scaling), so
+state_dict keys, placements and checkpoints are those of a bf16 run. ZeRO gathers the bf16 weights:
+torchao's float8 all-gather is a hook of torch FSDP2's DTensor parameters, which our flat-buffer ZeRO
+does not use (docs/fp8.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from torch import nn
+
+from ...distributed.functional import sum_grad_over_replicas
+from ..dims.tensor_parallel import ReplicatedKVLinear, _bias
+from ..swap import swap_in
+
+
+def float8_config(recipe: str, emulate: bool):
+    """torchao's Float8LinearConfig for a recipe name ("tensorwise", "rowwise"); `emulate`: the float8
+    matmuls run as casts plus high-precision matmuls, on any device."""
+    from torchao.float8 import Float8LinearConfig
+
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+
+
+@functools.cache
+def _float8_kv_class() -> type:
+    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+
+    class Float8ReplicatedKVLinear(Float8Linear):
+        """wk / wv holding a kv head shared by `tp_rep` TP ranks (tensor_parallel.ReplicatedKVLinear),
+        multiplying in float8: the same summed-gradient weight, torchao's float8 matmul."""
+        tp_comm: object
+        tp_rep: int
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            w = sum_grad_over_replicas(self.weight, self.tp_comm, self.tp_rep)
+            out = matmul_with_hp_or_float8_args.apply(x, w.t(), self.linear_mm_config, self.config)
+            b = _bias(self)
+            return out if b is None else out + b.to(out.dtype)
+
+    return Float8ReplicatedKVLinear
+
+
+def convertible(mod: nn.Module) -> bool:
+    """A linear float8 hardware can multiply: both local dimensions multiples of 16 (torchao's own
+    filter's rule); others stay bf16."""
+    out_f, in_f = mod.weight.shape
+    return out_f % 16 == 0 and in_f % 16 == 0
+
+
+def convert_to_float8(model: nn.Module, plan, recipe: str, emulate: bool) -> list[str]:
+    """Replace the model plan's block linears (`plan.float8_linears`) by torchao's Float8Linear modules
+    holding the same parameters under the same names; returns the converted module names."""
+    from torchao.float8 import convert_to_float8_training
+
+    targets = set(plan.float8_linears(model))
+    mods = dict(model.named_modules())
+    for fqn in targets:
+        if type(mods[fqn]) not in (nn.Linear, ReplicatedKVLinear):  # SP's fused entry is off under fp8
+            raise ValueError(f"training.precision: fp8 cannot convert {fqn} ({type(mods[fqn]).__name__})")
+    chosen = {fqn for fqn in targets if convertible(mods[fqn])}
+    replicas = {fqn: (mods[fqn].tp_comm, mods[fqn].tp_rep) for fqn in chosen
+                if isinstance(mods[fqn], ReplicatedKVLinear)}
+    convert_to_float8_training(model, config=float8_config(recipe, emulate),
+                               module_filter_fn=lambda mod, fqn: fqn in chosen)
+    if replicas:
+        cls = _float8_kv_class()
+        for fqn, (comm, rep) in replicas.items():
+            swap_in(model, model.get_submodule(fqn), cls, tp_comm=comm, tp_rep=rep)
+    return sorted(chosen)

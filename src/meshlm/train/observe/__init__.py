@@ -1,0 +1,2 @@
+"""What a run reports and how it is watched: metrics.jsonl and the console line (metrics), slow ranks
+(straggler), what autograd keeps (saved), the PNG report (report) and Weights & Biases (wandb_sink)."""
