@@ -30,7 +30,7 @@ def ns_flops(shape: tuple[int, ...], steps: int) -> int:
 def _worker(rank: int, world: int, port: int, overrides: dict, out) -> None:
     from meshlm.distributed.comm import merge_stats
     from meshlm.distributed.mesh import shutdown
-    from meshlm.parallel import muon as M
+    from meshlm.parallel.optim import muon as M
 
     try:
         cfg, _, ctx, trainer, _ = start_trainer(rank, world, port, overrides, 1)

@@ -14,7 +14,7 @@ from meshlm import cards
 from meshlm.choices import DTYPE_BYTES, HELD, PRECISIONS, param_dtype
 from meshlm.plan import hardware
 from meshlm.plan.memory import state_bytes_per_param
-from meshlm.train import metrics
+from meshlm.train.observe import metrics
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "meshlm")
 # the grep, anywhere in src/; then a byte count chosen by comparing with "fp32" or a dtype -> bytes
