@@ -93,12 +93,7 @@ def main() -> None:
 
     from meshlm.model.from_config import model_args
     from meshlm.plan.estimate import Options, estimate
-    from meshlm.plan.spec import (
-        code_options,
-        priced_on,
-        shape_from_config,
-        spec_from_config,
-    )
+    from meshlm.plan.spec import code_options, priced_on, shape_from_config, spec_from_config
     from meshlm.plan.volume import cp_step_bytes as expected_bytes
 
     base = {"model.preset": a.preset, "model.max_seq_len": a.seq_len, "data.seq_len": a.seq_len,

@@ -68,14 +68,8 @@ def tp_peer(cfg, rank: int, world: int):
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        loss_parallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, loss_parallel, parallelize_module)
 
     sp = cfg.parallel.sp
     model = torch_block_model(cfg)
@@ -180,7 +174,7 @@ def pp_peer(cfg, rank: int, world: int):
     p, name = cfg.parallel, cfg.parallel.pp_schedule
     v, m = p.pp_virtual, cfg.training.global_batch // cfg.training.micro_batch
     args = model_args(cfg)
-    blocks, n = stage_blocks(args, cfg, m), world * v
+    blocks, n = stage_blocks(args, cfg.parallel, m), world * v
     stages, params = [], []
     for c in range(v):
         s = stage_index(rank, c, world, name in V_SHAPED)

@@ -7,14 +7,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import (
-    assert_same_losses,
-    make_config,
-    reference,
-    rows,
-    run_layout,
-    train_in,
-)
+from harness import assert_same_losses, make_config, reference, rows, run_layout, train_in
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -35,11 +35,7 @@ def _context(cfg):
 def attention_task(impl: str, heads: int, kv_heads: int, seq: int, seed: int):
     """This rank's output and q/k/v gradients of the CP core vs full causal SDPA, and the work count."""
     from meshlm.model.llama import AttentionCore
-    from meshlm.parallel.dims.context_parallel import (
-        RingAttentionCore,
-        UlyssesAttentionCore,
-        cp_split,
-    )
+    from meshlm.parallel.dims.context_parallel import RingAttentionCore, UlyssesAttentionCore, cp_split
     from meshlm.parallel.dims.cp_allgather import AllGatherAttentionCore, CausalRows
     world = int(os.environ["WORLD_SIZE"])
     impl, flex = impl.split("-")[0], impl.endswith("-flex")  # allgather-flex: its causal rows a BlockMask

@@ -7,15 +7,7 @@ import tempfile
 
 import pytest
 import torch
-from harness import (
-    make_config,
-    read_metrics,
-    reference,
-    run_local,
-    sources_corpus,
-    train_case,
-    twin,
-)
+from harness import make_config, read_metrics, reference, run_local, sources_corpus, train_case, twin
 
 from meshlm import config as C
 from meshlm.layout import resolve

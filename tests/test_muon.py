@@ -10,27 +10,13 @@ import tempfile
 
 import pytest
 import torch
-from harness import (
-    assert_layout_losses,
-    assert_same_losses,
-    make_config,
-    reference,
-    rows,
-    run_layout,
-    train_case,
-    train_in,
-)
+from harness import (assert_layout_losses, assert_same_losses, make_config, reference, rows, run_layout, train_case,
+                     train_in)
 
 from meshlm import config as C
 from meshlm.model.from_config import model_args
 from meshlm.model.llama import Llama
-from meshlm.parallel.optim.muon import (
-    NS_COEFFS,
-    MuonAdamW,
-    deal,
-    newton_schulz,
-    ns_flops,
-)
+from meshlm.parallel.optim.muon import NS_COEFFS, MuonAdamW, deal, newton_schulz, ns_flops
 from meshlm.parallel.placement import PlacementTable
 from meshlm.parallel.plans.moe import model_plan_for
 from meshlm.train.optim import MasterOptimizer

@@ -8,26 +8,13 @@ import tempfile
 
 import pytest
 import torch
-from harness import (
-    assert_half_losses,
-    assert_same_losses,
-    make_config,
-    reference,
-    rows,
-    run_layout,
-    run_local,
-    train_in,
-)
+from harness import (assert_half_losses, assert_same_losses, make_config, reference, rows, run_layout, run_local,
+                     train_in)
 
 from meshlm.cli import main
 from meshlm.config import ConfigError
 from meshlm.layout import resolve
-from meshlm.parallel.optim.nvme import (
-    FileRange,
-    OffloadError,
-    StateFiles,
-    chunk_elements,
-)
+from meshlm.parallel.optim.nvme import FileRange, OffloadError, StateFiles, chunk_elements
 
 FP32 = 1e-5
 

@@ -14,15 +14,8 @@ from meshlm.model.args import padded_vocab
 from meshlm.plan import cli_cmds
 from meshlm.plan.estimate import Options, bubble_formula, bubble_simulated, estimate
 from meshlm.plan.hardware import GIB, get_gpu
-from meshlm.plan.memory import (
-    block_activation_bytes,
-    inflight,
-    korthikanti_block_bytes,
-    stage_memory,
-    stage_params,
-    stage_totals,
-    zero_state_bytes,
-)
+from meshlm.plan.memory import (block_activation_bytes, inflight, korthikanti_block_bytes, stage_memory, stage_params,
+                                stage_totals, zero_state_bytes)
 from meshlm.plan.spec import PlanError, Shape, Spec, check, presets
 
 GB = 1e9

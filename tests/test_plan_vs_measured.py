@@ -6,12 +6,7 @@ from harness import make_config, run_layout, run_local
 from meshlm import config as C
 from meshlm.plan.estimate import Options, estimate
 from meshlm.plan.memory import stage_memory
-from meshlm.plan.spec import (
-    code_options,
-    priced_on,
-    shape_from_config,
-    spec_from_config,
-)
+from meshlm.plan.spec import code_options, priced_on, shape_from_config, spec_from_config
 
 CASES = [
     ("one-process-fp32", 1, {}),
@@ -109,7 +104,7 @@ def activation_task(cfg_dict: dict) -> int:
     from meshlm.layout import resolve
     from meshlm.model import Llama
     from meshlm.model.from_config import model_args
-    from meshlm.parallel import parallelize
+    from meshlm.parallel import parallelize, slices
     from meshlm.train.observe.saved import saved_bytes
     from meshlm.train.optim import MasterOptimizer
     cfg = C.from_dict(cfg_dict)
@@ -117,7 +112,7 @@ def activation_task(cfg_dict: dict) -> int:
     ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=120)
     with torch.device("meta"):
         model = Llama(model_args(cfg))
-    par = parallelize(model, ctx, cfg, layout, MasterOptimizer)
+    par = parallelize(model, ctx, layout, MasterOptimizer, **slices(cfg))
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 256, (cfg.training.micro_batch, cfg.data.seq_len + 1), generator=g)
     x, y = (par.local_tokens(t) for t in (tokens[:, :-1], tokens[:, 1:]))

@@ -4,16 +4,8 @@ import json
 
 import pytest
 
-from meshlm.schedule import (
-    Action,
-    ScheduleError,
-    add_p2p,
-    build_schedule,
-    check_schedule,
-    p2p_batches,
-    simulate,
-    textbook_bubble,
-)
+from meshlm.schedule import (Action, ScheduleError, add_p2p, build_schedule, check_schedule, p2p_batches, simulate,
+                             textbook_bubble)
 from meshlm.schedule import command as schedule_cmd
 from meshlm.schedule.draw import render_png, render_text
 from meshlm.schedule.p2p import STEER_COSTS
@@ -84,12 +76,7 @@ def test_every_built_schedule_passes_the_checker():
 # ------------------------------------------------------------------ ZB-V (issue #17)
 
 def test_zbv_v_placement():
-    from meshlm.schedule.actions import (
-        local_target,
-        message_of,
-        stage_index,
-        stage_owner,
-    )
+    from meshlm.schedule.actions import local_target, message_of, stage_index, stage_owner
     assert [stage_index(r, c, 4, True) for c in (0, 1) for r in range(4)] == [0, 1, 2, 3, 7, 6, 5, 4]
     assert all(stage_owner(stage_index(r, c, 4, True), 4, True) == (r, c) for r in range(4) for c in (0, 1))
     # the V's turn (stage 3 -> 4) stays on rank 3 (no p2p); rank 0's chunk 1 is the loss stage

@@ -10,11 +10,7 @@ from torch import nn
 from meshlm.model import PRESETS, build_model
 from meshlm.model.moe import MoE
 from meshlm.parallel.dims.expert_parallel import ParallelMoE, parallel_moe
-from meshlm.parallel.dims.tensor_parallel import (
-    ReplicatedKVLinear,
-    SumGradLinear,
-    sum_gain_grad,
-)
+from meshlm.parallel.dims.tensor_parallel import ReplicatedKVLinear, SumGradLinear, sum_gain_grad
 from meshlm.parallel.swap import swap_in
 
 

@@ -6,17 +6,8 @@ import tempfile
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import (
-    assert_half_losses,
-    assert_same_losses,
-    make_config,
-    read_metrics,
-    reference,
-    rows,
-    run_layout,
-    run_local,
-    train_case,
-)
+from harness import (assert_half_losses, assert_same_losses, make_config, read_metrics, reference, rows, run_layout,
+                     run_local, train_case)
 
 from meshlm import config as C
 from meshlm.config import ConfigError
@@ -73,7 +64,7 @@ def comm_task(cfg_dict: dict, steps: int, group: str = "tp"):
 def activation_task(cfg_dict: dict, report_compiled: bool = False):
     """Saved-activation bytes of block 0 by part, forward only (and whether block 0 is compiled)."""
     from meshlm.model import Llama
-    from meshlm.parallel import parallelize
+    from meshlm.parallel import parallelize, slices
     from meshlm.parallel.plans.moe import model_plan_for
     from meshlm.train.observe.saved import block_saved_bytes
     from meshlm.train.optim import MasterOptimizer
@@ -81,7 +72,7 @@ def activation_task(cfg_dict: dict, report_compiled: bool = False):
     layout, ctx = _context(cfg)
     with torch.device("meta"):
         model = Llama(model_args(cfg))
-    par = parallelize(model, ctx, cfg, layout, MasterOptimizer)
+    par = parallelize(model, ctx, layout, MasterOptimizer, **slices(cfg))
     tokens = torch.randint(0, 256, (cfg.training.micro_batch, cfg.data.seq_len))
     block = par.model.layers["0"]
     parts = block_saved_bytes(block, lambda: par.model(tokens), model_plan_for(par.model))

@@ -97,14 +97,14 @@ def shapes_task(cfg_dict: dict):
     from meshlm.distributed.mesh import init_context, pick_device
     from meshlm.model.from_config import model_args
     from meshlm.model import Llama
-    from meshlm.parallel import parallelize
+    from meshlm.parallel import parallelize, slices
     from meshlm.train.optim import MasterOptimizer
     cfg = C.from_dict(cfg_dict)
     layout = resolve(cfg, int(os.environ["WORLD_SIZE"]))
     ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=120)
     with torch.device("meta"):
         model = Llama(model_args(cfg))
-    m = parallelize(model, ctx, cfg, layout, MasterOptimizer).model
+    m = parallelize(model, ctx, layout, MasterOptimizer, **slices(cfg)).model
     return [tuple(mod.weight.shape) if mod is not None else None for mod in (m.tok_embeddings, m.output)]
 
 

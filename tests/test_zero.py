@@ -6,14 +6,7 @@ import os
 import tempfile
 
 import pytest
-from harness import (
-    assert_same_losses,
-    make_config,
-    read_metrics,
-    reference,
-    run_layout,
-    train_in,
-)
+from harness import assert_same_losses, make_config, read_metrics, reference, run_layout, train_in
 
 from meshlm import config as C
 from meshlm.config import ConfigError

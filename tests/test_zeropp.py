@@ -7,26 +7,13 @@ import tempfile
 
 import pytest
 import torch
-from harness import (
-    assert_same_losses,
-    make_config,
-    read_metrics,
-    reference,
-    rows,
-    run_layout,
-    run_local,
-    train_case,
-    train_in,
-)
+from harness import (assert_same_losses, make_config, read_metrics, reference, rows, run_layout, run_local, train_case,
+                     train_in)
 
 from meshlm import config as C
 from meshlm.config import ConfigError
 from meshlm.layout import resolve
-from meshlm.parallel.dims.zero.quantize import (
-    dequantize_rows,
-    packed_bytes,
-    quantize_rows,
-)
+from meshlm.parallel.dims.zero.quantize import dequantize_rows, packed_bytes, quantize_rows
 from meshlm.plan.volume import CROSS_GROUP, zero3_step_bytes
 
 FP32 = 1e-5

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -13,71 +12,20 @@ def _fail(msg: str, code: int = 2) -> int:
 
 
 def cmd_train(args, extra: list[str]) -> int:
-    from . import config as C
-    from .layout import device_defaults
-    from .model.from_config import check_init_weights, pin_model_shape
-    from .plan.auto import resolve
-    from .train.launch import (
-        incidents,
-        preempted,
-        record_error,
-        spawn,
-        under_launcher,
-        worker_errors,
-    )
+    from .train import preflight
+    from .train.launch import incidents, preempted, record_error, spawn, worker_errors
 
     try:
-        pairs, rest = C.parse_overrides(extra)
-        if rest:
-            raise C.ConfigError(f"unrecognised argument: {rest[0]}")
-        cfg = C.load(args.config, pairs)
-        asked_attn = cfg.model.attn_impl
-        device_defaults(cfg)  # training.precision / compile "auto": this machine's values, into config.toml
-        pin_model_shape(cfg)  # model.init_from: the HF model's shape goes into config.toml
-        worker = args.worker or under_launcher()
-        world = int(os.environ["WORLD_SIZE"]) if worker else (args.nproc or 1)
-        if worker and args.nproc:
-            raise C.ConfigError("--nproc: leave it out under torchrun or Slurm (the launcher starts the workers)")
-        if args.max_restarts < 0:
-            raise C.ConfigError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
-        if worker and args.max_restarts and not args.worker:
-            raise C.ConfigError("--max-restarts: under torchrun pass torchrun's own --max-restarts")
-        restarts, gpu = None, None
-        in_process = worker or not (world > 1 or args.max_restarts)  # this process trains: its layout is final
-        if in_process:
-            from .distributed.mesh import join_world, pick_device
-            from .train.observe.metrics import device_profile
-            device = pick_device(cfg.training.device)
-            gpu = device_profile(device)  # auto / replan choose for the device that trains
-            if worker:  # the world group forms and agrees on the job's restart count before the layout
-                restarts = join_world(device, cfg.parallel.timeout_s)  # (docs/fault_tolerance.md, "Growing back")
-        layout = resolve(cfg, world, gpu, restarts=restarts or 0)
-        check_init_weights(cfg)
-        cfg.data.check_files()
-        from .train.observe.wandb_sink import check as check_wandb
-        check_wandb(cfg)
-        from .parallel.optim.nvme import preflight as offload_preflight
-        offload_preflight(cfg, layout, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if worker else world)
-        run_dir = args.run_dir or os.path.join("runs", f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
-        from .train.checkpoint import check_room, preflight
-        preflight(cfg, run_dir, restarts or 0)
-        check_room(cfg, run_dir)
+        start = preflight.settle(args.config, extra, args.nproc, args.max_restarts, args.worker, args.run_dir)
     except (ValueError, RuntimeError) as e:  # ConfigErrors; training.device unknown; the world not formed
         return _fail(str(e))
+    cfg, world, worker, restarts, run_dir = start.cfg, start.world, start.worker, start.restarts, start.run_dir
     if not worker or int(os.environ.get("RANK", "0")) == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        resolved = os.path.join(run_dir, "config.toml")
-        if not (args.config and os.path.abspath(args.config) == os.path.abspath(resolved) and not pairs):
-            with open(resolved, "w") as f:
-                rec = getattr(cfg, "auto_record", None)  # parallel.auto: the planner's pick (this process's view)
-                if rec:
-                    f.write(f"# parallel.auto chose {rec['auto_layout']} (predicted {rec['predicted_step_s']:.3g} s/step, "
-                            f"MFU {rec['predicted_mfu']:.1%} on {rec['gpu']}); the trainer re-plans on its device\n")
-                f.write(C.to_toml(cfg))
+        preflight.write_config(start, args.config)
     if not args.worker and int(os.environ.get("RANK", "0")) == 0:
         t = cfg.training
         print(f"meshlm: {cfg.model.preset}, {world} worker{'s' if world > 1 else ''}{_shared_gpus(cfg, world)}, "
-              f"precision {t.precision}, compile {'on' if t.compile else 'off'}{_attention(cfg, asked_attn)}, "
+              f"precision {t.precision}, compile {'on' if t.compile else 'off'}{_attention(cfg, start.asked_attn)}, "
               f"run dir {run_dir}", file=sys.stderr)
     if not worker and (world > 1 or args.max_restarts):
         code = spawn(world, os.path.join(run_dir, "config.toml"), run_dir, args.max_restarts)
@@ -93,7 +41,7 @@ def cmd_train(args, extra: list[str]) -> int:
         return code and _fail(f"training failed (exit {code}); worker logs in {run_dir}/logs", code)
     from .train.trainer import run
     try:
-        last = run(cfg, run_dir, restarts, layout)
+        last = run(cfg, run_dir, restarts, start.layout)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         prefix = f"rank {os.environ.get('RANK', '0')}: "

@@ -13,23 +13,9 @@ import sys
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
-from .choices import (
-    AC_MODES,
-    CATCHABLE_SIGNALS,
-    CP_IMPLS,
-    ELASTIC,
-    EXPORT_DTYPES,
-    FP8_RECIPES,
-    OFFLOAD,
-    ON_ERROR,
-    OPTIMIZERS,
-    PP_SCHEDULES,
-    PRECISIONS,
-    REDUCE_DTYPES,
-    SPIKE_ACTIONS,
-    ZERO_STAGES,
-    choose,
-)
+from .choices import (AC_MODES, CATCHABLE_SIGNALS, CP_IMPLS, ELASTIC, EXPORT_DTYPES, FP8_RECIPES, OFFLOAD,
+                      ON_ERROR, PP_SCHEDULES, PRECISIONS, REDUCE_DTYPES, SPIKE_ACTIONS, ZERO_STAGES, choose)
+from .choices import OPTIMIZERS
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -214,6 +214,6 @@ def _check_pipeline(cfg: Config, args: ModelArgs, microbatches: int) -> None:
     """Schedule, chunks and the stage split (schedule/stage.py), as one-line ConfigErrors."""
     from .schedule.stage import stage_blocks
     try:
-        stage_blocks(args, cfg, microbatches)
+        stage_blocks(args, cfg.parallel, microbatches)
     except ValueError as e:
         raise LayoutError(str(e)) from None

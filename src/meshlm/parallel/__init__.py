@@ -7,7 +7,7 @@ and simulator) stay importable without torch, which the planner relies on.
 from importlib import import_module
 
 _LAZY = {"parallelize": ".compose", "Parallelized": ".compose", "cross_entropy": ".compose",
-         "named_params": ".compose"}
+         "named_params": ".compose", "slices": ".compose"}
 
 __all__ = list(_LAZY)
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..choices import param_dtype, torch_dtype
-from ..config import Config
+from ..config import OptimConfig, ParallelConfig, TrainingConfig
 from ..distributed.mesh import ParallelContext
 from ..layout import Layout
 from ..model.init import canonical_name, init_source, materialize
@@ -119,85 +119,115 @@ def reductions(ctx: ParallelContext, layout: Layout, zero: int, split_tied: set[
     return lambda name: experts if expert(name) else tied if name in split_tied else base
 
 
-def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config, layout: Layout,
-                make_optimizer: Callable, plan=None) -> Parallelized:
-    """`model` was built on the meta device; materialise and wrap it for this rank."""
+def slices(cfg) -> dict:
+    """`parallelize`'s keyword arguments cut from a whole config: the one place that reads all of it."""
+    return {"parallel": cfg.parallel, "training": cfg.training, "optim": cfg.optim, "init_from": cfg.model.init_from}
+
+
+def parallelize(model: nn.Module, ctx: ParallelContext, layout: Layout, make_optimizer: Callable, *,
+                parallel: ParallelConfig, training: TrainingConfig, optim: OptimConfig, init_from: str = "",
+                plan=None) -> Parallelized:
+    """`model` was built on the meta device; materialise and wrap it for this rank. Each dimension takes
+    the config keys it reads: the parallel section, the training section's precision / AC / loss /
+    compile knobs, the optimizer section; `init_from`: model.init_from ("hf:DIR" or empty)."""
     plan = plan or model_plan_for(model)
-    pipe = split_model(model, ctx, cfg, layout, plan) if layout.pp > 1 else None  # keep this rank's stages
+    pipe = split_model(model, ctx, layout, plan, parallel) if layout.pp > 1 else None  # this rank's stages
     table = PlacementTable()
     for name, p in named_params(model):
         table.add(name, tuple(p.shape))
     experts = plan.expert_params(model)
-    muon = plan.muon_params(model) & set(table.names()) if cfg.optim.name == "muon" else set()
-    if layout.ep > 1:
-        apply_expert_parallel(model, ctx.comm("ep"), plan, table, experts)
-    if layout.cp > 1 and model.args.moe:
-        share_tokens_over_cp(model, ctx.comm("cp"), plan)
-    apply_ac(model, cfg.training.ac, plan)
-    # training.loss_chunks: the head moves into the loss (before TP, which hooks the head it finds)
-    loss_head = head_in_loss(model, plan, cfg.training.loss_chunks) if cfg.training.loss_chunks else None
-    sp = cfg.parallel.sp and layout.tp > 1
-    cp = (apply_context_parallel(model, ctx.comm("cp"), cfg.parallel.cp_impl, plan, sp,
-                                 model.args.attn_kernel == "flex") if layout.cp > 1 else None)
-    # tp > 1: every tensor-parallel split (vocab-parallel, padded); tp = 1: only the vocabulary padding, if any
-    tp = (apply_tensor_parallel(model, ctx.comm("tp"), cfg.parallel.sp, plan, table, cp and cp.split,
-                                fuse_entry=cfg.training.precision != "fp8")
-          if layout.tp > 1 else pad_vocab(model, ctx.comm("tp"), plan, table))
+    muon = plan.muon_params(model) & set(table.names()) if optim.name == "muon" else set()
+    cp, tp, loss_head = _apply_dims(model, ctx, layout, plan, table, experts, parallel, training)
     split = {fqn: table[canonical_name(fqn)] for fqn, _ in model.named_parameters()
              if table[canonical_name(fqn)].splits}
-    materialize(model, cfg.training.seed, ctx.device, dtype=torch_dtype(param_dtype(cfg.training.precision)),
+    materialize(model, training.seed, ctx.device, dtype=torch_dtype(param_dtype(training.precision)),
                 full_shapes={f: pl.full_shape for f, pl in split.items()},
                 slicers={f: pl.to_local for f, pl in split.items()},
-                source=init_source(cfg.model.init_from, model.args))  # model.init_from = "hf:DIR"
-    if cfg.training.precision == "fp8":  # after TP and materialize: each linear holds its local shard
-        convert_to_float8(model, plan, cfg.training.fp8_recipe, cfg.training.fp8_emulate)
+                source=init_source(init_from, model.args))  # model.init_from = "hf:DIR"
+    if training.precision == "fp8":  # after TP and materialize: each linear holds its local shard
+        convert_to_float8(model, plan, training.fp8_recipe, training.fp8_emulate)
     # op-level AC over a TP block: the region holds Comm's collectives, whose byte accounting dynamo will
     # not trace inside a checkpoint; such blocks stay eager (the policy then counts exactly what it keeps)
-    if cfg.training.compile and not (cfg.training.ac == "op" and layout.tp > 1):
+    if training.compile and not (training.ac == "op" and layout.tp > 1):
         for key, block in list(plan.blocks(model).items()):
             plan.blocks(model)[key] = torch.compile(block, dynamic=False)
     named = named_params(model)
     split_tied = {plan.tied_name()} & set(table.names()) if pipe is not None and pipe.tied else set()
-    reduction_of = reductions(ctx, layout, cfg.parallel.zero, split_tied, experts.__contains__)
-    reduce_dtype = torch_dtype(cfg.parallel.reduce_dtype)
-    if cfg.parallel.zero:  # ZeRO-1/2/3, HSDP
-        grads = shard_model(model, named, cfg, plan, bool(split_tied), reduction_of, reduce_dtype, ctx)
-        if cfg.parallel.offload == "nvme":
-            opt = NvmeOptimizer(grads, cfg.optim, cfg.parallel.offload_dir, cfg.parallel.offload_buffer_mb, ctx.rank)
-        else:
-            opt = ZeroOptimizer(grads, cfg.optim, cfg.parallel.offload == "optimizer", frozenset(muon))
-            if muon:
-                opt = MuonAdamW(opt, ZeroMuon(opt, muon, table, ctx.comm, cfg.optim), cfg.optim)
-        for u in grads.units:  # ZeRO's ranges, computed once by the unit (zero/units.py `Segment`)
-            for seg, name in zip(u.pieces, u.names):
-                table.update(name, lambda pl: pl.shard_flat(seg.param_start, seg.param_end, u.comm.name))
-    else:
-        key = lambda n: reduction_of(n).key  # noqa: E731
-        opt = (MuonAdamW.local(named, cfg.optim, ctx.device, make_optimizer, muon, table, ctx.comm, key,
-                               int(cfg.parallel.bucket_mb * 2 ** 20)) if muon
-               else make_optimizer(named, cfg.optim, ctx.device, group_key=key))
-        grads = GradBuckets(opt.params, [reduction_of(n) for n in opt.names],
-                            int(cfg.parallel.bucket_mb * 2 ** 20), reduce_dtype, opt.groups)
-        opt.bind_grads(grads.flat)
+    reduction_of = reductions(ctx, layout, parallel.zero, split_tied, experts.__contains__)
+    grads, opt = _synchroniser_and_optimizer(model, named, ctx, plan, table, parallel, optim, make_optimizer,
+                                             reduction_of, bool(split_tied), muon)
     for name in table.names():  # the copies a reduction sums are replicas of one another
         red = reduction_of(name)
         for c in red.all_reduce_over + red.sum_at_finish:
             if c.size > 1:
                 table.update(name, lambda pl: pl.replicate(c.name, c.rank))
-    if layout.tp > 1:
-        loss_fn = tp.make_loss_fn()
-    else:
-        loss_fn = partial(cross_entropy, vocab=model.args.vocab_size)  # drops padded logits, if any
-        if cfg.training.compile:  # the vocab-parallel loss has collectives inside; the plain one fuses well
-            loss_fn = torch.compile(loss_fn, dynamic=False)
-    if loss_head is not None:
-        loss_fn = chunked_loss(loss_head, tp and tp.vocab, ctx.comm("tp") if layout.tp > 1 else None,
-                               cfg.training.compile)
+    loss_fn = _loss_fn(model, tp, loss_head, ctx, layout, training.compile)
     if pipe is not None:
-        runner = pipeline_runner(model, grads, loss_fn, pipe, ctx, cfg, layout, plan)
+        runner = pipeline_runner(model, grads, loss_fn, pipe, ctx, layout, plan, schedule=parallel.pp_schedule,
+                                 sp=parallel.sp, split_w=training.ac not in ("full", "op"))
     else:
         runner = Accumulation(model, loss_fn, grads, layout.micro_batch, layout.accum)
     return Parallelized(model=model, optimizer=opt, grads=grads, placements=table, world=ctx.comm("world"),
                         loss_fn=loss_fn, runner=runner, names={id(p): name for name, p in named},
                         pipeline=runner if pipe is not None else None,
                         moe=MoEStats(model, plan, layout.tp) if model.args.moe else None, cp=cp)
+
+
+def _apply_dims(model, ctx, layout, plan, table, experts, parallel: ParallelConfig, training: TrainingConfig):
+    """EP, AC, the loss head, CP and TP on the meta model, in the order each expects the others:
+    (the CP handle or None, the TP handle (tp = 1: the vocabulary padding) or None, the chunked loss head
+    or None)."""
+    if layout.ep > 1:
+        apply_expert_parallel(model, ctx.comm("ep"), plan, table, experts)
+    if layout.cp > 1 and model.args.moe:
+        share_tokens_over_cp(model, ctx.comm("cp"), plan)
+    apply_ac(model, training.ac, plan)
+    # training.loss_chunks: the head moves into the loss (before TP, which hooks the head it finds)
+    loss_head = head_in_loss(model, plan, training.loss_chunks) if training.loss_chunks else None
+    sp = parallel.sp and layout.tp > 1
+    cp = (apply_context_parallel(model, ctx.comm("cp"), parallel.cp_impl, plan, sp,
+                                 model.args.attn_kernel == "flex") if layout.cp > 1 else None)
+    # tp > 1: every tensor-parallel split (vocab-parallel, padded); tp = 1: only the vocabulary padding, if any
+    tp = (apply_tensor_parallel(model, ctx.comm("tp"), parallel.sp, plan, table, cp and cp.split,
+                                fuse_entry=training.precision != "fp8")
+          if layout.tp > 1 else pad_vocab(model, ctx.comm("tp"), plan, table))
+    return cp, tp, loss_head
+
+
+def _synchroniser_and_optimizer(model, named, ctx, plan, table, parallel: ParallelConfig, optim: OptimConfig,
+                                make_optimizer, reduction_of, split_tied: bool, muon: set):
+    """The gradient synchroniser (ZeRO units or DP buckets) and the optimizer over what it holds."""
+    reduce_dtype = torch_dtype(parallel.reduce_dtype)
+    bucket = int(parallel.bucket_mb * 2 ** 20)
+    if parallel.zero:  # ZeRO-1/2/3, HSDP
+        grads = shard_model(model, named, parallel, plan, split_tied, reduction_of, reduce_dtype, ctx)
+        if parallel.offload == "nvme":
+            opt = NvmeOptimizer(grads, optim, parallel.offload_dir, parallel.offload_buffer_mb, ctx.rank)
+        else:
+            opt = ZeroOptimizer(grads, optim, parallel.offload == "optimizer", frozenset(muon))
+            if muon:
+                opt = MuonAdamW(opt, ZeroMuon(opt, muon, table, ctx.comm, optim), optim)
+        for u in grads.units:  # ZeRO's ranges, computed once by the unit (zero/units.py `Segment`)
+            for seg, name in zip(u.pieces, u.names):
+                table.update(name, lambda pl: pl.shard_flat(seg.param_start, seg.param_end, u.comm.name))
+        return grads, opt
+    key = lambda n: reduction_of(n).key  # noqa: E731
+    opt = (MuonAdamW.local(named, optim, ctx.device, make_optimizer, muon, table, ctx.comm, key, bucket) if muon
+           else make_optimizer(named, optim, ctx.device, group_key=key))
+    grads = GradBuckets(opt.params, [reduction_of(n) for n in opt.names], bucket, reduce_dtype, opt.groups)
+    opt.bind_grads(grads.flat)
+    return grads, opt
+
+
+def _loss_fn(model, tp, loss_head, ctx, layout, compile_: bool):
+    """The mean token loss: vocab-parallel under TP, chunked with a loss head, else cross-entropy over the
+    real vocabulary (compiled when the blocks are: it fuses well, and has no collective inside)."""
+    if layout.tp > 1:
+        loss_fn = tp.make_loss_fn()
+    else:
+        loss_fn = partial(cross_entropy, vocab=model.args.vocab_size)  # drops padded logits, if any
+        if compile_:
+            loss_fn = torch.compile(loss_fn, dynamic=False)
+    if loss_head is not None:
+        loss_fn = chunked_loss(loss_head, tp and tp.vocab, ctx.comm("tp") if layout.tp > 1 else None, compile_)
+    return loss_fn

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..choices import AC_MODES, HELD
 from ..model.args import padded_vocab
 from ..schedule.actions import stage_index
 from ..schedule.stage import estimate_costs, partition
+from ..choices import AC_MODES, HELD
 from .spec import Shape, Spec
 from .volume import packed_bytes
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from . import comm as C
 from .hardware import GPU
-from .memory import block_matrices, muon_shard_group, muon_tp_buckets
 from .ops import gemm_seconds
+from .memory import block_matrices, muon_shard_group, muon_tp_buckets
 from .spec import Shape, Spec
 
 NS_STEPS = 5  # optim.muon_ns_steps' default

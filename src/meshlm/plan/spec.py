@@ -9,17 +9,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..choices import AC_MODES, CP_IMPLS, OFFLOAD, OPTIMIZERS, PRECISIONS, choose
-from ..choices import PP_SCHEDULES as SCHEDULES
+from ..choices import AC_MODES, CP_IMPLS, OFFLOAD, OPTIMIZERS, PP_SCHEDULES as SCHEDULES, PRECISIONS, choose
 from ..config import AUTO, Config, ConfigError, resolve_auto
-from ..layout import (
-    batch_split,
-    check_cp,
-    check_ep,
-    check_shape,
-    check_zeropp,
-    model_args,
-)
+from ..layout import batch_split, check_cp, check_ep, check_shape, check_zeropp, model_args
 from ..model import args as model_args_module
 
 PLAN_PRECISIONS = tuple(dict.fromkeys(PRECISIONS + ("fp8",)))

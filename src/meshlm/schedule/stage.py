@@ -133,9 +133,9 @@ class PipelineStages:
         return any(self.stage(c) == stage for c in range(self.v))
 
 
-def stage_blocks(args, cfg, m: int) -> list[list[int]]:
-    """The blocks of every stage for model `args` under `cfg`'s pipeline keys and `m` micro-batches
-    (ValueError naming the key when they do not fit); layout.py checks with it, the runtime cuts by it."""
-    p = cfg.parallel
+def stage_blocks(args, p, m: int) -> list[list[int]]:
+    """The blocks of every stage for model `args` under the pipeline keys of `p` (the parallel section)
+    and `m` micro-batches (ValueError naming the key when they do not fit); layout.py checks with it,
+    the runtime cuts by it."""
     costs = estimate_costs(args.dim, args.n_heads, args.n_kv_heads, args.ffn_dim, args.vocab_size)
     return check_pipeline(args.n_layers, p.pp, p.pp_virtual, p.pp_schedule, m, list(p.pp_layers), costs)

@@ -15,31 +15,18 @@ import torch
 from ..config import Config
 from ..data import default_data_dir
 from ..data.dataset import open_data
-from ..distributed.mesh import (
-    ParallelContext,
-    init_context,
-    join_world,
-    pick_device,
-    shutdown,
-)
+from ..distributed.mesh import ParallelContext, init_context, join_world, pick_device, shutdown
 from ..layout import Layout
 from ..model import build_model
 from ..model.from_config import model_args
-from ..parallel import Parallelized, parallelize
+from ..parallel import Parallelized, parallelize, slices
 from ..parallel.step import local_batch
 from ..plan.auto import resolve
 from . import checkpoint as ckpt
 from . import plugins
 from .evaluate import evaluate
 from .launch import record_error
-from .observe.metrics import (
-    MetricsLog,
-    StepMeter,
-    StepProfiler,
-    device_profile,
-    log_auto,
-    memory,
-)
+from .observe.metrics import MetricsLog, StepMeter, StepProfiler, device_profile, log_auto, memory
 from .optim import LossScaler, MasterOptimizer, clip_, grad_norm, lr_at
 from .resilience import fault, preempt
 from .resilience.saving import Saving
@@ -115,7 +102,7 @@ class Trainer:
                              f"{self.data.vocab_size}")
         with torch.device("meta"):
             model = build_model(self.args)
-        self.par: Parallelized = parallelize(model, ctx, cfg, layout, MasterOptimizer)
+        self.par: Parallelized = parallelize(model, ctx, layout, MasterOptimizer, **slices(cfg))
         self.model = self.par.model
         self.runner = self.par.runner
         # what checkpoints hold, and what keeps a run alive (watchdog, non-finite guard, preemption)

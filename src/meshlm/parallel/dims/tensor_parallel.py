@@ -26,15 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...distributed.comm import Comm
-from ...distributed.functional import (
-    copy_to,
-    gather_linears,
-    gather_seq,
-    reduce_from,
-    reduce_scatter_seq,
-    sum_grad,
-    sum_grad_over_replicas,
-)
+from ...distributed.functional import (copy_to, gather_linears, gather_seq, reduce_from, reduce_scatter_seq, sum_grad,
+                                       sum_grad_over_replicas)
 from ...layout import check_shape
 from ...model.args import padded_vocab
 from ...model.init import canonical_name

@@ -68,16 +68,14 @@ def check_dir(path: str, need: int, what: str) -> None:
                            f"{need / 2**30:.2f} GiB")
 
 
-def preflight(cfg, layout, local_ranks: int) -> None:
+def preflight(parallel, layout, local_ranks: int, num_params: int) -> None:
     """Before any worker starts (offload = "nvme"): offload_dir is writable and holds this node's ranks'
     state, 12 B per parameter each holds (Ψ·dp_replicate/world on average; each rank checks its exact
     size again when it reserves its files)."""
-    if cfg.parallel.offload != "nvme":
+    if parallel.offload != "nvme":
         return
-    from ...model.from_config import model_args
-
-    per_rank = model_args(cfg).num_params() * layout.dp_replicate / layout.world_size
-    check_dir(cfg.parallel.offload_dir, state_bytes(int(per_rank * local_ranks)),
+    per_rank = num_params * layout.dp_replicate / layout.world_size
+    check_dir(parallel.offload_dir, state_bytes(int(per_rank * local_ranks)),
               f"the optimizer state of {local_ranks} rank{'s' if local_ranks > 1 else ''}")
 
 

@@ -22,15 +22,7 @@ import torch
 from ...config import OptimConfig
 from ..dims.zero.units import Segment, Unit
 from ..placement import PlacementTable
-from .muon import (
-    Orthogonaliser,
-    Route,
-    SplitExchange,
-    deal,
-    nesterov_,
-    owner_exchange,
-    plan_route,
-)
+from .muon import Orthogonaliser, Route, SplitExchange, deal, nesterov_, owner_exchange, plan_route
 from .zero_adamw import ZeroOptimizer
 
 

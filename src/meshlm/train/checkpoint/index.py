@@ -9,11 +9,7 @@ import pickle
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import (
-    Metadata,
-    MetadataIndex,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 
 class CheckpointError(RuntimeError):

@@ -21,23 +21,25 @@ from ....schedule.schedules import V_SHAPED, build_schedule
 from ....schedule.stage import PipelineStages, stage_blocks
 
 
-def split_model(model: nn.Module, ctx, cfg, layout, plan) -> PipelineStages:
+def split_model(model: nn.Module, ctx, layout, plan, parallel) -> PipelineStages:
     """Prune the meta-device `model` to this rank's stages (in place; what to keep is the model
     plan's call, parallel/plans/llama.py)."""
     args = model.args
-    vshape = cfg.parallel.pp_schedule in V_SHAPED
-    S = layout.pp * cfg.parallel.pp_virtual
+    vshape = parallel.pp_schedule in V_SHAPED
+    S = layout.pp * parallel.pp_virtual
     # the tied weight is split over two ranks unless one rank holds both ends (ZB-V's rank 0)
     split_tied = stage_owner(0, layout.pp, vshape)[0] != stage_owner(S - 1, layout.pp, vshape)[0]
-    pipe = PipelineStages(stage_blocks(args, cfg, layout.microbatches), ctx.index("pp"), layout.pp,
-                        cfg.parallel.pp_virtual, bool(args.tie_embeddings) and split_tied, vshape)
+    pipe = PipelineStages(stage_blocks(args, parallel, layout.microbatches), ctx.index("pp"), layout.pp,
+                        parallel.pp_virtual, bool(args.tie_embeddings) and split_tied, vshape)
     keep = {str(i) for c in range(pipe.v) for i in pipe.blocks[pipe.stage(c)]}
     plan.prune(model, keep, pipe.holds(0), pipe.holds(S - 1))
     return pipe
 
 
-def pipeline_runner(model: nn.Module, grads, loss_fn, pipe: PipelineStages, ctx, cfg, layout, plan):
-    """The runtime over this rank's chunks of the pruned, materialised `model`."""
+def pipeline_runner(model: nn.Module, grads, loss_fn, pipe: PipelineStages, ctx, layout, plan, *, schedule: str,
+                    sp: bool, split_w: bool):
+    """The runtime over this rank's chunks of the pruned, materialised `model`. `split_w`: the zero-bubble
+    I/W split of a block's backward (off under block AC, which recomputes per call: backward.py)."""
     from .runtime import PipelineRuntime, Stage
 
     p, v = pipe.p, pipe.v
@@ -45,16 +47,14 @@ def pipeline_runner(model: nn.Module, grads, loss_fn, pipe: PipelineStages, ctx,
     stages = [Stage(model, plan, [str(i) for i in pipe.blocks[pipe.stage(c)]], pipe.stage(c),
                     pipe.stage(c) == 0, pipe.stage(c) == S - 1) for c in range(v)]
     m = layout.microbatches
-    actions = build_schedule(cfg.parallel.pp_schedule, p, m, v)
+    actions = build_schedule(schedule, p, m, v)
     check_schedule(actions, p, m, v, pipe.vshape)
     args = model.args
-    split = layout.tp if cfg.parallel.sp and layout.tp > 1 else 1
+    split = layout.tp if sp and layout.tp > 1 else 1
 
     def act_shape(n: int, seq: int) -> tuple[int, int, int]:
         return (n, seq // split, args.dim)
 
     dtype = next(model.parameters()).dtype
     return PipelineRuntime(stages, actions, pipe.rank, ctx.comm("pp"), grads, loss_fn, dtype,
-                           ctx.device, act_shape, m, cfg.parallel.pp_schedule,
-                           split_w=cfg.training.ac not in ("full", "op"),  # backward.py: block AC recomputes per call
-                           vshape=pipe.vshape)
+                           ctx.device, act_shape, m, schedule, split_w=split_w, vshape=pipe.vshape)

@@ -31,8 +31,8 @@ SWITCHES = {1: ZeroSwitches(), 2: ZeroSwitches(shard_grads=True),
             3: ZeroSwitches(shard_grads=True, shard_params=True)}
 
 
-def shard_model(model, named, cfg, plan, split_tied: bool, reduction_of, reduce_dtype, ctx=None) -> ZeroSync:
+def shard_model(model, named, parallel, plan, split_tied: bool, reduction_of, reduce_dtype, ctx=None) -> ZeroSync:
     """The synchroniser `parallelize` uses for zero >= 1 (its optimizer: optim/zero_adamw.py `ZeroOptimizer`);
     `ctx`: the mesh, whose ZeRO++ groups (if any) turn ZeRO++ on."""
-    zpp = ZeroPP.for_job(ctx, cfg.parallel) if ctx is not None else None
-    return ZeroSync(model, named, SWITCHES[cfg.parallel.zero], plan, split_tied, reduction_of, reduce_dtype, zpp)
+    zpp = ZeroPP.for_job(ctx, parallel) if ctx is not None else None
+    return ZeroSync(model, named, SWITCHES[parallel.zero], plan, split_tied, reduction_of, reduce_dtype, zpp)

@@ -1,0 +1,93 @@
+"""What `meshlm train` settles and checks before any worker starts, so that bad input is one line and exit
+2 with nothing written: the config and its overrides, the world and whether this process trains, the
+layout for the device that trains, then every input the run will read or write (Hugging Face weights,
+data shards, W&B, offload directories, the checkpoint it resumes and the room for the ones it writes)."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from .. import config as C
+from ..layout import Layout, device_defaults
+
+
+@dataclass
+class Start:
+    """A run that passed its checks: what `cmd_train` writes, prints and launches."""
+    cfg: C.Config
+    layout: Layout
+    world: int
+    worker: bool  # started by a launcher (torchrun, Slurm, meshlm's own --nproc)
+    restarts: int | None  # the job's agreed restart count, once the world group formed
+    run_dir: str
+    overrides: list  # the command line's --section.key pairs
+    asked_attn: str  # model.attn_impl as given, before "auto" resolved
+
+
+def settle(config_path: str | None, extra: list[str], nproc: int | None, max_restarts: int, worker_flag: bool,
+           run_dir: str | None) -> Start:
+    """The resolved run, or a ValueError / RuntimeError whose message is the one line to print."""
+    from ..model.from_config import pin_model_shape
+    from ..plan.auto import resolve
+    from .launch import under_launcher
+
+    pairs, rest = C.parse_overrides(extra)
+    if rest:
+        raise C.ConfigError(f"unrecognised argument: {rest[0]}")
+    cfg = C.load(config_path, pairs)
+    asked_attn = cfg.model.attn_impl
+    device_defaults(cfg)  # training.precision / compile "auto": this machine's values, into config.toml
+    pin_model_shape(cfg)  # model.init_from: the HF model's shape goes into config.toml
+    worker = worker_flag or under_launcher()
+    world = int(os.environ["WORLD_SIZE"]) if worker else (nproc or 1)
+    if worker and nproc:
+        raise C.ConfigError("--nproc: leave it out under torchrun or Slurm (the launcher starts the workers)")
+    if max_restarts < 0:
+        raise C.ConfigError(f"--max-restarts: must be >= 0, got {max_restarts}")
+    if worker and max_restarts and not worker_flag:
+        raise C.ConfigError("--max-restarts: under torchrun pass torchrun's own --max-restarts")
+    restarts, gpu = None, None
+    if worker or not (world > 1 or max_restarts):  # this process trains: its layout is final
+        from ..distributed.mesh import join_world, pick_device
+        from .observe.metrics import device_profile
+        device = pick_device(cfg.training.device)
+        gpu = device_profile(device)  # auto / replan choose for the device that trains
+        if worker:  # the world group forms and agrees on the job's restart count before the layout
+            restarts = join_world(device, cfg.parallel.timeout_s)  # (docs/fault_tolerance.md, "Growing back")
+    layout = resolve(cfg, world, gpu, restarts=restarts or 0)
+    run_dir = run_dir or os.path.join("runs", f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    check_inputs(cfg, layout, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if worker else world, run_dir,
+                 restarts or 0)
+    return Start(cfg, layout, world, worker, restarts, run_dir, pairs, asked_attn)
+
+
+def check_inputs(cfg: C.Config, layout: Layout, local_world: int, run_dir: str, restarts: int) -> None:
+    """Everything outside the config the run will read or write, each check its owner's."""
+    from ..model.from_config import check_init_weights, model_args
+    from ..parallel.optim.nvme import preflight as offload_preflight
+    from .checkpoint import check_room
+    from .checkpoint import preflight as resume_preflight
+    from .observe.wandb_sink import check as check_wandb
+
+    check_init_weights(cfg)
+    cfg.data.check_files()
+    check_wandb(cfg)
+    offload_preflight(cfg.parallel, layout, local_world, model_args(cfg).num_params())
+    resume_preflight(cfg, run_dir, restarts)
+    check_room(cfg, run_dir)
+
+
+def write_config(start: Start, config_path: str | None) -> None:
+    """The resolved config as `run_dir/config.toml` (what workers and resumes read), unless the run was
+    started from that very file with no overrides."""
+    resolved = os.path.join(start.run_dir, "config.toml")
+    os.makedirs(start.run_dir, exist_ok=True)
+    if config_path and os.path.abspath(config_path) == os.path.abspath(resolved) and not start.overrides:
+        return
+    with open(resolved, "w") as f:
+        rec = getattr(start.cfg, "auto_record", None)  # parallel.auto: the planner's pick (this process's view)
+        if rec:
+            f.write(f"# parallel.auto chose {rec['auto_layout']} (predicted {rec['predicted_step_s']:.3g} s/step, "
+                    f"MFU {rec['predicted_mfu']:.1%} on {rec['gpu']}); the trainer re-plans on its device\n")
+        f.write(C.to_toml(start.cfg))
