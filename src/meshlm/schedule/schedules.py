@@ -106,83 +106,88 @@ def _zbv_compute(p: int, m: int, costs: dict, max_deferred: int | None = None) -
     a rank holding that many such W's (stage 0's hold none: its I is empty) runs the oldest before
     another F. Also returns the peak over ranks of held chunk activations plus such W's.
     """
-    S, cap = 2 * p, 2 * p
-    dur = {k: costs[k] for k in ("F", "I", "W")}
-    flow = Dataflow(p, 2, vshape=True)         # the replay's dependency rule and end times
-    nxt_f = [[0, 0] for _ in range(p)]         # next mb to forward, per rank and chunk
-    nxt_i = [[0, 0] for _ in range(p)]
-    pending: list[deque] = [deque() for _ in range(p)]   # (mb, chunk) whose W is deferred
-    held, clock = [0] * p, [0.0] * p
-    deferred, peak = [0] * p, [0]              # W's holding captured gradients; peak of held + those
-    out: list[list[Action]] = [[] for _ in range(p)]
-    total = 6 * m * p
-    step = max(min(dur["F"], dur["I"]), 1e-6)
-
-    def ready(r: int, kind: str, c: int) -> float | None:
-        """When the next `kind` on chunk c of rank r has its input (None: not produced yet)."""
-        mb = (nxt_f if kind == "F" else nxt_i)[r][c]
-        if mb >= m or kind == "I" and not flow.forward_ran(r, c, mb):
-            return None
-        return flow.input_at(r, kind, c, mb)
-
-    def run(r: int, kind: str, mb: int, c: int, start: float) -> None:
-        end = start + dur[kind]
-        s = stage_index(r, c, p, True)
-        out[r].append(Action(kind, mb, c))
-        flow.ran(r, kind, c, mb, end)
-        clock[r] = end
-        if kind == "F":
-            nxt_f[r][c] += 1
-            held[r] += 1
-        elif kind == "I":
-            nxt_i[r][c] += 1
-            pending[r].append((mb, c))
-        else:
-            held[r] -= 1
-        if s != 0 and kind in ("I", "W"):
-            deferred[r] += 1 if kind == "I" else -1
-        peak[0] = max(peak[0], held[r] + deferred[r])
-
-    while sum(len(a) for a in out) < total:
-        order = sorted((q for q in range(p) if len(out[q]) < 6 * m), key=lambda q: (clock[q], q))
-        for r in order:
-            t = clock[r]
-            cands = []
-            for kind, rank_k in (("I", 0), ("F", 1)):
-                if kind == "F" and held[r] >= cap:
-                    continue
-                for c in (1, 0):
-                    at = ready(r, kind, c)
-                    if at is not None:
-                        mb = (nxt_f if kind == "F" else nxt_i)[r][c]
-                        cands.append((at > t + 1e-9, rank_k, mb, -c, at, kind, c))
-            loss_w = [x for x in pending[r] if stage_index(r, x[1], p, True) == S - 1]
-            if loss_w:   # the loss stage's W before any F: its saved logits are the largest activations
-                pending[r].remove(loss_w[0])
-                run(r, "W", *loss_w[0], t)
-                break
-            now = [x for x in cands if not x[0]]
-            if max_deferred is not None and deferred[r] >= max_deferred and not [x for x in now if x[5] == "I"]:
-                w = next(x for x in pending[r] if stage_index(r, x[1], p, True) != 0)
-                pending[r].remove(w)
-                run(r, "W", *w, t)
-                break
-            if now:
-                _, _, mb, _, _, kind, c = min(now)
-                run(r, kind, mb, c, t)
-                break
-            if pending[r]:
-                mb, c = pending[r].popleft()
-                run(r, "W", mb, c, t)
-                break
-            # idle until a known input arrives or another rank could have produced one
-            wake = [x[4] for x in cands] + [clock[q] + step for q in order if q != r]
-            if wake:
-                clock[r] = min(wake)
-                break
-        else:
+    z = _ZBVLister(p, m, costs, max_deferred)
+    while sum(len(a) for a in z.out) < 6 * m * p:
+        order = sorted((q for q in range(p) if len(z.out[q]) < 6 * m), key=lambda q: (z.clock[q], q))
+        if not any(z.advance(r, order) for r in order):
             raise AssertionError("zbv list scheduling made no progress")  # a bug, not bad input
-    return out, peak[0]
+    return z.out, z.peak
+
+
+class _ZBVLister:
+    """The state of `_zbv_compute`'s list scheduling: per rank the next micro-batch to forward and to
+    backward on each chunk, the deferred W's, held activations and the simulated clock."""
+
+    def __init__(self, p: int, m: int, costs: dict, max_deferred: int | None):
+        self.p, self.m, self.max_deferred = p, m, max_deferred
+        self.dur = {k: costs[k] for k in ("F", "I", "W")}
+        self.flow = Dataflow(p, 2, vshape=True)        # the replay's dependency rule and end times
+        self.nxt = {"F": [[0, 0] for _ in range(p)], "I": [[0, 0] for _ in range(p)]}  # next mb per rank, chunk
+        self.pending: list[deque] = [deque() for _ in range(p)]  # (mb, chunk) whose W is deferred
+        self.held, self.clock = [0] * p, [0.0] * p
+        self.deferred, self.peak = [0] * p, 0              # W's holding captured gradients; peak of held + those
+        self.out: list[list[Action]] = [[] for _ in range(p)]
+        self.step = max(min(self.dur["F"], self.dur["I"]), 1e-6)
+
+    def ready(self, r: int, kind: str, c: int) -> float | None:
+        """When the next `kind` on chunk c of rank r has its input (None: not produced yet)."""
+        mb = self.nxt[kind][r][c]
+        if mb >= self.m or kind == "I" and not self.flow.forward_ran(r, c, mb):
+            return None
+        return self.flow.input_at(r, kind, c, mb)
+
+    def run(self, r: int, kind: str, mb: int, c: int, start: float) -> None:
+        end = start + self.dur[kind]
+        self.out[r].append(Action(kind, mb, c))
+        self.flow.ran(r, kind, c, mb, end)
+        self.clock[r] = end
+        if kind in ("F", "I"):
+            self.nxt[kind][r][c] += 1
+        if kind == "F":
+            self.held[r] += 1
+        elif kind == "I":
+            self.pending[r].append((mb, c))
+        else:
+            self.held[r] -= 1
+        if stage_index(r, c, self.p, True) != 0 and kind in ("I", "W"):
+            self.deferred[r] += 1 if kind == "I" else -1
+        self.peak = max(self.peak, self.held[r] + self.deferred[r])
+
+    def run_w(self, r: int, which: tuple[int, int], t: float) -> bool:
+        self.pending[r].remove(which)
+        self.run(r, "W", *which, t)
+        return True
+
+    def advance(self, r: int, order: list[int]) -> bool:
+        """Rank r runs its preferred action now, or idles until an input may arrive; False: neither."""
+        p, t = self.p, self.clock[r]
+        cands = []
+        for kind, rank_k in (("I", 0), ("F", 1)):
+            if kind == "F" and self.held[r] >= 2 * p:
+                continue
+            for c in (1, 0):
+                at = self.ready(r, kind, c)
+                if at is not None:
+                    cands.append((at > t + 1e-9, rank_k, self.nxt[kind][r][c], -c, at, kind, c))
+        loss_w = [x for x in self.pending[r] if stage_index(r, x[1], p, True) == 2 * p - 1]
+        if loss_w:   # the loss stage's W before any F: its saved logits are the largest activations
+            return self.run_w(r, loss_w[0], t)
+        now = [x for x in cands if not x[0]]
+        if (self.max_deferred is not None and self.deferred[r] >= self.max_deferred
+                and not [x for x in now if x[5] == "I"]):
+            return self.run_w(r, next(x for x in self.pending[r] if stage_index(r, x[1], p, True) != 0), t)
+        if now:
+            _, _, mb, _, _, kind, c = min(now)
+            self.run(r, kind, mb, c, t)
+            return True
+        if self.pending[r]:
+            return self.run_w(r, self.pending[r][0], t)
+        # idle until a known input arrives or another rank could have produced one
+        wake = [x[4] for x in cands] + [self.clock[q] + self.step for q in order if q != r]
+        if wake:
+            self.clock[r] = min(wake)
+            return True
+        return False
 
 
 def gpipe(p: int, m: int, *, costs: dict | None = None) -> list[list[Action]]:
