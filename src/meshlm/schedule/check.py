@@ -70,21 +70,17 @@ def _check_local(actions, p: int, m: int, v: int, vs: bool) -> None:
                     ("B", a.mb, a.chunk) in done or ("I", a.mb, a.chunk) in done)
                 if not produced:
                     raise ScheduleError(f"{_where(r, i, a)}: sends a tensor not produced yet")
-                msg = message_of(Action("F" if suffix == "F" else "B", a.mb, a.chunk), r, p, v, vs)
-                if msg is None or msg[1] != a.peer:
-                    raise ScheduleError(
-                        f"{_where(r, i, a)}: stage {s} does not send {suffix} to rank {a.peer}")
-                if mkey in sent:
-                    raise ScheduleError(f"{_where(r, i, a)}: duplicate send")
-                sent.add(mkey)
-            else:
-                src = source_of(Action("F" if suffix == "F" else "B", a.mb, a.chunk), r, p, v, vs)
-                if src is None or src[0] != a.peer:
-                    raise ScheduleError(
-                        f"{_where(r, i, a)}: stage {s} does not receive {suffix} from rank {a.peer}")
-                if mkey in recvd:
-                    raise ScheduleError(f"{_where(r, i, a)}: duplicate recv")
-                recvd.add(mkey)
+            compute = Action("F" if suffix == "F" else "B", a.mb, a.chunk)
+            # a send must match the message its stage sends, a recv the one it receives, each once
+            peer = (message_of(compute, r, p, v, vs) or (None, None))[1] if a.is_send else \
+                (source_of(compute, r, p, v, vs) or (None,))[0]
+            what, seen = ("send", sent) if a.is_send else ("recv", recvd)
+            if peer != a.peer:
+                verb = f"send {suffix} to" if a.is_send else f"receive {suffix} from"
+                raise ScheduleError(f"{_where(r, i, a)}: stage {s} does not {verb} rank {a.peer}")
+            if mkey in seen:
+                raise ScheduleError(f"{_where(r, i, a)}: duplicate {what}")
+            seen.add(mkey)
         for c in range(v):
             for mb in range(m):
                 s = stage_index(r, c, p, vs)
