@@ -6,72 +6,18 @@ their global index so parameter names stay the same when a pipeline stage keeps 
 """
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .args import ROPE_TYPES, ModelArgs
+from .args import ModelArgs
 from .feed_forward import FeedForward
+from .flex import flex_block_mask
+from .layers import AttentionCore, HeadRMSNorm, RMSNorm, apply_rope, rope_frequencies, rope_tables
 from .moe import MoE
-from .flex import flex_attend, flex_block_mask
-from .ops import rms_norm
 
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.gain(), self.eps)
-
-    def gain(self) -> torch.Tensor:
-        """The weight as the forward uses it (sequence parallelism wraps it to sum its gradient)."""
-        return self.weight
-
-
-class HeadRMSNorm(RMSNorm):
-    """RMSNorm over each attention head (q/k norm). Not on the residual stream: sequence parallelism
-    leaves it alone, and tensor parallelism sums its gradient (each rank holds some of the heads)."""
-
-
-def rope_frequencies(args: ModelArgs) -> torch.Tensor:
-    """The rotation frequency of each pair [head_dim/2] (float64), scaled as `args.rope_type` says.
-
-    llama3 (Llama 3.1, transformers' `_compute_llama3_parameters`): wavelengths longer than
-    original/low_freq_factor are stretched by `factor`, shorter than original/high_freq_factor kept,
-    and those between interpolated smoothly. linear: every frequency divided by `factor`."""
-    hd = args.head_dim
-    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-    if args.rope_type == "linear":
-        return freqs / args.rope_factor
-    if args.rope_type == "llama3":
-        low, high, orig = args.rope_low_freq_factor, args.rope_high_freq_factor, args.rope_original_max_seq_len
-        wavelen = 2 * math.pi / freqs
-        smooth = ((orig / wavelen - low) / (high - low)).clamp(0.0, 1.0)
-        scaled = (1 - smooth) * freqs / args.rope_factor + smooth * freqs
-        return torch.where(wavelen > orig / low, freqs / args.rope_factor,
-                           torch.where(wavelen < orig / high, freqs, scaled))
-    if args.rope_type != "default":
-        raise ValueError(f"rope_type {args.rope_type!r} is not one of {', '.join(ROPE_TYPES)}")
-    return freqs
-
-
-def rope_tables(freqs: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), freqs)
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, S, H, D]; rotates interleaved pairs (d0, d1), (d2, d3), ... by position angles."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    a, b = xf[..., 0], xf[..., 1]
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
-    out = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
-    return out.type_as(x)
+# the shared pieces live in layers.py; importing them from here keeps working
+__all__ = ["Attention", "Block", "Llama", "FeedForward", "AttentionCore", "HeadRMSNorm", "RMSNorm", "apply_rope",
+           "rope_frequencies", "rope_tables"]
 
 
 def document_mask(docs: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -102,17 +48,6 @@ def attention_mask(kernel: str, docs: torch.Tensor | None, seq: int, device: tor
     if kernel == "flex":
         return flex_block_mask(docs, seq if local is not None else docs.shape[1], device, local)
     return document_mask(docs, local)
-
-
-class AttentionCore(nn.Module):
-    """The softmax(QK^T)V part alone, a module so selective checkpointing can wrap just it."""
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
-        if mask is not None and not isinstance(mask, torch.Tensor):  # a BlockMask (model.attn_impl = flex)
-            return flex_attend(q, k, v, mask)
-        # Grouped-query attention: SDPA shares each kv head across its q heads without copying them.
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                              enable_gqa=k.shape[1] != q.shape[1])
 
 
 class Attention(nn.Module):
