@@ -47,16 +47,28 @@ class MoEConfig:
     every: int | None = None              # every k-th block is MoE
     first_dense: int | None = None        # leading dense blocks
     aux_loss_coef: float | None = None
+    # DeepSeek-V3 routing (docs/deepseek_v3.md)
+    score: str | None = None              # softmax, sigmoid
+    bias_update_rate: float | None = None  # > 0: auxiliary-loss-free balancing (per-expert selection bias)
+    n_group: int | None = None            # group-limited routing: experts in n_group groups ...
+    topk_group: int | None = None         # ... a token picks from its best topk_group of them
+    routed_scaling_factor: float | None = None
+    norm_topk_prob: bool | None = None    # renormalise the top-k gate weights to sum to one
+    seq_aux_loss_coef: float | None = None  # DeepSeek-V3's sequence-wise balance loss
 
 
 @dataclass
 class RopeScalingConfig:
     """RoPE frequency scaling, named as in a transformers config.json; None = the preset's value."""
-    type: str | None = None                 # default, linear, llama3
+    type: str | None = None                 # default, linear, llama3, yarn
     factor: float | None = None
     low_freq_factor: float | None = None    # llama3 only
     high_freq_factor: float | None = None   # llama3 only
-    original_max_position_embeddings: int | None = None  # llama3: the pretraining context
+    original_max_position_embeddings: int | None = None  # llama3, yarn: the pretraining context
+    beta_fast: float | None = None          # yarn only
+    beta_slow: float | None = None          # yarn only
+    mscale: float | None = None             # yarn only (0: unset)
+    mscale_all_dim: float | None = None     # yarn only (0: unset; MLA's softmax scale)
 
 
 @dataclass
@@ -75,6 +87,13 @@ class ModelConfig:
     head_dim: int | None = None       # None / 0: dim // n_heads
     qkv_bias: bool | None = None      # biases on q/k/v (Qwen2)
     qk_norm: bool | None = None       # per-head q/k RMSNorm (Qwen3)
+    # multi-head latent attention (DeepSeek-V2/V3) when kv_lora_rank > 0 (docs/deepseek_v3.md)
+    q_lora_rank: int | None = None    # 0: a plain wq
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    qk_nope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    mtp_depth: int | None = None      # DeepSeek-V3 multi-token-prediction modules
     vocab_multiple: int = 128  # embedding/head rows padded to a multiple of this × tp; 1: no padding
     init_from: str = ""  # "hf:DIR": start from a Hugging Face model (shape from its config.json)
     attn_impl: str = "auto"  # auto: flex with data.document_mask or cp_impl = allgather, else sdpa (choices.ATTN_IMPLS)
@@ -197,6 +216,7 @@ class TrainingConfig:
     spike_window: int = 100  # steps the spike statistics look back over
     spike_action: str = "skip"  # skip (drop the update) or rollback (newest checkpoint before it)
     loss_chunks: int = 0  # > 0: output head + loss over this many token chunks, logits never whole
+    mtp_loss_weight: float = 0.3  # λ of the MTP loss (model.mtp_depth > 0; DeepSeek-V3's first 10T tokens)
 
     def check(self, cfg: Config) -> None:
         _check_device_keys(self)
@@ -216,6 +236,8 @@ class TrainingConfig:
             raise ConfigError('training.spike_action: "rollback" needs checkpoints (set checkpoint.every)')
         if self.loss_chunks < 0:
             raise ConfigError(f"training.loss_chunks: must be >= 0 (0 = whole logits), got {self.loss_chunks}")
+        if self.mtp_loss_weight < 0:
+            raise ConfigError(f"training.mtp_loss_weight: must be >= 0, got {self.mtp_loss_weight}")
 
 
 @dataclass

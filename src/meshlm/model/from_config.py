@@ -7,15 +7,20 @@ import dataclasses
 
 from ..choices import ATTN_IMPLS, choose
 from ..config import Config, ConfigError
-from .args import PRESETS, ROPE_TYPES, ModelArgs
+from .args import MOE_SCORES, PRESETS, ROPE_TYPES, ModelArgs
 
 # model.moe.<key> -> ModelArgs field
 MOE_KEYS = {"num_experts": "num_experts", "top_k": "top_k", "ffn_dim": "moe_ffn_dim",
             "shared_experts": "shared_experts", "capacity_factor": "capacity_factor", "every": "moe_every",
-            "first_dense": "moe_first_dense", "aux_loss_coef": "aux_loss_coef"}
+            "first_dense": "moe_first_dense", "aux_loss_coef": "aux_loss_coef", "score": "moe_score",
+            "bias_update_rate": "bias_update_rate", "n_group": "n_group", "topk_group": "topk_group",
+            "routed_scaling_factor": "routed_scaling_factor", "norm_topk_prob": "norm_topk_prob",
+            "seq_aux_loss_coef": "seq_aux_loss_coef"}
 # model.rope_scaling.<key> -> ModelArgs field
 ROPE_KEYS = {"type": "rope_type", "factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
-             "high_freq_factor": "rope_high_freq_factor", "original_max_position_embeddings": "rope_original_max_seq_len"}
+             "high_freq_factor": "rope_high_freq_factor", "original_max_position_embeddings": "rope_original_max_seq_len",
+             "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow", "mscale": "rope_mscale",
+             "mscale_all_dim": "rope_mscale_all_dim"}
 # model.<key> -> ModelArgs field where the names differ
 RENAMED_KEYS = {"head_dim": "explicit_head_dim"}
 SUBSECTIONS = {"moe": MOE_KEYS, "rope_scaling": ROPE_KEYS}
@@ -56,6 +61,7 @@ def model_args(cfg: Config) -> ModelArgs:
         raise ConfigError(f"model.n_heads: head_dim {args.head_dim} must be even for RoPE")
     if args.n_heads % args.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads: {args.n_kv_heads} does not divide model.n_heads {args.n_heads}")
+    _check_mla(args)
     _check_rope(args)
     _check_moe(args, m.moe)
     return args
@@ -85,13 +91,38 @@ def _check_rope(args: ModelArgs) -> None:
         raise ConfigError(f"{key}.type: '{args.rope_type}' is not one of {', '.join(ROPE_TYPES)}")
     if args.rope_type != "default" and args.rope_factor <= 0:
         raise ConfigError(f"{key}.factor: must be > 0, got {args.rope_factor}")
-    if args.rope_type == "llama3":
-        if not 0 < args.rope_low_freq_factor < args.rope_high_freq_factor:
-            raise ConfigError(f"{key}.low_freq_factor: need 0 < low_freq_factor < high_freq_factor, got "
-                              f"{args.rope_low_freq_factor} and {args.rope_high_freq_factor}")
-        if args.rope_original_max_seq_len < 1:
-            raise ConfigError(f"{key}.original_max_position_embeddings: must be positive, got "
-                              f"{args.rope_original_max_seq_len}")
+    if args.rope_type == "yarn":
+        for k in ("beta_fast", "beta_slow"):
+            if not getattr(args, f"rope_{k}") > 0:
+                raise ConfigError(f"{key}.{k}: must be > 0, got {getattr(args, f'rope_{k}')}")
+        for k in ("mscale", "mscale_all_dim"):
+            if getattr(args, f"rope_{k}") < 0:
+                raise ConfigError(f"{key}.{k}: must be >= 0 (0 = unset), got {getattr(args, f'rope_{k}')}")
+    if args.rope_type == "llama3" and not 0 < args.rope_low_freq_factor < args.rope_high_freq_factor:
+        raise ConfigError(f"{key}.low_freq_factor: need 0 < low_freq_factor < high_freq_factor, got "
+                          f"{args.rope_low_freq_factor} and {args.rope_high_freq_factor}")
+    if args.rope_type in ("llama3", "yarn") and args.rope_original_max_seq_len < 1:
+        raise ConfigError(f"{key}.original_max_position_embeddings: must be positive, got "
+                          f"{args.rope_original_max_seq_len}")
+
+
+MLA_KEYS = ("q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+
+
+def _check_mla(args: ModelArgs) -> None:
+    for key in ("kv_lora_rank", *MLA_KEYS, "mtp_depth"):
+        if getattr(args, key) < 0:
+            raise ConfigError(f"model.{key}: must be >= 0, got {getattr(args, key)}")
+    if not args.mla:
+        extra = [k for k in MLA_KEYS if getattr(args, k)]
+        if extra:
+            raise ConfigError(f"model.{extra[0]}: set without multi-head latent attention (model.kv_lora_rank = 0)")
+        return
+    for key in ("qk_rope_head_dim", "v_head_dim"):
+        if getattr(args, key) < 1:
+            raise ConfigError(f"model.{key}: multi-head latent attention needs it > 0 (model.kv_lora_rank > 0)")
+    if args.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.qk_rope_head_dim: {args.qk_rope_head_dim} must be even for RoPE")
 
 
 def _check_moe(args: ModelArgs, given) -> None:
@@ -114,10 +145,30 @@ def _check_moe(args: ModelArgs, given) -> None:
     if args.n_moe_blocks == 0:
         raise ConfigError(f"model.moe.first_dense: {args.moe_first_dense} leaves no MoE block in "
                           f"{args.n_layers} layers")
+    _check_routing(args)
+
+
+def _check_routing(args: ModelArgs) -> None:
+    """DeepSeek-V3 routing keys (model/moe.py)."""
+    if args.moe_score not in MOE_SCORES:
+        raise ConfigError(f"model.moe.score: '{args.moe_score}' is not one of {', '.join(MOE_SCORES)}")
+    for key in ("bias_update_rate", "seq_aux_loss_coef"):
+        if getattr(args, key) < 0:
+            raise ConfigError(f"model.moe.{key}: must be >= 0, got {getattr(args, key)}")
+    if not args.routed_scaling_factor > 0:
+        raise ConfigError(f"model.moe.routed_scaling_factor: must be > 0, got {args.routed_scaling_factor}")
+    E, groups, best = args.num_experts, args.n_group, args.topk_group
+    if groups < 1 or E % groups:
+        raise ConfigError(f"model.moe.n_group: {groups} does not divide model.moe.num_experts {E}")
+    if not 1 <= best <= groups:
+        raise ConfigError(f"model.moe.topk_group: {best} must be between 1 and model.moe.n_group {groups}")
+    if args.top_k > best * (E // groups):
+        raise ConfigError(f"model.moe.top_k: {args.top_k} is more than the {best * (E // groups)} experts of the "
+                          f"{best} chosen groups (model.moe.topk_group × num_experts / n_group)")
 
 
 # Keys a config may set on top of a Hugging Face model's shape (they change no weight).
-HF_FREE_KEYS = ("max_seq_len", "vocab_multiple", "capacity_factor", "aux_loss_coef")
+HF_FREE_KEYS = ("max_seq_len", "vocab_multiple", "capacity_factor", "aux_loss_coef", "seq_aux_loss_coef")
 _CONFIG_KEY = {field: key for key, field in RENAMED_KEYS.items()} | {
     field: f"{section}.{key}" for section, keys in SUBSECTIONS.items() for key, field in keys.items()}
 
@@ -131,8 +182,10 @@ def _hf_base(init_from: str, changes: dict) -> ModelArgs:
         base = args_from_hf(init_from[3:])
     except ValueError as e:
         raise ConfigError(f"model.init_from: {e}") from None
+    # the balancing rate changes no weight where the checkpoint carries the bias (sigmoid routing)
+    free = HF_FREE_KEYS + (("bias_update_rate",) if base.moe_score == "sigmoid" else ())
     for key, value in changes.items():
-        if key not in HF_FREE_KEYS and getattr(base, key) != value:
+        if key not in free and getattr(base, key) != value:
             raise ConfigError(f"model.{_CONFIG_KEY.get(key, key)}: {value} differs from {init_from[3:]}/config.json "
                               f"({getattr(base, key)}); leave it out to use the Hugging Face model's shape")
     return base

@@ -8,6 +8,10 @@ the rows of wq and wk inside each head: meshlm row 2i+a is transformers row a·h
 
 Experts: meshlm stacks a block's experts ([E, hidden, dim] for w1/w3, [E, dim, hidden] for w2);
 Mixtral stores expert j's `w1`/`w2`/`w3` as tensors of their own, same orientation.
+
+DeepSeek-V2/V3 (model/mla.py) rotate interleaved pairs as meshlm does: no permutation. Their MoE
+selection bias (`e_score_correction_bias`) is read and written like a weight, and an MTP module's
+layer carries copies of the shared embedding and head on export (hf_config.hf_copies).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import torch
 
 from . import safetensors_io as st
 from .args import ModelArgs
-from .hf_config import hf_names, param_shapes, stacked
+from .hf_config import hf_copies, hf_names, param_shapes, stacked
 
 ROPE_ROWS = ("attention.wq.weight", "attention.wk.weight", "attention.wq.bias", "attention.wk.bias",
              "attention.q_norm.weight", "attention.k_norm.weight")
@@ -38,11 +42,11 @@ def rope_rows_to_hf(w: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def to_meshlm(name: str, t: torch.Tensor, args: ModelArgs) -> torch.Tensor:
-    return rope_rows_from_hf(t, args.head_dim) if name.endswith(ROPE_ROWS) else t
+    return rope_rows_from_hf(t, args.head_dim) if name.endswith(ROPE_ROWS) and not args.mla else t
 
 
 def to_hf(name: str, t: torch.Tensor, args: ModelArgs) -> torch.Tensor:
-    return rope_rows_to_hf(t, args.head_dim) if name.endswith(ROPE_ROWS) else t
+    return rope_rows_to_hf(t, args.head_dim) if name.endswith(ROPE_ROWS) and not args.mla else t
 
 
 def hf_tensors(name: str, t: torch.Tensor, args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -51,7 +55,8 @@ def hf_tensors(name: str, t: torch.Tensor, args: ModelArgs) -> dict[str, torch.T
     names = hf_names(name, args)
     if stacked(name):
         return {n: e.clone() for n, e in zip(names, t.unbind(0))}  # own storage: safetensors refuses shared
-    return {names[0]: to_hf(name, t, args)}
+    out = to_hf(name, t, args)
+    return {names[0]: out, **{n: out.clone() for n in hf_copies(name, args)}}
 
 
 class HFWeights:

@@ -32,8 +32,8 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int, n_layers: int) -> 
     """The full fp32 initial value of parameter `name` (its unsharded, single-process name)."""
     if name.endswith("norm.weight"):
         return torch.ones(shape)
-    if name.endswith(".bias"):  # q/k/v biases (model.qkv_bias) start at zero, as in Megatron and transformers
-        return torch.zeros(shape)
+    if name.endswith((".bias", ".expert_bias")):  # q/k/v biases (model.qkv_bias) and the MoE selection bias
+        return torch.zeros(shape)                     # start at zero, as in Megatron and transformers
     stacked = _STACKED.match(name)
     if stacked:  # expert e's slice is seeded by its own name, so an EP rank's slice equals one process's
         return torch.stack([init_tensor(f"{stacked[1]}.{e}.{stacked[2]}", tuple(shape[1:]), seed, n_layers)
@@ -80,9 +80,24 @@ def materialize(model: nn.Module, seed: int, device: torch.device | str, dtype: 
             new = nn.Parameter(value.to(device=device, dtype=dtype).contiguous(), requires_grad=p.requires_grad)
             setattr(mod, pname, new)
             seen[id(p)] = new
+    _materialize_buffers(model, seed, device, n_layers, source)
     for buf_name, buf in list(model.named_buffers()):
         if buf.is_meta:
             raise RuntimeError(f"buffer {buf_name} is still on the meta device")
+
+
+def _materialize_buffers(model: nn.Module, seed: int, device, n_layers: int, source) -> None:
+    """Model state that is not a parameter (the MoE selection bias): whole on every rank, fp32, from
+    `source` or `init_tensor` like a parameter."""
+    for mod_name, mod in list(model.named_modules()):
+        for bname, buf in list(mod.named_buffers(recurse=False)):
+            if buf is None or not buf.is_meta:
+                continue
+            name = canonical_name(f"{mod_name}.{bname}" if mod_name else bname)
+            shape = tuple(buf.shape)
+            value = source(name, shape) if source is not None else init_tensor(name, shape, seed, n_layers)
+            mod.register_buffer(bname, value.to(device=device, dtype=torch.float32),
+                                persistent=bname not in mod._non_persistent_buffers_set)
 
 
 def canonical_name(fqn: str) -> str:

@@ -1,5 +1,7 @@
 """Key/value cache for generation: each block appends its new keys and values and attends over all
-of them. Only `meshlm generate` passes one; training never does, so its numerics are untouched."""
+of them. Only `meshlm generate` passes one; training never does, so its numerics are untouched.
+Multi-head latent attention (model/mla.py) caches its compressed latent and RoPE key instead
+(`LatentKV`), and attends over them itself."""
 from __future__ import annotations
 
 import torch
@@ -29,15 +31,36 @@ class LayerKV:
                                               enable_gqa=keys.shape[1] != q.shape[1])
 
 
+class LatentKV:
+    """One MLA block's cache: the normalised kv latent [B, max_len, kv_lora_rank] and the rotated RoPE key
+    [B, max_len, qk_rope_head_dim] of every position, filled up to `start` (no per-head keys or values)."""
+
+    def __init__(self, latent: torch.Tensor, k_rope: torch.Tensor):
+        self.latent, self.k_rope, self.start = latent, k_rope, 0
+
+    def append(self, latent: torch.Tensor, k_rope: torch.Tensor):
+        """Store the new positions start .. start+S-1; returns every cached latent and RoPE key so far and
+        the causal mask [S, end] of the new positions (None for one position: it sees them all)."""
+        s, end = latent.shape[1], self.start + latent.shape[1]
+        if end > self.latent.shape[1]:
+            raise ValueError(f"kv cache: {end} positions exceed its length {self.latent.shape[1]}")
+        self.latent[:, self.start:end] = latent
+        self.k_rope[:, self.start:end] = k_rope
+        mask = torch.ones(s, end, dtype=torch.bool, device=latent.device).tril(self.start) if s > 1 else None
+        return self.latent[:, :end], self.k_rope[:, :end], mask
+
+
 class KVCache:
     """Caches of every block of a `Llama`, and the position the next tokens start at."""
 
     def __init__(self, args: ModelArgs, batch: int, max_len: int, device: torch.device | str,
                  dtype: torch.dtype = torch.float32):
-        shape = (batch, args.n_kv_heads, max_len, args.head_dim)
+        if args.mla:
+            shapes, kind = [(batch, max_len, args.kv_lora_rank), (batch, max_len, args.qk_rope_head_dim)], LatentKV
+        else:
+            shapes, kind = [(batch, args.n_kv_heads, max_len, args.head_dim)] * 2, LayerKV
         self.max_len, self.pos = max_len, 0
-        self.layers = {str(i): LayerKV(torch.zeros(shape, device=device, dtype=dtype),
-                                       torch.zeros(shape, device=device, dtype=dtype))
+        self.layers = {str(i): kind(*(torch.zeros(s, device=device, dtype=dtype) for s in shapes))
                        for i in range(args.n_layers)}
 
     def positions(self, seq_len: int, device: torch.device) -> torch.Tensor:

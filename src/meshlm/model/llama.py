@@ -1,4 +1,6 @@
-"""Llama-3-style decoder: RMSNorm, RoPE, grouped-query attention (SDPA), SwiGLU.
+"""Llama-3-style decoder: RMSNorm, RoPE, grouped-query attention (SDPA), SwiGLU; with multi-head latent
+attention (model/mla.py) and multi-token-prediction modules (MTPModule, model/mtp.py) it is the
+DeepSeek-V3 shape.
 
 Head counts are read from the weight shapes at run time, so tensor parallelism only has to slice
 weights; the module never needs to know how many ranks share it. Blocks live in a ModuleDict keyed by
@@ -6,72 +8,21 @@ their global index so parameter names stay the same when a pipeline stage keeps 
 """
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .args import ROPE_TYPES, ModelArgs
+from .args import ModelArgs
 from .feed_forward import FeedForward
+from .flex import flex_block_mask
+from .layers import (AttentionCore, HeadRMSNorm, RMSNorm, apply_rope, rope_attention_factor, rope_frequencies,
+                     rope_tables)
+from .mla import MLA
 from .moe import MoE
-from .flex import flex_attend, flex_block_mask
-from .ops import rms_norm
 
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.gain(), self.eps)
-
-    def gain(self) -> torch.Tensor:
-        """The weight as the forward uses it (sequence parallelism wraps it to sum its gradient)."""
-        return self.weight
-
-
-class HeadRMSNorm(RMSNorm):
-    """RMSNorm over each attention head (q/k norm). Not on the residual stream: sequence parallelism
-    leaves it alone, and tensor parallelism sums its gradient (each rank holds some of the heads)."""
-
-
-def rope_frequencies(args: ModelArgs) -> torch.Tensor:
-    """The rotation frequency of each pair [head_dim/2] (float64), scaled as `args.rope_type` says.
-
-    llama3 (Llama 3.1, transformers' `_compute_llama3_parameters`): wavelengths longer than
-    original/low_freq_factor are stretched by `factor`, shorter than original/high_freq_factor kept,
-    and those between interpolated smoothly. linear: every frequency divided by `factor`."""
-    hd = args.head_dim
-    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-    if args.rope_type == "linear":
-        return freqs / args.rope_factor
-    if args.rope_type == "llama3":
-        low, high, orig = args.rope_low_freq_factor, args.rope_high_freq_factor, args.rope_original_max_seq_len
-        wavelen = 2 * math.pi / freqs
-        smooth = ((orig / wavelen - low) / (high - low)).clamp(0.0, 1.0)
-        scaled = (1 - smooth) * freqs / args.rope_factor + smooth * freqs
-        return torch.where(wavelen > orig / low, freqs / args.rope_factor,
-                           torch.where(wavelen < orig / high, freqs, scaled))
-    if args.rope_type != "default":
-        raise ValueError(f"rope_type {args.rope_type!r} is not one of {', '.join(ROPE_TYPES)}")
-    return freqs
-
-
-def rope_tables(freqs: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), freqs)
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, S, H, D]; rotates interleaved pairs (d0, d1), (d2, d3), ... by position angles."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    a, b = xf[..., 0], xf[..., 1]
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
-    out = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
-    return out.type_as(x)
+# the shared pieces live in layers.py; importing them from here keeps working
+__all__ = ["Attention", "Block", "Llama", "MTPModule", "FeedForward", "AttentionCore", "HeadRMSNorm", "RMSNorm",
+           "apply_rope",
+           "rope_frequencies", "rope_tables"]
 
 
 def document_mask(docs: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -102,17 +53,6 @@ def attention_mask(kernel: str, docs: torch.Tensor | None, seq: int, device: tor
     if kernel == "flex":
         return flex_block_mask(docs, seq if local is not None else docs.shape[1], device, local)
     return document_mask(docs, local)
-
-
-class AttentionCore(nn.Module):
-    """The softmax(QK^T)V part alone, a module so selective checkpointing can wrap just it."""
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
-        if mask is not None and not isinstance(mask, torch.Tensor):  # a BlockMask (model.attn_impl = flex)
-            return flex_attend(q, k, v, mask)
-        # Grouped-query attention: SDPA shares each kv head across its q heads without copying them.
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                              enable_gqa=k.shape[1] != q.shape[1])
 
 
 class Attention(nn.Module):
@@ -150,7 +90,7 @@ class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = MLA(args) if args.mla else Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         if args.is_moe_block(layer):
             self.feed_forward: nn.Module = MoE(args)
@@ -163,11 +103,34 @@ class Block(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class MTPModule(nn.Module):
+    """One DeepSeek-V3 multi-token-prediction depth (§2.2): [RMSNorm(embedding of the token ahead);
+    RMSNorm(previous depth's representation)] → projection (2·dim → dim) → one block (block
+    n_layers + depth: MoE as that block would be) → RMSNorm. The embedding and the output head are the
+    model's. The representations passed between depths are normalised ones, the head's input, as
+    DeepSeek's released MTP weights are run (transformers' MtpLayer, vLLM): depth 0 takes the main
+    model's final norm output."""
+
+    def __init__(self, args: ModelArgs, depth: int):
+        super().__init__()
+        self.enorm = RMSNorm(args.dim, args.norm_eps)
+        self.hnorm = RMSNorm(args.dim, args.norm_eps)
+        self.proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.block = Block(args, args.n_layers + depth)
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, h: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask=None) -> torch.Tensor:
+        x = self.proj(torch.cat([self.enorm(emb), self.hnorm(h)], -1))
+        return self.norm(self.block(x, cos, sin) if mask is None else self.block(x, cos, sin, None, mask))
+
+
 class Llama(nn.Module):
     """forward(tokens [B, S]) -> logits [B, S, V] (the final norm's output [B, S, dim] when `head_in_loss`).
 
     A pipeline stage sets `tok_embeddings`, `norm` or `output` to None and drops blocks; it then takes
-    or returns hidden states [B, S, dim] instead.
+    or returns hidden states [B, S, dim] instead. `mtp` (model.mtp_depth > 0) holds the MTP modules;
+    forward never runs them: mtp.mtp_loss does.
     """
 
     def __init__(self, args: ModelArgs):
@@ -179,6 +142,8 @@ class Llama(nn.Module):
         self.output: nn.Module | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.mtp: nn.ModuleDict | None = nn.ModuleDict(
+            {str(k): MTPModule(args, k) for k in range(args.mtp_depth)}) if args.mtp_depth else None
         self.rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         # True: forward ends at the final norm and the loss calls `output` with the targets
         # (training.loss_chunks: the head's logits are made chunk by chunk inside the loss)
@@ -188,9 +153,24 @@ class Llama(nn.Module):
         # Kept out of the state dict and the parameter list: it is derived, never trained or saved.
         if self.rope_cache is None or self.rope_cache[0].device != device or self.rope_cache[0].shape[0] < seq_len:
             n = max(self.args.max_seq_len, seq_len)
-            cos, sin = rope_tables(rope_frequencies(self.args), n)
+            cos, sin = rope_tables(rope_frequencies(self.args), n, rope_attention_factor(self.args))
             self.rope_cache = (cos.to(device), sin.to(device))
         return self.rope_cache
+
+    def positional(self, seq: int, device: torch.device, positions: torch.Tensor | None = None, cache=None,
+                   docs: torch.Tensor | None = None):
+        """(cos, sin, mask) every block of one forward over `seq` tokens shares (see forward)."""
+        cos, sin = self.rope(seq if cache is None else cache.max_len, device)
+        if cache is not None and positions is None:
+            positions = cache.positions(seq, device)
+        if positions is None:
+            cos, sin = cos[:seq], sin[:seq]
+        else:
+            cos, sin = cos[positions], sin[positions]
+        # cos covers the positions attention sees (under SP more than this rank's shard of h)
+        mask = None if cache is not None else attention_mask(self.args.attn_kernel, docs, cos.shape[0], device,
+                                                                positions, self.args.mask_rows)
+        return cos, sin, mask
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None, *,
                 blocks: list[str] | None = None, embed: bool | None = None, head: bool | None = None,
@@ -202,16 +182,7 @@ class Llama(nn.Module):
         embed = self.tok_embeddings is not None if embed is None else embed
         head = self.output is not None if head is None else head
         h = self.tok_embeddings(x) if embed else x
-        cos, sin = self.rope(h.shape[1] if cache is None else cache.max_len, h.device)
-        if cache is not None and positions is None:
-            positions = cache.positions(h.shape[1], h.device)
-        if positions is None:
-            cos, sin = cos[: h.shape[1]], sin[: h.shape[1]]
-        else:
-            cos, sin = cos[positions], sin[positions]
-        # cos covers the positions attention sees (under SP more than this rank's shard of h)
-        mask = None if cache is not None else attention_mask(self.args.attn_kernel, docs, cos.shape[0], h.device,
-                                                                positions, self.args.mask_rows)
+        cos, sin, mask = self.positional(h.shape[1], h.device, positions, cache, docs)
         for key in self.layers if blocks is None else blocks:
             if cache is not None:
                 h = self.layers[key](h, cos, sin, cache.layers[key])

@@ -4,6 +4,30 @@ Routing: softmax over all experts' logits (fp32), the top-k of those probabiliti
 to one over the k chosen (equal to Mixtral's softmax over the top-k logits). Optional shared experts
 run on every token (DeepSeekMoE), as one SwiGLU of `shared_experts × moe_ffn_dim` hidden units.
 
+DeepSeek-V3 routing (any of `score = "sigmoid"`, a selection bias, `n_group > 1`,
+`routed_scaling_factor != 1`, `norm_topk_prob = false`; otherwise the path above runs unchanged):
+affinities s = sigmoid or softmax of the logits; the experts are the top-k of s + bias among the
+best `topk_group` of `n_group` groups (a group's score: the sum of its two best s + bias); the gate
+weights are s of the chosen, renormalised to one (`norm_topk_prob`), times `routed_scaling_factor`.
+
+Auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2, `bias_update_rate` γ > 0): the bias buffer
+`expert_bias` [E] (fp32 model state in the state dict, never a Parameter: the optimizer and weight
+decay never see it) only selects, it never weights. After each optimizer step the trainer applies
+bias += γ · sign(mean load − load) with the step's assignments per expert summed over every rank
+that routes different tokens (data, context, expert parallel ranks, every micro-batch):
+    moes = balanced_moes(model)                  # once
+    loads = expert_loads(moes)                   # [n, E] float64: this rank's counts (`stats`)
+    all_reduce(loads, SUM)                       # over the ranks routing other tokens (tp ranks route
+                                                 # the same ones: harmless, sign() ignores the scale)
+    update_expert_biases(moes, loads)            # the same update on every rank
+The counts are those `stats` records (training forwards only), so they must be reset each step
+(`stats = None`) for every module in `moes`, MTP blocks included.
+
+Sequence-wise balance loss (DeepSeek-V3 §2.1.2, the complement to the bias; weight
+`seq_aux_loss_coef` α): per sequence of S tokens, E/(k·S) · Σ_e count_e · P_e with P_e the mean of
+s_e / Σ_j s_j, averaged over the sequences of the call ([B, S, dim] input). It reaches the router like
+the auxiliary loss below (`_AuxGrad`, `seq_aux_scale`): the trainer handles both the same way.
+
 Capacity: with `capacity_factor > 0` each expert takes at most C = ceil(cf · T · k / E) assignments of the
 T tokens this module sees in one call (one micro-batch on one data-parallel rank: the same tokens in
 every layout, so dropping never depends on the layout). Assignments are served in priority order —
@@ -22,10 +46,12 @@ coef · `aux_grad_scale` into the balance term (Megatron's MoEAuxLossAutoScaler)
 in pipeline stages, under checkpointing and in every layout. The trainer sets `aux_grad_scale` to the
 factor it multiplies the main loss by (1/accumulation, × the fp16 loss scale).
 
-The module holds no parallel state. Three methods are the seams parallel/dims/expert_parallel.py overrides:
+The module holds no parallel state. These methods are the seams parallel/dims/expert_parallel.py overrides:
 `run_experts` (expert parallelism: it takes the tokens sorted by global expert id and the count per
 expert, and returns the outputs in that order), `token_totals` (context parallelism: the balance term
-over the whole micro-batch) and `aux_scale` (tensor parallelism: each rank's share of its gradient).
+over the whole micro-batch), `aux_scale` (tensor parallelism: each rank's share of its gradient), and
+for the sequence-wise loss `sequence_totals` (context parallelism: whole sequences) and
+`seq_aux_scale` (tensor parallelism, as `aux_scale`).
 """
 from __future__ import annotations
 
@@ -144,6 +170,13 @@ class MoE(nn.Module):
         self.shared = FeedForward(args.dim, args.shared_experts * args.expert_dim) if args.shared_experts else None
         self.aux_grad_scale: float | torch.Tensor = 1.0  # set by the trainer each step
         self.stats: torch.Tensor | None = None  # [E + 3] summed over the step's training forwards
+        # DeepSeek-V3 routing (module doc); `plain`: the softmax path above, untouched
+        self.plain, self.score = args.plain_routing, args.moe_score
+        self.n_group, self.topk_group = args.n_group, args.topk_group
+        self.routed_scaling_factor, self.norm_topk_prob = args.routed_scaling_factor, args.norm_topk_prob
+        self.bias_update_rate, self.seq_aux_loss_coef = args.bias_update_rate, args.seq_aux_loss_coef
+        # model state, never a parameter: the optimizer and weight decay never see it (fp32, like HF's)
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts) if args.expert_bias else None)
 
     def capacity(self, tokens: int) -> int:
         """Assignments one expert takes per call; 0 = unlimited."""
@@ -155,10 +188,41 @@ class MoE(nn.Module):
         """(probs [T, E] fp32, weights [T, k] fp32, assignment order sorted by expert (kept ones),
         per-expert assigned counts (before dropping), per-expert kept counts). An assignment j is
         token j % T's choice number j // T."""
-        T, E, k = h.shape[0], self.num_experts, self.top_k
+        probs, weights, chosen = self.select(h)
+        return (probs, weights, *self.dispatch(chosen))
+
+    def select(self, h: torch.Tensor):
+        """(probs [T, E]: the affinities normalised over the experts, weights [T, k], chosen [T, k])."""
+        if not self.plain:
+            return self._select_deepseek(self.router(h).float())
         probs = self.router(h).float().softmax(-1)
-        weights, chosen = probs.topk(k, dim=-1)
-        weights = weights / weights.sum(-1, keepdim=True)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        return probs, weights / weights.sum(-1, keepdim=True), chosen
+
+    def _select_deepseek(self, logits: torch.Tensor):
+        """DeepSeek-V3's gate: softmax or sigmoid affinities s; experts chosen by s + bias among the best
+        topk_group groups (a group's score: the sum of its two best); gate weights from s alone,
+        renormalised (norm_topk_prob) and scaled by routed_scaling_factor."""
+        T, E, k = logits.shape[0], self.num_experts, self.top_k
+        scores = logits.sigmoid() if self.score == "sigmoid" else logits.softmax(-1)
+        choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
+        if self.n_group > 1:
+            groups = choice.view(T, self.n_group, E // self.n_group)
+            best = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1)
+            keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(self.topk_group, -1).indices, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(E // self.n_group, 1), float("-inf"))
+        chosen = choice.topk(k, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
+        probs = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
+        return probs, weights, chosen
+
+    def dispatch(self, chosen: torch.Tensor):
+        """(order, assigned counts, kept counts) of the choices [T, k] (route's last three)."""
+        T, E = chosen.shape[0], self.num_experts
         flat = chosen.t().reshape(-1)  # priority order: all first choices, then all second ...
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=E)
@@ -166,10 +230,10 @@ class MoE(nn.Module):
         cap = self.capacity(T)
         if cap:
             starts = counts.cumsum(0) - counts
-            pos = torch.arange(flat.numel(), device=h.device) - starts[flat[order]]
+            pos = torch.arange(flat.numel(), device=chosen.device) - starts[flat[order]]
             order = order[pos < cap]
             kept = counts.clamp(max=cap)
-        return probs, weights, order, counts, kept
+        return order, counts, kept
 
     @eager_under_compile  # data-dependent row counts: compiled code would specialise on each
     def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -181,7 +245,8 @@ class MoE(nn.Module):
         shape = x.shape
         h = x.reshape(-1, shape[-1])
         T = h.shape[0]
-        probs, weights, order, counts, kept = self.route(h)
+        probs, weights, chosen = self.select(h)
+        order, counts, kept = self.dispatch(chosen)
         token, slot = order % T, order // T
         y = self.run_experts(h[token], kept)
         y = y.float() * weights[token, slot].unsqueeze(-1)
@@ -191,6 +256,9 @@ class MoE(nn.Module):
         balance = self._balance(counts, probs)
         if self.aux_loss_coef > 0 and torch.is_grad_enabled():
             out = _AuxGrad.apply(out, balance, self.aux_scale())
+        if self.seq_aux_loss_coef > 0 and torch.is_grad_enabled():
+            seq = self._seq_balance(chosen, probs, shape[0] if x.dim() == 3 else 1)
+            out = _AuxGrad.apply(out, seq, self.seq_aux_scale())
         if _recording():
             self._record(counts, kept, balance)
         return out.view(shape)
@@ -199,6 +267,10 @@ class MoE(nn.Module):
         """The gradient the balance term receives in backward (a seam: under tensor parallelism each
         rank feeds its share, parallel/dims/expert_parallel.py)."""
         return self.aux_loss_coef * self.aux_grad_scale
+
+    def seq_aux_scale(self) -> float | torch.Tensor:
+        """The gradient the sequence-wise balance term receives (the same seam as `aux_scale`)."""
+        return self.seq_aux_loss_coef * self.aux_grad_scale
 
     def token_totals(self, assigned: torch.Tensor, prob_sum: torch.Tensor, tokens: int):
         """(assignments per expert, summed router probabilities, tokens) of the whole micro-batch from
@@ -211,9 +283,54 @@ class MoE(nn.Module):
         assigned, prob_sum, T = self.token_totals(counts.float(), probs.sum(0), probs.shape[0])
         return self.num_experts * (assigned / (T * self.top_k) * (prob_sum / T)).sum()
 
+    def sequence_totals(self, assigned: torch.Tensor, prob_sum: torch.Tensor, tokens: int):
+        """(assignments [B, E], summed normalised affinities [B, E], tokens) per whole sequence from this
+        call's; the seam context parallelism replaces to sum the ranks holding the rest of each sequence."""
+        return assigned, prob_sum, tokens
+
+    def _seq_balance(self, chosen: torch.Tensor, probs: torch.Tensor, seqs: int) -> torch.Tensor:
+        """DeepSeek-V3's sequence-wise balance, mean over sequences of E/(k·S) · Σ_e count_e · P_e (P_e: the
+        mean normalised affinity of e over the S tokens; 1.0 when balanced)."""
+        T, E = probs.shape
+        seq = torch.arange(T, device=probs.device) // (T // seqs)
+        assigned = torch.bincount((seq[:, None] * E + chosen).flatten(), minlength=seqs * E).view(seqs, E)
+        assigned, prob_sum, S = self.sequence_totals(assigned.float(), probs.view(seqs, -1, E).sum(1), T // seqs)
+        return (E / (S * self.top_k) * (assigned * (prob_sum / S))).sum(-1).mean()
+
+    def load(self) -> torch.Tensor:
+        """[E] assignments per expert (before dropping) of this rank's training forwards since the step's
+        `stats` were reset (float64; zeros before any)."""
+        if self.stats is None:
+            return torch.zeros(self.num_experts, dtype=torch.float64, device=self.router.weight.device)
+        return self.stats[:self.num_experts].clone()
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor) -> None:
+        """Auxiliary-loss-free balancing: bias += bias_update_rate · sign(mean load − load), `load` [E]
+        summed over every rank that routes different tokens (a no-op without a bias or a rate)."""
+        if self.expert_bias is not None and self.bias_update_rate > 0:
+            step = torch.sign(load.mean() - load).to(self.expert_bias)
+            self.expert_bias.add_(step, alpha=self.bias_update_rate)
+
     @torch.no_grad()
     def _record(self, counts: torch.Tensor, kept: torch.Tensor, balance: torch.Tensor) -> None:
         extra = torch.stack([(counts - kept).sum().double(), balance.detach().double(),
                              torch.ones((), dtype=torch.float64, device=counts.device)])
         row = torch.cat([counts.double(), extra])
         self.stats = row if self.stats is None else self.stats + row
+
+
+def balanced_moes(model: nn.Module) -> list[MoE]:
+    """The MoE feed-forwards of `model` that update a selection bias, in module order (MTP blocks too)."""
+    return [m for m in model.modules() if isinstance(m, MoE) and m.expert_bias is not None and m.bias_update_rate > 0]
+
+
+def expert_loads(moes: list[MoE]) -> torch.Tensor:
+    """[len(moes), E] float64: each module's `load()`, stacked for one all-reduce."""
+    return torch.stack([m.load() for m in moes]) if moes else torch.zeros(0, 0, dtype=torch.float64)
+
+
+def update_expert_biases(moes: list[MoE], loads: torch.Tensor) -> None:
+    """`update_bias` of each module with its row of the summed `loads`."""
+    for m, load in zip(moes, loads):
+        m.update_bias(load)

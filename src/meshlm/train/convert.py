@@ -67,9 +67,10 @@ def load_masters(path: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, tor
 
 
 def model_shapes(model) -> dict[str, tuple[int, ...]]:
-    """Every parameter of a (meta) Llama by single-process name, a tied head once (as the embedding):
-    the checkpoint's `master/` keys for any model family, dense or mixture-of-experts."""
-    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+    """Every parameter of a (meta) Llama by single-process name, a tied head once (as the embedding),
+    and its model-state buffers (the MoE selection bias): the checkpoint's `master/` keys for any model
+    family, dense or mixture-of-experts."""
+    return {n: tuple(p.shape) for n, p in [*model.named_parameters(), *model.named_buffers()]}
 
 
 def load_model(path: str, device: str | torch.device = "cpu"):
