@@ -1,4 +1,4 @@
-"""Every enumerated configuration value, in one place: the config checks (config.py), the
+"""Every enumerated configuration value, in one place: the config checks (config/sections.py), the
 runtime (parallelize, the trainer) and the planner all read these lists, so a value exists everywhere
 or nowhere. A pipeline schedule is listed here only once it has a runtime (pipeline/schedules.py
 asserts that its registry is exactly this list), so an unimplemented name gets the same one-line

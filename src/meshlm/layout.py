@@ -1,6 +1,6 @@
 """Resolve a config against a world size: the mesh degrees and the batch split, and the checks that
 need both (degrees against the model shape and each other). A section's own keys are checked beside
-them (config.py, `Config.check`); the model arguments come from model/from_config.py."""
+them (config/sections.py, `Config.check`); the model arguments come from model/from_config.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,0 +1,17 @@
+"""Configuration: one dataclass per section (sections.py), loaded from TOML, overridden by `--section.key
+value` (text.py).
+
+Each section checks its own keys (`check`, beside the keys it checks; `Config.check` runs them all);
+what depends on the world size or the model shape is checked by layout.resolve. Every check runs in the
+parent process before any worker starts, so a bad run fails with one line naming the key and the reason.
+"""
+from __future__ import annotations
+
+from .sections import (AUTO, CheckpointConfig, Config, ConfigError, DataConfig, LayoutError, MetricsConfig,
+                       ModelConfig, MoEConfig, OptimConfig, ParallelConfig, RopeScalingConfig, TrainingConfig,
+                       resolve_auto)
+from .text import apply, from_dict, load, parse_overrides, replace, to_dict, to_toml
+
+__all__ = ["AUTO", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LayoutError", "MetricsConfig",
+           "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "RopeScalingConfig", "TrainingConfig",
+           "apply", "from_dict", "load", "parse_overrides", "replace", "resolve_auto", "to_dict", "to_toml"]
