@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import Iterator
 
+from ..files import json_field
+
 __all__ = ["Source", "collect_sources", "read_documents", "TEXT_SUFFIXES", "JSONL_SUFFIXES"]
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".text")
@@ -48,19 +50,15 @@ def _saved_dataset(path: str) -> list[Source] | None:
     """The arrow shards of a `Dataset.save_to_disk` directory (a DatasetDict: its `train` split)."""
     state = os.path.join(path, "state.json")
     if os.path.isfile(state):
+        entries = json_field(state, "_data_files", "a datasets save_to_disk state file")
         try:
-            with open(state) as f:
-                files = [d["filename"] for d in json.load(f)["_data_files"]]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            files = [d["filename"] for d in entries]
+        except (KeyError, TypeError) as e:
             raise ValueError(f"{state}: not a datasets save_to_disk state file ({e})") from None
         return [Source(os.path.join(path, f), "arrow") for f in files]
     splits = os.path.join(path, "dataset_dict.json")
     if os.path.isfile(splits):
-        try:
-            with open(splits) as f:
-                names = json.load(f)["splits"]
-        except (OSError, ValueError, KeyError) as e:
-            raise ValueError(f"{splits}: not a datasets DatasetDict file ({e})") from None
+        names = json_field(splits, "splits", "a datasets DatasetDict file")
         if "train" not in names:
             raise ValueError(f"{path}: a DatasetDict without a 'train' split (has {', '.join(names)}); "
                              f"pass the split's directory")

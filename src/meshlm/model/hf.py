@@ -16,12 +16,12 @@ layer carries copies of the shared embedding and head on export (hf_config.hf_co
 from __future__ import annotations
 
 import glob
-import json
 import os
 from typing import Callable
 
 import torch
 
+from ..files import json_field
 from . import safetensors_io as st
 from .args import ModelArgs
 from .hf_config import hf_copies, hf_names, param_shapes, stacked
@@ -67,11 +67,7 @@ class HFWeights:
         self.dir, self._headers = hf_dir, {}
         index = os.path.join(hf_dir, "model.safetensors.index.json")
         if os.path.isfile(index):
-            try:
-                with open(index) as f:
-                    wmap = json.load(f)["weight_map"]
-            except (OSError, ValueError, KeyError) as e:
-                raise ValueError(f"{index}: not a safetensors index ({e})") from None
+            wmap = json_field(index, "weight_map", "a safetensors index")
             self.files = {k: os.path.join(hf_dir, v) for k, v in wmap.items()}
             missing = sorted({p for p in self.files.values() if not os.path.isfile(p)})
             if missing:
