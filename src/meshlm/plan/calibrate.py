@@ -43,7 +43,7 @@ from .comm import LATENCY_S, latency as call_latency
 from .estimate import Options, estimate
 from .hardware import GB, GPU, get_gpu, profile_of_device
 from .ops import Rates, unit_rates
-from .spec import PlanError, code_options, priced_on, shape_from_config, spec_from_config
+from .spec import PlanError, Spec, code_options, priced_on, shape_from_config, spec_from_config
 
 WARMUP_RECORDS = 2  # the first logged steps include compilation, allocator growth and pool start-up
 REF_TFLOPS = 1.0    # the rate at which the link's bytes are read off the model (any works)
@@ -317,13 +317,14 @@ def fit(run_dir: str, cores: int | None = None, load: float | None = 0.0, trace:
         if m.cpu_s is None:
             raise PlanError(f"--calibrate: {run_dir}/metrics.jsonl has no cpu_s (seconds on a core per step)")
         m, cores, load = dataclasses.replace(m, step_s=m.cpu_s), 0, 0.0
-    world = _world(run_dir, cfg, m)
+    spec = _spec(run_dir, cfg, m)
+    world = spec.world_size
     if cores is None:  # a run that logs its world but no cores ran one rank per GPU
         cores = m.cores if m.cores or m.world else os.cpu_count() or 1
     threads = m.threads or threads_per_rank(world, cores or 1)
     load = external_load(m.available, world, cores, threads) if load is None else load
     share = core_share(world, cores, threads, load)
-    shape, spec = shape_from_config(cfg), spec_from_config(cfg, world)
+    shape = shape_from_config(cfg)
     opts = Options(**OPTIONS, compiled=bool(cfg.training.compile))
     probe = read_probe(run_dir)
 
@@ -368,8 +369,7 @@ def _fit_gpu(run_dir: str, cfg: C.Config, m: Measured, prof: dict | None) -> Cal
     """One rank per GPU: the card's efficiencies from the kernels of the profiled step (calibrate_gpu)."""
     from .calibrate_gpu import fit_card
     cfg = priced_on(cfg, gpu=True)
-    world = _world(run_dir, cfg, m)
-    gpu, overhead, split = fit_card(shape_from_config(cfg), spec_from_config(cfg, world), bool(cfg.training.compile),
+    gpu, overhead, split = fit_card(shape_from_config(cfg), _spec(run_dir, cfg, m), bool(cfg.training.compile),
                                     m.step_s, prof, m.peak_label, m.peak_flops)
     link = gpu.nvlink_bw  # the card's; a one-GPU run measures no link
     return Calibration(gpu.peak_flops, link, 0, os.path.abspath(run_dir), overhead_s=overhead, split=split,
@@ -381,15 +381,12 @@ def _rated(rates: Rates, compiled: bool) -> Options:
     return Options(efficiency=None, block_overhead_s=0.0, comm_efficiency=1.0, compiled=compiled, rates=rates)
 
 
-def _world(run_dir: str, cfg: C.Config, m: Measured) -> int:
-    """The run's world size: what its metrics recorded, else the product of its resolved degrees."""
-    if m.world:
-        return int(m.world)
-    p = cfg.parallel
-    if p.dp < 1:
+def _spec(run_dir: str, cfg: C.Config, m: Measured) -> Spec:
+    """The run's layout: on the world size its metrics recorded, else on the ranks its degrees fix."""
+    if not m.world and cfg.parallel.dp < 1:
         raise PlanError(f"--calibrate: {run_dir}/metrics.jsonl does not record the world size and its "
-                        f"config.toml has parallel.dp = {p.dp}; set parallel.dp to the run's")
-    return p.dp * p.tp * p.pp * p.cp
+                        f"config.toml has parallel.dp = {cfg.parallel.dp}; set parallel.dp to the run's")
+    return spec_from_config(cfg, int(m.world) if m.world else None)
 
 
 def device_and_options(cal: Calibration, ranks: int, compiled: bool = False,

@@ -24,7 +24,7 @@ from functools import lru_cache
 
 from ..choices import HELD
 from .hardware import GPU
-from .memory import vocab_rows
+from .activations import vocab_rows
 
 # ------------------------------------------------------------------ attention kernels
 # Fraction of the dense bf16 peak (989 TFLOP/s) reached by the forward kernel, by sequence length, read
