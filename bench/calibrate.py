@@ -132,7 +132,7 @@ def core_seconds(calib: str, cfg, ranks: int, threads: int) -> dict:
 
 
 def categories(est: dict) -> dict:
-    """The estimate's seconds per step in the trace's categories (calibrate.split_profile)."""
+    """The estimate's seconds per step in the trace's categories (calibrate_trace.split_profile)."""
     c = step_categories(est)
     return {"gemm": c["gemm"], "attention": c["attention"], "overhead": c["overhead"], "comm": c["comm"],
             "elementwise": sum(c[k] for k in ("elementwise", "launch", "loss", "grad_accum", "optimizer"))}

@@ -49,7 +49,7 @@ from meshlm.model.args import PRESETS, ModelArgs  # noqa: E402
 from meshlm.plan import ops  # noqa: E402
 from meshlm.plan.estimate import Options  # noqa: E402
 from meshlm.plan.hardware import GPU, HardwareError, get_gpu, profile_of_device  # noqa: E402
-from meshlm.plan.memory import vocab_rows  # noqa: E402
+from meshlm.plan.activations import vocab_rows  # noqa: E402
 
 SECTIONS = ("gemm", "elementwise", "attention")
 BACKENDS = ("cudnn", "flash", "efficient", "flex", "math")

@@ -11,7 +11,7 @@ forward + loss, distinct storages, no parameters, RoPE tables apart.
 
 --ac-table: training.ac none / op / selective / full side by side (B only, tp = 1): saved activation
 bytes per block and per step (hooks + op mode's cache, `Checkpointed.kept_bytes`), median step time,
-and the planner's prediction (plan.memory.block_activation_bytes, stage_memory's activations).
+and the planner's prediction (plan.activations.block_activation_bytes, memory.stage_memory's activations).
 
     python bench/saved_set.py [--precision bf16,fp32] [--tp 2 --sp] [--rounds 5] [--json]
     python bench/saved_set.py --ac-table [--precision bf16,fp32] [--json]
@@ -172,7 +172,8 @@ def ab_run(a, ctx=None) -> list[dict]:
 def ac_table(a) -> list[dict]:
     from meshlm.distributed.mesh import init_context, pick_device
     from meshlm.layout import resolve
-    from meshlm.plan.memory import block_activation_bytes, stage_memory
+    from meshlm.plan.activations import block_activation_bytes
+    from meshlm.plan.memory import stage_memory
     from meshlm.plan.spec import shape_from_config, spec_from_config
     out = []
     for precision in a.precision.split(","):
@@ -184,7 +185,7 @@ def ac_table(a) -> list[dict]:
             shape, spec = shape_from_config(cfg), spec_from_config(cfg, 1)
             e = 4 if precision == "fp32" else 2
             pred[ac] = {"block": block_activation_bytes(shape, a.batch * a.seq_len, a.seq_len, e, ac=ac),
-                        "step": stage_memory(shape, spec, "only")["activations"]}
+                        "step": stage_memory(shape, spec, "only").breakdown()["activations"]}
         saved = {ac: saved_by_part(tr) for ac, tr in trainers.items()}
         t = alternate(trainers, a)
         for ac in AC_ORDER:

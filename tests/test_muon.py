@@ -360,7 +360,7 @@ def test_tp_exchange_runs_in_buckets_with_the_same_deal_and_results(pools):
     max(cap, the largest matrix); the deal is the one over all split matrices; the masters after each
     step are bitwise those of one bucket (a cap above the step's slices). The planner's buffer for the
     exchange equals the runtime's largest bucket."""
-    from meshlm.plan.memory import muon_tp_bucket_bytes
+    from meshlm.plan.muon import muon_tp_bucket_bytes
     from meshlm.plan.spec import shape_from_config, spec_from_config
 
     cap_mb = 40 / 1024
@@ -392,7 +392,7 @@ def test_tp_exchange_runs_in_buckets_with_the_same_deal_and_results(pools):
 def test_planner_counts_the_runtime_muon_matrices_and_prices_them():
     from meshlm.plan.estimate import estimate
     from meshlm.plan.hardware import get_gpu
-    from meshlm.plan.memory import block_matrices
+    from meshlm.plan.muon import block_matrices
     from meshlm.plan.spec import Spec, shape_from_config
 
     for preset in ("debug", "moe-debug"):
@@ -421,7 +421,7 @@ def test_planner_muon_tp_buffer_is_one_bucket_whatever_the_depth():
     """Without ZeRO the tp exchange holds one bucket: the buffers of a 2- and a 20-layer model at tp2
     are the same once a step's slices pass the cap; with the cap above them it is the step's."""
     from meshlm.plan.estimate import estimate
-    from meshlm.plan.memory import block_matrices, muon_tp_bucket_bytes
+    from meshlm.plan.muon import block_matrices, muon_tp_bucket_bytes
     from meshlm.plan.spec import Spec, shape_from_config
 
     s = Spec(tp=2, optim="muon", seq_len=64, bucket_mb=40 / 1024)
@@ -451,20 +451,17 @@ def test_optim_muon_bench_smoke():
 
 
 def test_search_prices_muon_without_offload():
-    """The search's lean totals with Muon equal stage_memory's; it ranks Muon layouts with Muon's
-    Newton-Schulz time and never with optimizer offload, which Muon runs without."""
+    """stage_memory (the search's memory, as estimate's) carries Muon's buffer; the search ranks Muon
+    layouts with Muon's Newton-Schulz time and never with optimizer offload, which Muon runs without."""
     from meshlm.plan.hardware import get_gpu
-    from meshlm.plan.memory import stage_memory, stage_totals
+    from meshlm.plan.memory import stage_memory
     from meshlm.plan.search import plan
     from meshlm.plan.spec import PlanError, Spec, shape_from_config
 
     shape, gpu = shape_from_config(make_config()), get_gpu("h100-sxm-80gb")
     for s in (Spec(dp=4, zero=3, zero_group=4, seq_len=64, optim="muon"), Spec(dp=2, tp=2, seq_len=64, optim="muon"),
               Spec(dp=4, zero=2, zero_group=2, cp=2, seq_len=64, optim="muon")):
-        base, opt, acts = stage_totals(shape, "only", s.tp, s.sp, s.cp, s.pp, s.pp_virtual, s.ep, s.zero, s.zero_group,
-                                       s.dp, s.micro_batch, s.accum, s.pp_schedule, s.seq_len, s.precision, optimizer="muon")
-        want = stage_memory(shape, s, "only")
-        assert base + opt + acts[s.ac] == pytest.approx(want["total"]), s
+        want = stage_memory(shape, s, "only").breakdown()
         assert want["detail"]["buffers"]["muon"] > 0
     ranked = plan(shape, gpu, 4, 64, 64 * 8, top=5, optim="muon").ranked
     assert ranked and all(r["time"]["muon_ns_s"] > 0 and r["layout"]["offload"] == "none" for r in ranked)

@@ -14,8 +14,9 @@ from meshlm.model.args import padded_vocab
 from meshlm.plan import cli_cmds
 from meshlm.plan.estimate import Options, bubble_formula, bubble_simulated, estimate
 from meshlm.plan.hardware import GIB, get_gpu
-from meshlm.plan.memory import (block_activation_bytes, inflight, korthikanti_block_bytes, stage_memory, stage_params,
-                                stage_totals, zero_state_bytes)
+from meshlm.plan.activations import block_activation_bytes, korthikanti_block_bytes
+from meshlm.plan.memory import stage_memory, zero_state_bytes
+from meshlm.plan.stages import inflight, stage_params
 from meshlm.plan.spec import PlanError, Shape, Spec, check, presets
 
 GB = 1e9
@@ -58,14 +59,14 @@ def test_korthikanti_formulas():
 def test_model_states_follow_the_trainer_convention(precision, per):
     sh = _shape("small")
     psi = sh.num_params()
-    m = stage_memory(sh, Spec(dp=4, precision=precision, zero_group=4, seq_len=64), "only")
+    m = stage_memory(sh, Spec(dp=4, precision=precision, zero_group=4, seq_len=64), "only").breakdown()
     assert (m["params"], m["grads"], m["optim"]) == (per[0] * psi, per[1] * psi, per[2] * psi)
     for zero, div in ((1, (1, 1, 4)), (2, (1, 4, 4)), (3, (4, 4, 4))):
-        m = stage_memory(sh, Spec(dp=4, zero=zero, zero_group=4, precision=precision, seq_len=64), "only")
+        m = stage_memory(sh, Spec(dp=4, zero=zero, zero_group=4, precision=precision, seq_len=64), "only").breakdown()
         assert (m["params"], m["grads"], m["optim"]) == pytest.approx(
             tuple(per[i] * psi / div[i] for i in range(3)))
     m = stage_memory(sh, Spec(dp=4, zero=1, zero_group=4, offload="optimizer", precision=precision, seq_len=64),
-                     "only")
+                     "only").breakdown()
     # offload: separate fp32 master + m + v + fp32 gradient staging on the host, 16 bytes per parameter
     assert m["optim"] == 0 and m["cpu_optim"] == pytest.approx(16 * psi / 4)
 
@@ -262,8 +263,9 @@ def test_plan_405b_on_16k_gpus(capsys):
     assert speeds == sorted(speeds, reverse=True)
 
 
-def test_search_shortcuts_agree_with_estimate():
-    """The search's lean memory totals equal stage_memory's; its time bound never exceeds the model."""
+def test_search_lower_bound_never_exceeds_the_model():
+    """The search's compute-only bound on the step time stays under the full time model (its memory is
+    estimate's own: tests/test_plan_search_prices.py)."""
     from meshlm.plan.estimate import time_model
     from meshlm.plan.search import _lower_bound
     sh, gpu, o = _shape("llama3-70b"), get_gpu("h100"), Options()
@@ -272,14 +274,7 @@ def test_search_shortcuts_agree_with_estimate():
                    accum=8, ac="none", seq_len=8192),
               Spec(dp=8, tp=8, zero=1, zero_group=8, pp=1, accum=4, ac="full", offload="optimizer", seq_len=8192),
               Spec(dp=2, pp=8, pp_schedule="gpipe", accum=8, ac="full", precision="fp32", seq_len=2048)]:
-        for st in (("only",) if s.pp == 1 else ("first", "last")):
-            base, opt, acts = stage_totals(sh, st, s.tp, s.sp, s.cp, s.pp, s.pp_virtual, s.ep, s.zero, s.zero_group,
-                                           s.dp, s.micro_batch, s.accum, s.pp_schedule, s.seq_len, s.precision)
-            fast = base + (0 if s.offload == "optimizer" else opt) + acts[s.ac]
-            assert fast == pytest.approx(stage_memory(sh, s, st)["total"]), (s, st)
-        stages = ("only",) if s.pp == 1 else ("first", "last")
-        lb = _lower_bound(sh, gpu, o, s.tp, s.cp, s.pp, s.pp_virtual, s.pp_schedule, s.seq_len, s.micro_batch,
-                          s.accum, s.ac, stages, s.precision, (), s.sp, s.ep)
+        lb = _lower_bound(sh, gpu, o, s, s.ac)
         assert lb <= time_model(sh, s, gpu, o, simulate=False)["step_s"] * (1 + 1e-9)
 
 
@@ -439,7 +434,7 @@ def test_whole_model_activations_match_saved_tensors(precision):
         saved = saved_bytes(lambda: F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()),  # as the trainer
                             skip=list(model.parameters()) + list(model.rope_cache))
         predicted = stage_memory(Shape(args), Spec(micro_batch=b, seq_len=s, precision=precision, ac=ac),
-                                 "only")["activations"]
+                                 "only").breakdown()["activations"]
         measured = saved.total
         assert abs(predicted - measured) / measured < 0.01, (ac, predicted, measured)
 

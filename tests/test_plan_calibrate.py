@@ -12,6 +12,7 @@ from harness import make_config, train_in
 from meshlm import config as C
 from meshlm.cli import main
 from meshlm.plan import calibrate as K
+from meshlm.plan import calibrate_trace as T
 from meshlm.plan.estimate import estimate
 from meshlm.plan.hardware import get_gpu
 from meshlm.plan.ops import unit_rates
@@ -154,7 +155,7 @@ def _write_traced_run(path, cfg, world, c=1e-5, beta=2e-9, profiled=4):
                             "cores": CORES, "comm": {}}) + "\n")
     for o in ops.values():  # the profiler's cost per op doubles every op's time; the shares stay
         o["self_s"] *= 2
-    with open(os.path.join(path, K.PROFILE), "w") as f:
+    with open(os.path.join(path, T.PROFILE), "w") as f:
         json.dump({"step": profiled, "rank": 0, "device": "cpu", "wall_s": 2 * est["step_s"], "threads": 1,
                    "ops": ops}, f)
     return est
@@ -167,7 +168,7 @@ def test_trace_fit_recovers_every_rate_and_prices_tp_per_category(tmp_path):
     a = tmp_path / "dp2"
     a.mkdir()
     _write_traced_run(a, _cfg(), 2)
-    assert K.dispatch_and_bytes(K.read_profile(str(a))["ops"]) == (pytest.approx(2e-5), pytest.approx(4e-9))
+    assert T.dispatch_and_bytes(K.read_profile(str(a))["ops"]) == (pytest.approx(2e-5), pytest.approx(4e-9))
     cal = K.fit(str(a))
     for k, v in TRUE.items():
         assert getattr(cal, k) == pytest.approx(v, rel=1e-6), k
@@ -188,7 +189,7 @@ def test_trace_errors(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     _write_traced_run(run, _cfg(), 2)
-    (run / K.PROFILE).write_text('{"step": 4}')
+    (run / T.PROFILE).write_text('{"step": 4}')
     with pytest.raises(PlanError, match="profile.json is not a profile meshlm wrote"):
         K.fit(str(run))
     with pytest.raises(C.ConfigError, match=r"metrics.profile_step: expected 0 \(off\) or a step in 1..4, got 9"):
@@ -207,7 +208,7 @@ def test_a_real_two_rank_run_with_a_trace(pools, tmp_path):
     (tmp_path / "config.toml").write_text(C.to_toml(cfg))
     prof = K.read_profile(str(tmp_path))
     assert prof["step"] == 4 and prof["ops"]["aten::mm"]["calls"] > 0
-    cats = {K.op_category(n) for n in prof["ops"]}
+    cats = {T.op_category(n) for n in prof["ops"]}
     assert {"gemm", "attention", "elementwise", "comm"} <= cats
     assert 4 not in [r["step"] for r in K._records(str(tmp_path), 4)]
     cal = K.fit(str(tmp_path))
@@ -259,11 +260,11 @@ def test_functions_that_block_in_a_collective_are_comm():
               "parallel/dims/zero/sync.py"):
         with open(os.path.join(src, f)) as fh:
             names |= set(re.findall(r"^class (\w+)\((?:torch\.autograd\.)?Function\)", fh.read(), re.M))
-    assert len(names) >= 10 and names == set(K.COLLECTIVE_FUNCTIONS)
+    assert len(names) >= 10 and names == set(T.COLLECTIVE_FUNCTIONS)
     for n in names:
-        assert K.op_category(n) == K.op_category(n + "Backward") == "comm", n
-    assert K.op_category("_RMSNormBackward") == K.op_category("aten::mul") == "elementwise"
-    assert K.op_category("autograd::engine::evaluate_function: _CopyToBackward") == "elementwise"
+        assert T.op_category(n) == T.op_category(n + "Backward") == "comm", n
+    assert T.op_category("_RMSNormBackward") == T.op_category("aten::mul") == "elementwise"
+    assert T.op_category("autograd::engine::evaluate_function: _CopyToBackward") == "elementwise"
 
 
 def test_a_link_probe_gives_the_cost_per_collective_call(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 from meshlm.model.args import ModelArgs
 from meshlm.plan.estimate import Options, estimate
 from meshlm.plan.hardware import get_gpu
-from meshlm.plan.memory import block_activation_bytes
+from meshlm.plan.activations import block_activation_bytes
 from meshlm.plan.spec import Shape, Spec, presets
 
 GIB = 2 ** 30

@@ -9,7 +9,7 @@ from meshlm.schedule import build_schedule
 from meshlm.schedule.check import inflight_by_chunk
 from meshlm.plan.estimate import Options, bubble_formula, bubble_simulated, estimate
 from meshlm.plan.hardware import get_gpu
-from meshlm.plan.memory import held_layers, stage_chunks, stage_params
+from meshlm.plan.stages import held_layers, stage_chunks, stage_params
 from meshlm.plan.search import _schedules, _splits, lighter_ends
 from meshlm.plan.spec import PlanError, Shape, Spec, check
 
@@ -93,7 +93,7 @@ def _meta(gpus, dp, cp, seq, m, ac="none"):
 def test_llama3_405b_table4(gpus, dp, cp, seq, m, mfu):
     sh = _shape("llama3-405b")
     s = _meta(gpus, dp, cp, seq, m)
-    assert s.world == gpus and s.global_batch * seq == 16 * 2 ** 20
+    assert s.world_size == gpus and s.global_batch * seq == 16 * 2 ** 20
     est = estimate(sh, s, get_gpu("h100"), Options(compiled=True))
     # MFU against Table 4: tests/test_plan_validation.py holds it with the per-operation time model
     # Memory (issue 17: the minimal saved set, 3.16 bytes per token × hidden per block at TP 8 + SP):

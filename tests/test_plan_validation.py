@@ -193,7 +193,7 @@ def _llama3_table4():
         s = Spec(dp=dp, tp=8, sp=True, pp=16, cp=cp, zero=1, zero_group=dp, pp_schedule="interleaved",
                  pp_virtual=4, micro_batch=1, accum=m, ac="none", precision="bf16", seq_len=seq,
                  cp_impl="allgather" if cp > 1 else "ring")  # Meta's CP (paper §3.3.2)
-        assert s.world == gpus and s.global_batch * seq == 16 * 2 ** 20
+        assert s.world_size == gpus and s.global_batch * seq == 16 * 2 ** 20
         rows.append(Row(f"Llama 3 405B {gpus} GPUs cp{cp} seq {seq}", sh, s, H100,
                         # attn_impl None: Meta's own attention kernel, priced as a causal one (not meshlm's flex)
                         Options(compiled=True, step_overhead_s=0.0, attn_impl=None),

@@ -40,8 +40,8 @@ CASES = [
 
 def predicted(cfg, world: int) -> dict:
     shape, spec = shape_from_config(cfg), spec_from_config(cfg, world)
-    if spec.pp > 1:  # rank 0 holds the first stage
-        return stage_memory(shape, spec, "first", True, 4)
+    if spec.pp_enabled:  # rank 0 holds the first stage
+        return stage_memory(shape, spec, "first", Options(attn_math_bytes=4)).breakdown()
     return estimate(shape, spec)["per_gpu"]
 
 

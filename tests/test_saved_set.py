@@ -6,7 +6,7 @@ from test_tp import activation_task
 
 from meshlm import config as C
 from meshlm.model.from_config import model_args
-from meshlm.plan.memory import minimal_block_bytes
+from meshlm.plan.activations import minimal_block_bytes
 
 SHAPE = {"model__dim": 128, "model__n_layers": 2, "model__n_heads": 8, "model__n_kv_heads": 2,
          "model__ffn_dim": 256, "model__max_seq_len": 64, "data__seq_len": 64, "training__micro_batch": 2}
@@ -44,7 +44,7 @@ def test_saved_bytes_meet_formula(pools, tp, sp, precision, compiled):
                                                (2, False, "op", True), (2, False, "op", False)])
 def test_ac_modes_meet_planner(pools, tp, sp, ac, compiled):
     """Recomputation modes with TP against the planner (plan/memory.py), compiled or not."""
-    from meshlm.plan.memory import block_activation_bytes
+    from meshlm.plan.activations import block_activation_bytes
     from meshlm.plan.spec import shape_from_config
     cfg = make_config(parallel__tp=tp, parallel__sp=sp, training__precision="bf16", training__compile=compiled,
                       training__ac=ac, **SHAPE)

@@ -23,9 +23,9 @@ def cmd_train(args, extra: list[str]) -> int:
     if not worker or int(os.environ.get("RANK", "0")) == 0:
         preflight.write_config(start, args.config)
     if not args.worker and int(os.environ.get("RANK", "0")) == 0:
-        t = cfg.training
+        t, attention = cfg.training, _attention(cfg, start.layout, start.asked_attn)
         print(f"meshlm: {cfg.model.preset}, {world} worker{'s' if world > 1 else ''}{_shared_gpus(cfg, world)}, "
-              f"precision {t.precision}, compile {'on' if t.compile else 'off'}{_attention(cfg, start.asked_attn)}, "
+              f"precision {t.precision}, compile {'on' if t.compile else 'off'}{attention}, "
               f"run dir {run_dir}", file=sys.stderr)
     if not worker and (world > 1 or args.max_restarts):
         code = spawn(world, os.path.join(run_dir, "config.toml"), run_dir, args.max_restarts)
@@ -153,12 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _attention(cfg, asked: str) -> str:
+def _attention(cfg, layout, asked: str) -> str:
     """The start-up line's attention kernel where a mask makes the choice matter (a document mask, or
     all-gather CP's zig-zag rows), and why when "auto" chose it (docs/benchmarks.md, "Attention kernels
     by device")."""
     from .model.from_config import attn_kernel
-    masked = cfg.data.document_mask or (cfg.parallel.cp > 1 and cfg.parallel.cp_impl == "allgather")
+    masked = cfg.data.document_mask or (layout.cp_enabled and cfg.parallel.cp_impl == "allgather")
     if not masked:
         return ""
     kernel = attn_kernel(cfg)

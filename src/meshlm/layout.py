@@ -1,5 +1,5 @@
-"""Resolve a config against a world size: the mesh degrees and the batch split, and the checks that
-need both (degrees against the model shape and each other). A section's own keys are checked beside
+"""Resolve a config against a world size: the mesh degrees and the batch split (`Layout`), and the checks
+that need both (degrees against the model shape and each other). A section's own keys are checked beside
 them (config/sections.py, `Config.check`); the model arguments come from model/from_config.py."""
 from __future__ import annotations
 
@@ -12,44 +12,144 @@ from .model.from_config import check_export, model_args
 
 @dataclass(frozen=True)
 class Layout:
-    """Degrees of the 5-D mesh (outermost first) and the batch split they imply."""
-    pp: int
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    tp: int
-    micro_batch: int
-    accum: int  # micro-batches per optimizer step on each dp rank
-    microbatches: int  # pipeline micro-batches per step (= accum unless set)
-    ep: int = 1  # expert parallelism: a second view of the dp×cp ranks (distributed/mesh.py)
-    zpp_group: int = 0  # ZeRO++: ranks per group of the shard group (hpZ, qgZ's intra level); 0: off
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+    """The degrees of a run and the batch split they imply: the one description of how the ranks share
+    the work. The trainer resolves it from a config (`from_config`, `resolve`); the planner prices it
+    (plan.spec.Spec is a Layout plus the planner's knobs). The mesh is pp × dp_replicate × dp_shard ×
+    cp × tp, outermost first (distributed/mesh.py); ep is a second view of the dp×cp ranks; ZeRO
+    shards over dp_shard × cp. Degrees are numbers here (dp = -1 is resolved); checks against the model
+    are this module's functions (`check_shape`, `check_cp`, `check_ep`, `check_zeropp`)."""
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0                   # ZeRO stage: 1 shards optimizer state, 2 also grads, 3 also params
+    zero_group: int = 1             # dp ranks of one ZeRO shard group (= dp unless HSDP); unused at zero 0
+    sp: bool = False                # sequence parallelism: on only where tp > 1 (`sp_enabled`)
+    micro_batch: int = 1
+    accum: int = 1                  # micro-batches per optimizer step on each dp rank (= pipeline micro-batches)
+    quantize_weights: bool = False  # ZeRO++ qwZ (docs/zero.md)
+    hpz_group: int = 0              # ZeRO++ hpZ: secondary shards over this many ranks; 0: off
+    quantize_grads: bool = False    # ZeRO++ qgZ
 
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
 
+    @property
+    def dp_shard(self) -> int:
+        """dp ranks one ZeRO shard group spans (1 without ZeRO: every dp rank holds everything)."""
+        return self.zero_group if self.zero else 1
+
+    @property
+    def dp_replicate(self) -> int:
+        """Copies of each shard over dp (HSDP replicas; plain data parallelism: dp)."""
+        return self.dp // self.dp_shard
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks ZeRO shards over: dp_shard × cp (cp ranks hold the same weights); 1 without ZeRO."""
+        return self.zero_group * self.cp if self.zero else 1
+
+    @property
+    def microbatches(self) -> int:
+        """Pipeline micro-batches per step: the accumulation count."""
+        return self.accum
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.accum * self.dp
+
+    @property
+    def zpp_group(self) -> int:
+        """ZeRO++'s group inside the shard group (hpZ's secondary shards, qgZ's intra level); 0: off."""
+        return (self.hpz_group or self.shard_group) if self.zeropp_enabled else 0
+
+    # -- what runs: the predicates the trainer and the planner branch on (torchtitan's ParallelDims)
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def dp_cp_enabled(self) -> bool:
+        """Gradients are reduced across ranks (dp × cp > 1: cp ranks hold the same weights)."""
+        return self.dp * self.cp > 1
+
+    @property
+    def zero_enabled(self) -> bool:
+        """ZeRO shards some state over more than one rank (zero >= 1 and shard_group > 1)."""
+        return self.zero > 0 and self.shard_group > 1
+
+    @property
+    def zeropp_enabled(self) -> bool:
+        return bool(self.quantize_weights or self.quantize_grads or self.hpz_group)
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def sp_enabled(self) -> bool:
+        """Sequence parallelism splits the sequence over the tp group (a no-op at tp = 1)."""
+        return self.sp and self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
     def shape(self) -> dict[str, int]:
+        """The mesh's degrees by dimension name (distributed/mesh.py), with ZeRO++'s group when on."""
         return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
                 "cp": self.cp, "tp": self.tp, "ep": self.ep, **({"zpp": self.zpp_group} if self.zpp_group else {})}
 
+    def check_groups(self) -> None:
+        """The ZeRO shard group against dp (a LayoutError naming parallel.zero_group)."""
+        if self.zero_group < 1 or self.dp % self.zero_group:
+            raise LayoutError(f"parallel.zero_group: {self.zero_group} does not divide dp {self.dp}")
+
+
+def from_config(cfg: Config, world: int | None = None, flag: str = "--nproc") -> Layout:
+    """Config → Layout, the one place a config's parallel section becomes degrees: the batch split of
+    `world` ranks (dp = -1 takes the ranks pp×cp×tp leave), or with `world` None the ranks the section
+    itself fixes (a run's config.toml; dp = -1 counts one replica). `flag` names the world in errors."""
+    p, t = cfg.parallel, cfg.training
+    if world is None:
+        world = Layout(dp=max(p.dp, 1), tp=p.tp, pp=p.pp, cp=p.cp).world_size
+    dp, accum = batch_split(p, t, world, flag)
+    return Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, zero_group=p.zero_group or dp,
+                  sp=bool(p.sp), micro_batch=t.micro_batch, accum=accum, quantize_weights=bool(p.quantize_weights),
+                  hpz_group=p.hpz_group, quantize_grads=bool(p.quantize_grads))
 
 
 def batch_split(p, t, world: int, flag: str = "--nproc") -> tuple[int, int]:
     """(dp, accumulation count) of `world` ranks, or a ConfigError naming the key. Shared with the
     planner, whose `flag` is --gpus."""
-    inner = p.pp * p.cp * p.tp
+    inner = Layout(tp=p.tp, pp=p.pp, cp=p.cp).world_size
     if world % inner:
         raise LayoutError(f"parallel: pp×cp×tp = {inner} does not divide the world size {world}")
     dp = world // inner if p.dp == -1 else p.dp
     if dp < 1:
         raise LayoutError(f"parallel.dp: must be >= 1 or -1, got {p.dp}")
-    if dp * inner != world:
+    need = Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp).world_size
+    if need != world:
         raise LayoutError(f"{flag}: {world} ranks but the layout pp×dp×cp×tp = "
-                          f"{p.pp}×{dp}×{p.cp}×{p.tp} needs {dp * inner}")
+                          f"{p.pp}×{dp}×{p.cp}×{p.tp} needs {need}")
     if t.micro_batch < 1 or t.global_batch < 1:
         raise LayoutError("training.micro_batch: batch sizes must be >= 1")
     if t.global_batch % (t.micro_batch * dp):
@@ -76,18 +176,19 @@ def check_shape(args: ModelArgs, tp: int, pp: int, pp_virtual: int) -> None:
         raise LayoutError(f"parallel.pp: {args.n_layers} layers cannot fill pp×pp_virtual = {pp * pp_virtual} stages")
 
 
-def check_cp(args: ModelArgs, cp: int, impl: str, tp: int, sp: bool, seq_len: int) -> None:
+def check_cp(args: ModelArgs, layout: Layout, impl: str, seq_len: int) -> None:
     """Context parallelism against the sequence and the heads (shared with the planner). Ring and
     allgather cut each sequence in 2·cp chunks (zig-zag); Ulysses in cp, and splits each TP rank's heads
     over cp."""
-    if cp == 1:
+    if not layout.cp_enabled:
         return
+    cp, tp = layout.cp, layout.tp
     zigzag = impl != "ulysses"
     chunks = 2 * cp if zigzag else cp
     if seq_len % chunks:
         raise ConfigError(f"data.seq_len: {seq_len} is not divisible by {chunks} "
                           f"({f'2×cp: {impl} attention holds 2 chunks per rank' if zigzag else 'cp'})")
-    if sp and tp > 1 and (seq_len // cp) % tp:
+    if layout.sp_enabled and (seq_len // cp) % tp:
         raise LayoutError(f"parallel.sp: each CP rank's {seq_len // cp} tokens are not divisible by tp {tp}")
     if impl == "ulysses":
         heads, kv = args.n_heads // tp, max(1, args.n_kv_heads // tp)
@@ -120,30 +221,25 @@ def resolve(cfg: Config, world_size: int) -> Layout:
     With parallel.auto the planner chooses the layout first: callers go through plan.auto.resolve,
     which writes the choice into `cfg` and then calls this (layout sits below plan: docs/architecture.md)."""
     device_defaults(cfg)
-    p, t = cfg.parallel, cfg.training
+    p = cfg.parallel
     args = model_args(cfg)
     cfg.check()
     if world_size < 1:
         raise LayoutError(f"--nproc: must be >= 1, got {world_size}")
-    dp, accum = batch_split(p, t, world_size)
-    microbatches = accum
-    group = p.zero_group or dp
-    if dp % group:
-        raise LayoutError(f"parallel.zero_group: {group} does not divide dp {dp}")
-    dp_shard = group if p.zero else 1
+    layout = from_config(cfg, world_size)
+    layout.check_groups()
     check_shape(args, p.tp, p.pp, p.pp_virtual)
     # sp splits the sequence over the tp group; at tp = 1 it is a no-op (docs/tensor_parallel.md)
-    if p.sp and p.tp > 1 and cfg.data.seq_len % p.tp:
+    if layout.sp_enabled and cfg.data.seq_len % p.tp:
         raise LayoutError(f"parallel.sp: data.seq_len {cfg.data.seq_len} is not divisible by tp {p.tp}")
-    check_cp(args, p.cp, p.cp_impl, p.tp, p.sp, cfg.data.seq_len)
-    check_ep(args, p.ep, dp, dp_shard, p.cp, p.zero)
+    check_cp(args, layout, p.cp_impl, cfg.data.seq_len)
+    check_ep(args, layout)
     check_fp8(cfg, args)
-    zpp_group = check_zeropp(p, dp_shard * p.cp)
-    if p.pp > 1 or p.pp_virtual > 1 or p.pp_layers:
-        _check_pipeline(cfg, args, microbatches)
+    check_zeropp(layout, p.offload)
+    if layout.pp_enabled or p.pp_virtual > 1 or p.pp_layers:
+        _check_pipeline(cfg, args, layout.microbatches)
     check_export(cfg, args)
-    return Layout(pp=p.pp, dp_replicate=dp // dp_shard, dp_shard=dp_shard, cp=p.cp, tp=p.tp,
-                  micro_batch=t.micro_batch, accum=accum, microbatches=microbatches, ep=p.ep, zpp_group=zpp_group)
+    return layout
 
 
 def check_fp8(cfg: Config, args: ModelArgs) -> None:
@@ -171,42 +267,43 @@ def check_fp8(cfg: Config, args: ModelArgs) -> None:
                           f"{torch.cuda.get_device_name()} has {cap} {hint}")
 
 
-def check_zeropp(p, shard: int) -> int:
-    """ZeRO++ keys against the stage and the shard group (size `shard` = dp_shard × cp); the group size
-    its hpZ copies and qgZ's intra level use (0: ZeRO++ off). Shared with the planner."""
-    on = [k for k in ("quantize_weights", "quantize_grads") if getattr(p, k)] + (["hpz_group"] if p.hpz_group else [])
-    if p.hpz_group < 0:
-        raise LayoutError(f"parallel.hpz_group: must be >= 0 (0 = off), got {p.hpz_group}")
+def check_zeropp(layout: Layout, offload: str) -> None:
+    """ZeRO++ keys against the stage, the other degrees, parallel.offload and the shard group (dp_shard
+    × cp). Shared with the planner."""
+    on = [k for k in ("quantize_weights", "quantize_grads") if getattr(layout, k)] + \
+        (["hpz_group"] if layout.hpz_group else [])
+    if layout.hpz_group < 0:
+        raise LayoutError(f"parallel.hpz_group: must be >= 0 (0 = off), got {layout.hpz_group}")
     if not on:
-        return 0
-    if p.zero != 3:
-        raise LayoutError(f"parallel.{on[0]}: ZeRO++ works on sharded parameters (zero = 3), got zero = {p.zero}")
-    if p.ep > 1:
+        return
+    if layout.zero != 3:
+        raise LayoutError(f"parallel.{on[0]}: ZeRO++ works on sharded parameters (zero = 3), got zero = {layout.zero}")
+    if layout.ep_enabled:
         raise LayoutError(f"parallel.{on[0]}: ZeRO++ with expert parallelism (ep > 1) is not available yet")
-    if p.offload == "nvme":
+    if offload == "nvme":
         raise LayoutError(f"parallel.{on[0]}: ZeRO++ with nvme offload is not available yet")
-    if p.hpz_group and shard % p.hpz_group:
-        raise LayoutError(f"parallel.hpz_group: {p.hpz_group} does not divide the shard group size {shard} "
-                          f"(dp_shard × cp)")
-    return p.hpz_group or shard
+    if layout.hpz_group and layout.shard_group % layout.hpz_group:
+        raise LayoutError(f"parallel.hpz_group: {layout.hpz_group} does not divide the shard group size "
+                          f"{layout.shard_group} (dp_shard × cp)")
 
 
-def check_ep(args: ModelArgs, ep: int, dp: int, dp_shard: int, cp: int, zero: int) -> None:
+def check_ep(args: ModelArgs, layout: Layout) -> None:
     """Expert parallelism against the model and the dp×cp block it borrows its ranks from (shared with
     the planner). With ZeRO the experts' shard group lies inside one HSDP shard group: ep | dp_shard×cp."""
-    if args.moe and cp > 1 and args.capacity_factor > 0:  # each cp rank routes only its chunks
+    if args.moe and layout.cp_enabled and args.capacity_factor > 0:  # each cp rank routes only its chunks
         raise ConfigError("model.moe.capacity_factor: capacity dropping with context parallelism is not "
                           "supported (each cp rank holds part of the micro-batch); use a dropless model (<= 0)")
-    if ep == 1:
+    if not layout.ep_enabled:
         return
+    ep = layout.ep
     if not args.moe:
         raise LayoutError("parallel.ep: expert parallelism needs a mixture-of-experts model (model.moe.num_experts > 0)")
     if args.num_experts % ep:
         raise LayoutError(f"parallel.ep: {ep} does not divide model.moe.num_experts {args.num_experts}")
-    if (dp * cp) % ep:
-        raise LayoutError(f"parallel.ep: {ep} does not divide dp×cp = {dp * cp}")
-    if zero and (dp_shard * cp) % ep:
-        raise LayoutError(f"parallel.ep: {ep} does not divide the ZeRO shard group × cp = {dp_shard * cp} "
+    if (layout.dp * layout.cp) % ep:
+        raise LayoutError(f"parallel.ep: {ep} does not divide dp×cp = {layout.dp * layout.cp}")
+    if layout.zero and layout.shard_group % ep:
+        raise LayoutError(f"parallel.ep: {ep} does not divide the ZeRO shard group × cp = {layout.shard_group} "
                           f"(parallel.zero_group)")
 
 

@@ -19,7 +19,7 @@ from ..plan.hardware import FLAG_FIELDS, PROFILES, HardwareError, get_gpu
 from ..plan.ops import KERNELS
 from ..plan.search import plan
 from ..plan.spec import AC_MODES, CP_IMPLS, OPTIMIZERS, PRECISIONS, SCHEDULES, PlanError, presets, priced_on, \
-    shape_from_config, spec_from_config, spec_of_layout, to_config
+    search_knobs, shape_from_config, spec_from_config, spec_of_layout, to_config
 
 MAX_GPUS = 1 << 17           # a search over more is a typo, not a cluster
 MAX_TIMELINE_UNITS = 4096    # p·m·v above which the timeline is not simulated for drawing (~1 s)
@@ -260,7 +260,7 @@ def run_plan(body, runs_root: str | None = None) -> dict:
         top = _number(body, "top", int, 10, 1)
         shape = shape_from_config(cfg)
         res = plan(shape, gpu, n, cfg.data.seq_len, tokens, cfg.training.precision, min(top, 50), {}, opts,
-                   optim=cfg.optim.name)
+                   optim=cfg.optim.name, knobs=search_knobs(cfg))
     except BadRequest:
         raise
     except (C.ConfigError, PlanError, HardwareError) as e:
@@ -285,7 +285,7 @@ def simulated_timeline(out: dict, spec) -> dict | None:
     """The chosen schedule through the simulator, with the planner's own per-micro-batch costs (the
     F, B, W it uses for the bubble in plan/estimate.py: exposed communication and the compute slowed
     beside hidden communication split over F and B)."""
-    if spec.pp == 1 or "time" not in out:
+    if not spec.pp_enabled or "time" not in out:
         return None
     p, m, v = spec.pp, spec.accum, spec.pp_virtual
     if spec.pp_schedule not in ("gpipe", "1f1b", "interleaved", "zb-h1"):

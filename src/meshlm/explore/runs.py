@@ -11,6 +11,7 @@ import json
 import os
 
 from .. import config as C
+from ..layout import from_config
 from .api import NAME, BadRequest, NotFound, is_run, run_path, timeline_json
 
 
@@ -60,23 +61,22 @@ def list_runs(root: str) -> dict:
 def world_size(path: str, cfg: C.Config) -> tuple[int, str]:
     """(ranks the run used, how we know). config.toml keeps dp = -1 when dp was left to the launcher;
     then torchrun's per-rank log folders (`logs/<id>/attempt_N/<rank>/`) tell, else one process."""
-    p = cfg.parallel
-    inner = p.pp * p.cp * p.tp
-    if p.dp > 0:
-        return p.dp * inner, "config.toml"
+    if cfg.parallel.dp > 0:
+        return from_config(cfg).world_size, "config.toml"
     ranks = 0
     for dirpath, dirnames, _ in os.walk(os.path.join(path, "logs")):
         if os.path.basename(dirpath).startswith("attempt_"):
             ranks = max(ranks, sum(d.isdigit() for d in dirnames))
     if ranks:
         return ranks, "logs/ (one folder per rank)"
-    return inner, "one process per pp×cp×tp (no logs/ folder)"
+    return from_config(cfg).world_size, "one process per pp×cp×tp (no logs/ folder)"
 
 
 def predict(path: str) -> dict:
     """The planner's memory for rank 0 (the first pipeline stage) under the run's own config and world
     size, to show next to what the run measured on rank 0."""
     from ..plan.memory import stage_memory
+    from ..plan.options import Options
     from ..plan.spec import PlanError, check, shape_from_config, spec_from_config
     try:
         cfg = C.load(os.path.join(path, "config.toml"))
@@ -84,8 +84,8 @@ def predict(path: str) -> dict:
         shape = shape_from_config(cfg)
         spec = spec_from_config(cfg, world)
         check(shape, spec)
-        stage = "first" if spec.pp > 1 else "only"
-        mem = stage_memory(shape, spec, stage, compiled=bool(cfg.training.compile))
+        stage = "first" if spec.pp_enabled else "only"
+        mem = stage_memory(shape, spec, stage, Options(compiled=bool(cfg.training.compile))).breakdown()
     except (C.ConfigError, PlanError, ValueError, OSError) as e:
         return {"error": str(e).splitlines()[0]}
     return {"world": world, "world_source": source, "stage": stage, "layout": spec.layout_dict(),

@@ -17,7 +17,7 @@ from ..layout import resolve as resolve_layout
 from .estimate import Options
 from .hardware import GB, GPU, get_gpu
 from .search import plan
-from .spec import PlanError, Shape, code_options, priced_on, shape_from_config, spec_of_layout, to_config
+from .spec import PlanError, Shape, code_options, priced_on, search_knobs, shape_from_config, spec_of_layout, to_config
 
 # A CPU has no profile: the host's RAM is its memory, its measured matmul peak (training.peak_tflops,
 # else 0.1 TFLOP/s, assumed) its compute, gloo over loopback its links (1 GB/s, assumed). The choice
@@ -48,7 +48,8 @@ def choose(cfg: Config, world: int, gpu: GPU | None = None, o: Options | None = 
     seq, G = cfg.data.seq_len, cfg.training.global_batch
     try:
         res = plan(shape, gpu, world, seq, G * seq, cfg.training.precision, top=20,
-                   fixed={"offload": "none"} if gpu.name == "custom" else None, o=o, optim=cfg.optim.name)
+                   fixed={"offload": "none"} if gpu.name == "custom" else None, o=o, optim=cfg.optim.name,
+                   knobs=search_knobs(cfg))
     except PlanError as e:
         raise ConfigError(f"parallel.auto: {e}") from None
     for r in res.ranked:

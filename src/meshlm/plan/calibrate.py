@@ -7,17 +7,17 @@ collective seconds against the planner's bytes of the same collectives) and the 
 at which the planner's step of that layout is the measured step). Nothing is fitted to the layout
 being predicted.
 
-On a CPU the ranks share the cores (docs/planner.md, "Calibration from a run"): a rank keeps
-min(threads, cores / ranks) cores busy, and both its math and its gloo transfers (memory copies done
-by the same cores) run at that share. So the fitted numbers are per core, and a layout of more ranks
+On a CPU the ranks share the cores (calibrate_cores.py; docs/planner.md, "Calibration from a run"): a
+rank keeps min(threads, cores / ranks) cores busy, and both its math and its gloo transfers (memory
+copies done by the same cores) run at that share. So the fitted numbers are per core, and a layout of more ranks
 than cores gets cores/ranks of them each. Time a rank spends blocked waiting for a peer is not
 priced: on an oversubscribed machine the other ranks on that core fill it. Other programs' load is in
 the fitted rate (the run's cores were that much slower); pricing it per thread instead (`load`) was
 measured and refused (docs/planner.md). What is fitted is written
 back as a GPU profile (peak = the achieved rate, efficiency 1) and the Options that go with it.
 
-With a profiler trace of one step (RUN_DIR/profile.json, `metrics.profile_step`) the compute is fitted
-per category instead of at one rate: the trace splits the measured step into GEMM, attention-kernel,
+With a profiler trace of one step (RUN_DIR/profile.json, `metrics.profile_step`; read by
+calibrate_trace.py) the compute is fitted per category instead of at one rate: the trace splits the measured step into GEMM, attention-kernel,
 element-wise (bytes) and per-op dispatch seconds, plus the time outside every op (Python, the
 autograd engine); each category's rate is the planner's work of that category for the run's layout
 (plan/ops.py: GEMM FLOPs, attention FLOPs, element-wise bytes, kernels) over its seconds. A layout
@@ -39,11 +39,13 @@ import os
 import statistics
 
 from .. import config as C
+from .calibrate_cores import core_share, cpu_device, external_load, threads_per_rank
+from .calibrate_trace import read_json, read_profile, split_profile
 from .comm import LATENCY_S, latency as call_latency
 from .estimate import Options, estimate
-from .hardware import GB, GPU, get_gpu, profile_of_device
+from .hardware import GB, GPU, profile_of_device
 from .ops import Rates, unit_rates
-from .spec import PlanError, code_options, priced_on, shape_from_config, spec_from_config
+from .spec import PlanError, Spec, code_options, priced_on, shape_from_config, spec_from_config
 
 WARMUP_RECORDS = 2  # the first logged steps include compilation, allocator growth and pool start-up
 REF_TFLOPS = 1.0    # the rate at which the link's bytes are read off the model (any works)
@@ -117,109 +119,6 @@ def measured(run_dir: str) -> Measured:
                     last.get("peak_label"), last.get("peak_flops"))
 
 
-# ------------------------------------------------------------------ the profiler trace of one step
-
-PROFILE = "profile.json"  # train/metrics.StepProfiler writes it (metrics.profile_step)
-GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::mv", "aten::addmv"}
-ATTENTION_OPS = ("scaled_dot_product_flash_attention", "scaled_dot_product_efficient_attention",
-                 "scaled_dot_product_cudnn_attention", "aten::_flash_attention", "aten::_efficient_attention")
-COMM_OPS = ("c10d::", "gloo:", "nccl:", "record_param_comms")
-# meshlm's autograd functions that run a blocking collective (distributed/functional.py, vocab_parallel.py,
-# context_parallel.py, zero/sync.py), forward and backward: the collective's c10d op only launches it
-# and the wait for the peers falls in the function's own self time, so that is comm, not dispatch (a
-# tp 2 trace books ~4 ms per call of _ReduceFrom, against ~15 µs for the identity _CopyTo forward)
-COLLECTIVE_FUNCTIONS = ("_CopyTo", "_ReduceFrom", "_GatherSeq", "_ReduceScatterSeq", "_GatherLinears",
-                        "_SumGradOverReplicas", "_AllToAll", "_VocabParallelCE", "_RingAttention", "_PreBackward")
-# aten ops that move no data (views, metadata, allocation) or whose work is their children's (wrappers):
-# their time is dispatch. Every non-aten event (autograd nodes, Python autograd functions) is too.
-NO_DATA = {"aten::" + n for n in (
-    "view", "_unsafe_view", "_reshape_alias", "as_strided", "t", "transpose", "permute", "expand", "expand_as",
-    "reshape", "select", "slice", "narrow", "split", "chunk", "unbind", "unsqueeze", "squeeze", "alias",
-    "view_as", "flatten", "unflatten", "detach", "resolve_conj", "resolve_neg", "empty", "empty_strided",
-    "empty_like", "zeros", "zeros_like", "ones_like", "lift_fresh", "contiguous", "to", "type_as", "clone",
-    "linear", "matmul", "scaled_dot_product_attention", "result_type", "promote_types", "item",
-    "_local_scalar_dense", "cross_entropy_loss", "nll_loss", "nll_loss_nd", "log_softmax", "embedding",
-    "embedding_backward", "scalar_tensor")}
-
-
-def op_category(name: str) -> str:
-    """gemm, attention, comm (collectives and the functions that block in them), or elementwise
-    (everything else: norms, activations, the optimizer, copies, and the dispatch of views and
-    autograd nodes)."""
-    if name in GEMM_OPS:
-        return "gemm"
-    if any(k in name for k in ATTENTION_OPS):
-        return "attention"
-    if name.startswith(COMM_OPS + COLLECTIVE_FUNCTIONS):
-        return "comm"
-    return "elementwise"
-
-
-def _read_json(run_dir: str, name: str, what: str, parse):
-    """parse(the JSON of RUN_DIR/name), None when the file is absent; one line naming `what` it is not."""
-    path = os.path.join(run_dir, name)
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            return parse(json.load(f))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise PlanError(f"--calibrate: {path} is not {what} ({e})") from None
-
-
-def read_profile(run_dir: str) -> dict | None:
-    """RUN_DIR/profile.json, or None when the run wrote none."""
-    def parse(prof: dict) -> dict:
-        prof["ops"], prof["wall_s"], prof["step"] = dict(prof["ops"]), float(prof["wall_s"]), int(prof["step"])
-        return prof
-    return _read_json(run_dir, PROFILE, "a profile meshlm wrote", parse)
-
-
-def dispatch_and_bytes(ops: dict) -> tuple[float, float]:
-    """(seconds per call, seconds per input element) of the element-wise ops: least squares of each op
-    name's seconds on its calls and its data elements (none for NO_DATA and non-aten events), both
-    kept non-negative."""
-    rows = [(o["calls"], _elems(n, o), _seconds(o)) for n, o in ops.items() if op_category(n) == "elementwise"]
-    nn, nx, xx = (sum(a * b for a, b in pairs) for pairs in
-                  ([(r[0], r[0]) for r in rows], [(r[0], r[1]) for r in rows], [(r[1], r[1]) for r in rows]))
-    ns, xs = sum(r[0] * r[2] for r in rows), sum(r[1] * r[2] for r in rows)
-    det = nn * xx - nx * nx
-    c, b = ((ns * xx - xs * nx) / det, (xs * nn - ns * nx) / det) if det > 0 else (-1.0, -1.0)
-    if c < 0 or b < 0:  # one of the two explains nothing: the other alone
-        c1, b1 = (ns / nn if nn else 0.0), (xs / xx if xx else 0.0)
-        resid = lambda c_, b_: sum((s_ - c_ * n_ - b_ * x_) ** 2 for n_, x_, s_ in rows)  # noqa: E731
-        c, b = (c1, 0.0) if resid(c1, 0.0) <= resid(0.0, b1) else (0.0, b1)
-    return c, b
-
-
-def _elems(name: str, op: dict) -> float:
-    return 0.0 if not name.startswith("aten::") or name in NO_DATA else float(op.get("elems", 0))
-
-
-def _seconds(op: dict) -> float:
-    """Device time on a GPU trace (the host only launches there), host time on a CPU."""
-    return op.get("device_s") or op["self_s"]
-
-
-def split_profile(prof: dict, step_s: float) -> dict:
-    """Seconds per step of the run by category: the trace's shares of its profiled step, scaled to the
-    run's median step (the profiler's own cost per op inflates that one step, not the shares).
-    `overhead` is the step's time outside every op; comm's seconds are priced by the link instead."""
-    ops = prof["ops"]
-    by = {"gemm": 0.0, "attention": 0.0, "comm": 0.0, "elementwise": 0.0}
-    for name, o in ops.items():
-        by[op_category(name)] += _seconds(o)
-    c, b = dispatch_and_bytes(ops)
-    calls = sum(o["calls"] for n, o in ops.items() if op_category(n) == "elementwise")
-    elems = sum(_elems(n, o) for n, o in ops.items() if op_category(n) == "elementwise")
-    d, x = c * calls, b * elems
-    ew = by.pop("elementwise")  # its two parts in the fitted proportion, adding up to what was measured
-    by["dispatch"], by["bytes"] = (ew * d / (d + x), ew * x / (d + x)) if d + x > 0 else (ew, 0.0)
-    by["overhead"] = max(0.0, prof["wall_s"] - sum(by.values()))
-    scale = step_s / prof["wall_s"] if prof["wall_s"] > 0 else 0.0
-    return {k: v * scale for k, v in by.items()}
-
-
 # ------------------------------------------------------------------ the link probe (per-call cost)
 
 PROBE = "link_probe.json"  # bench/calibrate.py writes it into the calibration run's directory
@@ -236,7 +135,7 @@ def read_probe(run_dir: str) -> tuple[float, float] | None:
         if not len(x) == len(wall) == len(core) or len(set(x)) < 2:
             raise ValueError("needs two sizes or more, one wall and one core time each")
         return _intercept(x, wall), _intercept(x, core)
-    return _read_json(run_dir, PROBE, "a link probe", parse)
+    return read_json(run_dir, PROBE, "a link probe", parse)
 
 
 def _intercept(x: list[float], y: list[float]) -> float:
@@ -250,47 +149,6 @@ def run_config(run_dir: str) -> C.Config:
     if not os.path.exists(path):
         raise PlanError(f"--calibrate: {path} not found (a meshlm run directory has one)")
     return C.load(path)
-
-
-def threads_per_rank(ranks: int, cores: int) -> int:
-    """Torch threads per rank when `meshlm train --nproc` starts `ranks` workers on `cores` cores
-    without OMP_NUM_THREADS set (train/launch.py: cores // ranks, at least one)."""
-    return max(1, cores // ranks)
-
-
-def core_share(ranks: int, cores: int, threads: int | None = None, load: float = 0.0) -> float:
-    """Cores one rank keeps busy. Linux gives every runnable thread the same share of the cores, so
-    with `ranks` × `threads` of ours and `load` other runnable threads each of ours gets
-    min(1, cores / (ranks·threads + load)) of a core. cores = 0: one device per rank (a GPU), share 1."""
-    if not cores:
-        return 1.0
-    threads = threads_per_rank(ranks, cores) if threads is None else threads
-    return threads * min(1.0, cores / (ranks * threads + load))
-
-
-def external_load(available: float | None, ranks: int, cores: int, threads: int) -> float:
-    """Other programs' runnable threads implied by the share of a core our threads got while
-    runnable (`available`, from the run's schedstat seconds): the inverse of core_share."""
-    if not available or not cores:
-        return 0.0
-    return max(0.0, cores / min(available, 1.0) - ranks * threads)
-
-
-def cpu_device(rate_flops: float, link_bytes_s: float, ranks: int, cores: int, threads: int | None = None,
-               load: float = 0.0, latency: tuple[float, float] | None = None) -> GPU:
-    """The CPU as the planner sees it for `ranks` ranks of `threads` threads on `cores` cores beside
-    `load` other runnable threads: the per-core rate and link bandwidth times the cores each rank
-    keeps busy (core_share). `latency` (wall, core seconds per collective call, read_probe): a call
-    takes its wall time or its core work at that share, whichever is longer (with fewer cores than
-    ranks the waiting part is filled by the other ranks, the core work is stretched)."""
-    share = core_share(ranks, cores, threads, load)
-    ram = 64.0  # GB; the calibration predicts time, memory stays the planner's own model
-    gpu = get_gpu("custom", peak_tflops=rate_flops * share / 1e12, hbm_gb=ram,
-                  nvlink_gbps=link_bytes_s * share / GB, ib_gbps=link_bytes_s * share / GB, gpus_per_node=1024,
-                  overlap_slowdown=0.0)  # a CPU's collectives are priced by core share (core_share) instead
-    if latency is None:
-        return gpu
-    return dataclasses.replace(gpu, link_latency_s=max(latency[0], latency[1] / share))
 
 
 OPTIONS = dict(efficiency=1.0, block_overhead_s=0.0, comm_efficiency=1.0)  # the flat model at the fitted rate
@@ -317,13 +175,14 @@ def fit(run_dir: str, cores: int | None = None, load: float | None = 0.0, trace:
         if m.cpu_s is None:
             raise PlanError(f"--calibrate: {run_dir}/metrics.jsonl has no cpu_s (seconds on a core per step)")
         m, cores, load = dataclasses.replace(m, step_s=m.cpu_s), 0, 0.0
-    world = _world(run_dir, cfg, m)
+    spec = _spec(run_dir, cfg, m)
+    world = spec.world_size
     if cores is None:  # a run that logs its world but no cores ran one rank per GPU
         cores = m.cores if m.cores or m.world else os.cpu_count() or 1
     threads = m.threads or threads_per_rank(world, cores or 1)
     load = external_load(m.available, world, cores, threads) if load is None else load
     share = core_share(world, cores, threads, load)
-    shape, spec = shape_from_config(cfg), spec_from_config(cfg, world)
+    shape = shape_from_config(cfg)
     opts = Options(**OPTIONS, compiled=bool(cfg.training.compile))
     probe = read_probe(run_dir)
 
@@ -368,8 +227,7 @@ def _fit_gpu(run_dir: str, cfg: C.Config, m: Measured, prof: dict | None) -> Cal
     """One rank per GPU: the card's efficiencies from the kernels of the profiled step (calibrate_gpu)."""
     from .calibrate_gpu import fit_card
     cfg = priced_on(cfg, gpu=True)
-    world = _world(run_dir, cfg, m)
-    gpu, overhead, split = fit_card(shape_from_config(cfg), spec_from_config(cfg, world), bool(cfg.training.compile),
+    gpu, overhead, split = fit_card(shape_from_config(cfg), _spec(run_dir, cfg, m), bool(cfg.training.compile),
                                     m.step_s, prof, m.peak_label, m.peak_flops)
     link = gpu.nvlink_bw  # the card's; a one-GPU run measures no link
     return Calibration(gpu.peak_flops, link, 0, os.path.abspath(run_dir), overhead_s=overhead, split=split,
@@ -381,15 +239,12 @@ def _rated(rates: Rates, compiled: bool) -> Options:
     return Options(efficiency=None, block_overhead_s=0.0, comm_efficiency=1.0, compiled=compiled, rates=rates)
 
 
-def _world(run_dir: str, cfg: C.Config, m: Measured) -> int:
-    """The run's world size: what its metrics recorded, else the product of its resolved degrees."""
-    if m.world:
-        return int(m.world)
-    p = cfg.parallel
-    if p.dp < 1:
+def _spec(run_dir: str, cfg: C.Config, m: Measured) -> Spec:
+    """The run's layout: on the world size its metrics recorded, else on the ranks its degrees fix."""
+    if not m.world and cfg.parallel.dp < 1:
         raise PlanError(f"--calibrate: {run_dir}/metrics.jsonl does not record the world size and its "
-                        f"config.toml has parallel.dp = {p.dp}; set parallel.dp to the run's")
-    return p.dp * p.tp * p.pp * p.cp
+                        f"config.toml has parallel.dp = {cfg.parallel.dp}; set parallel.dp to the run's")
+    return spec_from_config(cfg, int(m.world) if m.world else None)
 
 
 def device_and_options(cal: Calibration, ranks: int, compiled: bool = False,

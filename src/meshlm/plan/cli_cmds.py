@@ -16,8 +16,8 @@ from .goodput import Resilience, describe as describe_goodput, goodput
 from .hardware import FLAG_FIELDS, GIB, HardwareError, describe, get_gpu, names
 from .ops import KERNELS
 from .search import PlanError, parse_fix, plan
-from .spec import (OPTIMIZERS, Shape, code_options, presets, priced_on, shape_from_config, spec_from_config,
-                   spec_of_layout, to_config)
+from .spec import (OPTIMIZERS, Shape, code_options, presets, priced_on, search_knobs, shape_from_config,
+                   spec_from_config, spec_of_layout, to_config)
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -239,7 +239,7 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
             raise PlanError("--gpu: give a GPU profile (or --calibrate RUN_DIR)")
         cfg, gpu, opts, _ = _device(args, cfg, args.gpus)  # --emit-config: compile as priced
         res = plan(shape, gpu, args.gpus, seq, tokens, args.precision, args.top, parse_fix(args.fix), opts,
-                   optim=cfg.optim.name)
+                   optim=cfg.optim.name, knobs=search_knobs(cfg))
         rates = (args.failures_per_gpu_hour, args.ckpt_node_gbps, args.storage_gbps, args.restart_min,
                  args.spare_min, args.repair_h)
         if min(rates) < 0 or min(rates[1:3]) <= 0:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..choices import DTYPE_BYTES, HELD
-from .hardware import GPU
+from .hardware import GPU, MIB
 from .volume import QUANT_BLOCK, cp_traffic, packed_bytes, tp_traffic, tp_weight_traffic
 
 LATENCY_S = {"nvlink": 10e-6, "ib": 25e-6}
@@ -97,16 +97,16 @@ def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first:
     a = shape.args
     e, pb = HELD[s.precision].act, HELD[s.precision].param
     rb = DTYPE_BYTES[s.reduce_dtype]
-    t, cp, dp, p, m = s.tp, s.cp, s.dp, s.pp, s.accum
+    t, cp, dp, m = s.tp, s.cp, s.dp, s.accum
     tokens = s.micro_batch * s.seq_len / cp
-    sq = s.sp and t > 1
+    sq = s.sp_enabled
     out: list[Collective] = []
 
     def add(*args, **kw):
         out.append(make(gpu, *args, comm_efficiency=comm_efficiency, **kw))
 
     fwd_passes = 2 if s.ac == "full" else 1  # full AC runs each block's forward again in backward
-    if t > 1:  # plan/volume.py: the runtime's own formulas, checked byte for byte against Comm's books
+    if s.tp_enabled:  # plan/volume.py: the runtime's own formulas, checked byte for byte against Comm's books
         moe_ffn = layers * a.n_moe_blocks / a.n_layers if shape.moe else 0
         for kind, calls, nbytes in by_kind(tp_traffic(a, tokens, layers, first, last, sq, s.ac, e, pb, moe_ffn)
                                            + tp_weight_traffic(a, t, layers, pb)):
@@ -115,22 +115,21 @@ def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first:
     # reduce-scatter sit on the critical path (the attention waits for them)
     for kind, calls, nbytes in by_kind(cp_traffic(a, tokens, layers, cp, s.cp_impl, t, s.ac, e)):
         add("cp", kind, cp, t, calls * m, nbytes / calls, window="attention" if kind == "p2p" else "none")
-    if s.ep > 1:  # per MoE block: tokens out and back in forward (again under full AC), both in backward;
+    if s.ep_enabled:  # per MoE block: tokens out and back in forward (again under full AC), both in backward;
         # every TP rank dispatches the full (gathered) tokens itself. Split sizes (E int64) not counted.
         routed = e * a.dim * tokens * shape.top_k * shape.capacity_factor
         moe_layers = layers * a.n_moe_blocks / a.n_layers
         add("ep", "all_to_all", s.ep, t, moe_layers * 2 * (fwd_passes + 1) * m, routed)
-    if p > 1:  # activations forward and their gradients backward, once per chunk boundary
+    if s.pp_enabled:  # activations forward and their gradients backward, once per chunk boundary
         hidden = e * (a.dim / t if sq else a.dim) * tokens
         add("pp", "p2p", 2, t * cp * dp, 2 * s.pp_virtual * m, hidden, window="pipeline", per="step")
     # data parallel: gradients over dp×cp (cp ranks hold the same weights), ZeRO over dp_shard×cp
-    n = (s.zero_group if s.zero else 1) * cp
-    reps = dp // s.zero_group if s.zero else 1
+    n, reps = s.shard_group, s.dp_replicate  # as ZeRO sees them (used when zero >= 1)
     psi = sp_dense + sp_expert
     if s.zero == 0:
-        if dp * cp > 1:  # one call per gradient bucket (parallel/dims/data_parallel.py closes a bucket at
+        if s.dp_cp_enabled:  # one call per gradient bucket (parallel/dims/data_parallel.py closes a bucket at
             # bucket_mb); the last one fills when the backward ends, so nothing hides it
-            buckets = max(1, int(rb * psi // (s.bucket_mb * 2 ** 20)))
+            buckets = max(1, int(rb * psi // (s.bucket_mb * MIB)))
             add("dp", "all_reduce", dp * cp, t, buckets, rb * psi / buckets, window="backward", per="step",
                 tail_calls=1)
     else:
@@ -145,7 +144,7 @@ def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first:
             add("dp_shard", "reduce_scatter", n, t, m, rb * psi, window="backward")
         else:
             add("dp_shard", "reduce_scatter", n, t, 1, rb * psi, window="backward", per="step")
-        if reps > 1:
+        if s.dp_replicate_enabled:
             add("dp_replicate", "all_reduce", reps, t * n, 1, rb * psi / n, per="step", window="step")
         if s.zero >= 3:  # plan/volume.py zero3_step_bytes: the runtime's formula per unit
             first = (q if s.quantize_weights else pb) * psi  # qwZ: int8 gathers over the shard group

@@ -16,49 +16,17 @@ a sharded optimizer step and HSDP replica all-reduces are exposed.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from functools import lru_cache
 
 from ..choices import HELD
 from . import comm as C
-from .hardware import GIB, GPU
-from .memory import (block_params_local, pipeline_roles, stage_memory, stage_params, state_bytes_per_param,
-                     vocab_rows)
+from .hardware import GPU
+from .activations import vocab_rows
+from .memory import stage_memory, state_bytes_per_param
 from .muon import muon_step
-from .ops import Rates
+from .options import Options
 from .spec import Shape, Spec, allgather_mask, check
-
-
-@dataclass(frozen=True)
-class Options:
-    efficiency: float | None = None  # None: per-operation model (plan/ops.py); a number: the flat model
-    block_overhead_s: float = 4e-4  # flat model only: launches etc. per block per micro-batch, fwd + bwd
-    attn_kernel: str = "cudnn"     # attention kernel (plan/ops.KERNELS): cudnn is what SDPA picked on H100
-    attn_dropout: bool = False     # unfused attention with dropout on the probabilities (other frameworks)
-    comm_efficiency: float = 0.8   # achieved fraction of link bandwidth
-    flash: bool = True             # fused attention (saves log-sum-exp, not the S×S scores)
-    attn_math_bytes: int | None = None  # element size of the unfused attention path (None: activations')
-    compiled: bool = False         # training.compile: blocks and loss save less (plan/memory.py)
-    mem_fraction: float = 0.95     # allocator fragmentation headroom
-    reserve_gib: float = 2.0       # CUDA context, cuBLAS / NCCL workspaces
-    simulate: bool = True          # pipeline bubble from the schedule simulator when it is available
-    rates: Rates | None = None     # a calibrated machine's per-category rates (plan/calibrate.py)
-    # ac = "op" under another framework's policy: the block matmuls (wq wk wv wo w1 w3 w2) whose outputs
-    # it does not keep, so the recompute runs them again (meshlm's own "op" keeps every one)
-    recompute_gemms: tuple = ()
-    # how the attention is masked (ops.StageWork.attn_mask): causal; dense = SDPA with a document mask
-    # (data.document_mask under model.attn_impl = "sdpa"); flex = a BlockMask (attn_impl "flex", or
-    # "auto" with the document mask); doc_tokens: mean document length flex skips blocks by (0: unknown).
-    # attn_impl: model.attn_impl, which decides the mask of all-gather CP layouts (spec.allgather_mask);
-    # None: another framework's run, whose attention is the causal kernel `attn_kernel` under any CP
-    attn_mask: str = "causal"
-    attn_impl: str | None = "auto"
-    doc_tokens: int = 0
-    loss_chunks: int = 0           # training.loss_chunks: logits of one chunk alive at a time (0: off)
-    step_overhead_s: float | None = None  # GPU idle per step outside every kernel (None: STEP_GAP_S)
-
-    def usable(self, gpu: GPU | None) -> float | None:
-        return None if gpu is None else gpu.hbm_bytes * self.mem_fraction - self.reserve_gib * GIB
+from .stages import block_params_local, pipeline_roles, stage_params
 
 
 # ---------------------------------------------------------------------------------- pipeline bubble
@@ -204,7 +172,7 @@ def micro_times(shape: Shape, tp: int, sp: bool, ep: int, cp: int, seq_len: int,
 def _stage_time(shape: Shape, s: Spec, stage: str, gpu: GPU, o: Options) -> dict:
     sp = stage_params(shape, s, stage)
     # a context-parallel attention core is never recomputed by selective AC (memory.block_activation_bytes)
-    ac = "none" if s.ac == "selective" and s.cp > 1 else s.ac
+    ac = "none" if s.ac == "selective" and s.cp_enabled else s.ac
     mt = micro_times(shape, s.tp, s.sp, s.ep, s.cp, s.seq_len, sp.layers, sp.head, s.micro_batch, ac,
                      s.precision, gpu, o)
     t_f, t_b, t_rc, t_attn = mt["t_f"], mt["t_b"], mt["t_rc"], mt["t_attn"]
@@ -266,7 +234,7 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
     f, b = worst["t_f"] + x / 2, worst["t_b"] + worst["t_rc"] + x / 2
     w = worst["t_b"] / 2
     bubble, source = bubble_formula(s.pp_schedule, p, m, v, f, b, w), "formula"
-    if p > 1 and (o.simulate if simulate is None else simulate):
+    if s.pp_enabled and (o.simulate if simulate is None else simulate):
         sim = bubble_simulated(s.pp_schedule, p, m, v, round(f, 12), round(b, 12), round(min(w, b), 12))
         if sim is not None:
             bubble, source = sim, "simulator"
@@ -277,7 +245,7 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
     # per-op model also reads the gradients once more for the clipping norm (train_step clips first)
     pb, gb, ob = state_bytes_per_param(s.precision)
     sp = worst["params"]
-    n = s.zero_group * s.cp if s.zero else 1  # ZeRO shards over dp_shard×cp
+    n = s.shard_group
     shard = sp.dense / n + sp.expert / (max(1, n // s.ep) if s.zero else 1)
     offload_s = opt_s = io_s = 0.0
     if s.offload == "optimizer":
@@ -299,7 +267,7 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
     step = busy * (1 + bubble) + step_exposed + opt_s + muon_s + offload_s + overhead_s
     tokens = s.global_batch * s.seq_len
     model_flops = shape.flops_per_token(s.seq_len) * tokens
-    world = s.world
+    world = s.world_size
     comm = [c.as_dict() for c in worst["collectives"]]
     return {
         "step_s": step,
@@ -352,17 +320,16 @@ def estimate(shape: Shape, s: Spec, gpu: GPU | None = None, o: Options | None = 
     o = o or Options()
     if validate:
         check(shape, s)
-    if s.cp > 1 and s.cp_impl == "allgather":
+    if s.cp_enabled and s.cp_impl == "allgather":
         o = dataclasses.replace(o, attn_mask=allgather_mask(o.attn_mask, o.attn_impl))
     stages = pipeline_roles(s.pp)
-    mems = [stage_memory(shape, s, st, o.flash, o.attn_math_bytes, compiled=o.compiled, loss_chunks=o.loss_chunks,
-                         attn_mask=o.attn_mask, recompute_gemms=o.recompute_gemms) for st in stages]
+    mems = [stage_memory(shape, s, st, o).breakdown() for st in stages]
     worst = max(mems, key=lambda x: x["total"])
     usable = o.usable(gpu)
     out = {
         "model": shape.name,
         "params": shape.num_params(),
-        "gpus": s.world,
+        "gpus": s.world_size,
         "gpu": gpu.name if gpu else None,
         "layout": s.layout_dict(),
         "per_gpu": {k: worst[k] for k in ("params", "grads", "optim", "activations", "buffers", "total",
@@ -378,12 +345,3 @@ def estimate(shape: Shape, s: Spec, gpu: GPU | None = None, o: Options | None = 
     if gpu is not None and gpu.peak_flops > 0:
         out.update(time_model(shape, s, gpu, o, simulate))
     return out
-
-
-def quick(shape: Shape, s: Spec, gpu: GPU, o: Options) -> tuple[float, float]:
-    """(worst-rank bytes, predicted step seconds) with the bubble formula: what the search ranks by."""
-    stages = pipeline_roles(s.pp)
-    total = max(stage_memory(shape, s, st, o.flash, o.attn_math_bytes, compiled=o.compiled,
-                             loss_chunks=o.loss_chunks, attn_mask=o.attn_mask,
-                             recompute_gemms=o.recompute_gemms)["total"] for st in stages)
-    return total, time_model(shape, s, gpu, o, simulate=False)["step_s"]

@@ -14,6 +14,7 @@ from .. import cards
 
 GB = 1e9
 GIB = 2 ** 30
+MIB = 2 ** 20
 
 
 @dataclass(frozen=True)

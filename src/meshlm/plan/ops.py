@@ -24,7 +24,7 @@ from functools import lru_cache
 
 from ..choices import HELD
 from .hardware import GPU
-from .memory import vocab_rows
+from .activations import vocab_rows
 
 # ------------------------------------------------------------------ attention kernels
 # Fraction of the dense bf16 peak (989 TFLOP/s) reached by the forward kernel, by sequence length, read
@@ -288,7 +288,7 @@ def _fp8_cast_bytes(e: int) -> float:
 def stage_compute(w: StageWork, gpu: GPU, rates: Rates | None = None) -> dict:
     """Seconds of one micro-batch on one rank of a stage: forward, backward, recompute and the
     attention kernels alone (the window ring-CP transfers hide behind), plus the per-op breakdown."""
-    shape, a, t, T = w.shape, w.shape.args, w.tp, w.tokens
+    a, t, T = w.shape.args, w.tp, w.tokens
     fp8 = w.precision == "fp8" and rates is None
     e = HELD[w.precision].act
     peak = gpu.peak(w.precision)
@@ -296,6 +296,7 @@ def stage_compute(w: StageWork, gpu: GPU, rates: Rates | None = None) -> dict:
     q_width = a.n_heads // t * a.head_dim
     kv_width = -(-a.n_kv_heads // t) * a.head_dim
     ffn, d = a.ffn_dim / t, a.dim
+    moe_frac = a.n_moe_blocks / a.n_layers if w.shape.moe else 0.0
 
     def gemm(m, n, k, block: bool = False):
         if rates is not None:
@@ -305,49 +306,15 @@ def stage_compute(w: StageWork, gpu: GPU, rates: Rates | None = None) -> dict:
     def gemm3(m, n, k, block: bool = True):  # forward, and backward's input-gradient and weight-gradient GEMMs
         return gemm(m, n, k, block), gemm(m, k, n, block) + gemm(k, n, m, block)
 
-    attn_shapes = [("wq", T, q_width, d), ("wk", T, kv_width, d), ("wv", T, kv_width, d), ("wo", T, d, q_width)]
-    moe_frac = a.n_moe_blocks / a.n_layers if shape.moe else 0.0
-    dense_ffn = [("w1", T, ffn, d), ("w3", T, ffn, d), ("w2", T, d, ffn)]
-    g_f = g_b = g_rc = 0.0
-    for weight, group in ((1.0, attn_shapes), (1.0 - moe_frac, dense_ffn)):  # MoE blocks replace the dense FFN
-        for name, *sh in group:
-            x, y = gemm3(*sh)
-            g_f, g_b = g_f + weight * x, g_b + weight * y
-            g_rc += weight * x if name in w.recompute_gemms else 0.0
-    # the linears' inputs (forward) and output gradients (backward) per token, for fp8's casts
-    lin_in, lin_out = 3 * d + q_width + (1 - moe_frac) * (2 * d + ffn), q_width + 2 * kv_width + d \
-        + (1 - moe_frac) * (2 * ffn + d)
-    expert_ffn = 0.0
-    if moe_frac:  # balanced routing: each local expert gets tokens·top_k·ep/num_experts rows
-        n_local = -(-shape.num_experts // w.ep)
-        me, fe = T * shape.top_k * w.ep / shape.num_experts, a.expert_dim / t
-        for sh in [(me, fe, d), (me, fe, d), (me, d, fe)]:
-            x, y = gemm3(*sh)
-            g_f, g_b = g_f + moe_frac * n_local * x, g_b + moe_frac * n_local * y
-        for sh in [(T, d, a.num_experts)] + [(T, fe * shape.shared_experts, d)] * 2 \
-                + [(T, d, fe * shape.shared_experts)] * (1 if shape.shared_experts else 0):
-            x, y = gemm3(*sh)
-            g_f, g_b = g_f + moe_frac * x, g_b + moe_frac * y
-        expert_ffn = (shape.top_k + shape.shared_experts) * fe
-    # attention core: T local queries against all seq_len keys, in ring steps of seq_len/cp keys; causal
-    heads = a.n_heads // t
-    full_flops = 4.0 * T * w.seq_len * a.head_dim * heads  # QK^T and PV over every key, forward
+    g_f, g_b, g_rc, expert_ffn = _block_gemms(w, gemm3, q_width, kv_width, ffn, moe_frac)
     bw = rates.ew_bytes_s if rates is not None else gpu.hbm_bw * gpu.hbm_eff
-    if w.flash or w.attn_mask != "causal":
-        a_f, a_b = attention_seconds(w, gpu, peak, full_flops, w.seq_len / w.cp, rates)
-    else:  # unfused: two batched GEMMs over the full S×S (masked, not skipped) + softmax traffic
-        seqs = T / w.seq_len
-        bmm = seqs * heads * gemm(w.seq_len, w.seq_len, a.head_dim)
-        scores = seqs * heads * w.seq_len * w.seq_len * e / bw
-        a_f = 2 * bmm + 2 * scores        # fused scale-mask-softmax reads and writes the scores
-        a_b = 4 * bmm + 3 * scores        # its backward reads probabilities and their gradient
-        if w.attn_dropout:  # dropout on the probabilities (meshlm has none; Megatron-LM 2021 used 0.1):
-            a_f += (2 + 1 / e) * scores   # read and write them, write a one-byte mask
-            a_b += (2 + 1 / e) * scores   # and in backward the gradient, reading the mask
+    a_f, a_b = _attention_core(w, gpu, peak, e, bw, gemm, rates)
     ew_f, ew_b, k_f, k_b = elementwise(a, t, w.sp, w.compiled, e,
-                                       (1 - moe_frac) * ffn + moe_frac * expert_ffn, moe_frac * shape.top_k)
-    if fp8:
+                                       (1 - moe_frac) * ffn + moe_frac * expert_ffn, moe_frac * w.shape.top_k)
+    if fp8:  # the linears' inputs (forward) and output gradients (backward) per token are cast
         cast = _fp8_cast_bytes(e)
+        lin_in = 3 * d + q_width + (1 - moe_frac) * (2 * d + ffn)
+        lin_out = q_width + 2 * kv_width + d + (1 - moe_frac) * (2 * ffn + d)
         ew_f, ew_b = ew_f + cast * lin_in, ew_b + cast * lin_out
     cpu = rates is not None
     if cpu:
@@ -367,25 +334,91 @@ def stage_compute(w: StageWork, gpu: GPU, rates: Rates | None = None) -> dict:
            "elementwise_s": w.layers * (x_f + x_b), "launch_s": w.layers * (l_f + l_b), "grad_accum_s": 0.0,
            "head_s": 0.0, "loss_s": 0.0}
     if w.head:
-        rows = vocab_rows(a, t)
-        hf, hb = gemm3(T, rows, d, block=False)  # the output head stays bf16 under fp8 (torchao's filter)
-        if w.loss_chunks > 0:  # a chunk's logits are made again in backward: the head's forward twice
-            hb += hf
-        lb, lk = _loss(e, w.compiled and t == 1)
-        lx, ll = _parts(T * rows * lb / bw, lk * max(1, w.loss_chunks), launch, cpu)
+        hf, hb, lx, ll = _head_and_loss(w, gemm3, e, bw, launch, cpu)
         loss = lx + ll
         out["head_s"], out["loss_s"] = hf + hb, lx
         out["launch_s"] += ll
         t_f += hf + loss / 3
         t_b += hb + 2 * loss / 3
-    if w.ac == "full":
-        t_rc = w.layers * block_f
-    elif w.ac == "selective":
-        t_rc = w.layers * a_f
-    elif w.ac == "op":  # matmul and attention outputs kept: the element-wise forward runs again (and
-        t_rc = w.layers * (e_f + g_rc)  # the matmuls a policy does not keep: Options.recompute_gemms)
-    else:
-        t_rc = 0.0
+    t_rc = _recompute_seconds(w, block_f, a_f, e_f, g_rc)
     out["recompute_s"] = t_rc
     attn = w.layers * (a_f + a_b + (a_f if w.ac in ("full", "selective") else 0.0))
     return {"t_f": t_f, "t_b": t_b, "t_rc": t_rc, "t_attn": attn, "ops": out}
+
+
+def _block_gemms(w: StageWork, gemm3, q_width: int, kv_width: int, ffn: float,
+                 moe_frac: float) -> tuple[float, float, float, float]:
+    """(forward, backward, recomputed under another framework's op policy) GEMM seconds of one block,
+    and the expert FFN width per token its element-wise work runs over. MoE blocks (a `moe_frac` of
+    them) replace the dense FFN with routed experts, the router and the shared experts."""
+    shape, a, T, d = w.shape, w.shape.args, w.tokens, w.shape.args.dim
+    attn_shapes = [("wq", T, q_width, d), ("wk", T, kv_width, d), ("wv", T, kv_width, d), ("wo", T, d, q_width)]
+    dense_ffn = [("w1", T, ffn, d), ("w3", T, ffn, d), ("w2", T, d, ffn)]
+    g_f = g_b = g_rc = 0.0
+    for weight, group in ((1.0, attn_shapes), (1.0 - moe_frac, dense_ffn)):
+        for name, *sh in group:
+            x, y = gemm3(*sh)
+            g_f, g_b = g_f + weight * x, g_b + weight * y
+            g_rc += weight * x if name in w.recompute_gemms else 0.0
+    if not moe_frac:
+        return g_f, g_b, g_rc, 0.0
+    # balanced routing: each local expert gets tokens·top_k·ep/num_experts rows
+    n_local = -(-shape.num_experts // w.ep)
+    me, fe = T * shape.top_k * w.ep / shape.num_experts, a.expert_dim / w.tp
+    for sh in [(me, fe, d), (me, fe, d), (me, d, fe)]:
+        x, y = gemm3(*sh)
+        g_f, g_b = g_f + moe_frac * n_local * x, g_b + moe_frac * n_local * y
+    for sh in [(T, d, a.num_experts)] + [(T, fe * shape.shared_experts, d)] * 2 \
+            + [(T, d, fe * shape.shared_experts)] * (1 if shape.shared_experts else 0):
+        x, y = gemm3(*sh)
+        g_f, g_b = g_f + moe_frac * x, g_b + moe_frac * y
+    return g_f, g_b, g_rc, (shape.top_k + shape.shared_experts) * fe
+
+
+def _attention_core(w: StageWork, gpu: GPU, peak: float, e: int, bw: float, gemm,
+                    rates: Rates | None) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's attention core: T local queries against all seq_len
+    keys, in ring steps of seq_len/cp keys; causal."""
+    a = w.shape.args
+    heads = a.n_heads // w.tp
+    full_flops = 4.0 * w.tokens * w.seq_len * a.head_dim * heads  # QK^T and PV over every key, forward
+    if w.flash or w.attn_mask != "causal":
+        return attention_seconds(w, gpu, peak, full_flops, w.seq_len / w.cp, rates)
+    # unfused: two batched GEMMs over the full S×S (masked, not skipped) + softmax traffic
+    seqs = w.tokens / w.seq_len
+    bmm = seqs * heads * gemm(w.seq_len, w.seq_len, a.head_dim)
+    scores = seqs * heads * w.seq_len * w.seq_len * e / bw
+    a_f = 2 * bmm + 2 * scores        # fused scale-mask-softmax reads and writes the scores
+    a_b = 4 * bmm + 3 * scores        # its backward reads probabilities and their gradient
+    if w.attn_dropout:  # dropout on the probabilities (meshlm has none; Megatron-LM 2021 used 0.1):
+        a_f += (2 + 1 / e) * scores   # read and write them, write a one-byte mask
+        a_b += (2 + 1 / e) * scores   # and in backward the gradient, reading the mask
+    return a_f, a_b
+
+
+def _head_and_loss(w: StageWork, gemm3, e: int, bw: float, launch: float,
+                   cpu: bool) -> tuple[float, float, float, float]:
+    """(head forward, head backward, loss element-wise, loss launches) seconds of one micro-batch. The
+    output head stays bf16 under fp8 (torchao's filter); a chunked loss makes a chunk's logits again in
+    backward, so the head's forward runs twice."""
+    a, t, T = w.shape.args, w.tp, w.tokens
+    rows = vocab_rows(a, t)
+    hf, hb = gemm3(T, rows, a.dim, block=False)
+    if w.loss_chunks > 0:
+        hb += hf
+    lb, lk = _loss(e, w.compiled and t == 1)
+    lx, ll = _parts(T * rows * lb / bw, lk * max(1, w.loss_chunks), launch, cpu)
+    return hf, hb, lx, ll
+
+
+def _recompute_seconds(w: StageWork, block_f: float, a_f: float, e_f: float, g_rc: float) -> float:
+    """Recompute seconds of the stage's blocks: full AC runs each block's forward again, selective the
+    attention core, op the element-wise forward (matmul and attention outputs kept) and the matmuls a
+    policy does not keep (Options.recompute_gemms)."""
+    if w.ac == "full":
+        return w.layers * block_f
+    if w.ac == "selective":
+        return w.layers * a_f
+    if w.ac == "op":
+        return w.layers * (e_f + g_rc)
+    return 0.0

@@ -1,7 +1,8 @@
 """Enumerate every layout of N GPUs, drop the invalid and the ones that do not fit, rank the rest.
 
-Cheap checks come first and cut whole subtrees: divisibility per degree, then memory (which only grows
-with the micro-batch size, so the micro-batch loop stops at the first size where nothing fits), then
+Cheap checks come first and cut whole subtrees: divisibility per degree, then memory (memory.stage_memory,
+the model `meshlm estimate` prices with; it only grows with the micro-batch size, so the micro-batch
+loop stops at the first size where nothing fits), then
 a compute-only lower bound on the step time that skips the full time model for layouts that cannot
 reach the current top. Within one layout, AC modes and optimizer offload only trade time for memory,
 so the fastest variant that fits is ranked and the others count as dominated.
@@ -16,11 +17,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..choices import HELD
+from ..layout import Layout
 from .comm import link
-from .estimate import Options, bubble_formula, estimate, micro_times, time_model
+from .estimate import bubble_formula, estimate, micro_times, time_model
 from .hardware import GIB, GPU
-from .memory import pipeline_roles, stage_totals
+from .memory import stage_memory
+from .options import Options
 from .spec import AC_MODES, PlanError, Shape, Spec, allgather_mask, check
+from .stages import pipeline_roles, stage_params
 
 FIXABLE = {"dp": int, "tp": int, "pp": int, "cp": int, "ep": int, "zero": int, "zero_group": int,
            "sp": lambda v: str(v).lower() in ("1", "true", "yes", "on"), "pp_schedule": str,
@@ -68,7 +72,7 @@ def _divisors(n: int) -> list[int]:
 @dataclass
 class _Search:
     """What every layout of one search shares: the model, the device and options, the user's fixed
-    keys, the batch, and the running tallies and heap of the fastest layouts so far."""
+    keys, the knobs every Spec gets, and the running tallies and heap of the fastest layouts so far."""
     shape: Shape
     gpu: GPU
     o: Options
@@ -76,23 +80,17 @@ class _Search:
     want: Callable[[str, object], bool]   # is this value allowed for this key (not fixed otherwise)
     reject: Callable[..., None]           # count a rejected candidate and why
     counts: Counter
-    heap: list                            # (-step_s, tie, spec): the `keep` fastest so far
+    heap: list                            # (-step_s, tie, spec, bytes): the `keep` fastest so far
     keep: int
     acs: list                             # AC modes to try
     usable: float                         # bytes a rank may use
     G: int                                # global batch, sequences
-    seq_len: int
-    precision: str
-    tie: int = 0
-    optim: str = "adamw"                  # optim.name: "muon" is priced (plan/muon.py) and runs without offload
+    knobs: dict                           # Spec fields the search does not vary: precision, seq_len, optim,
+    tie: int = 0                          # and spec.SEARCH_KNOBS (a config's bucket_mb, reduce_dtype, ...)
 
-
-@dataclass(frozen=True)
-class _Degrees:
-    tp: int
-    cp: int
-    pp: int
-    dp: int
+    @property
+    def optim(self) -> str:  # optim.name: "muon" is priced (plan/muon.py) and runs without offload
+        return self.knobs["optim"]
 
 
 @dataclass
@@ -103,16 +101,20 @@ class PlanResult:
     examples: dict = field(default_factory=dict)
     elapsed_s: float = 0.0
     global_batch: int = 0
+    # (Spec, bytes, step_s) of each ranked layout as the search priced it: its memory on the worst rank
+    # (stage_memory, as estimate) and its step with the bubble formula (estimate's with simulate=False)
+    prices: list = field(default_factory=list)
 
 
 def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens: int, precision: str = "bf16",
-         top: int = 10, fixed: dict | None = None, o: Options | None = None, optim: str = "adamw") -> PlanResult:
+         top: int = 10, fixed: dict | None = None, o: Options | None = None, optim: str = "adamw",
+         knobs: dict | None = None) -> PlanResult:
     """Rank every valid layout by predicted tokens/s per GPU; the best `top` come back as estimates.
-    `optim`: optim.name, priced in memory and time."""
+    `optim`: optim.name, priced in memory and time; `knobs`: spec.search_knobs of a config, kept as
+    given (default: the Spec's defaults)."""
     o = o or Options()
     t0 = time.perf_counter()
     fx = fixed or {}
-    a = shape.args
     if n_gpus < 1:
         raise PlanError(f"--gpus: must be >= 1, got {n_gpus}")
     if seq_len < 1 or global_batch_tokens < seq_len or global_batch_tokens % seq_len:
@@ -120,13 +122,9 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
                         f"--seq-len {seq_len}")
     if optim == "muon" and fx.get("offload", "none") != "none":
         raise PlanError(f"--fix offload={fx['offload']}: optim.name = muon runs without optimizer offload")
-    G = global_batch_tokens // seq_len
-    usable = o.usable(gpu)
-    gpn = gpu.gpus_per_node
     counts: Counter = Counter()
     reasons: Counter = Counter()
     examples: dict = {}
-    keep = max(3 * top, 20)
 
     def reject(reason: str, n: int = 1, example: str | None = None) -> None:
         # every candidate is counted once: fit, oom or invalid add up to "candidates" (dominated is part of fit)
@@ -139,8 +137,27 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
     def want(key, value) -> bool:
         return key not in fx or fx[key] == value
 
-    ctx = _Search(shape, gpu, o, fx, want, reject, counts, [], keep, [x for x in AC_MODES if want("ac", x)],
-                  usable, G, seq_len, precision, optim=optim)
+    ctx = _Search(shape, gpu, o, fx, want, reject, counts, [], max(3 * top, 20), [x for x in AC_MODES if want("ac", x)],
+                  o.usable(gpu), global_batch_tokens // seq_len,
+                  dict(precision=precision, seq_len=seq_len, optim=optim, **(knobs or {})))
+    for deg in _degrees(ctx, n_gpus):
+        _layouts(ctx, deg)
+    rows = []
+    for neg_step, _, spec, total in sorted(ctx.heap, key=lambda x: -x[0]):
+        check(shape, spec)  # the search's own checks must agree with the estimator's
+        r = estimate(shape, spec, gpu, cp_core(o, spec, fx)[1], validate=False)
+        rows.append((r, (spec, total, -neg_step)))
+    rows.sort(key=lambda x: (x[0]["step_s"], x[0]["per_gpu"]["total"]))
+    counts["ranked_in_detail"] = len(rows)
+    return PlanResult([r for r, _ in rows[:top]], counts, reasons, examples, time.perf_counter() - t0, ctx.G,
+                      [p for _, p in rows[:top]])
+
+
+def _degrees(ctx: _Search, n_gpus: int):
+    """Every (tp, cp, pp, dp) of n_gpus ranks that the model, the sequence and the batch allow, as
+    Layouts; a degree that cannot work is counted once and its whole subtree skipped."""
+    a, fx, want, reject = ctx.shape.args, ctx.fx, ctx.want, ctx.reject
+    seq_len, gpn = ctx.knobs["seq_len"], ctx.gpu.gpus_per_node
     for tp in _divisors(n_gpus):
         if not want("tp", tp):
             continue
@@ -165,27 +182,19 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
                 dp = n_gpus // (tp * cp * pp)
                 if not want("dp", dp):
                     continue
-                if G % dp:
+                if ctx.G % dp:
                     reject("dp does not divide the global batch (sequences)")
                     continue
-                _layouts(ctx, _Degrees(tp, cp, pp, dp))
-    best = sorted(ctx.heap, key=lambda x: -x[0])
-    ranked = []
-    for _, _, spec in best:
-        check(shape, spec)  # the search's own checks must agree with the estimator's
-        ranked.append(estimate(shape, spec, gpu, cp_core(o, spec.cp, fx)[1], validate=False))
-    ranked.sort(key=lambda r: (r["step_s"], r["per_gpu"]["total"]))
-    counts["ranked_in_detail"] = len(ranked)
-    return PlanResult(ranked[:top], counts, reasons, examples, time.perf_counter() - t0, G)
+                yield Layout(dp=dp, tp=tp, pp=pp, cp=cp)
 
 
-def cp_core(o: Options, cp: int, fx: dict) -> tuple[str | None, Options]:
+def cp_core(o: Options, layout: Layout, fx: dict) -> tuple[str | None, Options]:
     """(parallel.cp_impl, the options to price with) of a layout: with a document mask or flex
     (`o.attn_mask` not causal) the ring cannot run, so CP layouts use the all-gather core unless
     Ulysses is pinned (its core attends the whole sequence under the mask it has without CP); an
     all-gather layout is priced with its own mask (spec.allgather_mask); None: a pinned ring."""
     impl = fx.get("cp_impl", "ring")
-    if cp == 1 or (o.attn_mask == "causal" and impl != "allgather") or impl == "ulysses":
+    if not layout.cp_enabled or (o.attn_mask == "causal" and impl != "allgather") or impl == "ulysses":
         return impl, o
     if impl == "ring" and "cp_impl" in fx:
         return None, o
@@ -226,8 +235,17 @@ def _splits(n_layers: int, stages: int, fx: dict) -> list[tuple]:
     return out
 
 
-def _zero_options(dp: int, tp: int, cp: int, gpn: int) -> list[tuple[int, int]]:
-    if dp == 1:
+def _pipelines(deg: Layout, n_layers: int, fx: dict) -> list[tuple[str, int, tuple]]:
+    """(schedule, chunks per rank, stage split) of every pipeline to try with these degrees."""
+    if not deg.pp_enabled:
+        return [("1f1b", 1, ())]
+    return [(sched, v, split) for sched, v in _schedules(deg.pp, n_layers, fx)
+            for split in _splits(n_layers, deg.pp * v, fx)]
+
+
+def _zero_options(deg: Layout, gpn: int) -> list[tuple[int, int]]:
+    dp, tp, cp = deg.dp, deg.tp, deg.cp
+    if not deg.dp_enabled:
         return [(0, 1), (1, 1)]  # ZeRO-1 on one rank is what makes optimizer offload possible
     out = [(0, dp), (1, dp), (2, dp), (3, dp)]
     for k in (1, 2, 4, 8):  # HSDP: shard within 1, 2, 4 or 8 nodes, replicate across
@@ -237,111 +255,111 @@ def _zero_options(dp: int, tp: int, cp: int, gpn: int) -> list[tuple[int, int]]:
     return out
 
 
-def _layouts(ctx: _Search, deg: _Degrees) -> None:
-    """All layouts with these degrees: schedules × ZeRO × micro-batch × (AC, offload)."""
-    shape, gpu, o, fx, want, reject, counts = ctx.shape, ctx.gpu, ctx.o, ctx.fx, ctx.want, ctx.reject, ctx.counts
-    heap, keep, acs, usable, G, seq_len, precision = ctx.heap, ctx.keep, ctx.acs, ctx.usable, ctx.G, ctx.seq_len, \
-        ctx.precision
-    tp, cp, pp, dp = deg.tp, deg.cp, deg.pp, deg.dp
-    a = shape.args
-    b_local = G // dp
-    stages = pipeline_roles(pp)
-    sps = [s for s in ((False, True) if tp > 1 else (False,)) if want("sp", s)]
-    zeros = [(z, g) for z, g in _zero_options(dp, tp, cp, gpu.gpus_per_node)
-             if want("zero", z) and want("zero_group", g)]
+def _layouts(ctx: _Search, deg: Layout) -> None:
+    """All layouts with these degrees: schedules × sp × ZeRO × ep, then `_micro_batches` of each."""
+    shape, fx, want = ctx.shape, ctx.fx, ctx.want
+    sps = [s for s in ((False, True) if deg.tp_enabled else (False,)) if want("sp", s)]
+    zeros = [(z, g) for z, g in _zero_options(deg, ctx.gpu.gpus_per_node) if want("zero", z) and want("zero_group", g)]
     eps = [1] if not shape.moe else [e for e in _divisors(shape.num_experts) if want("ep", e)]
-    mbs = [mb for mb in _divisors(b_local) if want("micro_batch", mb)]
     # nvme offload frees the same GPU memory as optimizer offload, only slower: searched only when fixed
     offs = [x for x in ("none", "optimizer", "nvme") if want("offload", x) and (x != "nvme" or fx.get("offload") == "nvme")
             and (x == "none" or ctx.optim != "muon")]  # Muon runs without offload
-    cp_impl, o = cp_core(o, cp, fx)
+    cp_impl, o = cp_core(ctx.o, deg, fx)
     if cp_impl is None:
-        reject("a document mask under cp needs cp_impl = allgather or ulysses")
+        ctx.reject("a document mask under cp needs cp_impl = allgather or ulysses")
         return
-    for (sched, v), split in ((sv, x) for sv in _schedules(pp, a.n_layers, fx)
-                              for x in (_splits(a.n_layers, pp * sv[1], fx) if pp > 1 else [()])):
+    for sched, v, split in _pipelines(deg, shape.args.n_layers, fx):
         for sp in sps:
             for zero, g in zeros:
                 for ep in eps:
-                    if ep > 1 and ((g if zero else 1) * cp) % ep:
-                        reject("ep does not divide dp_shard×cp")
+                    if ep > 1 and ((g if zero else 1) * deg.cp) % ep:
+                        ctx.reject("ep does not divide dp_shard×cp")
                         continue
-                    for i, mb in enumerate(mbs):
-                        m = b_local // mb
-                        if sched == "interleaved" and m % pp:
-                            reject("interleaved needs microbatches divisible by pp")
-                            continue
-                        parts = [stage_totals(shape, st, tp, sp, cp, pp, v, ep, zero, g, dp, mb, m, sched,
-                                              seq_len, precision, cp_impl, 25.0, o.flash, o.attn_math_bytes,
-                                              o.compiled, split, o.loss_chunks, o.attn_mask, ctx.optim,
-                                              o.recompute_gemms)
-                                 for st in stages]
-                        variants = []
-                        for off in offs:
-                            if off != "none" and zero == 0:
-                                continue
-                            for ac in acs:
-                                total = max(b + (0.0 if off != "none" else opt) + acts[ac]
-                                            for b, opt, acts in parts)
-                                variants.append((total <= usable, ac, off, total))
-                        fits = [x for x in variants if x[0]]
-                        if not fits:
-                            need = min(x[3] for x in variants)
-                            left = len(mbs) - i  # larger micro-batches need even more memory
-                            reject("out of memory even with the most memory-saving AC / offload", left * len(variants),
-                                   f"tp{tp} cp{cp} pp{pp} dp{dp} zero{zero} g{g} {sched} mb{mb}: needs "
-                                   f"{need / GIB:.1f} GiB > usable {usable / GIB:.1f} GiB")
-                            break
-                        counts["candidates"] += len(fits)
-                        counts["fit"] += len(fits)
-                        if len(fits) < len(variants):
-                            reject("out of memory with this AC / offload (a more memory-saving one fits)",
-                                   len(variants) - len(fits))
-                        # fastest AC without offload; with offload only an AC cheaper than that one
-                        order = {x: j for j, x in enumerate(AC_MODES)}
-                        plain = [x for x in fits if x[2] == "none"]
-                        chosen = plain[:1]
-                        limit = order[plain[0][1]] if plain else len(AC_MODES)
-                        chosen += [x for x in fits if x[2] != "none" and order[x[1]] < limit][:1]
-                        counts["dominated"] += len(fits) - len(chosen)
-                        for _, ac, off, _ in chosen:
-                            ctx.tie += 1
-                            lb = _lower_bound(shape, gpu, o, tp, cp, pp, v, sched, seq_len, mb, m, ac, stages,
-                                              precision, split, sp, ep)
-                            if len(heap) >= keep and lb >= -heap[0][0]:
-                                counts["bounded"] += 1
-                                continue
-                            spec = Spec(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, zero_group=g, sp=sp,
-                                        pp_schedule=sched, pp_virtual=v, micro_batch=mb, accum=m, ac=ac,
-                                        offload=off, precision=precision, seq_len=seq_len, cp_impl=cp_impl,
-                                        pp_layers=split, optim=ctx.optim, **_zeropp(fx, zero, g * cp))
-                            step = time_model(shape, spec, gpu, o, simulate=False)["step_s"]
-                            counts["timed"] += 1
-                            item = (-step, ctx.tie, spec)
-                            if len(heap) < keep:
-                                heapq.heappush(heap, item)
-                            elif step < -heap[0][0]:
-                                heapq.heapreplace(heap, item)
+                    base = dict(dp=deg.dp, tp=deg.tp, pp=deg.pp, cp=deg.cp, ep=ep, zero=zero, zero_group=g, sp=sp,
+                                pp_schedule=sched, pp_virtual=v, pp_layers=split, cp_impl=cp_impl, **ctx.knobs,
+                                **_zeropp(fx, zero, g * deg.cp))
+                    _micro_batches(ctx, base, o, [(ac, off) for off in offs if off == "none" or zero for ac in ctx.acs])
 
 
-def _lower_bound(shape, gpu, o, tp, cp, pp, v, sched, seq_len, mb, m, ac, stages, precision,
-                 split: tuple = (), sq: bool = False, ep: int = 1) -> float:
-    """Compute time plus the bandwidth term of the (never hidden) TP reductions; no other communication,
-    optimizer or offload: never above the full time model's step time."""
-    from .memory import _stage_params_cached
-    tokens = mb * seq_len / cp  # sq: sequence parallelism (sp below is the stage's parameters)
+def _micro_batches(ctx: _Search, base: dict, o: Options, choices: list[tuple[str, str]]) -> None:
+    """Each micro-batch size of one layout: its memory on every pipeline role (stage_memory, as
+    estimate) under each (AC, offload) choice, the fastest choices that fit timed. Memory only grows
+    with the micro-batch, so the first size where nothing fits ends the loop."""
+    b_local = ctx.G // base["dp"]
+    mbs = [mb for mb in _divisors(b_local) if ctx.want("micro_batch", mb)]
+    if not choices:  # offload fixed, but nothing to offload: zero = 0
+        ctx.reject("offload needs a ZeRO stage that shards the optimizer (zero >= 1)", len(mbs))
+        return
+    for i, mb in enumerate(mbs):
+        m = b_local // mb
+        if base["pp_schedule"] == "interleaved" and m % base["pp"]:
+            ctx.reject("interleaved needs microbatches divisible by pp")
+            continue
+        spec = Spec(**base, micro_batch=mb, accum=m)
+        mems = [stage_memory(ctx.shape, spec, st, o) for st in pipeline_roles(spec.pp)]
+        variants = [(total <= ctx.usable, ac, off, total) for ac, off in choices
+                    for total in (max(x.total(ac, off) for x in mems),)]
+        fits = [x for x in variants if x[0]]
+        if not fits:
+            need = min(x[3] for x in variants)
+            ctx.reject("out of memory even with the most memory-saving AC / offload", (len(mbs) - i) * len(variants),
+                       f"tp{spec.tp} cp{spec.cp} pp{spec.pp} dp{spec.dp} zero{spec.zero} g{spec.zero_group} "
+                       f"{spec.pp_schedule} mb{mb}: needs {need / GIB:.1f} GiB > usable {ctx.usable / GIB:.1f} GiB")
+            break  # larger micro-batches need even more memory
+        ctx.counts["candidates"] += len(fits)
+        ctx.counts["fit"] += len(fits)
+        if len(fits) < len(variants):
+            ctx.reject("out of memory with this AC / offload (a more memory-saving one fits)", len(variants) - len(fits))
+        chosen = _fastest(fits)
+        ctx.counts["dominated"] += len(fits) - len(chosen)
+        for _, ac, off, total in chosen:
+            _rank(ctx, spec, ac, off, total, o)
+
+
+def _fastest(fits: list[tuple]) -> list[tuple]:
+    """The (fits, ac, offload, bytes) worth timing: the fastest AC without offload, and with offload
+    only an AC cheaper than that one (AC modes go fastest first, and offload only adds time)."""
+    order = {x: j for j, x in enumerate(AC_MODES)}
+    plain = [x for x in fits if x[2] == "none"]
+    limit = order[plain[0][1]] if plain else len(AC_MODES)
+    return plain[:1] + [x for x in fits if x[2] != "none" and order[x[1]] < limit][:1]
+
+
+def _rank(ctx: _Search, spec: Spec, ac: str, off: str, total: float, o: Options) -> None:
+    """Time one fitting layout unless its lower bound cannot reach the heap, and keep the fastest."""
+    ctx.tie += 1
+    heap = ctx.heap
+    lb = _lower_bound(ctx.shape, ctx.gpu, o, spec, ac)
+    if len(heap) >= ctx.keep and lb >= -heap[0][0]:
+        ctx.counts["bounded"] += 1
+        return
+    if (ac, off) != (spec.ac, spec.offload):
+        spec = dataclasses.replace(spec, ac=ac, offload=off)
+    step = time_model(ctx.shape, spec, ctx.gpu, o, simulate=False)["step_s"]
+    ctx.counts["timed"] += 1
+    item = (-step, ctx.tie, spec, total)
+    if len(heap) < ctx.keep:
+        heapq.heappush(heap, item)
+    elif step < -heap[0][0]:
+        heapq.heapreplace(heap, item)
+
+
+def _lower_bound(shape: Shape, gpu: GPU, o: Options, s: Spec, ac: str) -> float:
+    """Compute time plus the bandwidth term of the (never hidden) TP reductions of `s` under AC mode
+    `ac`; no other communication, optimizer or offload: never above the full time model's step time."""
+    tokens = s.micro_batch * s.seq_len / s.cp
     tp_s = 0.0
-    if tp > 1:
-        e = HELD[precision].act
-        tp_s = 2 * (tp - 1) / tp * e * shape.args.dim * tokens / (link(gpu, tp, 1)[1] * o.comm_efficiency)
-    full, busy = [], []
-    for st in stages:  # the real worst stage is unknown here: bound with the least of the per-stage bounds
-        sp = _stage_params_cached(shape, Spec(tp=tp, pp=pp, pp_virtual=v, pp_schedule=sched, pp_layers=split), st)
-        mt = micro_times(shape, tp, sq, ep, cp, seq_len, sp.layers, sp.head, mb,
-                         "none" if ac == "selective" and cp > 1 else ac, precision, gpu, o)
+    if s.tp_enabled:
+        e = HELD[s.precision].act
+        tp_s = 2 * (s.tp - 1) / s.tp * e * shape.args.dim * tokens / (link(gpu, s.tp, 1)[1] * o.comm_efficiency)
+    m, full, busy = s.accum, [], []
+    for st in pipeline_roles(s.pp):  # the real worst stage is unknown here: bound with the least of the per-stage bounds
+        sp = stage_params(shape, s, st)
+        mt = micro_times(shape, s.tp, s.sp, s.ep, s.cp, s.seq_len, sp.layers, sp.head, s.micro_batch,
+                         "none" if ac == "selective" and s.cp_enabled else ac, s.precision, gpu, o)
         t_f, t_b, t_rc = mt["t_f"], mt["t_b"], mt["t_rc"]
         x = sp.layers * 2 * (3 if ac == "full" else 2) * tp_s
         f, b = t_f + x / 2, t_b + t_rc + x / 2
         busy.append(m * (f + b))
-        full.append(m * (f + b) * (1 + bubble_formula(sched, pp, m, v, f, b, t_b / 2)))
+        full.append(m * (f + b) * (1 + bubble_formula(s.pp_schedule, s.pp, m, s.pp_virtual, f, b, t_b / 2)))
     return max(min(full), max(busy))

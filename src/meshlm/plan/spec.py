@@ -1,8 +1,10 @@
 """What the planner plans for: a model shape and a layout (`Spec`), read from a meshlm Config.
 
-The planner does its own divisibility checks instead of calling `layout.resolve`, because resolve()
-also refuses dimensions whose runtime has not landed yet, and the planner must reason about all of
-them; the batch arithmetic they share is `layout.batch_split`. Nothing here imports torch.
+A Spec is a `layout.Layout` (the degrees and the batch split, read from the config by the same
+`layout.from_config` the trainer uses) plus the planner's knobs. The planner does its own checks
+instead of calling `layout.resolve`, because resolve() also refuses dimensions whose runtime has not
+landed yet, and the planner must reason about all of them; the checks of degrees against the model
+they share are layout.py's. Nothing here imports torch.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 
 from ..choices import AC_MODES, CP_IMPLS, OFFLOAD, OPTIMIZERS, PP_SCHEDULES as SCHEDULES, PRECISIONS, choose
 from ..config import AUTO, Config, ConfigError, resolve_auto
-from ..layout import batch_split, check_cp, check_ep, check_shape, check_zeropp, model_args
+from ..layout import Layout, check_cp, check_ep, check_shape, check_zeropp, from_config, model_args
 from ..model import args as model_args_module
 
 PLAN_PRECISIONS = tuple(dict.fromkeys(PRECISIONS + ("fp8",)))
@@ -75,20 +77,12 @@ def shape_from_config(cfg: Config) -> Shape:
 
 
 @dataclass(frozen=True)
-class Spec:
-    """One concrete layout: every degree resolved (dp, zero_group and accumulation are numbers)."""
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    zero: int = 0
-    zero_group: int = 1        # ZeRO shard-group size (= dp unless HSDP)
-    sp: bool = False
+class Spec(Layout):
+    """One concrete layout the planner prices: a Layout (every degree resolved: dp, zero_group and the
+    accumulation are numbers) plus the planner's knobs, the keys that change a price but not the mesh."""
     pp_schedule: str = "1f1b"
     pp_virtual: int = 1
-    micro_batch: int = 1
-    accum: int = 1             # micro-batches per step per dp rank = pipeline micro-batches
+    pp_layers: tuple = ()      # blocks per stage (parallel.pp_layers); () = the runtime's balanced split
     ac: str = "none"
     offload: str = "none"
     offload_buffer_mb: float = 64.0  # offload = "nvme": the host buffer the state streams through
@@ -97,19 +91,12 @@ class Spec:
     cp_impl: str = "ring"
     bucket_mb: float = 25.0
     reduce_dtype: str = "fp32"
-    pp_layers: tuple = ()      # blocks per stage (parallel.pp_layers); () = the runtime's balanced split
-    quantize_weights: bool = False  # ZeRO++ qwZ (docs/zero.md)
-    hpz_group: int = 0              # ZeRO++ hpZ: secondary shards over this many ranks; 0: off
-    quantize_grads: bool = False    # ZeRO++ qgZ
     optim: str = "adamw"            # optim.name: "muon" adds plan/muon.py's memory, time and traffic
 
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro_batch * self.accum * self.dp
+    @classmethod
+    def of(cls, layout: Layout, **knobs) -> "Spec":
+        """The Spec of `layout` with these knobs (the rest at their defaults)."""
+        return cls(**{f.name: getattr(layout, f.name) for f in dataclasses.fields(Layout)}, **knobs)
 
     def layout_dict(self) -> dict:
         """The parallel.* keys plus training.micro_batch / ac / precision, as `plan --json` shows them."""
@@ -123,12 +110,12 @@ class Spec:
                 "quantize_grads": self.quantize_grads}
 
     def short(self) -> str:
-        s = f"tp{self.tp}{'+sp' if self.sp and self.tp > 1 else ''} pp{self.pp} cp{self.cp} dp{self.dp}"
-        if self.ep > 1:
+        s = f"tp{self.tp}{'+sp' if self.sp_enabled else ''} pp{self.pp} cp{self.cp} dp{self.dp}"
+        if self.ep_enabled:
             s += f" ep{self.ep}"
         if self.zero:
             s += f" z{self.zero}" + (f"/g{self.zero_group}" if self.zero_group != self.dp else "")
-        if self.pp > 1:
+        if self.pp_enabled:
             s += f" {self.pp_schedule}" + (f"v{self.pp_virtual}" if self.pp_virtual > 1 else "")
             if self.pp_layers:
                 s += " layers" + "/".join(map(str, self.pp_layers))
@@ -153,25 +140,31 @@ def _resolved(cfg: Config, key: str):
     return value
 
 
-def spec_from_config(cfg: Config, world: int) -> Spec:
-    """The layout a training config asks for on `world` GPUs (dp = -1 takes the ranks left over)."""
+# the parallel.* keys a search keeps as the config gives them: it chooses the degrees, not these
+SEARCH_KNOBS = ("bucket_mb", "reduce_dtype", "offload_buffer_mb")
+
+
+def search_knobs(cfg: Config) -> dict:
+    """The config's SEARCH_KNOBS, so that `meshlm plan --config` prices what `meshlm estimate` would."""
+    return {k: getattr(cfg.parallel, k) for k in SEARCH_KNOBS}
+
+
+def spec_from_config(cfg: Config, world: int | None) -> Spec:
+    """The layout a training config asks for on `world` GPUs (dp = -1 takes the ranks left over; None:
+    the world its parallel.dp fixes, layout.from_config)."""
     p, t = cfg.parallel, cfg.training
     cfg.data.check(cfg)  # what the data section refuses (a document mask under a CP core without masks)
     for key in ("tp", "pp", "cp", "ep", "pp_virtual"):
         if getattr(p, key) < 1:
             raise PlanError(f"parallel.{key}: must be >= 1, got {getattr(p, key)}")
-    if world < 1:
+    if world is not None and world < 1:
         raise PlanError(f"--gpus: must be >= 1, got {world}")
-    dp, accum = batch_split(p, t, world, flag="--gpus")
+    layout = from_config(cfg, world, flag="--gpus")
     if p.zero_group and p.zero == 0:
         raise PlanError("parallel.zero_group: HSDP groups need a ZeRO stage (zero >= 1)")
-    return Spec(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, zero_group=p.zero_group or dp,
-                sp=bool(p.sp), pp_schedule=p.pp_schedule, pp_virtual=p.pp_virtual,
-                micro_batch=t.micro_batch, accum=accum, ac=t.ac, offload=p.offload,
-                precision=_resolved(cfg, "precision"), offload_buffer_mb=p.offload_buffer_mb,
-                seq_len=cfg.data.seq_len, cp_impl=p.cp_impl, bucket_mb=p.bucket_mb, reduce_dtype=p.reduce_dtype,
-                pp_layers=tuple(p.pp_layers), quantize_weights=bool(p.quantize_weights), hpz_group=p.hpz_group,
-                quantize_grads=bool(p.quantize_grads), optim=cfg.optim.name)
+    return Spec.of(layout, pp_schedule=p.pp_schedule, pp_virtual=p.pp_virtual, pp_layers=tuple(p.pp_layers),
+                   ac=t.ac, offload=p.offload, precision=_resolved(cfg, "precision"), seq_len=cfg.data.seq_len,
+                   cp_impl=p.cp_impl, optim=cfg.optim.name, **search_knobs(cfg))
 
 
 def attention_mask(document_mask: bool, attn_impl: str = "auto") -> str:
@@ -228,8 +221,10 @@ def check(shape: Shape, s: Spec) -> None:
         raise PlanError(f"data.seq_len: must be >= 1, got {s.seq_len}")
     if s.offload != "none" and s.zero < 1:
         raise PlanError(f"parallel.offload: {s.offload} offload needs a ZeRO stage that shards the optimizer (zero >= 1)")
-    if s.zero_group < 1 or s.dp % s.zero_group:
-        raise PlanError(f"parallel.zero_group: {s.zero_group} does not divide dp {s.dp}")
+    try:
+        s.check_groups()
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
     check_shape(a, s.tp, s.pp, s.pp_virtual)
     if s.pp_layers:
         from ..schedule.stage import partition
@@ -242,15 +237,15 @@ def check(shape: Shape, s: Spec) -> None:
             raise PlanError(f"parallel.pp_virtual: zbv runs exactly 2 chunks per rank (a V), got {s.pp_virtual}")
     elif s.pp_virtual > 1 and s.pp_schedule != "interleaved":
         raise PlanError(f"parallel.pp_virtual: {s.pp_virtual} chunks per rank need pp_schedule = interleaved")
-    if s.pp > 1 and s.pp_schedule == "interleaved":
+    if s.pp_enabled and s.pp_schedule == "interleaved":
         if s.pp_virtual < 2:
             raise PlanError("parallel.pp_virtual: interleaved needs >= 2 chunks per rank")
         if s.accum % s.pp:
             raise PlanError(f"parallel.microbatches: interleaved needs a multiple of pp = {s.pp}, got {s.accum}")
-    check_cp(a, s.cp, s.cp_impl, s.tp, s.sp, s.seq_len)
+    check_cp(a, s, s.cp_impl, s.seq_len)
     try:
-        check_ep(a, s.ep, s.dp, s.zero_group if s.zero else 1, s.cp, s.zero)
-        check_zeropp(s, s.zero_group * s.cp)
+        check_ep(a, s)
+        check_zeropp(s, s.offload)
     except ConfigError as e:
         raise PlanError(str(e)) from None
 

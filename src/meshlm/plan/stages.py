@@ -1,0 +1,133 @@
+"""What one pipeline rank holds: its blocks (split as the runtime splits them and placed as the schedule
+places them), their parameters before ZeRO sharding, and the micro-batches whose activations it keeps
+at its peak. The planner sizes the first, the last and the busiest middle rank (`pipeline_roles`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..schedule.actions import stage_index
+from ..schedule.stage import estimate_costs, partition
+from .activations import ceil_div, vocab_rows
+from .spec import Shape, Spec
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters one rank holds on a stage: `dense` shards over the ZeRO group, `expert` over
+    zero_group/ep; `unit` is the largest piece ZeRO-3 gathers at once (a block or the embedding)."""
+    dense: float
+    expert: float
+    unit: float
+    layers: int
+    embed: bool
+    head: bool
+    chunks: tuple = ()   # blocks of each local chunk, in chunk order
+    rank: int = 0
+
+
+def block_params_local(shape: Shape, tp: int, ep: int = 1) -> tuple[float, float]:
+    """(dense, expert) parameters of one Block on one TP rank. Norms are replicated; kv heads are
+    replicated when tp exceeds them; experts are split over ep and, like the dense FFN, over tp."""
+    a = shape.args
+    attn = a.dim * a.head_dim * 2 * (a.n_heads // tp) + a.dim * a.head_dim * 2 * ceil_div(a.n_kv_heads, tp)
+    mlp = 3 * a.dim * a.ffn_dim / tp
+    if shape.moe:  # per block, averaged over MoE and dense blocks (moe.every, moe.first_dense)
+        frac, xmlp = a.n_moe_blocks / a.n_layers, 3 * a.dim * a.expert_dim / tp
+        dense = attn + 2 * a.dim + frac * (shape.shared_experts * xmlp + a.dim * shape.num_experts) \
+            + (1 - frac) * mlp
+        return dense, frac * ceil_div(shape.num_experts, ep) * xmlp
+    return attn + 2 * a.dim + mlp, 0.0
+
+
+def pipeline_roles(pp: int) -> tuple[str, ...]:
+    """The ranks the planner sizes: the first and the last, and with pp >= 3 the middle rank holding
+    the most blocks (it sets the pace when the end stages are given fewer blocks)."""
+    return ("only",) if pp == 1 else ("first", "last") if pp == 2 else ("first", "last", "middle")
+
+
+@lru_cache(maxsize=4096)
+def stage_chunks(a, pp: int, v: int, stage: str, schedule: str = "1f1b",
+                 pp_layers: tuple = ()) -> tuple[int, tuple[int, ...], bool, bool]:
+    """(rank, blocks per local chunk, holds the embedding, holds the head) for a planner role, split
+    exactly as the runtime splits the blocks (schedule/stage.py: the head costs vocab·dim,
+    so the last stage gets fewer blocks; `pp_layers` overrides) and placed as the schedule places
+    them (ZB-V's V puts the first and the last stage on rank 0). Layer counts that cannot be split
+    fall back to ceil(L/(pp·v)) per chunk; check() reports them."""
+    if pp == 1:
+        return 0, (a.n_layers,), True, True
+    S, vs = pp * v, schedule == "zbv"
+    try:
+        blocks = [len(b) for b in partition(a.n_layers, S, estimate_costs(
+            a.dim, a.n_heads, a.n_kv_heads, a.ffn_dim, a.vocab_size), list(pp_layers) or None)]
+    except ValueError:
+        blocks = [ceil_div(a.n_layers, S)] * S
+
+    def held(r: int) -> list[int]:
+        return [stage_index(r, c, pp, vs) for c in range(v)]
+
+    if stage == "middle":
+        rank = max(range(1, pp - 1), key=lambda r: (sum(blocks[s] for s in held(r)), -r))
+    else:
+        rank = pp - 1 if stage == "last" else 0
+    mine = held(rank)
+    return rank, tuple(blocks[s] for s in mine), 0 in mine, S - 1 in mine
+
+
+def stage_layers(a, pp: int, v: int, stage: str, schedule: str = "1f1b", pp_layers: tuple = ()) -> int:
+    """Blocks on one planner role's rank over its v chunks (`stage_chunks`)."""
+    return sum(stage_chunks(a, pp, v, stage, schedule, tuple(pp_layers))[1])
+
+
+def stage_params(shape: Shape, s: Spec, stage: str) -> StageParams:
+    """stage: 'first', 'last' or 'only' (pp = 1). The first and the last rank hold the blocks the runtime
+    gives them (`stage_layers`). Tied embeddings are stored once with pp = 1 and on both end stages
+    otherwise."""
+    return stage_params_of(shape, s.tp, s.ep, s.pp, s.pp_virtual, s.pp_schedule, s.pp_layers, stage)
+
+
+@lru_cache(maxsize=4096)
+def stage_params_of(shape: Shape, tp: int, ep: int, pp: int, v: int, schedule: str, pp_layers: tuple,
+                    stage: str) -> StageParams:
+    """stage_params from the degrees and the pipeline's knobs (cached: the search asks often)."""
+    a = shape.args
+    rank, chunks, embed, head = stage_chunks(a, pp, v, stage, schedule, pp_layers)
+    layers = sum(chunks)
+    dense_blk, exp_blk = block_params_local(shape, tp, ep)
+    emb = vocab_rows(a, tp) * a.dim
+    dense = layers * dense_blk
+    if embed:
+        dense += emb
+    if head:
+        dense += a.dim
+        if not (a.tie_embeddings and embed):
+            dense += emb
+    unit = max(dense_blk + exp_blk, emb if (embed or head) else 0)
+    return StageParams(dense, layers * exp_blk, unit, layers, embed, head, chunks, rank)
+
+
+def held_layers(schedule: str, p: int, m: int, v: int, rank: int, chunks: tuple) -> float:
+    """Block-activations (in blocks × micro-batches) a rank holds at its peak: `inflight` times its
+    blocks, except ZB-V's rank 0, whose loss-stage chunk holds one micro-batch (its W runs first,
+    schedules.py) while the chunk of stage 0 holds up to 2p (an upper bound: the two peaks need
+    not coincide)."""
+    if schedule == "zbv" and p > 1 and rank == 0:
+        return min(2 * p, m) * chunks[0] + chunks[1]
+    return inflight(schedule, p, m, v, rank) * sum(chunks)
+
+
+def inflight(schedule: str, p: int, m: int, v: int, rank: int) -> float:
+    """Micro-batches whose activations rank `rank` holds at its peak, in units of all its layers.
+
+    gpipe: m; 1f1b and zb-h1: min(p - rank, m); interleaved (Megatron): (warm-up chunks + 1)/v =
+    p + (p-1)/v on rank 0, the (1 + (p-1)/(p·v)) penalty of Korthikanti et al.; zbv: min(p, m) on
+    every rank (2p half-size chunks, checked against the built schedule in tests/test_plan.py)."""
+    if p == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved":
+        return min((p - rank - 1) * 2 + (v - 1) * p + 1, m * v) / v
+    if schedule == "zbv":
+        return float(min(p, m))
+    return float(min(p - rank, m))
