@@ -112,7 +112,7 @@ def reductions(ctx: ParallelContext, layout: Layout, zero: int, split_tied: set[
     else:
         base = Reduction(None, (ctx.comm("dp_cp"),), (), layout.dp * layout.cp)
     tied = Reduction(base.scatter, base.all_reduce_over, (ctx.comm("pp_ends"),), base.divisor)
-    if layout.ep == 1:
+    if not layout.ep_enabled:
         return lambda name: tied if name in split_tied else base
     experts = (Reduction(ctx.comm("edp_shard"), (ctx.comm("dp_replicate"),), (), base.divisor) if zero
                else Reduction(None, (ctx.comm("edp"),), (), base.divisor))
@@ -131,7 +131,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, layout: Layout, make_opt
     the config keys it reads: the parallel section, the training section's precision / AC / loss /
     compile knobs, the optimizer section; `init_from`: model.init_from ("hf:DIR" or empty)."""
     plan = plan or model_plan_for(model)
-    pipe = split_model(model, ctx, layout, plan, parallel) if layout.pp > 1 else None  # this rank's stages
+    pipe = split_model(model, ctx, layout, plan, parallel) if layout.pp_enabled else None  # this rank's stages
     table = PlacementTable()
     for name, p in named_params(model):
         table.add(name, tuple(p.shape))
@@ -148,7 +148,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, layout: Layout, make_opt
         convert_to_float8(model, plan, training.fp8_recipe, training.fp8_emulate)
     # op-level AC over a TP block: the region holds Comm's collectives, whose byte accounting dynamo will
     # not trace inside a checkpoint; such blocks stay eager (the policy then counts exactly what it keeps)
-    if training.compile and not (training.ac == "op" and layout.tp > 1):
+    if training.compile and not (training.ac == "op" and layout.tp_enabled):
         for key, block in list(plan.blocks(model).items()):
             plan.blocks(model)[key] = torch.compile(block, dynamic=False)
     named = named_params(model)
@@ -177,20 +177,20 @@ def _apply_dims(model, ctx, layout, plan, table, experts, parallel: ParallelConf
     """EP, AC, the loss head, CP and TP on the meta model, in the order each expects the others:
     (the CP handle or None, the TP handle (tp = 1: the vocabulary padding) or None, the chunked loss head
     or None)."""
-    if layout.ep > 1:
+    if layout.ep_enabled:
         apply_expert_parallel(model, ctx.comm("ep"), plan, table, experts)
-    if layout.cp > 1 and model.args.moe:
+    if layout.cp_enabled and model.args.moe:
         share_tokens_over_cp(model, ctx.comm("cp"), plan)
     apply_ac(model, training.ac, plan)
     # training.loss_chunks: the head moves into the loss (before TP, which hooks the head it finds)
     loss_head = head_in_loss(model, plan, training.loss_chunks) if training.loss_chunks else None
-    sp = parallel.sp and layout.tp > 1
+    sp = layout.sp_enabled
     cp = (apply_context_parallel(model, ctx.comm("cp"), parallel.cp_impl, plan, sp,
-                                 model.args.attn_kernel == "flex") if layout.cp > 1 else None)
+                                 model.args.attn_kernel == "flex") if layout.cp_enabled else None)
     # tp > 1: every tensor-parallel split (vocab-parallel, padded); tp = 1: only the vocabulary padding, if any
     tp = (apply_tensor_parallel(model, ctx.comm("tp"), parallel.sp, plan, table, cp and cp.split,
                                 fuse_entry=training.precision != "fp8")
-          if layout.tp > 1 else pad_vocab(model, ctx.comm("tp"), plan, table))
+          if layout.tp_enabled else pad_vocab(model, ctx.comm("tp"), plan, table))
     return cp, tp, loss_head
 
 
@@ -222,12 +222,12 @@ def _synchroniser_and_optimizer(model, named, ctx, plan, table, parallel: Parall
 def _loss_fn(model, tp, loss_head, ctx, layout, compile_: bool):
     """The mean token loss: vocab-parallel under TP, chunked with a loss head, else cross-entropy over the
     real vocabulary (compiled when the blocks are: it fuses well, and has no collective inside)."""
-    if layout.tp > 1:
+    if layout.tp_enabled:
         loss_fn = tp.make_loss_fn()
     else:
         loss_fn = partial(cross_entropy, vocab=model.args.vocab_size)  # drops padded logits, if any
         if compile_:
             loss_fn = torch.compile(loss_fn, dynamic=False)
     if loss_head is not None:
-        loss_fn = chunked_loss(loss_head, tp and tp.vocab, ctx.comm("tp") if layout.tp > 1 else None, compile_)
+        loss_fn = chunked_loss(loss_head, tp and tp.vocab, ctx.comm("tp") if layout.tp_enabled else None, compile_)
     return loss_fn

@@ -50,7 +50,7 @@ def pipeline_runner(model: nn.Module, grads, loss_fn, pipe: PipelineStages, ctx,
     actions = build_schedule(schedule, p, m, v)
     check_schedule(actions, p, m, v, pipe.vshape)
     args = model.args
-    split = layout.tp if sp and layout.tp > 1 else 1
+    split = layout.tp if sp and layout.tp_enabled else 1
 
     def act_shape(n: int, seq: int) -> tuple[int, int, int]:
         return (n, seq // split, args.dim)
