@@ -74,28 +74,18 @@ class _ReduceFrom(Function):
         return g, None
 
 
-class _GatherSeq(Function):
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return all_gather_dim(x, comm, dim)
+class _SeqCollective(Function):
+    """all_gather_dim forward and its conjugate reduce_scatter_dim backward (`gather`), or the reverse:
+    sequence parallelism's two moves, one function so the pair cannot drift apart."""
 
     @staticmethod
-    def backward(ctx, g):
-        return reduce_scatter_dim(g, ctx.comm, ctx.dim), None, None
-
-
-class _ReduceScatterSeq(Function):
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return reduce_scatter_dim(x, comm, dim)
+    def forward(ctx, x, comm, dim, gather: bool):
+        ctx.comm, ctx.dim, ctx.gather = comm, dim, gather
+        return (all_gather_dim if gather else reduce_scatter_dim)(x, comm, dim)
 
     @staticmethod
     def backward(ctx, g):
-        return all_gather_dim(g, ctx.comm, ctx.dim), None, None
-
-
+        return (reduce_scatter_dim if ctx.gather else all_gather_dim)(g, ctx.comm, ctx.dim), None, None, None
 
 
 class _GatherLinears(Function):
@@ -190,12 +180,12 @@ def reduce_from(x: torch.Tensor, comm: Comm) -> torch.Tensor:
 
 def gather_seq(x: torch.Tensor, comm: Comm, dim: int = 1) -> torch.Tensor:
     """Sequence-parallel entry: all-gather along `dim` forward, reduce-scatter backward."""
-    return x if comm.size == 1 else _GatherSeq.apply(x, comm, dim)
+    return x if comm.size == 1 else _SeqCollective.apply(x, comm, dim, True)
 
 
 def reduce_scatter_seq(x: torch.Tensor, comm: Comm, dim: int = 1) -> torch.Tensor:
     """Sequence-parallel exit: reduce-scatter along `dim` forward, all-gather backward."""
-    return x if comm.size == 1 else _ReduceScatterSeq.apply(x, comm, dim)
+    return x if comm.size == 1 else _SeqCollective.apply(x, comm, dim, False)
 
 
 def gather_linears(x: torch.Tensor, comm: Comm, weights: list[torch.Tensor], dim: int = 1) -> tuple[torch.Tensor, ...]:
