@@ -61,6 +61,19 @@ def _hardware_flags(p: argparse.ArgumentParser, gpu_required: bool) -> None:
     m.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
+# `meshlm plan`'s failure and checkpoint model (plan/goodput.py): flag, default, help
+FAILURE_FLAGS = (
+    ("--failures-per-gpu-hour", Resilience.failures_per_gpu_hour,
+     "per-GPU failure rate (default: Llama 3's, 419 in 54 days on 16,384 GPUs)"),
+    ("--ckpt-node-gbps", Resilience.node_write_gbps, "GB/s one node writes a checkpoint at (default %(default)s)"),
+    ("--storage-gbps", Resilience.storage_gbps, "GB/s the shared file system sustains (default %(default)s)"),
+    ("--restart-min", Resilience.restart_min, "minutes to detect a failure, restart and reload (default %(default)s)"),
+    ("--spare-min", Resilience.spare_min,
+     "minutes until a replacement node is up; else resize (default %(default)s: hot spare)"),
+    ("--repair-h", Resilience.repair_h, "hours until a lost node is back, when the job resizes (default %(default)s)"),
+)
+
+
 def add_parsers(subparsers) -> None:
     e = subparsers.add_parser("estimate", help="memory, time and MFU of one layout (takes --section.key overrides)")
     e.add_argument("--config", help="TOML config file, as for `meshlm train`")
@@ -85,18 +98,8 @@ def add_parsers(subparsers) -> None:
                    help="with --emit-config: write the N-th ranked layout instead (default 1, the best; "
                         "`meshlm explore`'s row N)")
     f = p.add_argument_group("failures and checkpoints (plan/goodput.py)")
-    f.add_argument("--failures-per-gpu-hour", type=float, default=Resilience.failures_per_gpu_hour,
-                   help="per-GPU failure rate (default: Llama 3's, 419 in 54 days on 16,384 GPUs)")
-    f.add_argument("--ckpt-node-gbps", type=float, default=Resilience.node_write_gbps,
-                   help="GB/s one node writes a checkpoint at (default %(default)s)")
-    f.add_argument("--storage-gbps", type=float, default=Resilience.storage_gbps,
-                   help="GB/s the shared file system sustains (default %(default)s)")
-    f.add_argument("--restart-min", type=float, default=Resilience.restart_min,
-                   help="minutes to detect a failure, restart and reload (default %(default)s)")
-    f.add_argument("--spare-min", type=float, default=Resilience.spare_min,
-                   help="minutes until a replacement node is up; else resize (default %(default)s: hot spare)")
-    f.add_argument("--repair-h", type=float, default=Resilience.repair_h,
-                   help="hours until a lost node is back, when the job resizes (default %(default)s)")
+    for flag, default, help_ in FAILURE_FLAGS:
+        f.add_argument(flag, type=float, default=default, help=help_)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="plan for training.compile = true / false (compiled blocks save fewer activations); "
                         "default: the config's, whose \"auto\" compiles on a GPU, not for a CPU run's --calibrate")
