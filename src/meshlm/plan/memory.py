@@ -72,8 +72,12 @@ class StageMemory:
 
     def total(self, ac: str | None = None, offload: str | None = None) -> float:
         """Device bytes under this AC mode and offload choice (default: the Spec's own)."""
-        ac, offload = ac or self.spec.ac, offload or self.spec.offload
-        return self.params + self.grads + self.optim(offload) + self.acts[ac] + self.bufs[ac]
+        return self.totals([(ac or self.spec.ac, offload or self.spec.offload)])[0]
+
+    def totals(self, choices: list[tuple[str, str]]) -> list[float]:
+        """Device bytes of each (AC mode, offload) choice: params + grads + optim + activations + buffers."""
+        states, adam, muon, acts, bufs = self.params + self.grads, self.adam, self.muon, self.acts, self.bufs
+        return [states + ((adam if off == "none" else 0.0) + muon) + acts[ac] + bufs[ac] for ac, off in choices]
 
     def host(self, offload: str) -> tuple[float, float]:
         """(host, disk) bytes of the optimizer state under this offload choice. Optimizer offload: host
@@ -106,40 +110,41 @@ def stage_memory(shape: Shape, s: Spec, stage: str, o: Options = DEFAULT_OPTIONS
     """Bytes on the rank of `stage` ('first', 'last', 'middle' or 'only': stages.pipeline_roles) for
     every AC mode and offload choice of the layout `s`; `o` says how the code runs (fused attention,
     compile, the chunked loss, the attention mask, another framework's recomputed GEMMs)."""
-    sp, params, grads, adam, held = _states(shape, stage, s.tp, s.ep, s.pp, s.pp_virtual, s.pp_schedule, s.pp_layers,
-                                            s.zero, s.shard_group, s.precision, s.dp_cp_enabled, s.bucket_mb,
-                                            s.hpz_group, s.quantize_weights)
+    sp, params, grads, adam, step_buffers = _rank_states(
+        shape, stage, s.tp, s.ep, s.pp, s.pp_virtual, s.pp_schedule, s.pp_layers, s.zero, s.shard_group, s.precision,
+        s.dp_cp_enabled, s.bucket_mb, s.hpz_group, s.quantize_weights)
     m = StageMemory(s, stage, sp, params, grads, adam)
     e, tokens = HELD[s.precision].act, s.micro_batch * s.seq_len / s.cp
     dsp = shape.args.dim / s.tp if s.sp_enabled else shape.args.dim
     head = head_bytes(shape.args, s.tp, dsp, e, o.compiled, o.loss_chunks) if sp.head else (0.0, 0.0)
     _activations(m, shape, s, o, e, tokens, head[0])
-    _buffers(m, shape, s, o, e, tokens, dsp, head[1], held)
+    _buffers(m, shape, s, o, e, tokens, dsp, head[1], step_buffers)
     return m
 
 
 @lru_cache(maxsize=65536)
-def _states(shape: Shape, stage: str, tp: int, ep: int, pp: int, v: int, schedule: str, pp_layers: tuple, zero: int,
+def _rank_states(shape: Shape, stage: str, tp: int, ep: int, pp: int, v: int, schedule: str, pp_layers: tuple, zero: int,
             n: int, precision: str, dp_cp: bool, bucket_mb: float, hpz_group: int, qwz: bool) -> tuple:
-    """What does not change with the micro-batch, AC or offload: (the rank's parameters, params, grads and
-    optimizer-state bytes, and the buffers ZeRO or DP hold for the step). Dense parameters shard over
-    the ZeRO group (`n` ranks), experts over n / ep."""
+    """What no micro-batch size, AC mode or offload changes (cached: the search asks for it per
+    micro-batch size): the rank's parameters (stages.StageParams), params, grads and optimizer-state
+    bytes, and the buffers ZeRO or DP hold for the step. Dense parameters shard over the ZeRO group
+    (`n` ranks), experts over n / ep."""
     sp = stage_params_of(shape, tp, ep, pp, v, schedule, pp_layers, stage)
     pb, gb, ob = state_bytes_per_param(precision)
     ne = max(1, n // ep)
     params = pb * (sp.dense / (n if zero >= 3 else 1) + sp.expert / (ne if zero >= 3 else 1))
     grads = gb * (sp.dense / (n if zero >= 2 else 1) + sp.expert / (ne if zero >= 2 else 1))
     optim = ob * (sp.dense / (n if zero >= 1 else 1) + sp.expert / (ne if zero >= 1 else 1))
-    held: dict[str, float] = {}
+    step: dict[str, float] = {}
     if zero >= 3 and n > 1:
-        held["zero3_gather"] = sp.unit * (2 * pb + gb)
+        step["zero3_gather"] = sp.unit * (2 * pb + gb)
     elif dp_cp:
-        held["grad_buckets"] = 2 * bucket_mb * MIB
+        step["grad_buckets"] = 2 * bucket_mb * MIB
     if zero >= 3 and hpz_group:  # ZeRO++ hpZ: 1/K of every unit, held from its first gather to the step
-        held["hpz_secondary"] = pb * (sp.dense + sp.expert) / hpz_group
+        step["hpz_secondary"] = pb * (sp.dense + sp.expert) / hpz_group
     if zero >= 3 and qwz:  # qwZ: the int8 rows of one unit's gather
-        held["qwz_int8"] = packed_bytes(int(sp.unit))
-    return sp, params, grads, optim, tuple(held.items())
+        step["qwz_int8"] = packed_bytes(int(sp.unit))
+    return sp, params, grads, optim, tuple(step.items())
 
 
 def _activations(m: StageMemory, shape: Shape, s: Spec, o: Options, e: int, tokens: float,
@@ -165,7 +170,7 @@ def _activations(m: StageMemory, shape: Shape, s: Spec, o: Options, e: int, toke
 
 
 def _buffers(m: StageMemory, shape: Shape, s: Spec, o: Options, e: int, tokens: float, dsp: float, loss: float,
-             held: tuple) -> None:
+             step_buffers: tuple) -> None:
     """The transient buffers: one block's backward working set (full AC first recomputes all of a
     block's activations; otherwise gradient temporaries take about half a block's worth while its saved
     tensors are released), then those no AC mode changes (the loss, what ZeRO or DP hold for the step,
@@ -173,7 +178,7 @@ def _buffers(m: StageMemory, shape: Shape, s: Spec, o: Options, e: int, tokens: 
     a, sp, b = shape.args, m.params_of, m.buffers
     if sp.head:
         b["loss"] = tokens * loss
-    b.update(held)
+    b.update(step_buffers)
     mask = dense_mask_bytes(s.micro_batch, s.seq_len, o.attn_mask, s.cp, s.cp_impl)
     if mask:
         b["attn_mask"] = mask

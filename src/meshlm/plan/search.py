@@ -85,8 +85,10 @@ class _Search:
     acs: list                             # AC modes to try
     usable: float                         # bytes a rank may use
     G: int                                # global batch, sequences
-    knobs: dict                           # Spec fields the search does not vary: precision, seq_len, optim,
-    tie: int = 0                          # and spec.SEARCH_KNOBS (a config's bucket_mb, reduce_dtype, ...)
+    # Spec fields the search does not vary: precision, seq_len, optim and spec.SEARCH_KNOBS (a config's
+    # bucket_mb, reduce_dtype, offload_buffer_mb), so that it prices what `meshlm estimate` would
+    knobs: dict
+    tie: int = 0
 
     @property
     def optim(self) -> str:  # optim.name: "muon" is priced (plan/muon.py) and runs without offload
@@ -296,9 +298,9 @@ def _micro_batches(ctx: _Search, base: dict, o: Options, choices: list[tuple[str
             ctx.reject("interleaved needs microbatches divisible by pp")
             continue
         spec = Spec(**base, micro_batch=mb, accum=m)
-        mems = [stage_memory(ctx.shape, spec, st, o) for st in pipeline_roles(spec.pp)]
-        variants = [(total <= ctx.usable, ac, off, total) for ac, off in choices
-                    for total in (max(x.total(ac, off) for x in mems),)]
+        per_role = [stage_memory(ctx.shape, spec, st, o).totals(choices) for st in pipeline_roles(spec.pp)]
+        worst = per_role[0] if len(per_role) == 1 else [max(x) for x in zip(*per_role)]
+        variants = [(total <= ctx.usable, ac, off, total) for (ac, off), total in zip(choices, worst)]
         fits = [x for x in variants if x[0]]
         if not fits:
             need = min(x[3] for x in variants)
