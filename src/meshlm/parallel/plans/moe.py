@@ -25,8 +25,16 @@ from .llama import LlamaModelPlan, TPLinear, TPRegion, UnitSpec
 
 class MoEModelPlan(LlamaModelPlan):
     def moe_layers(self, model: nn.Module) -> dict[int, MoE]:
-        return {int(k): _inner(b).feed_forward for k, b in model.layers.items()
-                if isinstance(_inner(b).feed_forward, MoE)}
+        """The MoE feed-forwards this rank holds by global block index; an MTP module's block k counts as
+        block n_layers + k (model/llama.py MTPModule), so routing statistics, the bias update, expert
+        and context parallelism reach it like any other."""
+        out = {int(k): _inner(b).feed_forward for k, b in model.layers.items()
+               if isinstance(_inner(b).feed_forward, MoE)}
+        n = model.args.n_layers
+        for k, m in (model.mtp or {}).items():
+            if isinstance(m.block.feed_forward, MoE):
+                out[n + int(k)] = m.block.feed_forward
+        return out
 
     def expert_params(self, model: nn.Module) -> set[str]:
         return {canonical_name(f"{fqn}.experts.{p}") for fqn, m in model.named_modules() if isinstance(m, MoE)
