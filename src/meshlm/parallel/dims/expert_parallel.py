@@ -75,8 +75,17 @@ class ParallelMoE(MoE):
         return (reduce_from(copy_to(assigned.detach(), c), c).detach(), reduce_from(copy_to(prob_sum, c), c),
                 tokens * c.size)
 
+    def sequence_totals(self, assigned: torch.Tensor, prob_sum: torch.Tensor, tokens: int):
+        """The sequence-wise balance loss's totals per whole sequence ([B, E] each): under context
+        parallelism summed over the cp ranks holding each sequence's other chunks, as `token_totals`."""
+        return self.token_totals(assigned, prob_sum, tokens)
+
     def aux_scale(self) -> float | torch.Tensor:
         return super().aux_scale() * self.aux_share
+
+    def seq_aux_scale(self) -> float | torch.Tensor:
+        """Tensor parallelism: each rank feeds 1/tp of the sequence-wise loss's gradient (`aux_scale`)."""
+        return super().seq_aux_scale() * self.aux_share
 
 
 def parallel_moe(model: nn.Module, m: MoE) -> ParallelMoE:

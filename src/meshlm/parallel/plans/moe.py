@@ -68,10 +68,11 @@ class MoEModelPlan(LlamaModelPlan):
         (and left before it: the exit order takes the experts' parameters first)."""
         entry, exit_ = super().zero_units(model, split_tied)
         experts = {}
-        for k, b in model.layers.items():
-            ff = _inner(b).feed_forward
+        blocks = [(f"layers.{k}", _inner(b)) for k, b in model.layers.items()]
+        for name, b in blocks + [(f"mtp.{k}", m.block) for k, m in (model.mtp or {}).items()]:
+            ff = b.feed_forward
             if isinstance(ff, MoE):
-                experts[f"layers.{k}"] = UnitSpec(f"layers.{k}.experts", (ff.experts,), ff.experts, ff.experts)
+                experts[name] = UnitSpec(f"{name}.experts", (ff.experts,), ff.experts, ff.experts)
 
         def expand(specs, after: bool):
             out = []
