@@ -190,6 +190,10 @@ def check_cp(args: ModelArgs, layout: Layout, impl: str, seq_len: int) -> None:
                           f"({f'2×cp: {impl} attention holds 2 chunks per rank' if zigzag else 'cp'})")
     if layout.sp_enabled and (seq_len // cp) % tp:
         raise LayoutError(f"parallel.sp: each CP rank's {seq_len // cp} tokens are not divisible by tp {tp}")
+    if zigzag and args.mla and args.v_head_dim > args.qk_head_dim:  # its k, v travel stacked (PaddedValues)
+        raise ConfigError(f"parallel.cp_impl: {impl} moves k and v together; MLA's value heads "
+                          f"(model.v_head_dim {args.v_head_dim}) wider than its query/key heads "
+                          f"({args.qk_head_dim}) are not supported; use ulysses")
     if impl == "ulysses":
         heads, kv = args.n_heads // tp, max(1, args.n_kv_heads // tp)
         if heads % cp:
@@ -235,6 +239,7 @@ def resolve(cfg: Config, world_size: int) -> Layout:
     check_cp(args, layout, p.cp_impl, cfg.data.seq_len)
     check_ep(args, layout)
     check_fp8(cfg, args)
+    check_mtp(cfg, args)
     check_zeropp(layout, p.offload)
     if layout.pp_enabled or p.pp_virtual > 1 or p.pp_layers:
         _check_pipeline(cfg, args, layout.microbatches)
@@ -265,6 +270,21 @@ def check_fp8(cfg: Config, args: ModelArgs) -> None:
         cap = ".".join(map(str, torch.cuda.get_device_capability()))
         raise ConfigError(f"training.precision: fp8 needs compute capability >= 8.9 (Ada, Hopper or newer); "
                           f"{torch.cuda.get_device_name()} has {cap} {hint}")
+
+
+def check_mtp(cfg: Config, args: ModelArgs) -> None:
+    """MTP modules (model.mtp_depth, parallel/features/mtp.py) against the sequence and the loss. Every
+    pipeline schedule can place them: they go with the head, on the last stage."""
+    if not args.mtp_depth or cfg.training.mtp_loss_weight == 0:
+        return
+    if cfg.data.seq_len <= args.mtp_depth:
+        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} tokens leave no target {args.mtp_depth + 1} "
+                          f"tokens ahead for model.mtp_depth = {args.mtp_depth}")
+    p = cfg.parallel
+    if cfg.training.loss_chunks and p.sp and p.tp > 1:
+        raise ConfigError("training.loss_chunks: the chunked loss head takes a sequence-parallel shard, from "
+                          "which the MTP loss cannot pick its positions; with model.mtp_depth > 0 and "
+                          "parallel.sp use training.loss_chunks = 0")
 
 
 def check_zeropp(layout: Layout, offload: str) -> None:

@@ -36,6 +36,7 @@ from .dims.zero import shard_model
 from .features.activation_checkpoint import apply_ac
 from .features.chunked_loss import chunked_loss, head_in_loss
 from .features.float8 import convert_to_float8
+from .features.mtp import MTPLoss
 from .optim.adamw import Optimizer
 from .optim.muon import MuonAdamW
 from .optim.nvme import NvmeOptimizer
@@ -79,6 +80,8 @@ class Parallelized:
     pipeline: PipelineRuntime | None = None  # pp > 1: the runner
     moe: MoEStats | None = None  # MoE models: routing metrics and the aux-loss gradient scale
     cp: ContextParallel | None = None  # cp > 1: which tokens of each sequence this rank holds
+    mtp: MTPLoss | None = None  # model.mtp_depth > 0: the loss with the MTP term, its step's sum
+    state_writer: bool = True  # writes the model-state buffers to checkpoints (one copy per stage)
 
     def local_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of full sequences [B, S] (its context-parallel chunks; all without CP)."""
@@ -87,6 +90,17 @@ class Parallelized:
     def to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a full single-process tensor of parameter `name`."""
         return self.placements.to_local(name, full)
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """Model state that is not a parameter (the MoE selection bias), by single-process name: whole
+        on every rank holding its module (replicated over dp, cp, tp and ep), never seen by the
+        optimizer; checkpoints keep it beside the masters (`master/NAME`), where --to-hf reads it."""
+        out = {}
+        for fqn, mod in self.model.named_modules():
+            for name, buf in mod._buffers.items():
+                if buf is not None and name not in mod._non_persistent_buffers_set:
+                    out[canonical_name(f"{fqn}.{name}" if fqn else name)] = buf
+        return out
 
     def norm_grads(self) -> list[torch.Tensor]:
         """The gradient pieces this rank counts in the global norm: each element once over the world."""
@@ -162,6 +176,10 @@ def parallelize(model: nn.Module, ctx: ParallelContext, layout: Layout, make_opt
             if c.size > 1:
                 table.update(name, lambda pl: pl.replicate(c.name, c.rank))
     loss_fn = _loss_fn(model, tp, loss_head, ctx, layout, training.compile)
+    # model.mtp_depth: the MTP term joins the gradient (its hooks after SP's and CP's: features/mtp.py)
+    mtp = MTPLoss(model, loss_fn, training.mtp_loss_weight, cp) if model.args.mtp_depth and \
+        training.mtp_loss_weight > 0 else None
+    loss_fn = mtp or loss_fn
     if pipe is not None:
         runner = pipeline_runner(model, grads, loss_fn, pipe, ctx, layout, plan, schedule=parallel.pp_schedule,
                                  sp=parallel.sp, split_w=training.ac not in ("full", "op"))
@@ -170,7 +188,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, layout: Layout, make_opt
     return Parallelized(model=model, optimizer=opt, grads=grads, placements=table, world=ctx.comm("world"),
                         loss_fn=loss_fn, runner=runner, names={id(p): name for name, p in named},
                         pipeline=runner if pipe is not None else None,
-                        moe=MoEStats(model, plan, layout.tp) if model.args.moe else None, cp=cp)
+                        moe=MoEStats(model, plan, layout.tp) if model.args.moe else None, cp=cp, mtp=mtp,
+                        state_writer=all(i == 0 for d, i in ctx.coords.items() if d != "pp"))
 
 
 def _apply_dims(model, ctx, layout, plan, table, experts, parallel: ParallelConfig, training: TrainingConfig):

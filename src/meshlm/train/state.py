@@ -27,7 +27,8 @@ class TrainState:
 
     def pieces(self) -> tuple[dict[str, ckpt.Pieces], dict[str, tuple[int, ...]]]:
         """This rank's pieces of every checkpoint tensor (views of its own optimizer state, placed by
-        the placement records), and the full shape of every key, in model order."""
+        the placement records; the model-state buffers, Parallelized.model_state), and the full shape
+        of every key, in model order."""
         state, shapes = {}, {}
         places, opt = self.par.placements, self.par.optimizer
         for name, kind, t in opt.state_storage():
@@ -38,6 +39,10 @@ class TrainState:
                                      [(b.offsets, v) for b, v in pl.pieces(t)], pl.owner,
                                      opt.backing(name, kind) if t.is_meta else None)
             shapes[key] = pl.full_shape
+        for name, t in self.par.model_state().items():  # whole on each holder; one copy per stage writes
+            key = f"master/{name}"
+            state[key] = ckpt.Pieces(tuple(t.shape), torch.float32, [((0,) * t.dim(), t)], self.par.state_writer)
+            shapes[key] = tuple(t.shape)
         rng = torch.get_rng_state()
         state["rng/cpu"] = ckpt.Pieces(tuple(rng.shape), rng.dtype, [((0,), rng)], self.rank == 0)
         return state, shapes

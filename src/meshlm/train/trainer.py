@@ -194,6 +194,8 @@ class Trainer:
         scale = scaler.scale / self.layout.accum if scaler.enabled else 1.0 / self.layout.accum
         if par.moe is not None:  # the aux loss's gradient is scaled like the main loss's
             par.moe.begin_step(scale)
+        if par.mtp is not None:
+            par.mtp.begin_step()
         loss_sum = self.runner.run(batch, scale, timed=measure)  # gradients reduced on return
         grads = par.grads.grad_tensors()
         if scaler.enabled:
@@ -214,6 +216,8 @@ class Trainer:
         par.optimizer.set_lr(lr)
         mem = memory(par, self.ctx.device) if measure else None
         par.optimizer.step(found_inf)
+        if par.moe is not None:  # auxiliary-loss-free balancing: every step, from the step's global counts
+            par.moe.update_biases(par.world, self.ctx.device, found_inf)
         state.step += 1
         return {"loss_sum": loss_sum, "norm": norm, "lr": lr, "spike": spike,
                 "skipped": found_inf if found_inf is not None else False, "mem": mem, "stop": stop}

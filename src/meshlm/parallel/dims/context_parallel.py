@@ -296,6 +296,20 @@ class UlyssesAttentionCore(nn.Module):
 
 # ---------------------------------------------------------------------------------- apply
 
+class PaddedValues(nn.Module):
+    """Ring and all-gather move k and v stacked, so their heads must have one size: MLA's value heads
+    (v_head_dim, narrower than its q/k heads) are padded with zeros to the key's size and the output
+    cut back (its padded columns are zero: softmax(QKᵀ)·0). (qk − v)/(qk + v) more bytes on the wire."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *mask) -> torch.Tensor:
+        d = v.shape[-1]
+        return self.inner(q, k, torch.nn.functional.pad(v, (0, k.shape[-1] - d)), *mask)[..., :d]
+
+
 @dataclass
 class ContextParallel:
     """What the trainer and the pipeline need from CP: the split of each sequence."""
@@ -322,12 +336,14 @@ def apply_context_parallel(model: nn.Module, comm: Comm, impl: str, plan, sp: bo
 
     cp = ContextParallel(comm, cp_split(comm, impl), impl)
     causal = CausalRows(cp.split, flex)
+    args = model.args
+    pad = impl != "ulysses" and args.mla and args.v_head_dim != args.qk_head_dim  # layout.check_cp: v < qk
     for parent, attr in plan.attention_cores(model):
         inner = getattr(parent, attr)
         inner = getattr(inner, "_wrapped", inner)  # a selective-AC wrapper: the plain core inside
         core = (RingAttentionCore(comm) if impl == "ring" else UlyssesAttentionCore(comm, inner) if impl == "ulysses"
                 else AllGatherAttentionCore(comm, inner, causal))
-        setattr(parent, attr, core)
+        setattr(parent, attr, PaddedValues(core) if pad else core)
     if impl != "ring":  # the cores that take a mask get the whole sequence's document ids
         model.register_forward_pre_hook(gather_docs_hook(comm, zigzag=impl == "allgather"), with_kwargs=True)
     if not sp:

@@ -75,8 +75,17 @@ class ParallelMoE(MoE):
         return (reduce_from(copy_to(assigned.detach(), c), c).detach(), reduce_from(copy_to(prob_sum, c), c),
                 tokens * c.size)
 
+    def sequence_totals(self, assigned: torch.Tensor, prob_sum: torch.Tensor, tokens: int):
+        """The sequence-wise balance loss's totals per whole sequence ([B, E] each): under context
+        parallelism summed over the cp ranks holding each sequence's other chunks, as `token_totals`."""
+        return self.token_totals(assigned, prob_sum, tokens)
+
     def aux_scale(self) -> float | torch.Tensor:
         return super().aux_scale() * self.aux_share
+
+    def seq_aux_scale(self) -> float | torch.Tensor:
+        """Tensor parallelism: each rank feeds 1/tp of the sequence-wise loss's gradient (`aux_scale`)."""
+        return super().seq_aux_scale() * self.aux_share
 
 
 def parallel_moe(model: nn.Module, m: MoE) -> ParallelMoE:
@@ -106,19 +115,27 @@ def share_tokens_over_cp(model: nn.Module, comm: Comm, plan) -> None:
 
 
 class MoEStats:
-    """Routing statistics per step for metrics.jsonl `moe`, and the aux-loss gradient scale.
+    """Routing statistics per step for metrics.jsonl `moe`, the aux-loss gradient scale, and the
+    auxiliary-loss-free bias update (DeepSeek-V3 §2.1.2).
 
     Every MoE module sums, over the step's training forwards, the tokens assigned to each expert
     (before dropping), the dropped assignments, its balance term and its call count. `record` sums
     those over the world (each TP rank routes the same tokens: divided by tp) into one row per MoE
-    block of the model, whichever stage holds it. Under cp every cp rank records the same balance
-    term once per call, so the mean over calls is unchanged."""
+    block of the model (MTP blocks included, as blocks n_layers + k), whichever stage holds it. Under
+    cp every cp rank records the same balance term once per call, so the mean over calls is unchanged.
+
+    `update_biases` runs after every optimizer step: the [MoE blocks, E] counts are summed over the
+    world in one all-reduce of a fixed shape (a stage holds only its blocks' rows, zeros elsewhere; dp,
+    cp and ep ranks route different tokens, tp ranks the same ones, which scales every row by tp and
+    leaves sign() alone), so every rank holding a block applies the same update."""
 
     def __init__(self, model: nn.Module, plan, tp: int):
         args = model.args
         self.modules = plan.moe_layers(model)
-        self.row = {b: i for i, b in enumerate(i for i in range(args.n_layers) if args.is_moe_block(i))}
+        blocks = [i for i in range(args.n_layers + args.mtp_depth) if args.is_moe_block(i)]
+        self.row = {b: i for i, b in enumerate(blocks)}
         self.experts, self.tp = args.num_experts, tp
+        self.balancing = args.expert_bias and args.bias_update_rate > 0  # the same on every rank
 
     def begin_step(self, scale: float | torch.Tensor) -> None:
         """`scale`: what the main loss is multiplied by before backward (1/accum, × fp16's scale)."""
@@ -126,12 +143,31 @@ class MoEStats:
             m.aux_grad_scale = scale
             m.stats = None
 
-    def record(self, world: Comm, device: torch.device) -> dict:
-        E = self.experts
-        rows = torch.zeros(len(self.row), E + 3, dtype=torch.float64, device=device)
+    def _rows(self, width: int, device: torch.device) -> torch.Tensor:
+        """[MoE blocks, width] float64: this rank's `stats` (first `width` columns), zeros for the
+        blocks other stages hold."""
+        rows = torch.zeros(len(self.row), width, dtype=torch.float64, device=device)
         for b, m in self.modules.items():
             if m.stats is not None:
-                rows[self.row[b]] = m.stats.to(rows)
+                rows[self.row[b]] = m.stats[:width].to(rows)
+        return rows
+
+    def update_biases(self, world: Comm, device: torch.device, skipped: torch.Tensor | None = None) -> None:
+        """bias += γ·sign(mean load − load) per block from the step's global counts. `skipped` (a device
+        flag, 1.0 when the optimizer skipped the step: fp16 overflow, a loss spike): the bias stays
+        too, so a skipped step changes no model state; the counts are zeroed, sign(0) = 0, no host read."""
+        if not self.balancing:
+            return
+        loads = self._rows(self.experts, device)
+        world.all_reduce(loads)
+        if skipped is not None:
+            loads.mul_(1.0 - skipped.to(loads))
+        for b, m in self.modules.items():
+            m.update_bias(loads[self.row[b]])
+
+    def record(self, world: Comm, device: torch.device) -> dict:
+        E = self.experts
+        rows = self._rows(E + 3, device)
         world.all_reduce(rows)
         rows = (rows / self.tp).cpu()
         counts = rows[:, :E]

@@ -166,6 +166,9 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table, c
     split, seated = set(), {}
     for region in plan.tp_regions(model):
         for lin in region.linears:
+            if lin.style == "full":  # replicated; each rank's gradient is its heads' part
+                swap_in(model, lin.module, SumGradLinear, tp_comm=comm)
+                continue
             rep = kv_rep if lin.kv else 1
             name = f"{lin.fqn}.{lin.param}"
             nd = len(table[canonical_name(name)].full_shape)  # stacked expert weights: [E, out, in]
@@ -186,6 +189,8 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table, c
         region.module.register_forward_hook(leave_hook)
     for mod in plan.norms(model) if sp else []:
         sum_gain_grad(model, mod, comm)
+    for mod in plan.stream_linears(model) if sp else []:  # replicated, on this rank's tokens
+        swap_in(model, mod, SumGradLinear, tp_comm=comm)
     for mod in plan.head_norms(model):  # replicated over tp (never split): gradients summed
         sum_gain_grad(model, mod, comm)
     plan.tp_extra(model, comm)

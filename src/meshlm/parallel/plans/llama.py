@@ -15,14 +15,17 @@ from torch import nn
 
 from ...model.init import canonical_name
 from ...model.llama import Attention, FeedForward, HeadRMSNorm, RMSNorm
+from ...model.mla import MLA
 
 
 @dataclass(frozen=True)
 class TPLinear:
-    """A linear inside a TP region: `rows` (column-parallel: output rows split) or `cols` (row-parallel:
-    input columns split); `size` is the split dimension's full size; `kv`: a k/v projection, whose heads
-    are replicated when there are fewer kv heads than ranks; `param`: the weight's attribute name
-    (stacked expert weights [E, out, in] are split along their last two dimensions the same way)."""
+    """A linear inside a TP region: `rows` (column-parallel: output rows split), `cols` (row-parallel:
+    input columns split) or `full` (replicated, feeding the split ones: every rank's gradient is a
+    part, summed over tp, e.g. MLA's latent down-projections); `size` is the split dimension's full
+    size; `kv`: a k/v projection, whose heads are replicated when there are fewer kv heads than ranks;
+    `param`: the weight's attribute name (stacked expert weights [E, out, in] are split along their
+    last two dimensions the same way)."""
     fqn: str
     module: nn.Module
     style: str
@@ -78,6 +81,11 @@ class LlamaModelPlan:
     def tied(self, model: nn.Module) -> bool:
         return bool(model.args.tie_embeddings)
 
+    def embedding_at_head(self, model: nn.Module) -> bool:
+        """Whether the stage holding the head needs the embedding's weight too: a tied head, or MTP
+        modules (they embed the tokens ahead). Split over two pipeline ranks, it is a tied weight."""
+        return bool(model.args.tie_embeddings or model.args.mtp_depth)
+
     def block_parts(self, block: nn.Module) -> dict[nn.Module, str]:
         """A block's children by the part they belong to, for measuring tools (train/observe/saved.py):
         `norm` (they read the residual stream), `attention`, `feed_forward`, `other`."""
@@ -87,7 +95,9 @@ class LlamaModelPlan:
     # -- tensor parallelism --------------------------------------------------------------------
     def tp_regions(self, model: nn.Module) -> list[TPRegion]:
         """Attention split by heads (wq, wk, wv by rows, wo by columns), SwiGLU by hidden units (w1, w3
-        by rows, w2 by columns): one reduction per half forward and one backward."""
+        by rows, w2 by columns): one reduction per half forward and one backward. MLA (`_mla_linears`)
+        takes its input whole (under SP the region's entry gathers it: the latent projections are not
+        column-parallel)."""
         args = model.args
         q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
         out = []
@@ -95,6 +105,9 @@ class LlamaModelPlan:
             if isinstance(mod, Attention):
                 lins = (TPLinear(f"{fqn}.wq", mod.wq, "rows", q), TPLinear(f"{fqn}.wk", mod.wk, "rows", kv, True),
                         TPLinear(f"{fqn}.wv", mod.wv, "rows", kv, True), TPLinear(f"{fqn}.wo", mod.wo, "cols", q))
+            elif isinstance(mod, MLA):
+                out.append(TPRegion(fqn, mod, self._mla_linears(fqn, mod, args), fused_entry=False))
+                continue
             elif isinstance(mod, FeedForward):
                 f = args.ffn_dim
                 lins = (TPLinear(f"{fqn}.w1", mod.w1, "rows", f), TPLinear(f"{fqn}.w3", mod.w3, "rows", f),
@@ -103,6 +116,19 @@ class LlamaModelPlan:
                 continue
             out.append(TPRegion(fqn, mod, lins))
         return out
+
+    @staticmethod
+    def _mla_linears(fqn: str, mod: MLA, args) -> tuple[TPLinear, ...]:
+        """MLA split by heads as Megatron-core does: the up-projections wq_b (or the plain wq) and wkv_b
+        by rows (whole heads, head-major), wo by columns; the latent down-projections wq_a and wkv_a
+        (with the shared RoPE key) replicated, `full`; their norms are head norms (summed gains)."""
+        heads, qk = args.n_heads, args.qk_head_dim
+        q = [TPLinear(f"{fqn}.wq", mod.wq, "rows", heads * qk)] if mod.wq is not None else \
+            [TPLinear(f"{fqn}.wq_a", mod.wq_a, "full", args.q_lora_rank),
+             TPLinear(f"{fqn}.wq_b", mod.wq_b, "rows", heads * qk)]
+        return (*q, TPLinear(f"{fqn}.wkv_a", mod.wkv_a, "full", args.kv_lora_rank + args.qk_rope_head_dim),
+                TPLinear(f"{fqn}.wkv_b", mod.wkv_b, "rows", heads * (args.qk_nope_head_dim + args.v_head_dim)),
+                TPLinear(f"{fqn}.wo", mod.wo, "cols", heads * args.v_head_dim))
 
     def muon_params(self, model: nn.Module) -> set[str]:
         """Single-process names of the matrices optim.name = "muon" orthogonalises: the weights of every
@@ -113,10 +139,16 @@ class LlamaModelPlan:
     def float8_linears(self, model: nn.Module) -> list[str]:
         """The linears fp8 training multiplies in float8 (parallel/features/float8.py): every block's attention and
         feed-forward projections, the TP regions' nn.Linear weights; the head stays bf16."""
-        return [lin.fqn for r in self.tp_regions(model) for lin in r.linears if lin.param == "weight"]
+        return [lin.fqn for r in self.tp_regions(model) for lin in r.linears
+                if lin.param == "weight" and lin.style != "full"]
 
     def tp_extra(self, model: nn.Module, comm) -> None:
         """Module changes TP needs beyond the regions (none for a dense Llama; plans/moe.py)."""
+
+    def stream_linears(self, model: nn.Module) -> list[nn.Module]:
+        """Replicated linears outside every TP region that read the residual stream token by token (the
+        MTP modules' projections): under SP each rank sees its tokens only, so their gradients are summed."""
+        return [m.proj for m in (model.mtp or {}).values()]
 
     def norms(self, model: nn.Module) -> list[RMSNorm]:
         """The modules that see the residual stream (split along the sequence under SP)."""
@@ -138,7 +170,7 @@ class LlamaModelPlan:
     def attention_cores(self, model: nn.Module) -> list[tuple[nn.Module, str]]:
         """(parent, attribute) of every attention core, softmax(QKᵀ)V alone: what context parallelism
         swaps for its ring or Ulysses core (found through activation-checkpointing wrappers)."""
-        return [(m, "core") for m in model.modules() if isinstance(m, Attention)]
+        return [(m, "core") for m in model.modules() if isinstance(m, (Attention, MLA))]
 
     def reserve_positions(self, model: nn.Module, n: int, device: torch.device) -> None:
         """Make the RoPE tables cover positions 0 … n-1 (CP: a rank's tokens reach the full length)."""
@@ -146,16 +178,17 @@ class LlamaModelPlan:
 
     # -- pipeline ------------------------------------------------------------------------------
     def prune(self, model: nn.Module, keep: set[str], first: bool, last: bool) -> None:
-        """Keep blocks `keep`, the embedding on the first stage, norm + head on the last. With tied
-        embeddings the last stage keeps the embedding module as the holder of the shared weight (its
-        forward never runs there), so the copy has the single-process name and initial value."""
+        """Keep blocks `keep`, the embedding on the first stage, norm + head (+ the MTP modules) on the
+        last. With tied embeddings or MTP the last stage keeps the embedding module too (tied: as the
+        holder of the shared weight, its forward never runs there; MTP: it embeds the tokens ahead),
+        so the copy has the single-process name and initial value."""
         for key in list(model.layers.keys()):
             if key not in keep:
                 del model.layers[key]
-        if not (first or (last and self.tied(model))):
+        if not (first or (last and self.embedding_at_head(model))):
             model.tok_embeddings = None
         if not last:
-            model.norm, model.output = None, None
+            model.norm, model.output, model.mtp = None, None, None
 
     def tied_weight(self, model: nn.Module, first: bool) -> nn.Parameter:
         return (model.tok_embeddings if first else model.output).weight
@@ -169,31 +202,33 @@ class LlamaModelPlan:
         return model(x, blocks=keys, embed=first, head=last, docs=docs)
 
     def stage_modules(self, model: nn.Module, keys: list[str], first: bool, last: bool) -> list[nn.Module]:
-        mods = [model.tok_embeddings] if first else []
+        mods = [model.tok_embeddings] if first or (last and model.mtp is not None) else []
         mods += [model.layers[k] for k in keys]
-        return mods + ([model.norm, model.output] if last else [])
+        return mods + ([model.norm, model.output, *(model.mtp or {}).values()] if last else [])
 
     # -- ZeRO ----------------------------------------------------------------------------------
     def zero_units(self, model: nn.Module, split_tied: bool) -> tuple[list[UnitSpec], list[UnitSpec]]:
         """Units in forward order of entry, and of exit (reversed: the backward order). One per block,
-        the embedding, the head (norm + output). Tied weights on one rank: one root unit. Tied weights
-        split over pipeline ends (`split_tied`): each end's copy is a unit of its own with the same flat
-        layout on both stages, so the two reduced shards can be summed over the pipeline ends."""
+        the embedding, the head (norm + output), each MTP module (run by the loss, after the head).
+        Tied weights on one rank: one root unit. Tied weights split over pipeline ends (`split_tied`;
+        MTP's embedding copy too): each end's copy is a unit of its own with the same flat layout on
+        both stages, so the two reduced shards can be summed over the pipeline ends."""
         emb, norm, out = model.tok_embeddings, model.norm, model.output
         tied = self.tied(model)
         layers = [UnitSpec(f"layers.{k}", (m,), m, m) for k, m in model.layers.items()]
+        mtp = [UnitSpec(f"mtp.{k}", (m,), m, m) for k, m in (model.mtp or {}).items()]
         rest = UnitSpec("rest", (model,), model, model)  # anything else: held for the whole forward
         if tied and emb is not None and out is not None and not split_tied:
             root = UnitSpec("root", (emb, norm, out), emb, out)
-            return [rest, root] + layers, layers + [root, rest]
+            return [rest, root] + layers + mtp, layers + [root] + mtp + [rest]
         embed = [UnitSpec("tok_embeddings", (emb,), emb, emb)] if emb is not None and not (tied and out is not None) else []
         if out is None:
             head = []
-        elif tied:  # the last stage's copy of the tied weight
+        elif tied or model.mtp is not None:  # the last stage's copy of the tied weight; MTP calls the head
             head = [UnitSpec("head", (norm,), norm, norm), UnitSpec("output", (out,), out, out)]
         else:
             head = [UnitSpec("head", (norm, out), norm, out)]
-        return [rest] + embed + layers + head, embed + layers + head + [rest]
+        return [rest] + embed + layers + head + mtp, embed + layers + head + mtp + [rest]
 
     # -- activation checkpointing ---------------------------------------------------------------
     def ac_targets(self, model: nn.Module, mode: str) -> list[tuple[nn.Module, str]]:

@@ -25,8 +25,16 @@ from .llama import LlamaModelPlan, TPLinear, TPRegion, UnitSpec
 
 class MoEModelPlan(LlamaModelPlan):
     def moe_layers(self, model: nn.Module) -> dict[int, MoE]:
-        return {int(k): _inner(b).feed_forward for k, b in model.layers.items()
-                if isinstance(_inner(b).feed_forward, MoE)}
+        """The MoE feed-forwards this rank holds by global block index; an MTP module's block k counts as
+        block n_layers + k (model/llama.py MTPModule), so routing statistics, the bias update, expert
+        and context parallelism reach it like any other."""
+        out = {int(k): _inner(b).feed_forward for k, b in model.layers.items()
+               if isinstance(_inner(b).feed_forward, MoE)}
+        n = model.args.n_layers
+        for k, m in (model.mtp or {}).items():
+            if isinstance(m.block.feed_forward, MoE):
+                out[n + int(k)] = m.block.feed_forward
+        return out
 
     def expert_params(self, model: nn.Module) -> set[str]:
         return {canonical_name(f"{fqn}.experts.{p}") for fqn, m in model.named_modules() if isinstance(m, MoE)
@@ -60,10 +68,11 @@ class MoEModelPlan(LlamaModelPlan):
         (and left before it: the exit order takes the experts' parameters first)."""
         entry, exit_ = super().zero_units(model, split_tied)
         experts = {}
-        for k, b in model.layers.items():
-            ff = _inner(b).feed_forward
+        blocks = [(f"layers.{k}", _inner(b)) for k, b in model.layers.items()]
+        for name, b in blocks + [(f"mtp.{k}", m.block) for k, m in (model.mtp or {}).items()]:
+            ff = b.feed_forward
             if isinstance(ff, MoE):
-                experts[f"layers.{k}"] = UnitSpec(f"layers.{k}.experts", (ff.experts,), ff.experts, ff.experts)
+                experts[name] = UnitSpec(f"{name}.experts", (ff.experts,), ff.experts, ff.experts)
 
         def expand(specs, after: bool):
             out = []

@@ -393,6 +393,9 @@ class StepMeter:
         self.data_s = 0.0
         if state.sampler.drawn() is not None:  # data.mix: tokens drawn per source so far
             rec["data"] = state.sampler.drawn()
+        if self.par.mtp is not None:  # the unweighted MTP loss; `loss` is the main head's alone
+            total = self.par.mtp.total
+            rec["mtp_loss"] = self.global_loss(total if total is not None else torch.zeros((), device=device))
         if self.par.moe is not None:
             rec["moe"] = self.par.moe.record(self.ctx.comm("world"), device)
         if self.par.pipeline is not None:  # measured bubble; rank 0 writes the step's Chrome trace

@@ -7,9 +7,10 @@ stage 0 and norm + head on the rank holding the last stage. Every other piece of
 one pruned model unchanged. `pipeline_runner` builds a `Stage` view per chunk and the runtime: the
 step runner (parallel/step.py) of a pipelined `Parallelized`.
 
-Tied embeddings: the last stage keeps the embedding's weight too (the plan's `prune`); the two copies
-are summed over the pipeline ends like any other gradient reduction (their `Reduction.sum_at_finish`). Under
-ZB-V rank 0 holds both ends, so the weight is one parameter there and nothing is summed.
+Tied embeddings, or MTP modules (which sit on the last stage and embed the tokens ahead): the last
+stage keeps the embedding's weight too (the plan's `prune`); the two copies are summed over the
+pipeline ends like any other gradient reduction (their `Reduction.sum_at_finish`). Under ZB-V rank 0
+holds both ends, so the weight is one parameter there and nothing is summed.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def split_model(model: nn.Module, ctx, layout, plan, parallel) -> PipelineStages
     # the tied weight is split over two ranks unless one rank holds both ends (ZB-V's rank 0)
     split_tied = stage_owner(0, layout.pp, vshape)[0] != stage_owner(S - 1, layout.pp, vshape)[0]
     pipe = PipelineStages(stage_blocks(args, parallel, layout.microbatches), ctx.index("pp"), layout.pp,
-                        parallel.pp_virtual, bool(args.tie_embeddings) and split_tied, vshape)
+                        parallel.pp_virtual, plan.embedding_at_head(model) and split_tied, vshape)
     keep = {str(i) for c in range(pipe.v) for i in pipe.blocks[pipe.stage(c)]}
     plan.prune(model, keep, pipe.holds(0), pipe.holds(S - 1))
     return pipe

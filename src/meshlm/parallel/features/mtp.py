@@ -1,0 +1,101 @@
+"""Multi-token prediction in training (model.mtp_depth > 0; DeepSeek-V3 §2.2, model/mtp.py) in every
+layout: the layout's loss function gains the MTP term, and neither the step runners, the pipeline
+stages nor the loss kernels know.
+
+`MTPLoss(out, targets)` is the layout's own loss of the main head (plain, vocab-parallel, chunked)
+plus `training.mtp_loss_weight` × the MTP loss in the gradient only: it returns
+main + w·(mtp − mtp.detach()), whose value is the main loss exactly. So metrics.jsonl `loss` keeps its
+meaning in every layout (the language-model loss, which Megatron also reports apart from its MTP
+losses), and `mtp_loss` (the unweighted mean over depths) is reported beside it from `total`.
+
+The MTP modules start from the final norm's output h, which a forward hook on `model.norm` keeps (the
+stage holding the head holds the MTP modules and a copy of the embedding, pipeline `prune`), with the
+positions and document ids the model's forward was given (a pre-hook registered after SP's and CP's).
+Depth k at position p embeds token p + k (the target at p + k − 1; past the end, the last target again,
+as model/mtp.py) and predicts the target at p + k, for the positions p < S − k.
+
+Context parallelism: a rank holds chunks of each sequence and the tokens ahead of a chunk's end live
+on another rank, so the micro-batch's targets are all-gathered over cp (B·S integers) and each rank
+picks its positions. Each depth's loss is the loss function's mean over this rank's positions that
+have a target, times their share n·cp/(S − k) of the sequence's S − k, so the mean over the cp ranks
+(the gradient reduction, the reported loss) is one process's. Under SP the head's entry gathers the
+(CP-local) sequence, so positions are picked from whole rows; the chunked loss head takes its input
+before that gather, which is why layout.py refuses MTP with training.loss_chunks under SP.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..dims.context_parallel import ContextParallel
+from ..dims.cp_allgather import sequence_order
+from ...distributed.functional import all_gather_dim
+
+
+class MTPLoss:
+    """The loss function of a model with MTP modules (module doc); `total`: the step's sum of this
+    rank's unweighted MTP losses (None before any; zero on stages without the head)."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable, weight: float, cp: ContextParallel | None):
+        self.model, self.loss_fn, self.weight, self.cp = model, loss_fn, weight, cp
+        self.depth = model.args.mtp_depth
+        self.h = self.positions = self.docs = None
+        self.total: torch.Tensor | None = None
+        self._picks: dict[tuple[int, int], tuple] = {}
+        if model.norm is not None:  # the stage with the head (every stage calls the model's forward)
+            model.norm.register_forward_hook(self._keep_h)
+        model.register_forward_pre_hook(self._keep_inputs, with_kwargs=True)
+
+    def _keep_h(self, module, args, out) -> None:
+        self.h = out if torch.is_grad_enabled() else None
+
+    def _keep_inputs(self, model, args, kwargs) -> None:
+        self.positions = args[1] if len(args) > 1 else kwargs.get("positions")
+        self.docs = kwargs.get("docs")
+
+    def begin_step(self) -> None:
+        self.total = None
+
+    def __call__(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        main = self.loss_fn(out, targets)
+        h, self.h = self.h, None
+        if h is None or not torch.is_grad_enabled():  # evaluation: the main loss alone
+            return main
+        mtp = self.mtp_loss(h, targets)
+        self.total = mtp.detach() if self.total is None else self.total + mtp.detach()
+        return main + (mtp - mtp.detach()) * self.weight
+
+    def mtp_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The unweighted MTP loss (mean over depths) of this rank's tokens from the final norm's
+        output `h` and this rank's next-token `targets` [B, S]."""
+        model, S = self.model, targets.shape[1]
+        full = self._whole(targets)
+        cos, sin, mask = model.positional(S, h.device, self.positions, docs=self.docs)
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for k, module in enumerate(model.mtp.values(), 1):
+            ahead, keep, target, share = self._pick(S, full.shape[1], k, h.device)
+            h = module(h, model.tok_embeddings(full[:, ahead]), cos, sin, mask)
+            out = h if model.head_in_loss else model.output(h)
+            total = total + self.loss_fn(out[:, keep], full[:, target]) * share
+        return total / self.depth
+
+    def _whole(self, targets: torch.Tensor) -> torch.Tensor:
+        """The whole sequences' targets [B, S·cp] (this rank's own without context parallelism)."""
+        if self.cp is None:
+            return targets
+        full = all_gather_dim(targets.contiguous(), self.cp.comm, 1)
+        return sequence_order(list(full.chunk(2 * self.cp.comm.size, 1)), 1) if self.cp.split.zigzag else full
+
+    def _pick(self, S: int, n: int, k: int, device: torch.device) -> tuple:
+        """Depth k's indices into the whole sequence of n tokens, for this rank's S positions: the token
+        each position embeds, the positions with a target, their targets, and their share (module doc)."""
+        key = (S, k)
+        if key not in self._picks:
+            pos = self.cp.split.positions(S) if self.cp is not None else torch.arange(S)
+            keep = (pos < n - k).nonzero().flatten()
+            share = keep.numel() * (n // S) / (n - k)
+            self._picks[key] = ((pos + k - 1).clamp(max=n - 1).to(device), keep.to(device),
+                                (pos[keep] + k).to(device), share)
+        return self._picks[key]

@@ -1,0 +1,88 @@
+"""Issue #49: a DeepSeek-V3-class model (dsv3-debug: MLA with a q latent, a dense first block, sigmoid
+group-limited routing with auxiliary-loss-free balancing, the sequence-wise loss, one MTP module) trains
+to one process's losses in every layout (fp32, 1e-5 relative), with AdamW and Muon; its routing
+metrics and MTP loss agree; checkpoints (the selection bias included) reshard between layouts."""
+import functools
+import os
+import tempfile
+
+import pytest
+import torch
+
+from harness import assert_layout_losses, assert_same_losses, make_config, reference, rows, run_layout
+from test_checkpoint import _layout, _train
+from test_moe_layouts import assert_same_routing
+
+DSV3 = {"model__preset": "dsv3-debug", "training__steps": 3}
+
+CASES = [
+    ("dp2", 2, {"parallel__dp": 2}),
+    ("dp2-zero1", 2, {"parallel__dp": 2, "parallel__zero": 1}),
+    ("dp2-zero3", 2, {"parallel__dp": 2, "parallel__zero": 3}),
+    ("tp2", 2, {"parallel__tp": 2}),
+    ("tp2-sp", 2, {"parallel__tp": 2, "parallel__sp": True}),
+    ("pp2", 2, {"parallel__pp": 2}),  # the dense block 0 on stage 0; the head and MTP on stage 1
+    ("pp2-zbv", 2, {"parallel__pp": 2, "parallel__pp_schedule": "zbv", "parallel__pp_virtual": 2}),
+    ("ep2", 2, {"parallel__dp": 2, "parallel__ep": 2}),
+    ("cp2-allgather", 2, {"parallel__cp": 2, "parallel__cp_impl": "allgather"}),
+    ("cp2-ulysses", 2, {"parallel__cp": 2, "parallel__cp_impl": "ulysses"}),
+    ("cp2-ring", 2, {"parallel__cp": 2, "parallel__cp_impl": "ring"}),
+    ("dp2-muon", 2, {"parallel__dp": 2, "optim__name": "muon"}),
+    ("tp2-sp-muon", 2, {"parallel__tp": 2, "parallel__sp": True, "optim__name": "muon"}),
+    ("ep2-pp2", 4, {"parallel__dp": 2, "parallel__ep": 2, "parallel__pp": 2}),
+    ("ep2-tp2-sp", 4, {"parallel__dp": 2, "parallel__ep": 2, "parallel__tp": 2, "parallel__sp": True}),
+    ("ep2-cp2-zero3", 4, {"parallel__dp": 2, "parallel__ep": 2, "parallel__cp": 2, "parallel__zero": 3,
+                          "parallel__cp_impl": "allgather"}),
+    ("tp2-pp2-muon-zero1", 4, {"parallel__tp": 2, "parallel__pp": 2, "parallel__dp": 1, "parallel__zero": 1,
+                               "optim__name": "muon"}),
+]
+# `make test` keeps one row per dimension; the rest (4 ranks, and the second of each kind) run in the slow tier
+SLOWEST = {"dp2-zero1", "tp2", "pp2-zbv", "cp2-allgather", "cp2-ring", "tp2-sp-muon", "ep2-pp2", "ep2-tp2-sp",
+           "ep2-cp2-zero3", "tp2-pp2-muon-zero1"}
+
+
+@pytest.mark.parametrize("name,world,overrides", rows(CASES, fast={"tp2-sp"}, slowest=SLOWEST))
+def test_dsv3_layout_matches_one_process(pools, name, world, overrides):
+    single = {**DSV3, **{k: v for k, v in overrides.items() if not k.startswith("parallel__")}}
+    got = run_layout(pools, make_config(**DSV3, **overrides), world)
+    assert_layout_losses(single, got)
+    ref = reference(**single)
+    assert_same_routing(ref, got)
+    for a, b in zip(ref, got):  # the MTP loss is reported apart from `loss`, the same in every layout
+        assert abs(a["mtp_loss"] - b["mtp_loss"]) <= 1e-5 * a["mtp_loss"], (a["step"], a["mtp_loss"], b["mtp_loss"])
+
+
+def _bias(run_dir: str, step: int) -> dict[str, torch.Tensor]:
+    from meshlm.train.convert import load_model
+    model, *_ = load_model(os.path.join(run_dir, "checkpoints", f"step_{step:08d}"))
+    return {n: b for n, b in model.named_buffers() if n.endswith("expert_bias")}
+
+
+CKPT = {"model__preset": "dsv3-debug", "checkpoint__keep": 2}
+
+
+@functools.lru_cache(maxsize=None)
+def _ckpt_reference() -> tuple:
+    d = tempfile.mkdtemp(prefix="meshlm-dsv3-ref-")
+    return tuple(_train(None, {}, d, checkpoint__every=8, **CKPT)), d
+
+
+RESHARDS = [("tp2 sp", "pp2"), ("dp2 ep2 zero3", "1proc")]
+
+
+@pytest.mark.parametrize("name,a,b", rows([(f"{a}->{b}".replace(" ", "_"), a, b) for a, b in RESHARDS],
+                                     slowest={"dp2_ep2_zero3->1proc"}))
+def test_dsv3_checkpoint_reshards_with_its_bias(pools, name, a, b):
+    """A checkpoint of layout a at step 4 resumes under layout b with one process's losses, and the
+    selection bias at step 8 is one process's, bit for bit (its updates are ±γ from the same counts)."""
+    ref, ref_dir = _ckpt_reference()
+    dir_a, dir_b = tempfile.mkdtemp(prefix="meshlm-a-"), tempfile.mkdtemp(prefix="meshlm-b-")
+    _train(pools, _layout(a), dir_a, stop=4, checkpoint__every=4, **CKPT)
+    step4 = os.path.join(dir_a, "checkpoints", "step_00000004")
+    got = _train(pools, _layout(b), dir_b, checkpoint__resume=step4, checkpoint__every=8, **CKPT)
+    assert [r["step"] for r in got] == [5, 6, 7, 8]
+    assert_same_losses(list(ref)[4:], got, 1e-5)
+    want, have = _bias(ref_dir, 8), _bias(dir_b, 8)
+    assert want.keys() == have.keys() and len(want) == 4
+    for k in want:
+        assert torch.equal(want[k], have[k]), (k, want[k], have[k])
