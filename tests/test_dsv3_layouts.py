@@ -29,6 +29,10 @@ CASES = [
     ("cp2-ring", 2, {"parallel__cp": 2, "parallel__cp_impl": "ring"}),
     ("dp2-muon", 2, {"parallel__dp": 2, "optim__name": "muon"}),
     ("tp2-sp-muon", 2, {"parallel__tp": 2, "parallel__sp": True, "optim__name": "muon"}),
+    ("dp2-zero2-ac-full", 2, {"parallel__dp": 2, "parallel__zero": 2, "training__ac": "full",
+                              "training__micro_batch": 1}),
+    ("pp2-interleaved", 2, {"parallel__pp": 2, "parallel__pp_schedule": "interleaved", "parallel__pp_virtual": 2}),
+    ("hsdp4g2", 4, {"parallel__dp": 4, "parallel__zero": 2, "parallel__zero_group": 2}),
     ("ep2-pp2", 4, {"parallel__dp": 2, "parallel__ep": 2, "parallel__pp": 2}),
     ("ep2-tp2-sp", 4, {"parallel__dp": 2, "parallel__ep": 2, "parallel__tp": 2, "parallel__sp": True}),
     ("ep2-cp2-zero3", 4, {"parallel__dp": 2, "parallel__ep": 2, "parallel__cp": 2, "parallel__zero": 3,
@@ -37,8 +41,8 @@ CASES = [
                                "optim__name": "muon"}),
 ]
 # `make test` keeps one row per dimension; the rest (4 ranks, and the second of each kind) run in the slow tier
-SLOWEST = {"dp2-zero1", "tp2", "pp2-zbv", "cp2-allgather", "cp2-ring", "tp2-sp-muon", "ep2-pp2", "ep2-tp2-sp",
-           "ep2-cp2-zero3", "tp2-pp2-muon-zero1"}
+SLOWEST = {"dp2-zero1", "tp2", "pp2-zbv", "cp2-allgather", "cp2-ring", "tp2-sp-muon", "dp2-zero2-ac-full",
+           "pp2-interleaved", "hsdp4g2", "ep2-pp2", "ep2-tp2-sp", "ep2-cp2-zero3", "tp2-pp2-muon-zero1"}
 
 
 @pytest.mark.parametrize("name,world,overrides", rows(CASES, fast={"tp2-sp"}, slowest=SLOWEST))
@@ -86,3 +90,15 @@ def test_dsv3_checkpoint_reshards_with_its_bias(pools, name, a, b):
     assert want.keys() == have.keys() and len(want) == 4
     for k in want:
         assert torch.equal(want[k], have[k]), (k, want[k], have[k])
+
+
+def test_bias_update_is_one_all_reduce_a_step_in_the_comm_books(pools):
+    """The bias update's all-reduce goes through Comm: metrics.jsonl `comm` counts one all_reduce more
+    per step than the same run without balancing, of 2 · (3 MoE blocks + the MTP block) · 8 experts ·
+    8 bytes (float64 counts; an all-reduce books twice its bytes)."""
+    over = {**DSV3, "training__steps": 2, "metrics__every": 1, "parallel__dp": 2}
+    on = run_layout(pools, make_config(**over), 2)
+    off = run_layout(pools, make_config(**over, model__moe__bias_update_rate=0.0), 2)
+    for a, b in zip(on, off):
+        assert a["comm"]["all_reduce"]["calls"] - b["comm"]["all_reduce"]["calls"] == 1
+        assert a["comm"]["all_reduce"]["bytes"] - b["comm"]["all_reduce"]["bytes"] == 2 * 4 * 8 * 8

@@ -65,6 +65,15 @@ def test_one_process_trains_with_mtp_balancing_and_a_checkpointed_bias():
                          "layers.3.feed_forward.expert_bias", "mtp.0.block.feed_forward.expert_bias"}
     for b in bias.values():  # two updates of ±γ (or 0) each: in {0, ±γ, ±2γ} and not all zero
         assert (b.abs() <= 2e-3 + 1e-9).all() and b.abs().sum() > 0
+    from safetensors.torch import load_file  # --to-hf exports it as e_score_correction_bias
+    from meshlm.train.convert import to_hf
+    hf = os.path.join(d, "hf")
+    to_hf(os.path.join(d, "checkpoints", "step_00000002"), hf, dtype="fp32")
+    exported = load_file(os.path.join(hf, "model.safetensors"))
+    assert torch.equal(exported["model.layers.1.mlp.gate.e_score_correction_bias"],
+                       bias["layers.1.feed_forward.expert_bias"])
+    assert torch.equal(exported["model.layers.4.mlp.gate.e_score_correction_bias"],  # MTP: layer n_layers + 0
+                       bias["mtp.0.block.feed_forward.expert_bias"])
     again = run_local(make_config(**DSV3, checkpoint__resume=os.path.join(d, "checkpoints", "step_00000002")),
                       tempfile.mkdtemp(prefix="meshlm-dsv3-resume-"))
     assert [r["step"] for r in again] == [3]
