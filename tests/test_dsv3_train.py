@@ -8,7 +8,7 @@ import tempfile
 import pytest
 import torch
 
-from harness import make_config, read_metrics, run_local
+from harness import make_config, run_local
 from meshlm.model.args import PRESETS
 
 DSV3 = {"model__preset": "dsv3-debug", "training__steps": 3}
@@ -66,6 +66,7 @@ def test_one_process_trains_with_mtp_balancing_and_a_checkpointed_bias():
     for b in bias.values():  # two updates of ±γ (or 0) each: in {0, ±γ, ±2γ} and not all zero
         assert (b.abs() <= 2e-3 + 1e-9).all() and b.abs().sum() > 0
     from safetensors.torch import load_file  # --to-hf exports it as e_score_correction_bias
+
     from meshlm.train.convert import to_hf
     hf = os.path.join(d, "hf")
     to_hf(os.path.join(d, "checkpoints", "step_00000002"), hf, dtype="fp32")

@@ -29,9 +29,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ...distributed.functional import all_gather_dim
 from ..dims.context_parallel import ContextParallel
 from ..dims.cp_allgather import sequence_order
-from ...distributed.functional import all_gather_dim
 
 
 class MTPLoss:
