@@ -164,10 +164,11 @@ REFUSALS = [
     ({"training__precision": "fp8"}, "fp8 needs a GPU with float8 matmuls"),
     ({**FP8, "training__fp8_recipe": "delayed"}, "training.fp8_recipe: 'delayed' is not one of tensorwise, rowwise"),
     ({**FP8, "model__preset": "moe-debug"}, "not available for mixture-of-experts models"),
+    ({**FP8, "training__fp8_comm": ["zero", "tp"]}, "training.fp8_comm: 'tp' is not one of zero, sp, ep"),
 ]
 
 
-@pytest.mark.parametrize("overrides,message", REFUSALS, ids=["cpu", "recipe", "moe"])
+@pytest.mark.parametrize("overrides,message", REFUSALS, ids=["cpu", "recipe", "moe", "comm"])
 def test_fp8_refusals_are_one_line(overrides, message):
     with pytest.raises(C.ConfigError, match=message) as e:
         resolve(make_config(**overrides), 1)

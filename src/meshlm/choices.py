@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise")  # torchao float8 recipe names (training.fp8_recipe)
+FP8_COMMS = ("zero", "sp", "ep")  # collectives that move float8 under fp8 (training.fp8_comm, docs/fp8.md)
 AC_MODES = ("none", "op", "selective", "full")  # in order of recompute cost (the planner's search)
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 PP_TAKES_VIRTUAL = ("interleaved", "zbv")

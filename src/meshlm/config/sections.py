@@ -10,7 +10,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field, fields
 
-from ..choices import (AC_MODES, CATCHABLE_SIGNALS, CP_IMPLS, ELASTIC, EXPORT_DTYPES, FP8_RECIPES, OFFLOAD,
+from ..choices import (AC_MODES, CATCHABLE_SIGNALS, CP_IMPLS, ELASTIC, EXPORT_DTYPES, FP8_COMMS, FP8_RECIPES, OFFLOAD,
                        ON_ERROR, OPTIMIZERS, PP_SCHEDULES, PRECISIONS, REDUCE_DTYPES, SPIKE_ACTIONS, ZERO_STAGES,
                        choose)
 
@@ -195,6 +195,9 @@ class TrainingConfig:
     precision: str = "auto"  # auto: bf16 (fp32 masters) on a GPU with bf16, fp32 on a CPU (resolve_auto)
     fp8_recipe: str = "tensorwise"  # precision = "fp8": torchao's float8 scaling (tensorwise, rowwise)
     fp8_emulate: bool = False  # precision = "fp8" without float8 hardware (CPU tests): torchao's emulation
+    # precision = "fp8": the collectives that move float8 (ZeRO-3's weight gather, SP's activation
+    # all-gather, EP's dispatch); an entry the layout does not have is left out (docs/fp8.md)
+    fp8_comm: list[str] = field(default_factory=lambda: list(FP8_COMMS))
     ac: str = "none"
     seed: int = 0
     clip: float = 1.0
@@ -212,6 +215,8 @@ class TrainingConfig:
     def check(self, cfg: Config) -> None:
         _check_device_keys(self)
         _choice(self.fp8_recipe, FP8_RECIPES, "training.fp8_recipe")
+        for entry in self.fp8_comm:
+            _choice(entry, FP8_COMMS, "training.fp8_comm")
         _choice(self.ac, AC_MODES, "training.ac")
         if self.steps < 0:
             raise ConfigError(f"training.steps: must be >= 0, got {self.steps}")
