@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -80,14 +81,14 @@ def test_parameter_split_over_stages_and_tp():
     # the runtime's split (schedule/stage.py): the 128k-row head is worth ~2.4 blocks, so the
     # last stage gets fewer blocks than the first
     from meshlm.schedule.stage import estimate_costs, partition
-    runtime = partition(a.n_layers, 4, estimate_costs(a.dim, a.n_heads, a.n_kv_heads, a.ffn_dim, a.vocab_size))
+    runtime = partition(a.n_layers, 4, estimate_costs(a))
     assert (first.layers, last.layers) == (len(runtime[0]), len(runtime[-1])) == (9, 6)
     assert first.embed and last.head and not first.head and not last.embed
     block = (psi - 2 * a.vocab_size * a.dim - a.dim) / a.n_layers
     assert first.dense == pytest.approx(9 * block + a.vocab_size * a.dim)
     assert last.dense == pytest.approx(6 * block + a.vocab_size * a.dim + a.dim)
     # interleaved: rank 0 holds stages 0 and 4 of 8
-    v2 = partition(a.n_layers, 8, estimate_costs(a.dim, a.n_heads, a.n_kv_heads, a.ffn_dim, a.vocab_size))
+    v2 = partition(a.n_layers, 8, estimate_costs(a))
     assert stage_params(sh, Spec(pp=4, pp_virtual=2), "first").layers == len(v2[0]) + len(v2[4])
     t8 = stage_params(sh, Spec(tp=8), "only").dense
     norms = (2 * a.n_layers + 1) * a.dim
@@ -274,8 +275,13 @@ def test_search_lower_bound_never_exceeds_the_model():
                    accum=8, ac="none", seq_len=8192),
               Spec(dp=8, tp=8, zero=1, zero_group=8, pp=1, accum=4, ac="full", offload="optimizer", seq_len=8192),
               Spec(dp=2, pp=8, pp_schedule="gpipe", accum=8, ac="full", precision="fp32", seq_len=2048)]:
-        lb = _lower_bound(sh, gpu, o, s, s.ac)
+        lb = _lower_bound(SimpleNamespace(shape=sh, gpu=gpu, micro={}), o, s, s.ac)
         assert lb <= time_model(sh, s, gpu, o, simulate=False)["step_s"] * (1 + 1e-9)
+    ds = _shape("deepseek-v3")  # MLA, routed experts, the MTP module on the last stage
+    for s in [Spec(dp=256, ep=64, pp=4, pp_schedule="zbv", pp_virtual=2, zero=1, accum=15, ac="full", seq_len=4096),
+              Spec(dp=128, ep=32, tp=2, sp=True, pp=4, accum=30, ac="selective", seq_len=4096)]:
+        lb = _lower_bound(SimpleNamespace(shape=ds, gpu=gpu, micro={}), o, s, s.ac)
+        assert lb <= time_model(ds, s, gpu, o, simulate=False)["step_s"] * (1 + 1e-9)
 
 
 def test_plan_emit_config_trains_and_resolves(tmp_path, capsys):

@@ -9,6 +9,7 @@ from harness import make_config, read_metrics, run_layout, run_local
 
 from meshlm import config as C
 from meshlm.layout import resolve
+from meshlm.model.args import PRESETS
 from meshlm.parallel.dims.pipeline.trace import load_timeline
 from meshlm.schedule import build_schedule, p2p_batches
 from meshlm.schedule.stage import StageCosts, estimate_costs, partition
@@ -23,7 +24,7 @@ def test_partition_balances_blocks_and_head():
     assert [len(s) for s in partition(8, 2, StageCosts(head=2.0))] == [5, 3]
     assert [len(s) for s in partition(8, 2, StageCosts(embed=2.0))] == [3, 5]
     # Llama-3-8B, pp = 4: the 128k-vocabulary head is worth ~2.4 blocks
-    costs = estimate_costs(4096, 32, 8, 14336, 128256)
+    costs = estimate_costs(PRESETS["llama3-8b"])
     assert 2.0 < costs.head < 3.0
     assert [len(s) for s in partition(32, 4, costs)] == [9, 9, 8, 6]
 

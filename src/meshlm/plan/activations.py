@@ -8,6 +8,7 @@ from functools import lru_cache
 
 from ..choices import AC_MODES
 from ..model.args import padded_vocab
+from .attn_widths import AttnWidths, attn_widths
 from .spec import Shape
 
 
@@ -86,32 +87,24 @@ def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes:
     heads (kv heads fewer than cp are repeated before the all-to-all) and wo's input is the all-to-all's
     output, not a view of the attention output: one more e·d/t. Under allgather the attention saves
     the gathered k and v of the whole sequence (cp × the local ones). Selective AC leaves that core alone.
-    MoE blocks: the routed experts keep gate, up, silu(gate) and the product (4·e·F'/t, 3 under
-    selective) for each routed copy, the router its gathered input (e·d) instead of the norm output
-    shard. Measured against saved-tensor hooks in tests/test_plan_vs_measured.py.
+    MoE blocks: each routed copy keeps its gathered input, gate, up, silu(gate), the product (4·e·F'/t,
+    under selective too), the expert's output and its gate-weighted copy (3·e·d); the router its scores
+    and indices (`_routing_bytes`) and its gathered input (e·d) instead of the norm output shard.
+    Measured against saved-tensor hooks in tests/test_plan_dsv3.py (MLA, sigmoid group routing, MTP).
     """
     a, t, e = shape.args, tp, act_bytes
     d = a.dim
     dsp = d / t if (sp and t > 1) else d
     if ac == "full":
         return tokens * e * dsp
-    hq = a.n_heads // t
-    dq = hq * a.head_dim
-    kvd = ceil_div(a.n_kv_heads, t) * a.head_dim
+    w = attn_widths(a, t)
+    hq, dq = w.heads, w.q
+    kvd = w.k
     f_local = a.ffn_dim / t
-    compiled_core = compiled and flash and not shape.moe and cp == 1
-    if cp > 1:
-        if cp_impl == "ulysses":  # the all-to-all back makes wo's input a tensor of its own (+e·q)
-            attn = e * (3 * dq + 2 * max(ceil_div(a.n_kv_heads, t), cp) * a.head_dim) + 4 * hq
-        else:  # ring: the local k, v; allgather: the gathered ones
-            attn = e * (2 * dq + 2 * kvd * (cp if cp_impl == "allgather" else 1)) + 4 * hq
-    elif ac == "selective":
-        attn = e * (2 * dq + 2 * kvd)
-    elif flash or compiled or ac == "op":
-        attn = e * (2 * dq + 2 * kvd) + 4 * hq
-    else:
-        m = attn_math_bytes or e
-        attn = 3 * m * dq + m * hq * seq_len + e * dq
+    compiled_core = compiled and flash and not shape.moe and cp == 1 and not w.mla
+    attn = _attention_saved(w, e, seq_len, ac, flash, compiled, attn_math_bytes, cp, cp_impl)
+    if w.mla:  # the latents (replicated over tp), their norms' rstd; under SP the region's gathered input
+        attn += e * w.latent_saved + 4 * (2 if a.q_lora_rank else 1) + (e * (d - dsp) if ac != "full" else 0)
     if ac == "op":  # block input; the matmul outputs (wo / w2 before their TP reduction: e·d each)
         norm, ffn = e * dsp, 2 * e * f_local + (1 if compiled_core and t == 1 else 2) * e * d
     else:
@@ -125,12 +118,43 @@ def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes:
         ffn -= e * sum(width[g] for g in recompute_gemms if g in outs)
     if shape.moe:  # averaged over the blocks: MoE ones (moe.every, moe.first_dense) and dense ones
         x_local, frac = a.expert_dim / t, a.n_moe_blocks / a.n_layers
-        n_ffn = 3 if ac == "selective" else 4
+        n_ffn = 4  # the experts' SwiGLU is plain autograd (the dense FFN's fused product is model/ops.py's)
         routed = shape.top_k * shape.capacity_factor
-        moe = 4 * shape.num_experts + routed * (2 * e * d + n_ffn * e * x_local) \
+        moe = _routing_bytes(a) + routed * (3 * e * d + n_ffn * e * x_local) \
             + shape.shared_experts * 2 * e * x_local + e * (d - dsp)
         ffn = frac * moe + (1 - frac) * ffn
     return tokens * (norm + attn + ffn)
+
+
+def _routing_bytes(a) -> float:
+    """What a router keeps per token (model/moe.py): fp32 scores (4·E), the top-k indices and weights
+    and their sorted copies (32·k + 4); DeepSeek-V3's path also each group's top-2 (int64) and the
+    chosen-group mask (one byte per expert)."""
+    plain = 4 * a.num_experts + 32 * a.top_k + 4
+    return plain if a.plain_routing else plain + 4 + 16 * a.n_group + a.num_experts
+
+
+def _attention_saved(w: AttnWidths, e: int, seq_len: int, ac: str, flash: bool, compiled: bool,
+                     attn_math_bytes: int | None, cp: int, cp_impl: str) -> float:
+    """Bytes per token the attention core and its projections' outputs keep: q, k, v, the output (wo's
+    input) and the log-sum-exp (block_activation_bytes)."""
+    hq = w.heads
+    if cp > 1:
+        if cp_impl == "ulysses":  # the all-to-all back makes wo's input a tensor of its own (+e·out)
+            # its inner core is SDPA: without a fused kernel (a CPU with MLA's unequal head sizes) it
+            # keeps the probabilities of its heads over the whole sequence
+            lse = 4 * hq if flash else (attn_math_bytes or e) * hq * seq_len
+            return e * (w.q + 2 * w.out + max(w.kv_heads, cp) * (w.qk + w.v_head)) + lse
+        # ring: the local k, v; allgather: the gathered ones. MLA's values are padded to the key's size,
+        # so the core's output is too, and wo's input is its cut copy
+        v, out = (w.k, w.q + w.out) if w.mla else (w.v, w.out)
+        return e * (w.q + out + (w.k + v) * (cp if cp_impl == "allgather" else 1)) + 4 * hq
+    if ac == "selective":
+        return e * (w.q + w.k + w.v + w.out)
+    if flash or compiled or ac == "op":
+        return e * (w.q + w.k + w.v + w.out) + 4 * hq
+    m = attn_math_bytes or e  # the math path: k and v expanded to every query head, the probabilities
+    return m * (w.q + hq * w.qk + hq * w.v_head) + m * hq * seq_len + e * w.out
 
 
 
@@ -201,10 +225,10 @@ def cp_buffer_bytes(a, t: int, cp: int, impl: str, e: int) -> float:
     (16·kv) and the fp32 dq (4·q). Ulysses: send and receive buffers of q, k, v (2·e·(q + 2·kv')).
     Allgather: dk,dv of the whole sequence and their rank-order copy for the reduce-scatter (2·2·e·c·kv)
     and its output (2·e·kv)."""
-    kvd = ceil_div(a.n_kv_heads, t) * a.head_dim
-    dq = a.n_heads // t * a.head_dim
+    w = attn_widths(a, t)
+    kvd, dq = w.k, w.q  # MLA under ring / allgather: values padded to the key's width, as wide as k
     if impl == "ring":
         return (4 * e + 16) * kvd + 4 * dq
     if impl == "allgather":
         return 2 * e * kvd * (2 * cp + 1)
-    return 2 * e * (dq + 2 * max(ceil_div(a.n_kv_heads, t), cp) * a.head_dim)
+    return 2 * e * (dq + max(w.kv_heads, cp) * (w.qk + w.v_head))

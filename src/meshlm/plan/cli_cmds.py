@@ -285,8 +285,10 @@ def format_plan(res, shape: Shape, gpu, n: int, seq: int, tokens: int, optim: st
             f"searched {c['candidates']:,} layouts in {res.elapsed_s:.2f} s: {c['fit']:,} fit, "
             f"{c['oom']:,} out of memory, {c['invalid']:,} invalid; {c['dominated']:,} dominated by a faster "
             f"AC/offload variant")
+    ep = shape.moe  # expert parallelism is a degree of MoE models only
     cols = f"{'#':>3} {'tok/s/GPU':>10} {'MFU':>6} {'step s':>8} {'GiB':>6}  {'tp':>3} {'sp':>2} {'pp':>3} " \
-           f"{'schedule':<13} {'cp':>3} {'dp':>5} {'zero':<8} {'mb×m':>8} {'ac':<9} offload"
+           f"{'schedule':<13} {'cp':>3} {'dp':>5}{' ' + format('ep', '>4') if ep else ''} {'zero':<8} {'mb×m':>8} " \
+           f"{'ac':<9} offload"
     rows = [head, cols]
     for i, r in enumerate(res.ranked, 1):
         L = r["layout"]
@@ -294,7 +296,8 @@ def format_plan(res, shape: Shape, gpu, n: int, seq: int, tokens: int, optim: st
         zero = f"{L['zero']}" + (f" g{L['zero_group']}" if L["zero"] and L["zero_group"] != L["dp"] else "")
         rows.append(f"{i:>3} {r['tokens_per_s_per_gpu']:>10.1f} {r['mfu']:>6.1%} {r['step_s']:>8.2f} "
                     f"{r['per_gpu']['total'] / GIB:>6.1f}  {L['tp']:>3} {('y' if L['sp'] else '-'):>2} {L['pp']:>3} "
-                    f"{sched:<13} {L['cp']:>3} {L['dp']:>5} {zero:<8} {str(L['micro_batch']) + '×' + str(L['microbatches']):>8} "
+                    f"{sched:<13} {L['cp']:>3} {L['dp']:>5}{' ' + format(L['ep'], '>4') if ep else ''} {zero:<8} "
+                    f"{str(L['micro_batch']) + '×' + str(L['microbatches']):>8} "
                     f"{L['ac']:<9} {L['offload']}")
     if not res.ranked:
         rows.append("  (no layout fits)")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..choices import DTYPE_BYTES, HELD
 from .hardware import GPU, MIB
-from .volume import QUANT_BLOCK, cp_traffic, packed_bytes, tp_traffic, tp_weight_traffic
+from .volume import QUANT_BLOCK, cp_traffic, ep_traffic, moe_bias_bytes, packed_bytes, tp_traffic, tp_weight_traffic
 
 LATENCY_S = {"nvlink": 10e-6, "ib": 25e-6}
 WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -108,18 +108,19 @@ def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first:
     fwd_passes = 2 if s.ac == "full" else 1  # full AC runs each block's forward again in backward
     if s.tp_enabled:  # plan/volume.py: the runtime's own formulas, checked byte for byte against Comm's books
         moe_ffn = layers * a.n_moe_blocks / a.n_layers if shape.moe else 0
-        for kind, calls, nbytes in by_kind(tp_traffic(a, tokens, layers, first, last, sq, s.ac, e, pb, moe_ffn)
-                                           + tp_weight_traffic(a, t, layers, pb)):
+        for kind, calls, nbytes in by_kind(tp_traffic(a, tokens, layers, first, last, sq, s.ac, e, pb, moe_ffn, s.seq_len)
+                                           + tp_weight_traffic(a, t, layers, pb, moe_ffn)):
             add("tp", kind, t, 1, calls * m, nbytes / calls)
     # the ring's sends hide behind its block attention; Ulysses' all-to-alls and allgather's gather and
     # reduce-scatter sit on the critical path (the attention waits for them)
-    for kind, calls, nbytes in by_kind(cp_traffic(a, tokens, layers, cp, s.cp_impl, t, s.ac, e)):
+    for kind, calls, nbytes in by_kind(cp_traffic(a, tokens, layers, cp, s.cp_impl, t, s.ac, e, last)):
         add("cp", kind, cp, t, calls * m, nbytes / calls, window="attention" if kind == "p2p" else "none")
-    if s.ep_enabled:  # per MoE block: tokens out and back in forward (again under full AC), both in backward;
-        # every TP rank dispatches the full (gathered) tokens itself. Split sizes (E int64) not counted.
-        routed = e * a.dim * tokens * shape.top_k * shape.capacity_factor
+    if s.ep_enabled:  # plan/volume.py ep_traffic: the routed copies out and back, and the split sizes
         moe_layers = layers * a.n_moe_blocks / a.n_layers
-        add("ep", "all_to_all", s.ep, t, moe_layers * 2 * (fwd_passes + 1) * m, routed)
+        for kind, calls, nbytes in by_kind(ep_traffic(a, tokens, moe_layers, s.ac, e, shape.capacity_factor)):
+            add("ep", kind, s.ep, t, calls * m, nbytes / calls)
+    if moe_bias_bytes(a):  # auxiliary-loss-free balancing: one all-reduce of the counts a step, every rank
+        add("world", "all_reduce", s.world_size, 1, 1, moe_bias_bytes(a), per="step", window="step")
     if s.pp_enabled:  # activations forward and their gradients backward, once per chunk boundary
         hidden = e * (a.dim / t if sq else a.dim) * tokens
         add("pp", "p2p", 2, t * cp * dp, 2 * s.pp_virtual * m, hidden, window="pipeline", per="step")

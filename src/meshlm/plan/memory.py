@@ -117,9 +117,22 @@ def stage_memory(shape: Shape, s: Spec, stage: str, o: Options = DEFAULT_OPTIONS
     e, tokens = HELD[s.precision].act, s.micro_batch * s.seq_len / s.cp
     dsp = shape.args.dim / s.tp if s.sp_enabled else shape.args.dim
     head = head_bytes(shape.args, s.tp, dsp, e, o.compiled, o.loss_chunks) if sp.head else (0.0, 0.0)
+    head = ((1 + shape.args.mtp_depth) * head[0], head[1])  # each MTP module's head and loss keep their own
     _activations(m, shape, s, o, e, tokens, head[0])
     _buffers(m, shape, s, o, e, tokens, dsp, head[1], step_buffers)
     return m
+
+
+def state_floor(shape: Shape, s: Spec, stage: str, choices: list[tuple[str, str]]) -> float:
+    """The least device bytes of `stage`'s rank under any of `choices` (AC, offload) before any
+    activation: parameters, gradients, the optimizer state unless a choice offloads it, the step's
+    ZeRO / DP buffers (AdamW's state: Muon's change to it is left to stage_memory). Cheap (cached per
+    degrees): the search drops a layout above it unpriced."""
+    _, params, grads, adam, step = _rank_states(
+        shape, stage, s.tp, s.ep, s.pp, s.pp_virtual, s.pp_schedule, s.pp_layers, s.zero, s.shard_group, s.precision,
+        s.dp_cp_enabled, s.bucket_mb, s.hpz_group, s.quantize_weights)
+    offloads = any(off != "none" for _, off in choices)
+    return params + grads + (0.0 if offloads else adam) + sum(v for _, v in step)
 
 
 @lru_cache(maxsize=65536)
@@ -159,9 +172,12 @@ def _activations(m: StageMemory, shape: Shape, s: Spec, o: Options, e: int, toke
     head = head_units * tokens * head_saved if sp.head else None
     per_token = block_bytes_all_ac(shape, seq, e, s.tp, s.sp_enabled, o.flash, o.attn_math_bytes, o.compiled, cp,
                                    impl, o.recompute_gemms)
+    # MTP blocks are never checkpointed: they keep everything; each module also keeps its two input norms'
+    # inputs and rstd and the projection's input [embedding; hidden] (4·e·d + 8 per token)
+    mtp = shape.args.mtp_depth if sp.head else 0
     for ac, blk_tok in zip(AC_MODES, per_token):
         blk = blk_tok * tokens + saved_mask_bytes(mb, seq, o.attn_mask, cp, impl, ac, e)
-        acts = held * blk
+        acts = held * blk + head_units * mtp * ((per_token[0] - blk_tok) + 4 * e * shape.args.dim + 8) * tokens
         if ids is not None:
             acts += ids
         if head is not None:

@@ -25,6 +25,7 @@ from functools import lru_cache
 from ..choices import HELD
 from .hardware import GPU
 from .activations import vocab_rows
+from .attn_widths import attn_widths
 
 # ------------------------------------------------------------------ attention kernels
 # Fraction of the dense bf16 peak (989 TFLOP/s) reached by the forward kernel, by sequence length, read
@@ -108,6 +109,7 @@ TILE = (128, 256)  # output tile of the sm80 / sm90 cuBLAS bf16 kernels (nvjet_s
 # H100 profile of docs/benchmarks.md; NVIDIA "Matrix Multiplication Background User's Guide" for A100)
 
 
+@lru_cache(maxsize=65536)
 def wave_efficiency(m: float, n: float, sms: int, k: float = 0.0) -> float:
     """Busy fraction of the SMs over the GEMM's waves of output tiles (NVIDIA's wave quantization).
     With fewer tiles than SMs (a weight gradient: small m×n, long k) cuBLAS splits k across SMs
@@ -178,16 +180,16 @@ def elementwise(a, t: int, sp: bool, compiled: bool, e: int, ffn: float | None =
     and again in backward)."""
     ops = _compiled(e) if compiled else _eager(e)
     d_norm = a.dim / t if sp and t > 1 else a.dim  # SP norms run on the token shard: d/t per token
-    q = a.n_heads // t * a.head_dim
-    k = -(-a.n_kv_heads // t) * a.head_dim
+    w = attn_widths(a, t)
     f = a.ffn_dim / t if ffn is None else ffn
     moe = 4 * e * a.dim * permute
-    fwd = 2 * ops["norm_f"][0] * d_norm + ops["rope_f"][0] * (q + k) + ops["copy"][0] * q \
-        + 2 * ops["add"][0] * d_norm + ops["swiglu_f"][0] * f + moe
-    bwd = 2 * ops["norm_b"][0] * d_norm + ops["rope_b"][0] * (q + k) + ops["copy"][0] * q \
-        + 2 * ops["add"][0] * d_norm + ops["swiglu_b"][0] * f + moe
-    kf = 2 * ops["norm_f"][1] + 2 * ops["rope_f"][1] + ops["copy"][1] + 2 * ops["add"][1] + ops["swiglu_f"][1]
-    kb = 2 * ops["norm_b"][1] + 2 * ops["rope_b"][1] + ops["copy"][1] + 2 * ops["add"][1] + ops["swiglu_b"][1]
+    n_lat = 2 if w.latent_norms else 0  # MLA's q and kv latent norms (replicated: whole widths)
+    fwd = 2 * ops["norm_f"][0] * d_norm + ops["rope_f"][0] * w.rope + ops["copy"][0] * w.out \
+        + 2 * ops["add"][0] * d_norm + ops["swiglu_f"][0] * f + moe + ops["norm_f"][0] * w.latent_norms
+    bwd = 2 * ops["norm_b"][0] * d_norm + ops["rope_b"][0] * w.rope + ops["copy"][0] * w.out \
+        + 2 * ops["add"][0] * d_norm + ops["swiglu_b"][0] * f + moe + ops["norm_b"][0] * w.latent_norms
+    kf = (2 + n_lat) * ops["norm_f"][1] + 2 * ops["rope_f"][1] + ops["copy"][1] + 2 * ops["add"][1] + ops["swiglu_f"][1]
+    kb = (2 + n_lat) * ops["norm_b"][1] + 2 * ops["rope_b"][1] + ops["copy"][1] + 2 * ops["add"][1] + ops["swiglu_b"][1]
     return fwd, bwd, kf, kb
 
 
@@ -244,7 +246,7 @@ def attention_seconds(w: "StageWork", gpu: GPU, peak: float, full_flops: float, 
     if w.attn_mask == "flex":
         chunk = w.seq_len
     kept = causal_blocks(int(chunk), w.doc_tokens) / causal_blocks(int(chunk)) if w.attn_mask == "flex" else 1.0
-    frac = attention_fraction(kernel, a.head_dim, int(chunk), True, arch) * gpu.attn_scale
+    frac = attention_fraction(kernel, attn_widths(a, w.tp).qk, int(chunk), True, arch) * gpu.attn_scale
     a_f = kept * full_flops / 2 / (peak * frac)
     return a_f, 2.5 * a_f / BWD_RATIO[kernel]
 
@@ -293,8 +295,7 @@ def stage_compute(w: StageWork, gpu: GPU, rates: Rates | None = None) -> dict:
     e = HELD[w.precision].act
     peak = gpu.peak(w.precision)
     launch = gpu.launch_compiled_s if w.compiled else gpu.launch_eager_s
-    q_width = a.n_heads // t * a.head_dim
-    kv_width = -(-a.n_kv_heads // t) * a.head_dim
+    aw = attn_widths(a, t)
     ffn, d = a.ffn_dim / t, a.dim
     moe_frac = a.n_moe_blocks / a.n_layers if w.shape.moe else 0.0
 
@@ -306,15 +307,15 @@ def stage_compute(w: StageWork, gpu: GPU, rates: Rates | None = None) -> dict:
     def gemm3(m, n, k, block: bool = True):  # forward, and backward's input-gradient and weight-gradient GEMMs
         return gemm(m, n, k, block), gemm(m, k, n, block) + gemm(k, n, m, block)
 
-    g_f, g_b, g_rc, expert_ffn = _block_gemms(w, gemm3, q_width, kv_width, ffn, moe_frac)
+    g_f, g_b, g_rc, expert_ffn = _block_gemms(w, gemm3, aw.gemms, ffn, moe_frac)
     bw = rates.ew_bytes_s if rates is not None else gpu.hbm_bw * gpu.hbm_eff
     a_f, a_b = _attention_core(w, gpu, peak, e, bw, gemm, rates)
     ew_f, ew_b, k_f, k_b = elementwise(a, t, w.sp, w.compiled, e,
                                        (1 - moe_frac) * ffn + moe_frac * expert_ffn, moe_frac * w.shape.top_k)
     if fp8:  # the linears' inputs (forward) and output gradients (backward) per token are cast
         cast = _fp8_cast_bytes(e)
-        lin_in = 3 * d + q_width + (1 - moe_frac) * (2 * d + ffn)
-        lin_out = q_width + 2 * kv_width + d + (1 - moe_frac) * (2 * ffn + d)
+        lin_in = sum(k for _, _, k in aw.gemms) + (1 - moe_frac) * (2 * d + ffn)
+        lin_out = sum(n for _, n, _ in aw.gemms) + (1 - moe_frac) * (2 * ffn + d)
         ew_f, ew_b = ew_f + cast * lin_in, ew_b + cast * lin_out
     cpu = rates is not None
     if cpu:
@@ -322,7 +323,7 @@ def stage_compute(w: StageWork, gpu: GPU, rates: Rates | None = None) -> dict:
     x_f, l_f = _parts(T * ew_f / bw, k_f, launch, cpu)  # GEMM launches overlap their own math: not counted
     x_b, l_b = _parts(T * ew_b / bw, k_b, launch, cpu)
     if fp8:  # every block weight cast to fp8 once forward, once backward (its transpose)
-        wcast = 2 * (2 + 2 + 1) * ((2 * q_width + 2 * kv_width) * d + (1 - moe_frac) * 3 * d * ffn) / bw
+        wcast = 2 * (2 + 2 + 1) * (sum(n * k for _, n, k in aw.gemms) + (1 - moe_frac) * 3 * d * ffn) / bw
         x_f, x_b = x_f + wcast / 2, x_b + wcast / 2
     e_f, e_b = x_f + l_f, x_b + l_b
     block_f = g_f + a_f + e_f
@@ -346,13 +347,13 @@ def stage_compute(w: StageWork, gpu: GPU, rates: Rates | None = None) -> dict:
     return {"t_f": t_f, "t_b": t_b, "t_rc": t_rc, "t_attn": attn, "ops": out}
 
 
-def _block_gemms(w: StageWork, gemm3, q_width: int, kv_width: int, ffn: float,
+def _block_gemms(w: StageWork, gemm3, attn_gemms: tuple, ffn: float,
                  moe_frac: float) -> tuple[float, float, float, float]:
     """(forward, backward, recomputed under another framework's op policy) GEMM seconds of one block,
     and the expert FFN width per token its element-wise work runs over. MoE blocks (a `moe_frac` of
     them) replace the dense FFN with routed experts, the router and the shared experts."""
     shape, a, T, d = w.shape, w.shape.args, w.tokens, w.shape.args.dim
-    attn_shapes = [("wq", T, q_width, d), ("wk", T, kv_width, d), ("wv", T, kv_width, d), ("wo", T, d, q_width)]
+    attn_shapes = [(name, T, n, k) for name, n, k in attn_gemms]  # attn_widths: GQA's or MLA's projections
     dense_ffn = [("w1", T, ffn, d), ("w3", T, ffn, d), ("w2", T, d, ffn)]
     g_f = g_b = g_rc = 0.0
     for weight, group in ((1.0, attn_shapes), (1.0 - moe_frac, dense_ffn)):
@@ -379,17 +380,18 @@ def _attention_core(w: StageWork, gpu: GPU, peak: float, e: int, bw: float, gemm
                     rates: Rates | None) -> tuple[float, float]:
     """(forward, backward) seconds of one block's attention core: T local queries against all seq_len
     keys, in ring steps of seq_len/cp keys; causal."""
-    a = w.shape.args
-    heads = a.n_heads // w.tp
-    full_flops = 4.0 * w.tokens * w.seq_len * a.head_dim * heads  # QK^T and PV over every key, forward
+    aw = attn_widths(w.shape.args, w.tp)
+    heads = aw.heads
+    # QK^T (q/k head size) and PV (value head size) over every key, forward
+    full_flops = 2.0 * w.tokens * w.seq_len * (aw.qk + aw.v_head) * heads
     if w.flash or w.attn_mask != "causal":
         return attention_seconds(w, gpu, peak, full_flops, w.seq_len / w.cp, rates)
     # unfused: two batched GEMMs over the full S×S (masked, not skipped) + softmax traffic
     seqs = w.tokens / w.seq_len
-    bmm = seqs * heads * gemm(w.seq_len, w.seq_len, a.head_dim)
+    bmm = seqs * heads * (gemm(w.seq_len, w.seq_len, aw.qk) + gemm(w.seq_len, w.seq_len, aw.v_head))
     scores = seqs * heads * w.seq_len * w.seq_len * e / bw
-    a_f = 2 * bmm + 2 * scores        # fused scale-mask-softmax reads and writes the scores
-    a_b = 4 * bmm + 3 * scores        # its backward reads probabilities and their gradient
+    a_f = bmm + 2 * scores            # fused scale-mask-softmax reads and writes the scores
+    a_b = 2 * bmm + 3 * scores        # its backward reads probabilities and their gradient
     if w.attn_dropout:  # dropout on the probabilities (meshlm has none; Megatron-LM 2021 used 0.1):
         a_f += (2 + 1 / e) * scores   # read and write them, write a one-byte mask
         a_b += (2 + 1 / e) * scores   # and in backward the gradient, reading the mask
@@ -400,14 +402,19 @@ def _head_and_loss(w: StageWork, gemm3, e: int, bw: float, launch: float,
                    cpu: bool) -> tuple[float, float, float, float]:
     """(head forward, head backward, loss element-wise, loss launches) seconds of one micro-batch. The
     output head stays bf16 under fp8 (torchao's filter); a chunked loss makes a chunk's logits again in
-    backward, so the head's forward runs twice."""
+    backward, so the head's forward runs twice. Each MTP module (its block is one of the stage's
+    `layers`) adds its projection from [embedding; hidden] (2d → d) and runs the head and loss again."""
     a, t, T = w.shape.args, w.tp, w.tokens
-    rows = vocab_rows(a, t)
+    rows, heads = vocab_rows(a, t), 1 + a.mtp_depth
     hf, hb = gemm3(T, rows, a.dim, block=False)
     if w.loss_chunks > 0:
         hb += hf
+    hf, hb = heads * hf, heads * hb
+    if a.mtp_depth:
+        pf, pb = gemm3(T, a.dim, 2 * a.dim, block=False)
+        hf, hb = hf + a.mtp_depth * pf, hb + a.mtp_depth * pb
     lb, lk = _loss(e, w.compiled and t == 1)
-    lx, ll = _parts(T * rows * lb / bw, lk * max(1, w.loss_chunks), launch, cpu)
+    lx, ll = _parts(heads * T * rows * lb / bw, heads * lk * max(1, w.loss_chunks), launch, cpu)
     return hf, hb, lx, ll
 
 

@@ -21,7 +21,7 @@ from ..layout import Layout
 from .comm import link
 from .estimate import bubble_formula, estimate, micro_times, time_model
 from .hardware import GIB, GPU
-from .memory import stage_memory
+from .memory import stage_memory, state_floor
 from .options import Options
 from .spec import AC_MODES, PlanError, Shape, Spec, allgather_mask, check
 from .stages import pipeline_roles, stage_params
@@ -89,6 +89,9 @@ class _Search:
     # bucket_mb, reduce_dtype, offload_buffer_mb), so that it prices what `meshlm estimate` would
     knobs: dict
     tie: int = 0
+    reasons: Counter = field(default_factory=Counter)  # why candidates were rejected (reject's tallies)
+    examples: dict = field(default_factory=dict)       # one example of each reason
+    micro: dict = field(default_factory=dict)  # _lower_bound's micro_times, by what varies in a search
 
     @property
     def optim(self) -> str:  # optim.name: "muon" is priced (plan/muon.py) and runs without offload
@@ -141,9 +144,9 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
 
     ctx = _Search(shape, gpu, o, fx, want, reject, counts, [], max(3 * top, 20), [x for x in AC_MODES if want("ac", x)],
                   o.usable(gpu), global_batch_tokens // seq_len,
-                  dict(precision=precision, seq_len=seq_len, optim=optim, **(knobs or {})))
-    for deg in _degrees(ctx, n_gpus):
-        _layouts(ctx, deg)
+                  dict(precision=precision, seq_len=seq_len, optim=optim, **(knobs or {})), reasons=reasons,
+                  examples=examples)
+    _search_all(ctx, list(_degrees(ctx, n_gpus)))
     rows = []
     for neg_step, _, spec, total in sorted(ctx.heap, key=lambda x: -x[0]):
         check(shape, spec)  # the search's own checks must agree with the estimator's
@@ -153,6 +156,64 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
     counts["ranked_in_detail"] = len(rows)
     return PlanResult([r for r, _ in rows[:top]], counts, reasons, examples, time.perf_counter() - t0, ctx.G,
                       [p for _, p in rows[:top]])
+
+
+_FORKED: _Search | None = None  # the search a forked worker inherits (`_search_all`)
+
+
+def _search_part(part: list) -> tuple:
+    """A worker's share of the degrees, searched on its inherited copy of the search: what it found."""
+    ctx = _FORKED
+    for tally in (ctx.counts, ctx.reasons, ctx.examples):  # the parent's own (the degrees') stay there
+        tally.clear()
+    _search_part_local(ctx, part)
+    return ctx.heap, ctx.counts, ctx.reasons, ctx.examples
+
+
+def _workers(n_degrees: int) -> int:
+    """Processes for a search: the cores (MESHLM_PLAN_WORKERS overrides), one where forking is not
+    possible (a daemon process, a platform without fork) or there is little to share out."""
+    import multiprocessing as mp
+    import os
+    want = int(os.environ.get("MESHLM_PLAN_WORKERS", "0")) or (os.cpu_count() or 1)
+    if mp.current_process().daemon or "fork" not in mp.get_all_start_methods() or n_degrees < 8:
+        return 1
+    return max(1, min(want, 16, n_degrees // 4))
+
+
+def _search_all(ctx: _Search, degrees: list) -> None:
+    """Search every degree's layouts; with several cores the degrees are dealt out to forked
+    workers, each keeping its own heap of the fastest, merged here (a layout one worker's bound drops
+    is slower than that worker's `keep` fastest, so it is not among the merged ones either)."""
+    global _FORKED
+    n = _workers(len(degrees))
+    items = list(enumerate(degrees))
+    if n == 1:
+        _search_part_local(ctx, items)
+        return
+    import multiprocessing as mp
+    _FORKED = ctx
+    try:
+        with mp.get_context("fork").Pool(n) as pool:
+            parts = pool.map(_search_part, [items[k::n] for k in range(n)])
+    finally:
+        _FORKED = None
+    for heap, counts, reasons, examples in parts:
+        ctx.heap.extend(heap)
+        ctx.counts.update(counts)
+        ctx.reasons.update(reasons)
+        for k, v in examples.items():
+            ctx.examples.setdefault(k, v)
+    # items are (-step, tie, spec, bytes): keep the fastest, the earlier found first among equals
+    ctx.heap[:] = heapq.nlargest(ctx.keep, ctx.heap, key=lambda x: (x[0], -x[1]))
+    heapq.heapify(ctx.heap)
+
+
+def _search_part_local(ctx: _Search, items: list) -> None:
+    """The layouts of these (index, degrees): ties break in the serial search's order."""
+    for i, deg in items:
+        ctx.tie = i * 10**9
+        _layouts(ctx, deg)
 
 
 def _degrees(ctx: _Search, n_gpus: int):
@@ -292,6 +353,13 @@ def _micro_batches(ctx: _Search, base: dict, o: Options, choices: list[tuple[str
     if not choices:  # offload fixed, but nothing to offload: zero = 0
         ctx.reject("offload needs a ZeRO stage that shards the optimizer (zero >= 1)", len(mbs))
         return
+    floor = Spec(**base, micro_batch=1, accum=b_local)
+    if mbs and floor.optim != "muon" and max(state_floor(ctx.shape, floor, st, choices) for st in pipeline_roles(floor.pp)) > ctx.usable:
+        ctx.reject("out of memory even with the most memory-saving AC / offload", len(mbs) * len(choices),
+                   f"tp{floor.tp} cp{floor.cp} pp{floor.pp} dp{floor.dp} zero{floor.zero} g{floor.zero_group} "
+                   f"{floor.pp_schedule}: its weights, gradients and optimizer state alone exceed usable "
+                   f"{ctx.usable / GIB:.1f} GiB")
+        return
     for i, mb in enumerate(mbs):
         m = b_local // mb
         if base["pp_schedule"] == "interleaved" and m % base["pp"]:
@@ -331,7 +399,7 @@ def _rank(ctx: _Search, spec: Spec, ac: str, off: str, total: float, o: Options)
     """Time one fitting layout unless its lower bound cannot reach the heap, and keep the fastest."""
     ctx.tie += 1
     heap = ctx.heap
-    lb = _lower_bound(ctx.shape, ctx.gpu, o, spec, ac)
+    lb = _lower_bound(ctx, o, spec, ac)
     if len(heap) >= ctx.keep and lb >= -heap[0][0]:
         ctx.counts["bounded"] += 1
         return
@@ -346,9 +414,10 @@ def _rank(ctx: _Search, spec: Spec, ac: str, off: str, total: float, o: Options)
         heapq.heapreplace(heap, item)
 
 
-def _lower_bound(shape: Shape, gpu: GPU, o: Options, s: Spec, ac: str) -> float:
+def _lower_bound(ctx: _Search, o: Options, s: Spec, ac: str) -> float:
     """Compute time plus the bandwidth term of the (never hidden) TP reductions of `s` under AC mode
     `ac`; no other communication, optimizer or offload: never above the full time model's step time."""
+    shape, gpu = ctx.shape, ctx.gpu
     tokens = s.micro_batch * s.seq_len / s.cp
     tp_s = 0.0
     if s.tp_enabled:
@@ -357,8 +426,12 @@ def _lower_bound(shape: Shape, gpu: GPU, o: Options, s: Spec, ac: str) -> float:
     m, full, busy = s.accum, [], []
     for st in pipeline_roles(s.pp):  # the real worst stage is unknown here: bound with the least of the per-stage bounds
         sp = stage_params(shape, s, st)
-        mt = micro_times(shape, s.tp, s.sp, s.ep, s.cp, s.seq_len, sp.layers, sp.head, s.micro_batch,
-                         "none" if ac == "selective" and s.cp_enabled else ac, s.precision, gpu, o)
+        run_ac = "none" if ac == "selective" and s.cp_enabled else ac
+        key = (s.tp, s.sp, s.ep, s.cp, sp.layers, sp.head, s.micro_batch, run_ac, o)
+        mt = ctx.micro.get(key)
+        if mt is None:  # the search's shape, GPU, sequence and precision are fixed: the rest is the key
+            mt = ctx.micro[key] = micro_times(shape, s.tp, s.sp, s.ep, s.cp, s.seq_len, sp.layers, sp.head,
+                                              s.micro_batch, run_ac, s.precision, gpu, o)
         t_f, t_b, t_rc = mt["t_f"], mt["t_b"], mt["t_rc"]
         x = sp.layers * 2 * (3 if ac == "full" else 2) * tp_s
         f, b = t_f + x / 2, t_b + t_rc + x / 2

@@ -9,6 +9,7 @@ from functools import lru_cache
 from ..schedule.actions import stage_index
 from ..schedule.stage import estimate_costs, partition
 from .activations import ceil_div, vocab_rows
+from .attn_widths import attn_widths
 from .spec import Shape, Spec
 
 
@@ -26,14 +27,17 @@ class StageParams:
     rank: int = 0
 
 
-def block_params_local(shape: Shape, tp: int, ep: int = 1) -> tuple[float, float]:
+def block_params_local(shape: Shape, tp: int, ep: int = 1, frac: float | None = None) -> tuple[float, float]:
     """(dense, expert) parameters of one Block on one TP rank. Norms are replicated; kv heads are
-    replicated when tp exceeds them; experts are split over ep and, like the dense FFN, over tp."""
+    replicated when tp exceeds them, MLA's latent projections and norms always; experts are split over
+    ep and, like the dense FFN, over tp. MoE models: averaged over their MoE and dense blocks, or
+    `frac` = 1 for a MoE block, 0 for a dense one."""
     a = shape.args
-    attn = a.dim * a.head_dim * 2 * (a.n_heads // tp) + a.dim * a.head_dim * 2 * ceil_div(a.n_kv_heads, tp)
+    w = attn_widths(a, tp)
+    attn = sum(n * k for _, n, k in w.gemms) + w.latent_norms
     mlp = 3 * a.dim * a.ffn_dim / tp
     if shape.moe:  # per block, averaged over MoE and dense blocks (moe.every, moe.first_dense)
-        frac, xmlp = a.n_moe_blocks / a.n_layers, 3 * a.dim * a.expert_dim / tp
+        frac, xmlp = a.n_moe_blocks / a.n_layers if frac is None else frac, 3 * a.dim * a.expert_dim / tp
         dense = attn + 2 * a.dim + frac * (shape.shared_experts * xmlp + a.dim * shape.num_experts) \
             + (1 - frac) * mlp
         return dense, frac * ceil_div(shape.num_experts, ep) * xmlp
@@ -58,8 +62,7 @@ def stage_chunks(a, pp: int, v: int, stage: str, schedule: str = "1f1b",
         return 0, (a.n_layers,), True, True
     S, vs = pp * v, schedule == "zbv"
     try:
-        blocks = [len(b) for b in partition(a.n_layers, S, estimate_costs(
-            a.dim, a.n_heads, a.n_kv_heads, a.ffn_dim, a.vocab_size), list(pp_layers) or None)]
+        blocks = [len(b) for b in partition(a.n_layers, S, estimate_costs(a), list(pp_layers) or None)]
     except ValueError:
         blocks = [ceil_div(a.n_layers, S)] * S
 
@@ -92,18 +95,25 @@ def stage_params_of(shape: Shape, tp: int, ep: int, pp: int, v: int, schedule: s
     """stage_params from the degrees and the pipeline's knobs (cached: the search asks often)."""
     a = shape.args
     rank, chunks, embed, head = stage_chunks(a, pp, v, stage, schedule, pp_layers)
+    mtp = a.mtp_depth if head else 0
+    if mtp:  # MTP modules run after the head's chunk, as more blocks of it (docs/planner.md, DeepSeek-V3)
+        last = next(c for c in range(len(chunks)) if stage_index(rank, c, pp, schedule == "zbv") == pp * v - 1)
+        chunks = tuple(n + mtp if c == last else n for c, n in enumerate(chunks))
     layers = sum(chunks)
     dense_blk, exp_blk = block_params_local(shape, tp, ep)
     emb = vocab_rows(a, tp) * a.dim
-    dense = layers * dense_blk
-    if embed:
+    dense, expert = (layers - mtp) * dense_blk, (layers - mtp) * exp_blk
+    for k in range(mtp):  # each MTP module: its block (MoE or dense as block L + k), projection, 3 norms
+        blk = block_params_local(shape, tp, ep, float(a.is_moe_block(a.n_layers + k)))
+        dense, expert = dense + blk[0] + 2 * a.dim * a.dim + 3 * a.dim, expert + blk[1]
+    if embed or mtp:  # MTP embeds the tokens ahead: the embedding (or the tied copy) is on the last stage
         dense += emb
     if head:
         dense += a.dim
-        if not (a.tie_embeddings and embed):
+        if not (a.tie_embeddings and (embed or mtp)):
             dense += emb
     unit = max(dense_blk + exp_blk, emb if (embed or head) else 0)
-    return StageParams(dense, layers * exp_blk, unit, layers, embed, head, chunks, rank)
+    return StageParams(dense, expert, unit, layers, embed, head, chunks, rank)
 
 
 def held_layers(schedule: str, p: int, m: int, v: int, rank: int, chunks: tuple) -> float:

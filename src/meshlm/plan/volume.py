@@ -8,11 +8,15 @@ a reduce-scatter its input, a send its tensor: sends and receives booked apart, 
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
+from .attn_widths import attn_widths
+
 Traffic = list[tuple[str, float, float]]
 
 
 def tp_traffic(args, tokens: float, layers: float, first: bool, last: bool, sp: bool, ac: str, act_bytes: int,
-               param_bytes: int = 4, moe_ffn: float = 0.0) -> Traffic:
+               param_bytes: int = 4, moe_ffn: float = 0.0, seq_len: int = 0) -> Traffic:
     """One tensor-parallel rank of a stage holding `layers` blocks (`first`: the embedding, `last`: the
     head and loss), `tokens` per micro-batch on this rank's sequence (before SP's split).
 
@@ -21,42 +25,56 @@ def tp_traffic(args, tokens: float, layers: float, first: bool, last: bool, sp: 
     both halves again but leaving only the attention half (torch's checkpoint stops once w2's input is
     rebuilt). SP turns each into an all-gather / reduce-scatter of the same volume, and backward entries
     re-gather the shard the column-parallel linears saved (not a MoE block's FFN, `moe_ffn` of them:
-    its experts read routed tokens, so its entry gathers unfused). The vocab-parallel loss adds a max
+    its experts read routed tokens, so its entry gathers unfused; nor MLA's attention, whose latent
+    projections are replicated: the entry gathers by a hook and keeps the whole input). The vocab-parallel loss adds a max
     and a (sum-exp, target-logit) all-reduce of fp32 [tokens]; SP one gain-gradient all-reduce per norm,
-    kv replicas (tp > kv heads) one per wk/wv, q/k norms one per gain."""
+    kv replicas (tp > kv heads) one per wk/wv, q/k norms one per gain.
+
+    MTP modules (model.mtp_depth, on the stage holding the head; `layers` counts their blocks) embed
+    the tokens ahead (leaving the embedding's region again), run the head again (entering it), and
+    their losses cover the positions that have a target k + 1 ahead (tokens · (seq_len − k) / seq_len,
+    `seq_len` needed then); under SP their projection reads the residual stream (its gradient summed)
+    and their three norms (two inputs, the head's) are sequence-split like the others."""
     act = act_bytes * tokens * args.dim
-    entries, leaves = 2 * layers + last, 2 * layers + first
+    mtp = args.mtp_depth if last else 0
+    heads = (1 + mtp) if last else 0
+    entries, leaves = 2 * layers + heads, 2 * layers + first + mtp
     full = ac in ("full", "op")
-    again_in, again_out = (2 * layers, layers) if full else (0, 0)
+    again_in, again_out = (2 * (layers - mtp), layers - mtp) if full else (0, 0)  # MTP blocks are not rerun
     out: Traffic = []
     if sp:
-        regather = 2 * layers - moe_ffn + last
+        regather = 2 * layers - moe_ffn - (layers if args.mla else 0) + heads  # MLA's entry gathers whole
         out.append(("all_gather", entries + leaves + regather + again_in, act))
         out.append(("reduce_scatter", leaves + entries + again_out, act))
-        out.append(("all_reduce", 2 * layers + last, param_bytes * args.dim))  # norm gains' gradients
+        out.append(("all_reduce", 2 * layers + last + 3 * mtp, param_bytes * args.dim))  # norm gains' gradients
+        out += [("all_reduce", mtp, param_bytes * 2 * args.dim * args.dim)] if mtp else []  # MTP projections
     else:
         out.append(("all_reduce", entries + leaves + again_out, act))
-    if last:
-        out.append(("all_reduce", 1, 4 * tokens))  # max logit
-        out.append(("all_reduce", 1, 8 * tokens))  # sum-exp and target logit
+    for k in range(heads):
+        rows = tokens if k == 0 else tokens * (seq_len - k) / seq_len
+        out.append(("all_reduce", 1, 4 * rows))  # max logit
+        out.append(("all_reduce", 1, 8 * rows))  # sum-exp and target logit
     return out
 
 
-def tp_weight_traffic(args, tp: int, layers: float, param_bytes: int = 4) -> Traffic:
+def tp_weight_traffic(args, tp: int, layers: float, param_bytes: int = 4, moe_layers: float = 0.0) -> Traffic:
     """Gradient all-reduces of weights replicated inside the TP group, per micro-batch: wk, wv (and their
-    biases) when tp > kv heads, Qwen3's q/k norm gains."""
-    out: Traffic = []
-    if tp > args.n_kv_heads:
-        kv_rows = args.n_kv_heads * args.head_dim
-        out.append(("all_reduce", 2 * layers, param_bytes * kv_rows * args.dim))
-        if args.qkv_bias:
-            out.append(("all_reduce", 2 * layers, param_bytes * kv_rows))
+    biases) when tp > kv heads, Qwen3's q/k norm gains; MLA's latent down-projections (wq_a, wkv_a) and
+    their norms' gains (attn_widths.replicated); each MoE block's router (`moe_layers` of the blocks)."""
+    out: Traffic = [("all_reduce", layers, param_bytes * n) for _, n in attn_widths(args, tp).replicated]
+    if moe_layers and tp > 1:
+        out.append(("all_reduce", moe_layers, param_bytes * args.dim * args.num_experts))
+    if tp > args.n_kv_heads and args.qkv_bias:
+        out.append(("all_reduce", 2 * layers, param_bytes * args.n_kv_heads * args.head_dim))
     if args.qk_norm:
         out.append(("all_reduce", 2 * layers, param_bytes * args.head_dim))
+    if args.mla and tp > 1:
+        out += [("all_reduce", layers, param_bytes * n) for n in (args.q_lora_rank, args.kv_lora_rank) if n]
     return out
 
 
-def cp_traffic(args, tokens: float, layers: float, cp: int, impl: str, tp: int, ac: str, act_bytes: int) -> Traffic:
+def cp_traffic(args, tokens: float, layers: float, cp: int, impl: str, tp: int, ac: str, act_bytes: int,
+               last: bool = False) -> Traffic:
     """One context-parallel rank, `tokens` = its local tokens per micro-batch, kv = kv heads per TP rank ×
     head_dim, q likewise:
       ring: forward (c-1) sends of k,v (2·e·T·kv each); backward (c-1) again and c sends of the fp32
@@ -65,18 +83,50 @@ def cp_traffic(args, tokens: float, layers: float, cp: int, impl: str, tp: int, 
             head_dim: kv heads are repeated up to c), forward and backward; full AC adds a forward.
       allgather: forward an all-gather of k,v (output c·2·e·T·kv), backward a reduce-scatter of dk,dv in
             the activation dtype (input c·2·e·T·kv); full AC gathers again. Document masking adds one
-            all-gather of the int64 document ids per forward of a stage (8·c·T), not counted here."""
+            all-gather of the int64 document ids per forward of a stage (8·c·T), not counted here.
+    MTP modules (`last`: the stage holds them, `layers` counts their blocks) are never recomputed and
+    all-gather the micro-batch's targets (int64, 8·c·T): the tokens ahead of a chunk's end."""
     if cp == 1:
         return []
-    fwd = 2 if ac == "full" else 1
-    hkv = max(1, args.n_kv_heads // tp)
-    kv = 2 * act_bytes * tokens * hkv * args.head_dim
+    mtp = args.mtp_depth if last else 0
+    rerun = layers - mtp if ac == "full" else 0  # blocks whose forward full AC runs again
+    w = attn_widths(args, tp)
+    kv = 2 * act_bytes * tokens * w.k  # k and v stacked; MLA's values padded to the key's width
+    out: Traffic = [("all_gather", 1, 8 * cp * tokens)] if mtp else []
     if impl == "ring":
-        return [("p2p", layers * (cp - 1) * (fwd + 1), kv), ("p2p", layers * cp, kv * 4 / act_bytes)]
+        return out + [("p2p", (cp - 1) * (2 * layers + rerun), kv), ("p2p", layers * cp, kv * 4 / act_bytes)]
     if impl == "allgather":
-        return [("all_gather", layers * fwd, cp * kv), ("reduce_scatter", layers, cp * kv)]
-    qkvo = act_bytes * tokens * args.head_dim * (2 * (args.n_heads // tp) + 2 * max(hkv, cp))
-    return [("all_to_all", 4 * layers * (fwd + 1), qkvo / 4)]
+        return out + [("all_gather", layers + rerun, cp * kv), ("reduce_scatter", layers, cp * kv)]
+    qkvo = act_bytes * tokens * (w.q + w.out + max(w.kv_heads, cp) * (w.qk + w.v_head))
+    return out + [("all_to_all", 4 * (2 * layers + rerun), qkvo / 4)]
+
+
+def ep_traffic(args, tokens: float, layers: float, ac: str, act_bytes: int, capacity: float = 1.0) -> Traffic:
+    """One expert-parallel rank holding `layers` MoE blocks, `tokens` routed per micro-batch (every TP
+    rank dispatches the full tokens itself): each block sends its routed copies out and back in forward
+    (again under full AC) and both ways in backward, top_k copies a token (× the capacity factor; the
+    planner assumes a balanced load). Copies bound for one rank are not merged, so group-limited routing
+    (moe.n_group / topk_group), which bounds the ranks a token reaches, moves the same bytes here (a
+    dispatch that deduplicates per node, DeepEP's, would move ≤ topk_group copies across nodes: meshlm
+    has none, docs/deepseek_v3.md). The split sizes (E int64 a block and forward) go first. A rank
+    books what it sends: the combine direction sends what its experts received, so one rank's bytes
+    vary with the routing and their mean over the ep ranks is this (exact when dropless)."""
+    fwd = 2 if ac == "full" else 1
+    routed = act_bytes * args.dim * tokens * args.top_k * capacity
+    return [("all_to_all", layers * 2 * (fwd + 1), routed), ("all_to_all", layers * fwd, 8 * args.num_experts)]
+
+
+@lru_cache(maxsize=256)
+def moe_blocks(args) -> int:
+    """MoE blocks of the model, its MTP modules' included (the rows of the bias update)."""
+    return sum(args.is_moe_block(i) for i in range(args.n_layers + args.mtp_depth))
+
+
+def moe_bias_bytes(args) -> int:
+    """The auxiliary-loss-free bias update's all-reduce buffer, once a step over the world: every MoE
+    block's tokens per expert, float64 (parallel/dims/expert_parallel.py MoEStats)."""
+    balancing = args.expert_bias and args.bias_update_rate > 0
+    return 8 * moe_blocks(args) * args.num_experts if balancing else 0
 
 
 BOOKED_PER_BUFFER = {"all_reduce": 2}
@@ -99,15 +149,21 @@ def tp_step_bytes(args, micro_batch: int, seq_len: int, accum: int, tp: int, sp:
     """What one process's TP group books per optimizer step, the whole model on it (pp = 1, cp = 1)."""
     if tp == 1:
         return {}
-    L = args.n_layers
-    return booked(tp_traffic(args, micro_batch * seq_len, L, True, True, sp, ac, act_bytes, param_bytes)
-                  + tp_weight_traffic(args, tp, L, param_bytes), accum)
+    L, moe = args.n_layers + args.mtp_depth, moe_blocks(args)
+    return booked(tp_traffic(args, micro_batch * seq_len, L, True, True, sp, ac, act_bytes, param_bytes, moe, seq_len)
+                  + tp_weight_traffic(args, tp, L, param_bytes, moe), accum)
+
+
+def ep_step_bytes(args, tokens: int, accum: int, ac: str = "none", act_bytes: int = 4) -> dict[str, tuple[int, int]]:
+    """What one process's EP group books per optimizer step, the whole model on it (pp = 1, tp = 1)."""
+    return booked(ep_traffic(args, tokens, moe_blocks(args), ac, act_bytes), accum)
 
 
 def cp_step_bytes(args, micro_batch: int, seq_len: int, accum: int, cp: int, impl: str, tp: int = 1,
                   ac: str = "none", act_bytes: int = 4) -> dict[str, tuple[int, int]]:
     """What one process's CP group books per optimizer step, the whole model on it (pp = 1)."""
-    return booked(cp_traffic(args, micro_batch * seq_len // cp, args.n_layers, cp, impl, tp, ac, act_bytes), accum)
+    return booked(cp_traffic(args, micro_batch * seq_len // cp, args.n_layers + args.mtp_depth, cp, impl, tp, ac,
+                             act_bytes, True), accum)
 
 
 # -- ZeRO-3 and ZeRO++ (docs/zero.md "ZeRO++"): parallel/dims/zero/quantize.py packs rows this way

