@@ -99,3 +99,41 @@ def test_activation_bytes_of_dsv3_match_measured(pools, tp, cp, sp, impl, ac):
     pred = estimate(shape_from_config(cfg), spec_from_config(cfg, world), o=o)["per_gpu"]["activations"]
     print(f"tp{tp} cp{cp} {impl} {ac}: measured {measured} B, planned {pred:.0f} B ({measured / pred:.3f})")
     assert measured == pytest.approx(pred, rel=0.03)
+
+
+@pytest.mark.slowest
+def test_plan_deepseek_v3_on_1024_h100s_finds_a_layout_that_fits():
+    """Issue #49's check: the search over every layout of DeepSeek-V3 on 1,024 H100s (about 8.4 M
+    candidates; 44 s on two cores, the degrees dealt out to a forked worker per core) ranks fitting
+    layouts that use expert parallelism, and its first is what `meshlm estimate` prices it at."""
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "meshlm.cli", "plan", "--model", "deepseek-v3", "--gpu", "h100",
+                          "--gpus", "1024", "--seq-len", "4096", "--global-batch-tokens", str(3840 * 4096),
+                          "--top", "3", "--json"], capture_output=True, text=True, timeout=600)
+    print(f"meshlm plan deepseek-v3 on 1024 H100s: {time.perf_counter() - t0:.1f} s")
+    assert out.returncode == 0, out.stderr
+    ranked = json.loads(out.stdout)
+    assert len(ranked) == 3
+    for r in ranked:
+        assert r["fits"] and r["per_gpu"]["total"] <= 80e9 and r["layout"]["ep"] > 1, r["layout"]
+    assert ranked[0]["step_s"] <= ranked[-1]["step_s"]
+
+
+def test_forked_search_ranks_what_the_serial_one_does(monkeypatch):
+    """The degrees dealt out to forked workers give the serial search's ranking, tallies and reasons."""
+    from meshlm.model.args import PRESETS
+    from meshlm.plan.hardware import get_gpu
+    from meshlm.plan.search import plan
+    from meshlm.plan.spec import Shape
+    shape = Shape(PRESETS["deepseek-v2-lite"], "deepseek-v2-lite")
+    runs = []
+    for workers in ("1", "2"):
+        monkeypatch.setenv("MESHLM_PLAN_WORKERS", workers)
+        runs.append(plan(shape, get_gpu("h100"), 64, 4096, 512 * 4096, top=5, fixed={"tp": 1}))
+    serial, forked = runs
+    assert [r["layout"] for r in serial.ranked] == [r["layout"] for r in forked.ranked]
+    # each worker's own heap bounds its share: how many were timed or bounded differs, nothing else
+    def tallies(r):
+        return {k: v for k, v in r.counts.items() if k not in ("bounded", "timed")}
+    assert tallies(serial) == tallies(forked) and serial.reasons == forked.reasons
+    assert serial.counts["bounded"] + serial.counts["timed"] == forked.counts["bounded"] + forked.counts["timed"]
