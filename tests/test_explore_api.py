@@ -92,11 +92,20 @@ LAYOUTS = [  # (API body, the same as `meshlm estimate` arguments)
      ["--gpu", "h100", "--gpus", "8", "--model.preset", "llama3-8b", "--data.seq_len", "4096",
       "--training.global_batch", "256", "--training.micro_batch", "1", "--training.precision", "bf16",
       "--parallel.zero", "3", "--optim.name", "muon"]),
+    # DeepSeek-V3's recipe (configs/deepseek-v3-1024xh100.toml): MLA, 256 experts over ep 64, MTP, ZB-V
+    ({"model.preset": "deepseek-v3", "gpu": "h100", "gpus": 1024, "data.seq_len": 4096,
+      "global_batch_tokens": 3840 * 4096, "training.micro_batch": 1, "training.precision": "bf16",
+      "training.compile": True, "training.ac": "full", "parallel.pp": 4, "parallel.pp_schedule": "zbv",
+      "parallel.pp_virtual": 2, "parallel.ep": 64, "parallel.zero": 1},
+     ["--gpu", "h100", "--gpus", "1024", "--model.preset", "deepseek-v3", "--data.seq_len", "4096",
+      "--training.global_batch", "3840", "--training.micro_batch", "1", "--training.precision", "bf16",
+      "--training.compile", "true", "--training.ac", "full", "--parallel.pp", "4", "--parallel.pp_schedule", "zbv",
+      "--parallel.pp_virtual", "2", "--parallel.ep", "64", "--parallel.zero", "1"]),
 ]
 
 
 @pytest.mark.parametrize("body,argv", LAYOUTS, ids=["70b-tp8-pp4-interleaved", "8b-hsdp-offload", "moe-custom-gpu",
-                                                    "8b-zero3-nvme", "8b-zero3-muon"])
+                                                    "8b-zero3-nvme", "8b-zero3-muon", "deepseek-v3-1024"])
 def test_estimate_is_the_cli_estimate(served, capsys, body, argv):
     code, cli, err = cli_json(capsys, ["estimate", "--json", *argv])
     assert code == 0, err
@@ -109,7 +118,9 @@ def test_estimate_is_the_cli_estimate(served, capsys, body, argv):
     if cli["layout"]["pp"] > 1:  # the simulator's timeline of this schedule, with the planner's costs
         tl = res["pipeline"]
         assert tl["p"] == cli["layout"]["pp"] and len(tl["rows"]) == tl["p"]
-        assert sum(len(r) for r in tl["rows"]) == 2 * tl["p"] * tl["m"] * tl["v"]  # one F and one B per chunk
+        kinds = [x[2] for r in tl["rows"] for x in r]  # one F and one backward per chunk (zero-bubble: I and W)
+        assert kinds.count("F") == tl["p"] * tl["m"] * tl["v"]
+        assert kinds.count("B") + kinds.count("I") == tl["p"] * tl["m"] * tl["v"]
         assert tl["bubble"] > 0
     cfg = _toml_config(res["toml"])  # the exported TOML is a train config asking for this layout
     assert cfg.parallel.tp == cli["layout"]["tp"] and cfg.parallel.dp == cli["layout"]["dp"]
@@ -192,7 +203,8 @@ def test_plan_prices_the_chosen_optimizer_as_the_cli_does(served, capsys, tmp_pa
 def test_options_lists_presets_profiles_and_the_three_examples(served):
     status, o = call(served[0], "/api/options")
     assert status == 200
-    assert {"llama3-70b", "llama3-405b", "debug"} <= set(o["presets"])
+    assert {"llama3-70b", "llama3-405b", "debug", "deepseek-v3", "deepseek-v2-lite", "moonlight-16b-a3b"} <= set(o["presets"])
+    assert o["presets"]["deepseek-v3"]["kv_lora_rank"] == 512 and o["presets"]["deepseek-v3"]["mtp_depth"] == 1
     assert "h100-sxm-80gb" in o["gpus"] and o["gpus"]["h100-sxm-80gb"]["peak_tflops"] == pytest.approx(989)
     assert [e["label"] for e in o["examples"]] == ["7B on 8 GPUs", "405B on 128 GPUs", "405B on 8 GPUs"]
     fits = []

@@ -14,7 +14,7 @@ import os
 import re
 
 from .. import config as C
-from ..plan.estimate import Options, estimate
+from ..plan.estimate import SIMULATED, Options, estimate, schedule_timeline
 from ..plan.hardware import FLAG_FIELDS, PROFILES, HardwareError, get_gpu
 from ..plan.ops import KERNELS
 from ..plan.search import plan
@@ -288,17 +288,15 @@ def simulated_timeline(out: dict, spec) -> dict | None:
     if not spec.pp_enabled or "time" not in out:
         return None
     p, m, v = spec.pp, spec.accum, spec.pp_virtual
-    if spec.pp_schedule not in ("gpipe", "1f1b", "interleaved", "zb-h1"):
+    if spec.pp_schedule not in SIMULATED:
         return {"skipped": f"parallel.pp_schedule: {spec.pp_schedule} has no simulator yet (bubble from the formula)"}
     if p * m * v > MAX_TIMELINE_UNITS:
         return {"skipped": f"pp·microbatches·virtual = {p * m * v} actions per rank pair is too many to draw "
                            f"(bubble from the {out['time']['bubble_source']})"}
-    from ..schedule import build_schedule, simulate
     t = out["time"]
     x = (t["exposed_comm_microbatch_s"] + t["overlap_microbatch_s"]) / m  # as time_model prices the slot
     f = t["forward_s"] / m + x / 2
     b = (t["backward_s"] + t["recompute_s"]) / m + x / 2
     w = min(t["backward_s"] / m / 2, b)
-    tl = simulate(build_schedule(spec.pp_schedule, p, m, v), p, m, v, cost_f=f, cost_b=b, cost_w=w,
-                  name=spec.pp_schedule)
+    tl = schedule_timeline(spec.pp_schedule, p, m, v, f, b, w, name=spec.pp_schedule)
     return timeline_json(tl, "simulator")

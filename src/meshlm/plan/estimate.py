@@ -74,17 +74,24 @@ def bubble_simulated(schedule: str, p: int, m: int, v: int, f: float, b: float, 
     """The same ratio from the schedule simulator, or None when it cannot run this case.
     With equal stage costs it reproduces the formulas; it matters for zb-h1, whose bubble depends on
     the F : B : W ratio, and as a cross-check (tests/test_plan.py)."""
-    sim = _simulator()
-    if (p <= 1 or schedule not in ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
-            or p * m * v > SIM_MAX_UNITS):
+    if (p <= 1 or schedule not in SIMULATED or p * m * v > SIM_MAX_UNITS):
         return None
     try:
-        vs = _v_shaped(schedule)
-        tl = sim[1](_built(schedule, p, m, v, (f, b, w) if vs else None), p, m, v, cost_f=f, cost_b=b,
-                    cost_w=w, vshape=vs)
+        tl = schedule_timeline(schedule, p, m, v, f, b, w)
     except Exception:  # noqa: BLE001 - a simulator bug must not break the planner; fall back
         return None
     return tl.makespan / (m * (f + b)) - 1.0
+
+
+SIMULATED = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")  # schedules the simulator times
+
+
+def schedule_timeline(schedule: str, p: int, m: int, v: int, f: float, b: float, w: float, name: str = ""):
+    """The simulator's Timeline of `schedule` with these per-micro-batch costs (ZB-V placed in its V,
+    its compute order from the costs): what the bubble and the explorer's drawing both come from."""
+    vs = _v_shaped(schedule)
+    return _simulator()[1](_built(schedule, p, m, v, (f, b, w) if vs else None), p, m, v, cost_f=f, cost_b=b,
+                           cost_w=w, name=name, vshape=vs)
 
 
 # ---------------------------------------------------------------------------------- compute
