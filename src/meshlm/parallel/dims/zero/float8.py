@@ -24,6 +24,7 @@ import torch
 
 from ....distributed.comm import Handle
 from ....distributed.float8_comm import amax, decode, encode, shared_scales
+from ....model.ops import eager_under_compile
 from .units import Unit
 
 
@@ -110,6 +111,7 @@ class Float8Gather:
         g.full8.untyped_storage().resize_(0)
         g.hp_full.untyped_storage().resize_(0)
 
+    @eager_under_compile  # a compiled block asks for the weight eagerly: the unit's buffers change each gather
     def weight(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The gathered float8 codes of parameter `p` (its shape, a view of the unit's buffer) and its
         scale; only while its unit is gathered (ZeRO-3 gathers it before every forward and backward)."""
