@@ -31,7 +31,7 @@ from .units import Unit
 class _UnitPlan:
     """Which parameters of a unit go as float8, and where every rank's share of the others lies."""
 
-    def __init__(self, u: Unit, float8: set[int]):
+    def __init__(self, u: Unit, float8: set[int], dtype: torch.dtype):
         self.f8 = [i for i, p in enumerate(u.params) if id(p) in float8]
         self.hp = [i for i in range(len(u.params)) if i not in self.f8]
         # rank r's share of the other parameters: (param, shard start, shard end, param start) in order
@@ -42,6 +42,7 @@ class _UnitPlan:
         for i in self.hp:
             self.offsets[i], off = off, off + u.numels[i]
         self.full8 = torch.empty(u.padded, dtype=torch.uint8, device=u.device)
+        self.codes = {i: _alias(self.full8, u.offsets[i], u.shapes[i], dtype) for i in self.f8}
         self.full8.untyped_storage().resize_(0)
         self.hp_full = torch.empty(off, dtype=u.dtype, device=u.device)
         self.scales: torch.Tensor | None = None  # this gather's, one per float8 weight
@@ -53,7 +54,7 @@ class Float8Gather:
 
     def __init__(self, units: list[Unit], float8: set[int], dtype: torch.dtype):
         self.dtype = dtype
-        self.plans = {id(u): _UnitPlan(u, float8) for u in units if any(id(p) in float8 for p in u.params)}
+        self.plans = {id(u): _UnitPlan(u, float8, dtype) for u in units if any(id(p) in float8 for p in u.params)}
         self.where = {id(u.params[i]): (u, j) for u in units if id(u) in self.plans
                       for j, i in enumerate(self.plans[id(u)].f8)}
 
@@ -113,9 +114,20 @@ class Float8Gather:
 
     @eager_under_compile  # a compiled block asks for the weight eagerly: the unit's buffers change each gather
     def weight(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The gathered float8 codes of parameter `p` (its shape, a view of the unit's buffer) and its
-        scale; only while its unit is gathered (ZeRO-3 gathers it before every forward and backward)."""
+        """The gathered float8 codes of parameter `p` (its shape, in the unit's buffer) and its scale; only
+        while its unit is gathered (ZeRO-3 gathers it before every forward and backward)."""
         u, j = self.where[id(p)]
-        g, i = self.plans[id(u)], self.plans[id(u)].f8[j]
-        o = u.offsets[i]
-        return decode(g.full8[o:o + u.numels[i]], self.dtype).view(u.shapes[i]), g.scales[j]
+        g = self.plans[id(u)]
+        return g.codes[g.f8[j]], g.scales[j]
+
+
+def _alias(buf: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """`buf[offset:offset + numel]` viewed as `shape` in `dtype`, as a tensor with a version counter of its
+    own (as the parameters' `.data` views of a flat buffer are): each gather writes `buf` in place, and
+    autograd (a compiled backward above all) would take that for a change of the codes the forward saved."""
+    n = 1
+    for d in shape:
+        n *= d
+    out = torch.empty(0, dtype=torch.uint8, device=buf.device)
+    out.set_(buf.untyped_storage(), buf.storage_offset() + offset, (n,))
+    return out.view(dtype).view(shape)
