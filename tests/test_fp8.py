@@ -112,7 +112,8 @@ LAYOUTS = [
     # SP: the region's entry gathers through a hook, so the column-parallel linears stay nn.Linear
     ("tp2-sp-kv1", 2, {"parallel__tp": 2, "parallel__sp": True, "model__n_kv_heads": 1},
      {"Float8Linear": 20, "Float8ReplicatedKVLinear": 8}),
-    ("zero3-dp2", 2, {"parallel__dp": 2, "parallel__zero": 3}, ALL),
+    # ZeRO-3 gathers the weights in float8 (training.fp8_comm "zero", tests/test_fp8_comm.py): a subclass takes them
+    ("zero3-dp2", 2, {"parallel__dp": 2, "parallel__zero": 3}, {"Float8ZeroLinear": 28}),
     ("zero1-dp2-offload", 2, {"parallel__dp": 2, "parallel__zero": 1, "parallel__offload": "optimizer"}, ALL),
     ("pp2", 2, {"parallel__pp": 2}, {"Float8Linear": 14}),  # each stage holds 2 blocks
     ("cp2-ring-ac-full", 2, {"parallel__cp": 2, "training__ac": "full"}, ALL),

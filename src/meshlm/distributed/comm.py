@@ -134,10 +134,11 @@ class Comm:
 
     # -- collectives --------------------------------------------------------------------------
     @_staged
-    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False, kind: str = "all_reduce"):
+        """`kind`: the name it is booked under (float8's shared amax books apart: float8_comm.py)."""
         if self.size == 1:
-            return Handle(self, "all_reduce", None) if async_op else None
-        return self._run("all_reduce", 2 * t.numel() * t.element_size(), self.ring,
+            return Handle(self, kind, None) if async_op else None
+        return self._run(kind, 2 * t.numel() * t.element_size(), self.ring,
                          lambda **kw: dist.all_reduce(t, op=op, **kw), async_op)
 
     @_staged

@@ -35,7 +35,8 @@ from .dims.tensor_parallel import apply_tensor_parallel, pad_vocab
 from .dims.zero import shard_model
 from .features.activation_checkpoint import apply_ac
 from .features.chunked_loss import chunked_loss, head_in_loss
-from .features.float8 import convert_to_float8
+from .features.float8 import convert_to_float8, take_weights_from, zero_float8
+from .features.float8_comm import comm_in_use, gather_entries_in_float8
 from .features.mtp import MTPLoss
 from .optim.adamw import Optimizer
 from .optim.muon import MuonAdamW
@@ -158,8 +159,11 @@ def parallelize(model: nn.Module, ctx: ParallelContext, layout: Layout, make_opt
                 full_shapes={f: pl.full_shape for f, pl in split.items()},
                 slicers={f: pl.to_local for f, pl in split.items()},
                 source=init_source(init_from, model.args))  # model.init_from = "hf:DIR"
+    fp8_comm = comm_in_use(training, layout)  # the collectives that move float8 (docs/fp8.md)
     if training.precision == "fp8":  # after TP and materialize: each linear holds its local shard
-        convert_to_float8(model, plan, training.fp8_recipe, training.fp8_emulate)
+        convert_to_float8(model, plan, training.fp8_recipe, training.fp8_emulate, zero_cast="zero" in fp8_comm)
+        if "sp" in fp8_comm:
+            gather_entries_in_float8(model, tp)
     # op-level AC over a TP block: the region holds Comm's collectives, whose byte accounting dynamo will
     # not trace inside a checkpoint; such blocks stay eager (the policy then counts exactly what it keeps)
     if training.compile and not (training.ac == "op" and layout.tp_enabled):
@@ -168,8 +172,11 @@ def parallelize(model: nn.Module, ctx: ParallelContext, layout: Layout, make_opt
     named = named_params(model)
     split_tied = {plan.tied_name()} & set(table.names()) if pipe is not None and pipe.tied else set()
     reduction_of = reductions(ctx, layout, parallel.zero, split_tied, experts.__contains__)
+    float8 = zero_float8(model) if "zero" in fp8_comm else None
     grads, opt = _synchroniser_and_optimizer(model, named, ctx, plan, table, parallel, optim, make_optimizer,
-                                             reduction_of, bool(split_tied), muon)
+                                             reduction_of, bool(split_tied), muon, float8)
+    if float8 is not None:
+        take_weights_from(model, grads.float8_weight)
     for name in table.names():  # the copies a reduction sums are replicas of one another
         red = reduction_of(name)
         for c in red.all_reduce_over + red.sum_at_finish:
@@ -214,12 +221,13 @@ def _apply_dims(model, ctx, layout, plan, table, experts, parallel: ParallelConf
 
 
 def _synchroniser_and_optimizer(model, named, ctx, plan, table, parallel: ParallelConfig, optim: OptimConfig,
-                                make_optimizer, reduction_of, split_tied: bool, muon: set):
-    """The gradient synchroniser (ZeRO units or DP buckets) and the optimizer over what it holds."""
+                                make_optimizer, reduction_of, split_tied: bool, muon: set, float8=None):
+    """The gradient synchroniser (ZeRO units or DP buckets) and the optimizer over what it holds; `float8`:
+    the weights zero 3 gathers in float8 (features/float8.py `zero_float8`) or None."""
     reduce_dtype = torch_dtype(parallel.reduce_dtype)
     bucket = int(parallel.bucket_mb * 2 ** 20)
     if parallel.zero:  # ZeRO-1/2/3, HSDP
-        grads = shard_model(model, named, parallel, plan, split_tied, reduction_of, reduce_dtype, ctx)
+        grads = shard_model(model, named, parallel, plan, split_tied, reduction_of, reduce_dtype, ctx, float8)
         if parallel.offload == "nvme":
             opt = NvmeOptimizer(grads, optim, parallel.offload_dir, parallel.offload_buffer_mb, ctx.rank)
         else:

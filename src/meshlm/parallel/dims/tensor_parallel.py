@@ -19,7 +19,7 @@ per region entry in backward in exchange for d·(t-1)/t fewer saved elements per
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -118,15 +118,29 @@ class SumGradLinear(nn.Linear):
         return F.linear(x, sum_grad(self.weight, self.tp_comm))
 
 
+class RegionEntry:
+    """A TP region's entry pre-hook (`enter`: copy_to, or SP's gather_seq). Under SP without the fused
+    entry, `readers` names the column-parallel linears that alone read the region's input, and fp8 may
+    replace `enter` by a float8 gather once they multiply in float8 (features/float8_comm.py)."""
+
+    def __init__(self, enter, readers: tuple[str, ...] = ()):
+        self.enter, self.readers = enter, readers
+
+    def __call__(self, module, inputs):
+        return (self.enter(inputs[0]),) + tuple(inputs[1:])
+
+
 @dataclass
 class TensorParallel:
     """What `parallelize` needs from TP beyond the module swaps and hooks: the loss. The slices
     themselves are recorded in the placement table (`DimSplit` along the sliced dimension, a replica
     index for kv heads held by several ranks and for everything TP does not split); `vocab` is the
-    vocabulary rows' split recorded there, which the embedding and the loss read their ids from."""
+    vocabulary rows' split recorded there, which the embedding and the loss read their ids from;
+    `entries`: SP's hooked region entries whose input only their column-parallel linears read."""
     comm: Comm
     sp: bool
     vocab: DimSplit
+    entries: list[RegionEntry] = field(default_factory=list)
 
     def make_loss_fn(self) -> VocabParallelLoss:
         return VocabParallelLoss(self.comm, self.vocab)
@@ -184,6 +198,9 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table, c
         if sp and region.fused_entry and fuse_entry:  # the entry's all-gather is fused into the column-parallel linears
             _ColumnGroup(model, [seated.get(lin.fqn, lin.module) for lin in region.linears if lin.style == "rows"],
                          comm)
+        elif sp and region.fused_entry:  # only its column-parallel linears read the input
+            tp.entries.append(RegionEntry(enter, tuple(lin.fqn for lin in region.linears if lin.style == "rows")))
+            region.module.register_forward_pre_hook(tp.entries[-1])
         else:
             region.module.register_forward_pre_hook(enter_hook)
         region.module.register_forward_hook(leave_hook)

@@ -8,9 +8,10 @@ one (its float8 scales are its shard's). TP's kv-head replicas (`ReplicatedKVLin
 gradient summation in a float8 subclass; under SP the regions' entry gathers through a hook rather than
 inside the linears (tensor_parallel `fuse_entry`), so they stay convertible. The embedding, the output head, the norms and MoE routers stay
 bf16. Float8Linear keeps the ordinary `weight` / `bias` parameters and no buffers (dynamic scaling), so
-state_dict keys, placements and checkpoints are those of a bf16 run. ZeRO gathers the bf16 weights:
-torchao's float8 all-gather is a hook of torch FSDP2's DTensor parameters, which our flat-buffer ZeRO
-does not use (docs/fp8.md).
+state_dict keys, placements and checkpoints are those of a bf16 run. torchao's float8 all-gather is a
+hook of torch FSDP2's DTensor parameters, which our flat-buffer ZeRO does not use: under training.fp8_comm
+"zero" our ZeRO-3 gathers the weights in float8 itself and `Float8ZeroLinear` takes them as they arrive
+(dims/zero/float8.py, features/float8_comm.py; docs/fp8.md).
 """
 from __future__ import annotations
 
@@ -34,22 +35,44 @@ def float8_config(recipe: str, emulate: bool):
 
 
 @functools.cache
-def _float8_kv_class() -> type:
+def _float8_classes() -> tuple[type, type]:
     from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
 
-    class Float8ReplicatedKVLinear(Float8Linear):
+    from .float8_comm import precast
+
+    class Float8ZeroLinear(Float8Linear):
+        """torchao's Float8Linear whose weight ZeRO-3 may gather already in float8 (training.fp8_comm
+        "zero"): `weight_cast()` gives the gathered codes and scale, which the GEMM takes without
+        re-casting (features/float8_comm.py); None: the weight is cast here, as Float8Linear does."""
+        weight_cast = None
+
+        def hp_weight(self) -> torch.Tensor:
+            return self.weight
+
+        def hp_bias(self) -> torch.Tensor | None:
+            return self.bias
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            w = self.hp_weight()
+            if self.weight_cast is not None:
+                w = precast(w, *self.weight_cast(), self.linear_mm_config)
+            out = matmul_with_hp_or_float8_args.apply(x, w.t(), self.linear_mm_config, self.config)
+            b = self.hp_bias()
+            return out if b is None else out + b.to(out.dtype)
+
+    class Float8ReplicatedKVLinear(Float8ZeroLinear):
         """wk / wv holding a kv head shared by `tp_rep` TP ranks (tensor_parallel.ReplicatedKVLinear),
         multiplying in float8: the same summed-gradient weight, torchao's float8 matmul."""
         tp_comm: object
         tp_rep: int
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            w = sum_grad_over_replicas(self.weight, self.tp_comm, self.tp_rep)
-            out = matmul_with_hp_or_float8_args.apply(x, w.t(), self.linear_mm_config, self.config)
-            b = _bias(self)
-            return out if b is None else out + b.to(out.dtype)
+        def hp_weight(self) -> torch.Tensor:
+            return sum_grad_over_replicas(self.weight, self.tp_comm, self.tp_rep)
 
-    return Float8ReplicatedKVLinear
+        def hp_bias(self) -> torch.Tensor | None:
+            return _bias(self)
+
+    return Float8ZeroLinear, Float8ReplicatedKVLinear
 
 
 def convertible(mod: nn.Module) -> bool:
@@ -59,9 +82,10 @@ def convertible(mod: nn.Module) -> bool:
     return out_f % 16 == 0 and in_f % 16 == 0
 
 
-def convert_to_float8(model: nn.Module, plan, recipe: str, emulate: bool) -> list[str]:
+def convert_to_float8(model: nn.Module, plan, recipe: str, emulate: bool, zero_cast: bool = False) -> list[str]:
     """Replace the model plan's block linears (`plan.float8_linears`) by torchao's Float8Linear modules
-    holding the same parameters under the same names; returns the converted module names."""
+    holding the same parameters under the same names; returns the converted module names. `zero_cast`:
+    ZeRO-3 gathers their weights in float8, so they take the `Float8ZeroLinear` form (`float8_weights`)."""
     from torchao.float8 import convert_to_float8_training
 
     targets = set(plan.float8_linears(model))
@@ -74,8 +98,27 @@ def convert_to_float8(model: nn.Module, plan, recipe: str, emulate: bool) -> lis
                 if isinstance(mods[fqn], ReplicatedKVLinear)}
     convert_to_float8_training(model, config=float8_config(recipe, emulate),
                                module_filter_fn=lambda mod, fqn: fqn in chosen)
-    if replicas:
-        cls = _float8_kv_class()
-        for fqn, (comm, rep) in replicas.items():
-            swap_in(model, model.get_submodule(fqn), cls, tp_comm=comm, tp_rep=rep)
+    plain, kv = _float8_classes()
+    for fqn in chosen:
+        if fqn in replicas:
+            swap_in(model, model.get_submodule(fqn), kv, tp_comm=replicas[fqn][0], tp_rep=replicas[fqn][1])
+        elif zero_cast:
+            swap_in(model, model.get_submodule(fqn), plain)
     return sorted(chosen)
+
+
+def zero_float8(model: nn.Module) -> tuple[frozenset[int], torch.dtype] | None:
+    """(ids of the weights ZeRO-3 gathers in float8: the `Float8ZeroLinear` ones, their float8 dtype),
+    or None where no linear took that form (dims/zero/float8.py)."""
+    plain, _ = _float8_classes()
+    mods = [m for m in model.modules() if isinstance(m, plain)]
+    return (frozenset(id(m.weight) for m in mods), mods[0].config.cast_config_weight.target_dtype) if mods else None
+
+
+def take_weights_from(model: nn.Module, source) -> None:
+    """Each `Float8ZeroLinear` takes its weight as `source(weight)` gives it, codes and scale
+    (ZeroSync.float8_weight), instead of casting it."""
+    plain, _ = _float8_classes()
+    for m in model.modules():
+        if isinstance(m, plain):
+            m.weight_cast = functools.partial(source, m.weight)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..grad_sync import accumulate_into_view
+from .float8 import Float8Gather
 from .units import GATHERED, GATHERING, SHARDED, Unit, build_units
 
 
@@ -46,9 +47,10 @@ class ZeroSync:
     """The ZeRO gradient synchroniser (`grad_sync.GradSync`) and owner of the units."""
 
     def __init__(self, model: nn.Module, named: list[tuple[str, nn.Parameter]], switches, plan,
-                 split_tied: bool, reduction_of, reduce_dtype: torch.dtype, zpp=None):
+                 split_tied: bool, reduction_of, reduce_dtype: torch.dtype, zpp=None, float8=None):
         self.switches = switches  # ZeroSwitches: what is sharded
         self.zpp = zpp  # ZeRO++ (zeropp.py): its gathers and gradient reductions replace the plain ones
+        self.f8 = None  # float8.py: units holding float8 weights gather in float8 (zero 3, fp8_comm "zero")
         self.reduce_dtype = reduce_dtype
         entry, exit_ = build_units(model, named, plan, split_tied, reduction_of)
         self.units = entry
@@ -72,9 +74,13 @@ class ZeroSync:
         self.rs_queue: deque = deque()
         self.ar_queue: deque = deque()
         self.hooks = []
+        if float8 is not None and switches.shard_params:  # (params, dtype): float8.py
+            self.f8 = Float8Gather(entry, *float8)
         with torch.no_grad():
             for u in self.units:
                 self._init_unit(u)
+                if self.f8 is not None and self.f8.covers(u):
+                    self.f8.seat(u)
         for u in self.units:
             self.hooks.append(u.first.register_forward_pre_hook(partial(self._pre_forward, u)))
             self.hooks.append(u.last.register_forward_hook(partial(self._post_forward, u)))
@@ -110,6 +116,9 @@ class ZeroSync:
     def _start_gather(self, u: Unit) -> None:
         if u.state != SHARDED:
             return
+        if self.f8 is not None and self.f8.covers(u):  # no flat bf16 buffer: float8.py
+            u.handle, u.state = self.f8.gather(u), GATHERING
+            return
         u.full.untyped_storage().resize_(u.padded * u.full.element_size())
         u.handle = (self.zpp.gather(u) if self.zpp is not None
                     else u.comm.all_gather(u.full, u.shard, async_op=True))
@@ -127,6 +136,8 @@ class ZeroSync:
             u.handle.wait()
             u.handle = None
         u.full.untyped_storage().resize_(0)
+        if self.f8 is not None and self.f8.covers(u):
+            self.f8.release(u)
         u.state = SHARDED
 
     def wait_params(self) -> None:
@@ -327,6 +338,10 @@ class ZeroSync:
     def held_tensors(self) -> list[torch.Tensor]:
         """What gradient memory this rank holds (train/observe/metrics.py `memory`): zero 1 keeps full buffers."""
         return self.grad_tensors() if self.switches.shard_grads else [u.grad_full for u in self.units]
+
+    def float8_weight(self, p: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
+        """Parameter `p` as its unit's float8 gather left it: (codes, scale) (float8.py)."""
+        return self.f8.weight(p)
 
     def param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """Each parameter's range of this rank's reduced gradient shard (empty where it holds none)."""
