@@ -6,8 +6,9 @@ Applied after tensor parallelism and materialisation, before compile and ZeRO: e
 its local shard, so a column- or row-parallel linear is a plain linear over its slice and converts as
 one (its float8 scales are its shard's). TP's kv-head replicas (`ReplicatedKVLinear`) keep their
 gradient summation in a float8 subclass; under SP the regions' entry gathers through a hook rather than
-inside the linears (tensor_parallel `fuse_entry`), so they stay convertible. The embedding, the output head, the norms and MoE routers stay
-bf16. Float8Linear keeps the ordinary `weight` / `bias` parameters and no buffers (dynamic scaling), so
+inside the linears (tensor_parallel `fuse_entry`), so they stay convertible. MoE experts run their grouped
+GEMMs in float8 (model/fp8_grouped.py, `Experts.gemms`; the shared expert is a dense feed-forward and
+converts as one). The embedding, the output head, the norms and MoE routers stay bf16. Float8Linear keeps the ordinary `weight` / `bias` parameters and no buffers (dynamic scaling), so
 state_dict keys, placements and checkpoints are those of a bf16 run. ZeRO gathers the bf16 weights:
 torchao's float8 all-gather is a hook of torch FSDP2's DTensor parameters, which our flat-buffer ZeRO
 does not use (docs/fp8.md).
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from ...distributed.functional import sum_grad_over_replicas
+from ...model.fp8_grouped import Float8Gemms
 from ..dims.tensor_parallel import ReplicatedKVLinear, _bias
 from ..swap import swap_in
 
@@ -61,7 +63,8 @@ def convertible(mod: nn.Module) -> bool:
 
 def convert_to_float8(model: nn.Module, plan, recipe: str, emulate: bool) -> list[str]:
     """Replace the model plan's block linears (`plan.float8_linears`) by torchao's Float8Linear modules
-    holding the same parameters under the same names; returns the converted module names."""
+    holding the same parameters under the same names, and give the MoE experts float8 grouped GEMMs
+    (`convert_experts`); returns the converted module names."""
     from torchao.float8 import convert_to_float8_training
 
     targets = set(plan.float8_linears(model))
@@ -78,4 +81,17 @@ def convert_to_float8(model: nn.Module, plan, recipe: str, emulate: bool) -> lis
         cls = _float8_kv_class()
         for fqn, (comm, rep) in replicas.items():
             swap_in(model, model.get_submodule(fqn), cls, tp_comm=comm, tp_rep=rep)
-    return sorted(chosen)
+    return sorted(chosen | set(convert_experts(model, plan, emulate)))
+
+
+def convert_experts(model: nn.Module, plan, emulate: bool) -> list[str]:
+    """Every MoE block's routed experts multiply in float8 (`Float8Gemms`, row-wise scales whatever
+    training.fp8_recipe says: torchao's MoE recipe) where their local shapes are multiples of 16 (the
+    float8 grouped GEMM's rule, as `convertible`); the names of the experts modules converted."""
+    names = {id(m): fqn for fqn, m in model.named_modules()}
+    done = []
+    for moe in plan.moe_layers(model).values():
+        if all(d % 16 == 0 for d in moe.experts.w2.shape[1:]):  # [E, dim, hidden] local
+            moe.experts.gemms = Float8Gemms(emulate)
+            done.append(names[id(moe.experts)])
+    return done
