@@ -7,8 +7,9 @@ its local shard, so a column- or row-parallel linear is a plain linear over its 
 one (its float8 scales are its shard's). TP's kv-head replicas (`ReplicatedKVLinear`) keep their
 gradient summation in a float8 subclass; under SP the regions' entry gathers through a hook rather than
 inside the linears (tensor_parallel `fuse_entry`), so they stay convertible. MoE experts run their grouped
-GEMMs in float8 (model/fp8_grouped.py, `Experts.gemms`; the shared expert is a dense feed-forward and
-converts as one). The embedding, the output head, the norms and MoE routers stay bf16. Float8Linear keeps the ordinary `weight` / `bias` parameters and no buffers (dynamic scaling), so
+GEMMs in float8 (model/fp8_grouped.py, `Experts.gemms`; the shared expert, a dense feed-forward, converts
+as one). The embedding, the output head, the norms and MoE routers stay
+bf16. Float8Linear keeps the ordinary `weight` / `bias` parameters and no buffers (dynamic scaling), so
 state_dict keys, placements and checkpoints are those of a bf16 run. ZeRO gathers the bf16 weights:
 torchao's float8 all-gather is a hook of torch FSDP2's DTensor parameters, which our flat-buffer ZeRO
 does not use (docs/fp8.md).
