@@ -162,6 +162,7 @@ def train_fp8(pools, world: int, run_dir: str, **overrides) -> list:
     return pools(world).run(train_case, C.to_dict(cfg), run_dir, 0, float8_moe_kinds)
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("name,world,overrides,kinds", rows(LAYOUTS, slowest={"dp2-zero3", "pp2", "ep2-tp2-sp"}))
 def test_emulated_fp8_moe_layout_within_2_percent_of_bf16(pools, name, world, overrides, kinds):
     ref = bf16_reference(**MOE)
