@@ -19,8 +19,8 @@ to experts) move e4m3 rows with one fp32 scale each, as DeepSeek-V3 does (§3.3.
 (`_Float8Dispatch`: the experts' float8 GEMMs take the rows as they arrive, `Float8Rows`) and the
 combine's backward (`_Float8Combine`: the gradients of the down-projections' outputs, dequantised on
 arrival; their float8 GEMM re-quantises them to the same values, the scales being powers of two). The
-combine and the dispatch's backward (experts to tokens) stay bf16: those are outputs summed into the
-residual stream, DeepSeek-V3's reason for keeping the combine in bf16. gloo moves no float8 dtype, so
+combine and the dispatch's backward (experts to tokens) stay bf16, as DeepSeek-V3 keeps them: what
+returns is summed into the residual stream and its gradient (docs/fp8.md). gloo moves no float8 dtype, so
 each row travels as its d bytes and its scale's 4 bytes in one uint8 buffer (booked at those bytes).
 
 Expert gradients already hold the contributions of every peer's tokens; they are summed over the
