@@ -256,9 +256,6 @@ def check_fp8(cfg: Config, args: ModelArgs) -> None:
     import importlib.util
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("training.precision: fp8 needs torchao's float8 training (pip install meshlm[gpu])")
-    if args.moe:
-        raise ConfigError("training.precision: fp8 is not available for mixture-of-experts models: torchao's "
-                          "float8 training converts nn.Linear, not the experts' grouped GEMMs; use bf16")
     if t.fp8_emulate:
         return
     hint = "(training.fp8_emulate = true runs torchao's emulation, for tests)"
@@ -270,6 +267,14 @@ def check_fp8(cfg: Config, args: ModelArgs) -> None:
         cap = ".".join(map(str, torch.cuda.get_device_capability()))
         raise ConfigError(f"training.precision: fp8 needs compute capability >= 8.9 (Ada, Hopper or newer); "
                           f"{torch.cuda.get_device_name()} has {cap} {hint}")
+    if args.moe:  # the experts' float8 grouped GEMMs (model/fp8_grouped.py)
+        if not hasattr(torch, "_scaled_grouped_mm"):
+            raise ConfigError(f"training.precision: fp8 for mixture-of-experts models needs torch._scaled_grouped_mm "
+                              f"for the experts' float8 grouped GEMMs; torch {torch.__version__} has none {hint}")
+        if torch.cuda.get_device_capability() < (9, 0):
+            raise ConfigError(f"training.precision: fp8 for mixture-of-experts models needs compute capability "
+                              f">= 9.0 (torch._scaled_grouped_mm: Hopper or newer); {torch.cuda.get_device_name()} "
+                              f"has {'.'.join(map(str, torch.cuda.get_device_capability()))} {hint}")
 
 
 def check_mtp(cfg: Config, args: ModelArgs) -> None:

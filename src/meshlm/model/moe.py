@@ -36,7 +36,8 @@ the rest are dropped: they add nothing, the residual carries the token. `capacit
 
 Experts are stored stacked per block ([E, hidden, dim] for w1/w3, [E, dim, hidden] for w2) and run as a
 grouped matmul over the tokens sorted by expert: `torch._grouped_mm` on CUDA for bf16 where torch has
-it, else one matmul per expert over its contiguous range of rows (never one per token).
+it, else one matmul per expert over its contiguous range of rows (never one per token). fp8 training runs
+the same three products in float8 (model/fp8_grouped.py, set on `Experts.gemms` from outside).
 
 Load balancing: the Switch/Mixtral auxiliary loss E · Σ_e f_e · P_e per block (f_e: fraction of the T·k
 assignments routed to e before dropping, P_e: mean router probability of e; 1.0 when perfectly
@@ -103,29 +104,51 @@ def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, counts: list[int], shape) ->
     return gw
 
 
+class GroupedGemms:
+    """The three products of a grouped linear, in the operands' own precision. fp8 training hands the
+    experts model/fp8_grouped.Float8Gemms instead (the same three in float8): `Experts.gemms`."""
+
+    def keep(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What backward needs of the input (saved for the weight gradient)."""
+        return (x,)
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return grouped_mm(x, w, counts)
+
+    def dgrad(self, g: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return grouped_mm(g, w.transpose(1, 2), counts)
+
+    def wgrad(self, g: torch.Tensor, kept: tuple, counts: list[int], shape) -> torch.Tensor:
+        return grouped_wgrad(g, kept[0], counts, shape)
+
+
+PLAIN = GroupedGemms()
+
+
 class GroupedLinear(torch.autograd.Function):
     """x [N, in] (sorted by expert) @ w[e]ᵀ per expert, with a backward that writes each expert's
     weight gradient into one [E, out, in] tensor (indexing w[e] under autograd would allocate a full
-    zero gradient per expert)."""
+    zero gradient per expert). `gemms` computes the three products (PLAIN, or float8's)."""
 
     @staticmethod
-    def forward(ctx, x, w, counts):
-        ctx.save_for_backward(x, w)
-        ctx.counts = counts
-        return grouped_mm(x, w, counts)
+    def forward(ctx, x, w, counts, gemms=PLAIN):
+        ctx.save_for_backward(w, *gemms.keep(x))
+        ctx.counts, ctx.gemms = counts, gemms
+        return gemms.forward(x, w, counts)
 
     @staticmethod
     def backward(ctx, g):
-        x, w = ctx.saved_tensors
+        w, *kept = ctx.saved_tensors
         g = g.contiguous()
-        gx = grouped_mm(g, w.transpose(1, 2), ctx.counts) if ctx.needs_input_grad[0] else None
-        gw = grouped_wgrad(g, x, ctx.counts, w.shape) if ctx.needs_input_grad[1] else None
-        return gx, gw, None
+        gx = ctx.gemms.dgrad(g, w, ctx.counts) if ctx.needs_input_grad[0] else None
+        gw = ctx.gemms.wgrad(g, tuple(kept), ctx.counts, w.shape) if ctx.needs_input_grad[1] else None
+        return gx, gw, None, None
 
 
 class Experts(nn.Module):
     """E SwiGLU experts, stacked. Parameter `w1` holds expert e's gate at w1[e] (single-process name
-    `...experts.w1`; its initial value is seeded per expert as `...experts.{e}.w1`, model/init.py)."""
+    `...experts.w1`; its initial value is seeded per expert as `...experts.{e}.w1`, model/init.py).
+    `gemms`: how the grouped products run (PLAIN; fp8 training sets float8's from outside)."""
 
     def __init__(self, n: int, dim: int, hidden: int):
         super().__init__()
@@ -133,11 +156,12 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n, hidden, dim))  # up
         self.w2 = nn.Parameter(torch.empty(n, dim, hidden))  # down
         self.act = SwiGLU()
+        self.gemms: GroupedGemms = PLAIN
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        gate = GroupedLinear.apply(x, self.w1, counts)
-        up = GroupedLinear.apply(x, self.w3, counts)
-        return GroupedLinear.apply(self.act(gate, up), self.w2, counts)
+        gate = GroupedLinear.apply(x, self.w1, counts, self.gemms)
+        up = GroupedLinear.apply(x, self.w3, counts, self.gemms)
+        return GroupedLinear.apply(self.act(gate, up), self.w2, counts, self.gemms)
 
 
 class _AuxGrad(torch.autograd.Function):

@@ -28,7 +28,7 @@ from ..layout import Layout
 from ..model.init import canonical_name, init_source, materialize
 from .dims.context_parallel import ContextParallel, apply_context_parallel
 from .dims.data_parallel import GradBuckets
-from .dims.expert_parallel import MoEStats, apply_expert_parallel, share_tokens_over_cp
+from .dims.expert_parallel import MoEStats, apply_expert_parallel, dispatch_in_float8, share_tokens_over_cp
 from .dims.grad_sync import GradSync, Reduction
 from .dims.pipeline.build import pipeline_runner, split_model
 from .dims.tensor_parallel import apply_tensor_parallel, pad_vocab
@@ -164,6 +164,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, layout: Layout, make_opt
         convert_to_float8(model, plan, training.fp8_recipe, training.fp8_emulate, zero_cast="zero" in fp8_comm)
         if "sp" in fp8_comm:
             gather_entries_in_float8(model, tp)
+        if "ep" in fp8_comm:
+            dispatch_in_float8(model, plan)
     # op-level AC over a TP block: the region holds Comm's collectives, whose byte accounting dynamo will
     # not trace inside a checkpoint; such blocks stay eager (the policy then counts exactly what it keeps)
     if training.compile and not (training.ac == "op" and layout.tp_enabled):

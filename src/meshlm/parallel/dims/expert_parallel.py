@@ -14,6 +14,15 @@ at the source), then `ParallelMoE.run_experts`:
 4. returns them with the reverse all-to-all. The caller combines them with the router weights.
 Both all-to-alls are autograd functions whose backward is the reverse exchange.
 
+Under fp8 with "ep" in training.fp8_comm (`ep_float8`), the exchanges in the dispatch direction (tokens
+to experts) move e4m3 rows with one fp32 scale each, as DeepSeek-V3 does (§3.3.2): the forward dispatch
+(`_Float8Dispatch`: the experts' float8 GEMMs take the rows as they arrive, `Float8Rows`) and the
+combine's backward (`_Float8Combine`: the gradients of the down-projections' outputs, dequantised on
+arrival; their float8 GEMM re-quantises them to the same values, the scales being powers of two). The
+combine and the dispatch's backward (experts to tokens) stay bf16, as DeepSeek-V3 keeps them: what
+returns is summed into the residual stream and its gradient (docs/fp8.md). gloo moves no float8 dtype, so
+each row travels as its d bytes and its scale's 4 bytes in one uint8 buffer (booked at those bytes).
+
 Expert gradients already hold the contributions of every peer's tokens; they are summed over the
 expert-data group (the ranks holding the same experts) and divided by dp like every gradient
 (compose.reductions); ZeRO shards them over `edp_shard` (inside one HSDP shard group) and all-reduces
@@ -24,21 +33,62 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.autograd import Function
 
 from ...distributed.comm import Comm
-from ...distributed.functional import all_to_all, copy_to, reduce_from
+from ...distributed.functional import _exchange, all_to_all, copy_to, reduce_from
+from ...model.fp8_grouped import E4M3, Float8Gemms, Float8Rows, quantize
 from ...model.moe import BALANCE, CALLS, DROPPED, MoE
 from ...model.ops import eager_under_compile
 from ..placement import DimSplit
 from ..swap import swap_in
 
 
+def _send_float8(x: torch.Tensor, comm: Comm, out_splits, in_splits) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's rows quantised (e4m3, one fp32 scale per row) and exchanged as one uint8 buffer of d + 4
+    bytes per row: what arrived, (e4m3 rows, scales [rows, 1])."""
+    q, s = quantize(x)
+    d = x.shape[-1]
+    got = _exchange(torch.cat([q.view(torch.uint8), s.view(torch.uint8)], 1), comm, out_splits, in_splits)
+    return got[:, :d].view(E4M3), got[:, d:].contiguous().view(torch.float32)
+
+
+class _Float8Dispatch(Function):
+    """Tokens to experts in float8 (the arrival stays quantised, `Float8Rows`); backward, experts to
+    tokens, in the gradient's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, comm, out_splits, in_splits):
+        ctx.comm, ctx.out_splits, ctx.in_splits = comm, out_splits, in_splits
+        return Float8Rows(*_send_float8(x, comm, out_splits, in_splits), x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _exchange(g, ctx.comm, ctx.in_splits, ctx.out_splits), None, None, None
+
+
+class _Float8Combine(Function):
+    """Experts to tokens in the outputs' dtype; backward, the gradients back to the experts, in float8."""
+
+    @staticmethod
+    def forward(ctx, z, comm, out_splits, in_splits):
+        ctx.comm, ctx.out_splits, ctx.in_splits = comm, out_splits, in_splits
+        return _exchange(z, comm, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, g):
+        q, s = _send_float8(g, ctx.comm, ctx.in_splits, ctx.out_splits)
+        return (q.float() * s).to(g.dtype), None, None, None
+
+
 class ParallelMoE(MoE):
     """A MoE feed-forward with the parallel state model/moe.py leaves out, set by the dimensions that
     apply (`parallel_moe`): `experts`, the `DimSplit` of the expert dimension over `ep_comm` from the
     placement record (None: every expert here); `token_comm`, the cp ranks holding the micro-batch's
-    other tokens; `aux_share`, this TP rank's share of the balance term's gradient."""
+    other tokens; `aux_share`, this TP rank's share of the balance term's gradient; `ep_float8`, the
+    dispatch-direction exchanges move float8 (module doc)."""
     ep_comm: Comm | None
+    ep_float8: bool
     ep_split: DimSplit | None
     token_comm: Comm | None
     aux_share: float
@@ -53,13 +103,15 @@ class ParallelMoE(MoE):
         comm.all_to_all(got, counts)  # split sizes first: rows of each of my experts from each peer
         got = got.view(ep, n)
         send, recv = counts.view(ep, n).sum(1).tolist(), got.sum(1).tolist()
-        y = all_to_all(x, comm, recv, send)
+        dispatch, combine = (_Float8Dispatch.apply, _Float8Combine.apply) if self.ep_float8 else \
+            (all_to_all, all_to_all)
+        y = dispatch(x, comm, recv, send)
         expert = torch.repeat_interleave(torch.arange(ep * n, device=x.device) % n, got.flatten())
         perm = torch.argsort(expert, stable=True)  # source-major -> expert-major (sources in order)
         inv = torch.empty_like(perm)
         inv[perm] = torch.arange(perm.numel(), device=perm.device)
         z = self.experts(y[perm], got.sum(0).tolist())
-        return all_to_all(z[inv], comm, send, recv)
+        return combine(z[inv], comm, send, recv)
 
     def token_totals(self, assigned: torch.Tensor, prob_sum: torch.Tensor, tokens: int):
         """Context parallelism: each cp rank routes its chunks of the micro-batch's sequences. The
@@ -93,7 +145,8 @@ def parallel_moe(model: nn.Module, m: MoE) -> ParallelMoE:
     then sets its own field."""
     if isinstance(m, ParallelMoE):
         return m
-    return swap_in(model, m, ParallelMoE, ep_comm=None, ep_split=None, token_comm=None, aux_share=1.0)
+    return swap_in(model, m, ParallelMoE, ep_comm=None, ep_split=None, token_comm=None, aux_share=1.0,
+                   ep_float8=False)
 
 
 def apply_expert_parallel(model: nn.Module, comm: Comm, plan, table, experts: set[str]) -> None:
@@ -106,6 +159,16 @@ def apply_expert_parallel(model: nn.Module, comm: Comm, plan, table, experts: se
     for m in plan.moe_layers(model).values():
         m = parallel_moe(model, m)
         m.ep_comm, m.ep_split = comm, split
+
+
+def dispatch_in_float8(model: nn.Module, plan) -> list[int]:
+    """fp8 with "ep" in training.fp8_comm: each expert-parallel MoE block whose experts multiply in float8
+    (parallel/features/float8.py) moves its dispatch-direction exchanges in float8; the blocks chosen."""
+    chosen = [b for b, m in plan.moe_layers(model).items()
+              if isinstance(m, ParallelMoE) and m.ep_comm is not None and isinstance(m.experts.gemms, Float8Gemms)]
+    for b in chosen:
+        plan.moe_layers(model)[b].ep_float8 = True
+    return chosen
 
 
 def share_tokens_over_cp(model: nn.Module, comm: Comm, plan) -> None:

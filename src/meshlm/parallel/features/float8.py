@@ -6,7 +6,9 @@ Applied after tensor parallelism and materialisation, before compile and ZeRO: e
 its local shard, so a column- or row-parallel linear is a plain linear over its slice and converts as
 one (its float8 scales are its shard's). TP's kv-head replicas (`ReplicatedKVLinear`) keep their
 gradient summation in a float8 subclass; under SP the regions' entry gathers through a hook rather than
-inside the linears (tensor_parallel `fuse_entry`), so they stay convertible. The embedding, the output head, the norms and MoE routers stay
+inside the linears (tensor_parallel `fuse_entry`), so they stay convertible. MoE experts run their grouped
+GEMMs in float8 (model/fp8_grouped.py, `Experts.gemms`; the shared expert, a dense feed-forward, converts
+as one). The embedding, the output head, the norms and MoE routers stay
 bf16. Float8Linear keeps the ordinary `weight` / `bias` parameters and no buffers (dynamic scaling), so
 state_dict keys, placements and checkpoints are those of a bf16 run. torchao's float8 all-gather is a
 hook of torch FSDP2's DTensor parameters, which our flat-buffer ZeRO does not use: under training.fp8_comm
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from ...distributed.functional import sum_grad_over_replicas
+from ...model.fp8_grouped import Float8Gemms
 from ..dims.tensor_parallel import ReplicatedKVLinear, _bias
 from ..swap import swap_in
 
@@ -84,8 +87,9 @@ def convertible(mod: nn.Module) -> bool:
 
 def convert_to_float8(model: nn.Module, plan, recipe: str, emulate: bool, zero_cast: bool = False) -> list[str]:
     """Replace the model plan's block linears (`plan.float8_linears`) by torchao's Float8Linear modules
-    holding the same parameters under the same names; returns the converted module names. `zero_cast`:
-    ZeRO-3 gathers their weights in float8, so they take the `Float8ZeroLinear` form (`float8_weights`)."""
+    holding the same parameters under the same names, and give the MoE experts float8 grouped GEMMs
+    (`convert_experts`); returns the converted module names. `zero_cast`: ZeRO-3 gathers their weights
+    in float8, so they take the `Float8ZeroLinear` form (`float8_weights`)."""
     from torchao.float8 import convert_to_float8_training
 
     targets = set(plan.float8_linears(model))
@@ -104,7 +108,7 @@ def convert_to_float8(model: nn.Module, plan, recipe: str, emulate: bool, zero_c
             swap_in(model, model.get_submodule(fqn), kv, tp_comm=replicas[fqn][0], tp_rep=replicas[fqn][1])
         elif zero_cast:
             swap_in(model, model.get_submodule(fqn), plain)
-    return sorted(chosen)
+    return sorted(chosen | set(convert_experts(model, plan, emulate)))
 
 
 def zero_float8(model: nn.Module) -> tuple[frozenset[int], torch.dtype] | None:
@@ -122,3 +126,16 @@ def take_weights_from(model: nn.Module, source) -> None:
     for m in model.modules():
         if isinstance(m, plain):
             m.weight_cast = functools.partial(source, m.weight)
+
+
+def convert_experts(model: nn.Module, plan, emulate: bool) -> list[str]:
+    """Every MoE block's routed experts multiply in float8 (`Float8Gemms`, row-wise scales whatever
+    training.fp8_recipe says: torchao's MoE recipe) where their local shapes are multiples of 16 (the
+    float8 grouped GEMM's rule, as `convertible`); the names of the experts modules converted."""
+    names = {id(m): fqn for fqn, m in model.named_modules()}
+    done = []
+    for moe in plan.moe_layers(model).values():
+        if all(d % 16 == 0 for d in moe.experts.w2.shape[1:]):  # [E, dim, hidden] local
+            moe.experts.gemms = Float8Gemms(emulate)
+            done.append(names[id(moe.experts)])
+    return done
