@@ -11,6 +11,7 @@
 #   bash bench/gpu_session.sh 3b-noac    # llama3-3b with the chunked loss and no AC
 #   bash bench/gpu_session.sh fp8        # fp8 vs bf16 at llama3-1b and llama3-3b (tokens/s)
 #   bash bench/gpu_session.sh fp8-loss   # fp8 vs bf16 at llama3-3b, 200 steps (loss within 1%)
+#   bash bench/gpu_session.sh fp8-moe    # fp8 vs bf16 MoE: deepseek-moe-16b 4 blocks, dsv3-debug (tokens/s)
 #   bash bench/gpu_session.sh moe        # deepseek-moe-16b cut to 4 blocks, with the top kernels
 #   bash bench/gpu_session.sh peers-1b   # bench/gpu_peers.py at llama3-1b (meshlm's row and the ratios)
 #   bash bench/gpu_session.sh peers-3b   # bench/gpu_peers.py at llama3-3b
@@ -128,6 +129,15 @@ moe)
   timeout 250 $GPU --presets deepseek-moe-16b --set model.n_layers=4 --ac selective --micro-batches 8 \
       --set training.global_batch=32 --out "$O/deepseek-moe-4blocks_accum4.json"
   ;;
+fp8-moe)
+  # goal (issue #50): fp8 MoE (float8 grouped GEMMs, float8 dispatch where ep > 1) against bf16 MoE, each
+  # pair on the same warm card, same shapes and batches: DeepSeek-MoE-16B's blocks and DeepSeek-V3's shape
+  card fp8-moe
+  timeout 280 $GPU --presets "" --fp8-compare deepseek-moe-16b --set model.n_layers=4 --ac selective \
+      --micro-batches 8,4 --out "$O/fp8-compare-deepseek-moe-4blocks.json"
+  timeout 200 $GPU --presets "" --fp8-compare dsv3-debug --ac none --micro-batches 16 \
+      --out "$O/fp8-compare-dsv3-debug.json"
+  ;;
 peers-1b)
   card peers-1b
   timeout 560 $PY bench/gpu_peers.py --presets llama3-1b --micro-batches 16,8 --ac selective --warmup 3 \
@@ -218,7 +228,7 @@ next)
 esac
 }
 
-PIECES="headline overlap multirank mfu docmask 3b 3b-noac fp8 fp8-loss moe peers-1b peers-3b peers-3b-chunks calibrate kernels cp-kernel"
+PIECES="headline overlap multirank mfu docmask 3b 3b-noac fp8 fp8-loss fp8-moe moe peers-1b peers-3b peers-3b-chunks calibrate kernels cp-kernel"
 if [ "${1:-mfu}" = all ]; then
   for p in $PIECES sizes offload checks nocompile; do piece "$p"; done
 else
