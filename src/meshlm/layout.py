@@ -247,6 +247,20 @@ def resolve(cfg: Config, world_size: int) -> Layout:
     return layout
 
 
+def fp8_comm_in_use(precision: str, recipe: str, entries, layout: Layout) -> frozenset[str]:
+    """The entries of training.fp8_comm a run uses (docs/fp8.md): an entry the layout lacks (no ZeRO-3
+    shard group, no SP, ep = 1), ZeRO++ (whose gathers are its own: qwZ int8, hpZ) or, for "zero" and
+    "sp", the rowwise recipe leaves it out. EP's dispatch scales each row whatever the recipe (the
+    experts' GEMMs are row-wise: model/fp8_grouped.py). The runtime and the planner both ask this."""
+    if precision != "fp8":
+        return frozenset()
+    used = {"ep"} if layout.ep_enabled else set()
+    if recipe == "tensorwise":
+        used |= {"zero"} if layout.zero == 3 and layout.shard_group > 1 and not layout.zeropp_enabled else set()
+        used |= {"sp"} if layout.sp_enabled else set()
+    return frozenset(set(entries) & used)
+
+
 def check_fp8(cfg: Config, args: ModelArgs) -> None:
     """training.precision = "fp8" (parallel/features/float8.py) against the install, the model, the layout and the
     device; torch is imported only to ask the GPU its compute capability."""

@@ -194,9 +194,9 @@ def format_estimate(r: dict, gpu=None, sources: tuple[str, dict] | None = None) 
                         f"{gpu.overlap_slowdown:g})" if gpu is not None else ""))
         lines += _categories(r, sources)
         if r["comm"]:
-            lines.append(f"  {'group':<13}{'kind':<15}{'link':<7}{'n':>6}{'GB/step':>10}{'time s':>9}{'exposed':>9}  overlaps")
+            lines.append(f"  {'group':<13}{'kind':<16}{'link':<7}{'n':>6}{'GB/step':>10}{'time s':>9}{'exposed':>9}  overlaps")
             for c in r["comm"]:
-                lines.append(f"  {c['group']:<13}{c['kind']:<15}{c['link']:<7}{c['group_size']:>6}"
+                lines.append(f"  {c['group']:<13}{c['kind']:<16}{c['link']:<7}{c['group_size']:>6}"
                              f"{c['bytes'] / 1e9:>10.2f}{c['seconds']:>9.3f}{c['exposed_s']:>9.3f}  {c['overlaps_with']}")
     return "\n".join(lines)
 

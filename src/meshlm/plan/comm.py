@@ -13,12 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..choices import DTYPE_BYTES, HELD
+from ..layout import fp8_comm_in_use
 from .hardware import GPU, MIB
+from .attn_widths import attn_widths
+from .stages import float8_params_local
 from .volume import QUANT_BLOCK, cp_traffic, ep_traffic, moe_bias_bytes, packed_bytes, tp_traffic, tp_weight_traffic
 
 LATENCY_S = {"nvlink": 10e-6, "ib": 25e-6}
 WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-        "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "p2p": lambda n: 1.0}
+        "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "p2p": lambda n: 1.0,
+        "all_reduce_amax": lambda n: 2 * (n - 1) / n}  # fp8's scale all-reduce (volume.tp_traffic)
 
 
 def latency(gpu: GPU, link_name: str) -> float:
@@ -105,10 +109,10 @@ def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first:
     def add(*args, **kw):
         out.append(make(gpu, *args, comm_efficiency=comm_efficiency, **kw))
 
-    fwd_passes = 2 if s.ac == "full" else 1  # full AC runs each block's forward again in backward
+    fp8 = fp8_comm_in_use(s.precision, "tensorwise", s.fp8_comm, s) if s.precision == "fp8" else None
     if s.tp_enabled:  # plan/volume.py: the runtime's own formulas, checked byte for byte against Comm's books
         moe_ffn = layers * a.n_moe_blocks / a.n_layers if shape.moe else 0
-        for kind, calls, nbytes in by_kind(tp_traffic(a, tokens, layers, first, last, sq, s.ac, e, pb, moe_ffn, s.seq_len)
+        for kind, calls, nbytes in by_kind(tp_traffic(a, tokens, layers, first, last, sq, s.ac, e, pb, moe_ffn, s.seq_len, fp8)
                                            + tp_weight_traffic(a, t, layers, pb, moe_ffn)):
             add("tp", kind, t, 1, calls * m, nbytes / calls)
     # the ring's sends hide behind its block attention; Ulysses' all-to-alls and allgather's gather and
@@ -117,7 +121,8 @@ def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first:
         add("cp", kind, cp, t, calls * m, nbytes / calls, window="attention" if kind == "p2p" else "none")
     if s.ep_enabled:  # plan/volume.py ep_traffic: the routed copies out and back, and the split sizes
         moe_layers = layers * a.n_moe_blocks / a.n_layers
-        for kind, calls, nbytes in by_kind(ep_traffic(a, tokens, moe_layers, s.ac, e, shape.capacity_factor)):
+        for kind, calls, nbytes in by_kind(ep_traffic(a, tokens, moe_layers, s.ac, e, shape.capacity_factor,
+                                                      fp8 is not None and "ep" in fp8)):
             add("ep", kind, s.ep, t, calls * m, nbytes / calls)
     if moe_bias_bytes(a):  # auxiliary-loss-free balancing: one all-reduce of the counts a step, every rank
         add("world", "all_reduce", s.world_size, 1, 1, moe_bias_bytes(a), per="step", window="step")
@@ -149,6 +154,11 @@ def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first:
             add("dp_replicate", "all_reduce", reps, t * n, 1, rb * psi / n, per="step", window="step")
         if s.zero >= 3:  # plan/volume.py zero3_step_bytes: the runtime's formula per unit
             first = (q if s.quantize_weights else pb) * psi  # qwZ: int8 gathers over the shard group
+            if fp8 is not None and "zero" in fp8:  # float8 linears' weights: one byte, after their amax
+                f8 = min(psi, layers * float8_params_local(shape, t))
+                first -= (pb - 1) * f8
+                linears = sum(1 for g, _, _ in attn_widths(a, t).gemms if g not in dict(attn_widths(a, t).replicated)) + 3
+                add("dp_shard", "all_reduce_amax", n, t, 2 * m * layers, 4 * linears, window="forward")
             if s.hpz_group:  # hpZ: the step's first gather over the shard group, every other in the group
                 add("dp_shard", "all_gather", n, t, 1, first, window="forward")
                 add("dp_shard", "all_gather", k, t, 2 * m - 1, pb * psi, window="backward")

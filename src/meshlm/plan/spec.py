@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..choices import AC_MODES, CP_IMPLS, OFFLOAD, OPTIMIZERS, PP_SCHEDULES as SCHEDULES, PRECISIONS, choose
+from ..choices import AC_MODES, CP_IMPLS, FP8_COMMS, OFFLOAD, OPTIMIZERS, PP_SCHEDULES as SCHEDULES, PRECISIONS, choose
 from ..config import AUTO, Config, ConfigError, resolve_auto
 from ..layout import Layout, check_cp, check_ep, check_shape, check_zeropp, from_config, model_args
 from ..model import args as model_args_module
@@ -92,6 +92,7 @@ class Spec(Layout):
     bucket_mb: float = 25.0
     reduce_dtype: str = "fp32"
     optim: str = "adamw"            # optim.name: "muon" adds plan/muon.py's memory, time and traffic
+    fp8_comm: tuple = FP8_COMMS     # training.fp8_comm: under fp8, the collectives moving float8 (tensorwise)
 
     @classmethod
     def of(cls, layout: Layout, **knobs) -> "Spec":
@@ -145,8 +146,9 @@ SEARCH_KNOBS = ("bucket_mb", "reduce_dtype", "offload_buffer_mb")
 
 
 def search_knobs(cfg: Config) -> dict:
-    """The config's SEARCH_KNOBS, so that `meshlm plan --config` prices what `meshlm estimate` would."""
-    return {k: getattr(cfg.parallel, k) for k in SEARCH_KNOBS}
+    """The config's SEARCH_KNOBS and training.fp8_comm, so that `meshlm plan --config` prices what
+    `meshlm estimate` would."""
+    return {**{k: getattr(cfg.parallel, k) for k in SEARCH_KNOBS}, "fp8_comm": tuple(cfg.training.fp8_comm)}
 
 
 def spec_from_config(cfg: Config, world: int | None) -> Spec:

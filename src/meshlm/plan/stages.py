@@ -44,6 +44,19 @@ def block_params_local(shape: Shape, tp: int, ep: int = 1, frac: float | None = 
     return attn + 2 * a.dim + mlp, 0.0
 
 
+def float8_params_local(shape: Shape, tp: int) -> float:
+    """Parameters of one Block (averaged over a MoE model's blocks) on one TP rank that fp8 training
+    multiplies in float8 as linears, and so ZeRO-3 gathers in float8 (training.fp8_comm "zero"): the
+    attention's split projections (not MLA's replicated latents), the dense FFN, the shared experts.
+    Routed experts, norms and routers are gathered in bf16 (docs/fp8.md)."""
+    a = shape.args
+    w = attn_widths(a, tp)
+    whole = {name for name, _ in w.replicated}
+    attn = sum(n * k for name, n, k in w.gemms if name not in whole)
+    frac = a.n_moe_blocks / a.n_layers if shape.moe else 0.0
+    return attn + (1 - frac) * 3 * a.dim * a.ffn_dim / tp + frac * 3 * a.dim * a.expert_dim * a.shared_experts / tp
+
+
 def pipeline_roles(pp: int) -> tuple[str, ...]:
     """The ranks the planner sizes: the first and the last, and with pp >= 3 the middle rank holding
     the most blocks (it sets the pace when the end stages are given fewer blocks)."""

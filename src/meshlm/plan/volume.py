@@ -16,7 +16,7 @@ Traffic = list[tuple[str, float, float]]
 
 
 def tp_traffic(args, tokens: float, layers: float, first: bool, last: bool, sp: bool, ac: str, act_bytes: int,
-               param_bytes: int = 4, moe_ffn: float = 0.0, seq_len: int = 0) -> Traffic:
+               param_bytes: int = 4, moe_ffn: float = 0.0, seq_len: int = 0, fp8: frozenset | None = None) -> Traffic:
     """One tensor-parallel rank of a stage holding `layers` blocks (`first`: the embedding, `last`: the
     head and loss), `tokens` per micro-batch on this rank's sequence (before SP's split).
 
@@ -34,7 +34,13 @@ def tp_traffic(args, tokens: float, layers: float, first: bool, last: bool, sp: 
     the tokens ahead (leaving the embedding's region again), run the head again (entering it), and
     their losses cover the positions that have a target k + 1 ahead (tokens · (seq_len − k) / seq_len,
     `seq_len` needed then); under SP their projection reads the residual stream (its gradient summed)
-    and their three norms (two inputs, the head's) are sequence-split like the others."""
+    and their three norms (two inputs, the head's) are sequence-split like the others.
+
+    fp8 (`fp8`: the training.fp8_comm entries in use, layout.fp8_comm_in_use; None: another precision):
+    under SP every block region's entry gathers by a hook and keeps what it gathered, so nothing is
+    re-gathered but the head's input; with "sp" the entries whose readers all multiply in float8 (a
+    dense attention's, a dense FFN's: not MLA's latent projections, not a MoE block's router) gather one
+    byte an element after one all-reduce of their fp32 amax ("all_reduce_amax"). Docs: docs/fp8.md."""
     act = act_bytes * tokens * args.dim
     mtp = args.mtp_depth if last else 0
     heads = (1 + mtp) if last else 0
@@ -42,9 +48,17 @@ def tp_traffic(args, tokens: float, layers: float, first: bool, last: bool, sp: 
     full = ac in ("full", "op")
     again_in, again_out = (2 * (layers - mtp), layers - mtp) if full else (0, 0)  # MTP blocks are not rerun
     out: Traffic = []
-    if sp:
+    if sp and fp8 is not None:
+        f8 = (layers - moe_ffn + (0 if args.mla else layers)) if "sp" in fp8 else 0
+        f8_again = f8 * again_in / (2 * layers) if layers else 0
+        out.append(("all_gather", entries + leaves + heads + again_in - f8 - f8_again, act))
+        if f8:
+            out.append(("all_gather", f8 + f8_again, act / act_bytes))
+            out.append(("all_reduce_amax", f8 + f8_again, 4))
+    if sp and fp8 is None:
         regather = 2 * layers - moe_ffn - (layers if args.mla else 0) + heads  # MLA's entry gathers whole
         out.append(("all_gather", entries + leaves + regather + again_in, act))
+    if sp:
         out.append(("reduce_scatter", leaves + entries + again_out, act))
         out.append(("all_reduce", 2 * layers + last + 3 * mtp, param_bytes * args.dim))  # norm gains' gradients
         out += [("all_reduce", mtp, param_bytes * 2 * args.dim * args.dim)] if mtp else []  # MTP projections
@@ -101,7 +115,8 @@ def cp_traffic(args, tokens: float, layers: float, cp: int, impl: str, tp: int, 
     return out + [("all_to_all", 4 * (2 * layers + rerun), qkvo / 4)]
 
 
-def ep_traffic(args, tokens: float, layers: float, ac: str, act_bytes: int, capacity: float = 1.0) -> Traffic:
+def ep_traffic(args, tokens: float, layers: float, ac: str, act_bytes: int, capacity: float = 1.0,
+               fp8: bool = False) -> Traffic:
     """One expert-parallel rank holding `layers` MoE blocks, `tokens` routed per micro-batch (every TP
     rank dispatches the full tokens itself): each block sends its routed copies out and back in forward
     (again under full AC) and both ways in backward, top_k copies a token (× the capacity factor; the
@@ -110,10 +125,18 @@ def ep_traffic(args, tokens: float, layers: float, ac: str, act_bytes: int, capa
     dispatch that deduplicates per node, DeepEP's, would move ≤ topk_group copies across nodes: meshlm
     has none, docs/deepseek_v3.md). The split sizes (E int64 a block and forward) go first. A rank
     books what it sends: the combine direction sends what its experts received, so one rank's bytes
-    vary with the routing and their mean over the ep ranks is this (exact when dropless)."""
+    vary with the routing and their mean over the ep ranks is this (exact when dropless). `fp8`
+    (training.fp8_comm "ep"): the dispatch direction (the forward's tokens to the experts, the
+    backward's gradients to the down-projections) moves one byte an element and a 4-byte scale a row,
+    the combine direction stays in the activation dtype (DeepSeek-V3's choice, docs/fp8.md)."""
     fwd = 2 if ac == "full" else 1
-    routed = act_bytes * args.dim * tokens * args.top_k * capacity
-    return [("all_to_all", layers * 2 * (fwd + 1), routed), ("all_to_all", layers * fwd, 8 * args.num_experts)]
+    rows = tokens * args.top_k * capacity
+    routed = act_bytes * args.dim * rows
+    split = ("all_to_all", layers * fwd, 8 * args.num_experts)
+    if not fp8:
+        return [("all_to_all", layers * 2 * (fwd + 1), routed), split]
+    return [("all_to_all", layers * (fwd + 1), routed), ("all_to_all", layers * (fwd + 1), (args.dim + 4) * rows),
+            split]
 
 
 @lru_cache(maxsize=256)
@@ -129,7 +152,7 @@ def moe_bias_bytes(args) -> int:
     return 8 * moe_blocks(args) * args.num_experts if balancing else 0
 
 
-BOOKED_PER_BUFFER = {"all_reduce": 2}
+BOOKED_PER_BUFFER = {"all_reduce": 2, "all_reduce_amax": 2}
 
 
 def booked(traffic: Traffic, accum: int) -> dict[str, tuple[int, int]]:
@@ -145,18 +168,19 @@ def booked(traffic: Traffic, accum: int) -> dict[str, tuple[int, int]]:
 
 
 def tp_step_bytes(args, micro_batch: int, seq_len: int, accum: int, tp: int, sp: bool, ac: str = "none",
-                  act_bytes: int = 4, param_bytes: int = 4) -> dict[str, tuple[int, int]]:
+                  act_bytes: int = 4, param_bytes: int = 4, fp8: frozenset | None = None) -> dict[str, tuple[int, int]]:
     """What one process's TP group books per optimizer step, the whole model on it (pp = 1, cp = 1)."""
     if tp == 1:
         return {}
     L, moe = args.n_layers + args.mtp_depth, moe_blocks(args)
-    return booked(tp_traffic(args, micro_batch * seq_len, L, True, True, sp, ac, act_bytes, param_bytes, moe, seq_len)
-                  + tp_weight_traffic(args, tp, L, param_bytes, moe), accum)
+    return booked(tp_traffic(args, micro_batch * seq_len, L, True, True, sp, ac, act_bytes, param_bytes, moe, seq_len,
+                             fp8) + tp_weight_traffic(args, tp, L, param_bytes, moe), accum)
 
 
-def ep_step_bytes(args, tokens: int, accum: int, ac: str = "none", act_bytes: int = 4) -> dict[str, tuple[int, int]]:
+def ep_step_bytes(args, tokens: int, accum: int, ac: str = "none", act_bytes: int = 4,
+                  fp8: bool = False) -> dict[str, tuple[int, int]]:
     """What one process's EP group books per optimizer step, the whole model on it (pp = 1, tp = 1)."""
-    return booked(ep_traffic(args, tokens, moe_blocks(args), ac, act_bytes), accum)
+    return booked(ep_traffic(args, tokens, moe_blocks(args), ac, act_bytes, fp8=fp8), accum)
 
 
 def cp_step_bytes(args, micro_batch: int, seq_len: int, accum: int, cp: int, impl: str, tp: int = 1,

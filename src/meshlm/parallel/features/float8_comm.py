@@ -20,20 +20,12 @@ from torch.autograd import Function
 from ...distributed.comm import Comm
 from ...distributed.float8_comm import amax, decode, encode, shared_scales
 from ...distributed.functional import all_gather_dim, reduce_scatter_dim
+from ...layout import fp8_comm_in_use
 
 
 def comm_in_use(training, layout) -> frozenset[str]:
-    """The entries of training.fp8_comm this run uses: an entry the layout lacks (no ZeRO-3 shard group,
-    no SP, ep = 1), ZeRO++ (whose gathers are its own: qwZ int8, hpZ) or, for "zero" and "sp", the
-    rowwise recipe leaves it out. EP's dispatch scales each row whatever the recipe (the experts' GEMMs
-    are row-wise: model/fp8_grouped.py)."""
-    if training.precision != "fp8":
-        return frozenset()
-    used = {"ep"} if layout.ep_enabled else set()
-    if training.fp8_recipe == "tensorwise":
-        used |= {"zero"} if layout.zero == 3 and layout.shard_group > 1 and not layout.zeropp_enabled else set()
-        used |= {"sp"} if layout.sp_enabled else set()
-    return frozenset(set(training.fp8_comm) & used)
+    """The entries of training.fp8_comm this run uses (layout.fp8_comm_in_use)."""
+    return fp8_comm_in_use(training.precision, training.fp8_recipe, training.fp8_comm, layout)
 
 
 def _training_tensor(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, mm_config, weight: bool):
