@@ -139,20 +139,20 @@ class _SumGradOverReplicas(Function):
         return buf[slot].clone(), None, None
 
 
-class _AllToAll(Function):
+class AllToAll(Function):
     """The exchange forward, its transpose (the splits swapped) backward."""
 
     @staticmethod
     def forward(ctx, x, comm, out_splits, in_splits):
         ctx.comm, ctx.out_splits, ctx.in_splits = comm, out_splits, in_splits
-        return _exchange(x, comm, out_splits, in_splits)
+        return exchange(x, comm, out_splits, in_splits)
 
     @staticmethod
     def backward(ctx, g):
-        return _exchange(g, ctx.comm, ctx.in_splits, ctx.out_splits), None, None, None
+        return exchange(g, ctx.comm, ctx.in_splits, ctx.out_splits), None, None, None
 
 
-def _exchange(x: torch.Tensor, comm: Comm, out_splits, in_splits) -> torch.Tensor:
+def exchange(x: torch.Tensor, comm: Comm, out_splits, in_splits) -> torch.Tensor:
     x = x.contiguous()
     rows = sum(out_splits) if out_splits is not None else x.shape[0]
     out = x.new_empty((rows,) + tuple(x.shape[1:]))
@@ -165,7 +165,7 @@ def all_to_all(x: torch.Tensor, comm: Comm, out_splits: list[int] | None = None,
     """Rows `in_splits[i]` of x (dim 0) go to peer i and `out_splits[i]` rows arrive from peer i, in rank
     order (None: equal blocks), with autograd. Expert dispatch and Ulysses' head/sequence swaps both
     use it."""
-    return _AllToAll.apply(x, comm, out_splits, in_splits)
+    return AllToAll.apply(x, comm, out_splits, in_splits)
 
 
 def copy_to(x: torch.Tensor, comm: Comm) -> torch.Tensor:

@@ -18,8 +18,9 @@ COMM_OPS = ("c10d::", "gloo:", "nccl:", "record_param_comms")
 # context_parallel.py, zero/sync.py), forward and backward: the collective's c10d op only launches it
 # and the wait for the peers falls in the function's own self time, so that is comm, not dispatch (a
 # tp 2 trace books ~4 ms per call of _ReduceFrom, against ~15 µs for the identity _CopyTo forward)
-COLLECTIVE_FUNCTIONS = ("_CopyTo", "_ReduceFrom", "_SeqCollective", "_GatherLinears",
-                        "_SumGradOverReplicas", "_AllToAll", "_VocabParallelCE", "_RingAttention", "_PreBackward")
+COLLECTIVE_FUNCTIONS = ("_CopyTo", "_ReduceFrom", "_SeqCollective", "_GatherLinears", "_SumGradOverReplicas",
+                        "AllToAll", "_Float8Dispatch", "_Float8Combine", "_VocabParallelCE", "_RingAttention",
+                        "_PreBackward")
 # aten ops that move no data (views, metadata, allocation) or whose work is their children's (wrappers):
 # their time is dispatch. Every non-aten event (autograd nodes, Python autograd functions) is too.
 NO_DATA = {"aten::" + n for n in (

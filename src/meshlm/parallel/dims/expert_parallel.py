@@ -36,7 +36,7 @@ from torch import nn
 from torch.autograd import Function
 
 from ...distributed.comm import Comm
-from ...distributed.functional import _exchange, all_to_all, copy_to, reduce_from
+from ...distributed.functional import AllToAll, all_to_all, copy_to, exchange, reduce_from
 from ...model.fp8_grouped import E4M3, Float8Gemms, Float8Rows, quantize
 from ...model.moe import BALANCE, CALLS, DROPPED, MoE
 from ...model.ops import eager_under_compile
@@ -49,7 +49,7 @@ def _send_float8(x: torch.Tensor, comm: Comm, out_splits, in_splits) -> tuple[to
     bytes per row: what arrived, (e4m3 rows, scales [rows, 1])."""
     q, s = quantize(x)
     d = x.shape[-1]
-    got = _exchange(torch.cat([q.view(torch.uint8), s.view(torch.uint8)], 1), comm, out_splits, in_splits)
+    got = exchange(torch.cat([q.view(torch.uint8), s.view(torch.uint8)], 1), comm, out_splits, in_splits)
     return got[:, :d].view(E4M3), got[:, d:].contiguous().view(torch.float32)
 
 
@@ -64,16 +64,12 @@ class _Float8Dispatch(Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _exchange(g, ctx.comm, ctx.in_splits, ctx.out_splits), None, None, None
+        return exchange(g, ctx.comm, ctx.in_splits, ctx.out_splits), None, None, None
 
 
-class _Float8Combine(Function):
-    """Experts to tokens in the outputs' dtype; backward, the gradients back to the experts, in float8."""
-
-    @staticmethod
-    def forward(ctx, z, comm, out_splits, in_splits):
-        ctx.comm, ctx.out_splits, ctx.in_splits = comm, out_splits, in_splits
-        return _exchange(z, comm, out_splits, in_splits)
+class _Float8Combine(AllToAll):
+    """Experts to tokens in the outputs' dtype (AllToAll's forward); backward, the gradients back to the
+    experts, in float8."""
 
     @staticmethod
     def backward(ctx, g):
