@@ -5,6 +5,7 @@ search's own memory and step time of its chosen layout equal `meshlm estimate` o
 `meshlm plan --emit-config` would write for it."""
 import argparse
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -71,3 +72,24 @@ def test_search_prices_its_layout_as_estimate(name, preset, gpu_name, n, seq, se
     assert plain["step_s"] == searched_step
     if not spec.pp_enabled:
         assert out["step_s"] == searched_step
+
+
+def test_search_lower_bound_never_exceeds_the_model():
+    """The search's compute-only bound on the step time stays under the full time model (its memory is
+    estimate's own: tests/test_plan_search_prices.py)."""
+    from meshlm.plan.estimate import time_model
+    from meshlm.plan.search import _lower_bound
+    from meshlm.plan.spec import Shape, Spec, presets
+    sh, gpu, o = Shape(presets()["llama3-70b"], "llama3-70b"), get_gpu("h100"), Options()
+    for s in [Spec(dp=2, tp=8, pp=4, sp=True, accum=16, micro_batch=2, ac="selective", seq_len=4096),
+              Spec(dp=4, tp=4, pp=4, cp=2, zero=3, zero_group=4, pp_schedule="interleaved", pp_virtual=2,
+                   accum=8, ac="none", seq_len=8192),
+              Spec(dp=8, tp=8, zero=1, zero_group=8, pp=1, accum=4, ac="full", offload="optimizer", seq_len=8192),
+              Spec(dp=2, pp=8, pp_schedule="gpipe", accum=8, ac="full", precision="fp32", seq_len=2048)]:
+        lb = _lower_bound(SimpleNamespace(shape=sh, gpu=gpu, micro={}), o, s, s.ac)
+        assert lb <= time_model(sh, s, gpu, o, simulate=False)["step_s"] * (1 + 1e-9)
+    ds = Shape(presets()["deepseek-v3"], "deepseek-v3")  # MLA, routed experts, the MTP module on the last stage
+    for s in [Spec(dp=256, ep=64, pp=4, pp_schedule="zbv", pp_virtual=2, zero=1, accum=15, ac="full", seq_len=4096),
+              Spec(dp=128, ep=32, tp=2, sp=True, pp=4, accum=30, ac="selective", seq_len=4096)]:
+        lb = _lower_bound(SimpleNamespace(shape=ds, gpu=gpu, micro={}), o, s, s.ac)
+        assert lb <= time_model(ds, s, gpu, o, simulate=False)["step_s"] * (1 + 1e-9)
