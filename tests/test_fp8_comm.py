@@ -170,3 +170,15 @@ def test_float8_gather_checkpoints_load_into_bf16(pools, tmp_path):
 def read_run(pools, cfg, run_dir: str) -> list[dict]:
     pools(2).run(train_case, C.to_dict(cfg), run_dir)
     return read_metrics(run_dir)
+
+
+def test_start_up_line_names_the_float8_collectives():
+    """An fp8_comm entry the layout does not have is left out, not refused: the start-up line says which
+    entries move float8 and which do not apply."""
+    from meshlm.cli import _fp8_comm
+    from meshlm.layout import resolve
+    moe = make_config(**FP8, model__preset="moe-debug", parallel__dp=2, parallel__ep=2, parallel__zero=3)
+    assert _fp8_comm(moe, resolve(moe, 2)) == " (float8 collectives: zero, ep; not applying here: sp)"
+    rowwise = make_config(**FP8, **TP_SP, training__fp8_recipe="rowwise", training__fp8_comm=["sp"])
+    assert _fp8_comm(rowwise, resolve(rowwise, 2)) == " (float8 collectives: none; not applying here: sp)"
+    assert _fp8_comm(make_config(**TP_SP), 2) == ""  # not fp8: nothing to say

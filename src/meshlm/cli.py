@@ -25,7 +25,8 @@ def cmd_train(args, extra: list[str]) -> int:
     if not args.worker and int(os.environ.get("RANK", "0")) == 0:
         t, attention = cfg.training, _attention(cfg, start.layout, start.asked_attn)
         print(f"meshlm: {cfg.model.preset}, {world} worker{'s' if world > 1 else ''}{_shared_gpus(cfg, world)}, "
-              f"precision {t.precision}, compile {'on' if t.compile else 'off'}{attention}, "
+              f"precision {t.precision}{_fp8_comm(cfg, start.layout)}, "
+              f"compile {'on' if t.compile else 'off'}{attention}, "
               f"run dir {run_dir}", file=sys.stderr)
     if not worker and (world > 1 or args.max_restarts):
         code = spawn(world, os.path.join(run_dir, "config.toml"), run_dir, args.max_restarts)
@@ -167,6 +168,20 @@ def _attention(cfg, layout, asked: str) -> str:
     why = "SDPA with the mask on a CPU, where flex fuses only its forward" if cfg.model.attn_impl == "sdpa" \
         else "flex on CUDA, measured faster than SDPA's dense mask"
     return f", attention {kernel} (auto: {why})"
+
+
+def _fp8_comm(cfg, layout) -> str:
+    """The start-up line's float8 collectives under fp8: the training.fp8_comm entries this layout uses,
+    and those it asked for that do not apply (no ZeRO-3 shard group, no SP, ep = 1, the rowwise recipe):
+    they are left out, not refused (docs/fp8.md)."""
+    from .layout import fp8_comm_in_use
+    t = cfg.training
+    if t.precision != "fp8":
+        return ""
+    used = fp8_comm_in_use(t.precision, t.fp8_recipe, t.fp8_comm, layout)
+    unused = [e for e in t.fp8_comm if e not in used]
+    return (f" (float8 collectives: {', '.join(e for e in t.fp8_comm if e in used) or 'none'}"
+            + (f"; not applying here: {', '.join(unused)}" if unused else "") + ")")
 
 
 def _shared_gpus(cfg, world: int) -> str:
