@@ -125,12 +125,17 @@ def test_forked_search_ranks_what_the_serial_one_does(monkeypatch):
     from meshlm.plan.hardware import get_gpu
     from meshlm.plan.search import plan
     from meshlm.plan.spec import Shape
+    from meshlm.plan import search
     shape = Shape(PRESETS["deepseek-v2-lite"], "deepseek-v2-lite")
+    dealt = []
+    workers_of = search._workers
+    monkeypatch.setattr(search, "_workers", lambda n: dealt.append(workers_of(n)) or dealt[-1])
     runs = []
     for workers in ("1", "2"):
         monkeypatch.setenv("MESHLM_PLAN_WORKERS", workers)
-        runs.append(plan(shape, get_gpu("h100"), 64, 4096, 512 * 4096, top=5, fixed={"tp": 1}))
+        runs.append(plan(shape, get_gpu("h100"), 32, 4096, 256 * 4096, top=5, fixed={"tp": 1}))
     serial, forked = runs
+    assert dealt == [1, 2]  # the second search really ran in two forked workers
     assert [r["layout"] for r in serial.ranked] == [r["layout"] for r in forked.ranked]
     # each worker's own heap bounds its share: how many were timed or bounded differs, nothing else
     def tallies(r):
