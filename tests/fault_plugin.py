@@ -90,9 +90,9 @@ class CorruptData:
     def __getattr__(self, name):
         return getattr(self.data, name)
 
-    def next_batch(self, dp_rank: int, dp_size: int):
+    def next_batch(self, dp_rank: int, dp_size: int, split: tuple[int, ...] = ()):
         position = self.data.sampler.state_dict()["step"]
-        batch = self.data.next_batch(dp_rank, dp_size)
+        batch = self.data.next_batch(dp_rank, dp_size, split)
         if position != self.position:
             return batch
         g = torch.Generator().manual_seed(1000 + position)  # this rank's slice of one seeded global batch
