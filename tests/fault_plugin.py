@@ -97,6 +97,6 @@ class CorruptData:
             return batch
         g = torch.Generator().manual_seed(1000 + position)  # this rank's slice of one seeded global batch
         rows = torch.randint(0, self.vocab, (self.global_batch, batch.inputs.shape[1] + 1), generator=g)
-        n = self.global_batch // dp_size
-        rows = rows[dp_rank * n:(dp_rank + 1) * n]
+        split = split or (self.global_batch // dp_size,) * dp_size  # parallel.dp_weights: uneven runs
+        rows = rows[sum(split[:dp_rank]):sum(split[:dp_rank + 1])]
         return type(batch)(rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), batch.docs)
