@@ -6,8 +6,9 @@ import tempfile
 
 import numpy as np
 import pytest
-from harness import assert_same_losses, make_config, reference, rows, run_layout, train_in
+from harness import assert_same_losses, make_config, read_metrics, reference, rows, train_case, train_in
 
+from meshlm import config as C
 from meshlm.config import ConfigError
 from meshlm.data.sampler import GlobalBatchSampler
 from meshlm.layout import resolve
@@ -90,18 +91,30 @@ CASES = [
 ]
 
 
+def _passes(trainer) -> tuple[int, int, int]:
+    """(dp index, micro-batches, passes) of a rank's step runner: the padding is seen, not assumed."""
+    return trainer.ctx.index("dp"), trainer.runner.accum, trainer.runner.passes
+
+
 @pytest.mark.parametrize("name,world,layout,batch", rows(CASES, slowest=["dp2-tp2-2-1", "ddp-1-3", "zero2-1-3"]))
 def test_uneven_layout_matches_one_process(pools, name, world, layout, batch):
     """Every update is the one-process update of the same global batch: the losses agree per step, so do
     the gradient norms (AdamW forgives a gradient scaled wrongly; the norm does not), and the metrics
-    count the real tokens of the whole global batch."""
+    count the real tokens of the whole global batch. DDP and ZeRO-1 run each replica's own count;
+    ZeRO-2/3 pad the lighter replica to the longest."""
     cfg = make_config(training__steps=STEPS, **batch, **layout)
-    got = run_layout(pools, cfg, world)
+    run_dir = tempfile.mkdtemp(prefix="meshlm-dpw-")
+    seen = pools(world).run(train_case, C.to_dict(cfg), run_dir, 0, _passes)
+    got = read_metrics(run_dir)
     ref = reference(training__steps=STEPS, **batch)
     assert_same_losses(ref, got, FP32)
     assert_same_norms(ref, got)
     seqs = batch.get("training__global_batch", 8)
     assert [r["tokens"] for r in got] == [r["step"] * seqs * 32 for r in got]
+    lay = resolve(make_config(training__steps=STEPS, **batch, **layout), world)
+    padded = lay.zero >= 2
+    assert seen == [(d, lay.accum_of(d), lay.accum if padded else lay.accum_of(d)) for d, _, _ in seen]
+    assert {d for d, _, _ in seen} == {0, 1}
 
 
 def test_checkpoint_under_weights_resumes_evenly_and_in_one_process(pools):
