@@ -12,6 +12,7 @@ from meshlm import config as C
 from meshlm.config import ConfigError
 from meshlm.data.sampler import GlobalBatchSampler
 from meshlm.layout import resolve
+from meshlm.plan.auto import resolve as auto_resolve
 
 FP32 = 1e-5
 STEPS = 6  # enough updates for a wrong average or a wrong slice to show in the loss
@@ -35,10 +36,15 @@ STEPS = 6  # enough updates for a wrong average or a wrong slice to show in the 
     ({"parallel__dp_weights": [1, 1], "model__moe__num_experts": 4}, 2,
      ("parallel.dp_weights: not with a mixture-of-experts model (its routing statistics are not checked under "
       "uneven replicas yet)")),
+    ({"parallel__dp_weights": [3, 1], "parallel__auto": True}, 2,
+     "parallel.dp_weights: not with parallel.auto (the planner chooses equal replicas)"),
+    ({"parallel__dp_weights": [3, 1], "parallel__elastic": "replan"}, 2,
+     "parallel.dp_weights: not with parallel.elastic = replan (the planner chooses equal replicas)"),
 ])
 def test_bad_dp_weights_is_one_clear_line(overrides, world, message):
+    """Through the trainer's entry (plan.auto.resolve: parallel.auto chooses before layout.resolve)."""
     with pytest.raises(ConfigError) as e:
-        resolve(make_config(**overrides), world)
+        auto_resolve(make_config(**overrides), world)
     assert str(e.value) == message
     assert "\n" not in str(e.value)
 

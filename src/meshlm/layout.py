@@ -354,15 +354,14 @@ def check_mtp(cfg: Config, args: ModelArgs) -> None:
 
 def check_dp_weights(cfg: Config, args: ModelArgs, layout: Layout) -> None:
     """What uneven data parallelism does not combine with (docs/heterogeneous.md): the pipeline runs one
-    micro-batch count on every stage, CP's and EP's groups span replicas that would run different counts,
-    and the planner prices equal replicas."""
+    micro-batch count on every stage, CP's and EP's groups span replicas that would run different counts.
+    (parallel.auto and elastic replanning: ParallelConfig.check.)"""
     p = cfg.parallel
     if not p.dp_weights:
         return
     why = {"pp > 1 (a pipeline schedule runs the same micro-batches on every replica)": layout.pp_enabled,
            "cp > 1 (uneven replicas with context parallelism are not available yet)": layout.cp_enabled,
            "ep > 1 (the expert all-to-all spans replicas that run different micro-batch counts)": layout.ep_enabled,
-           "parallel.auto (the planner prices equal replicas)": p.auto,
            "a mixture-of-experts model (its routing statistics are not checked under uneven replicas yet)": args.moe,
            "parallel.microbatches (it sets one count for every replica)": bool(p.microbatches)}
     for reason, on in why.items():

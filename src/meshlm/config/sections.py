@@ -184,6 +184,9 @@ class ParallelConfig:
         _choice(self.elastic, ELASTIC, "parallel.elastic")
         if any(w < 1 for w in self.dp_weights):
             raise ConfigError(f"parallel.dp_weights: every weight must be a positive integer, got {self.dp_weights}")
+        if self.dp_weights and (self.auto or self.elastic == "replan"):  # weights name a fixed set of replicas
+            raise ConfigError(f"parallel.dp_weights: not with {'parallel.auto' if self.auto else 'parallel.elastic = replan'}"
+                              f" (the planner chooses equal replicas)")
         hb = self.heartbeat_s
         if hb < 0 or 0 < hb < 3:
             raise ConfigError(f"parallel.heartbeat_s: must be 0 (off) or >= 3 s (stamps go out every second), "
