@@ -33,9 +33,9 @@ STEPS = 6  # enough updates for a wrong average or a wrong slice to show in the 
     ({"parallel__dp_weights": [1, 1], "parallel__ep": 2, "model__moe__num_experts": 4}, 2,
      ("parallel.dp_weights: not with ep > 1 (the expert all-to-all spans replicas that run different "
       "micro-batch counts)")),
-    ({"parallel__dp_weights": [1, 1], "model__moe__num_experts": 4}, 2,
-     ("parallel.dp_weights: not with a mixture-of-experts model (its routing statistics are not checked under "
-      "uneven replicas yet)")),
+    ({"parallel__dp_weights": [3, 1], "model__preset": "moe-debug", "parallel__zero": 3}, 2,
+     ("parallel.dp_weights: not with a mixture-of-experts model under ZeRO-2/3 (the lighter replica's "
+      "zero-weighted padding passes would count in the routing statistics)")),
     ({"parallel__dp_weights": [3, 1], "parallel__auto": True}, 2,
      "parallel.dp_weights: not with parallel.auto (the planner chooses equal replicas)"),
     ({"parallel__dp_weights": [3, 1], "parallel__elastic": "replan"}, 2,
@@ -94,6 +94,8 @@ CASES = [
     ("zero2-1-3", 2, {"parallel__zero": 2, "parallel__dp_weights": [1, 3]}, {}),
     ("zero3-3-1", 2, {"parallel__zero": 3, "parallel__dp_weights": [3, 1]}, {}),
     ("dp2-tp2-2-1", 4, {"parallel__tp": 2, "parallel__dp_weights": [2, 1]}, {"training__global_batch": 6}),
+    ("moe-ddp-3-1", 2, {"parallel__dp_weights": [3, 1]}, {"model__preset": "moe-debug"}),
+    ("moe-zero1-1-3", 2, {"parallel__zero": 1, "parallel__dp_weights": [1, 3]}, {"model__preset": "moe-debug"}),
 ]
 
 
@@ -102,22 +104,26 @@ def _passes(trainer) -> tuple[int, int, int]:
     return trainer.ctx.index("dp"), trainer.runner.accum, trainer.runner.passes
 
 
-@pytest.mark.parametrize("name,world,layout,batch", rows(CASES, slowest=["dp2-tp2-2-1", "ddp-1-3", "zero2-1-3"]))
-def test_uneven_layout_matches_one_process(pools, name, world, layout, batch):
+@pytest.mark.parametrize("name,world,layout,single", rows(CASES, slowest=["dp2-tp2-2-1", "ddp-1-3", "zero2-1-3",
+                                                                             "moe-zero1-1-3"]))
+def test_uneven_layout_matches_one_process(pools, name, world, layout, single):
     """Every update is the one-process update of the same global batch: the losses agree per step, so do
     the gradient norms (AdamW forgives a gradient scaled wrongly; the norm does not), and the metrics
-    count the real tokens of the whole global batch. DDP and ZeRO-1 run each replica's own count;
-    ZeRO-2/3 pad the lighter replica to the longest."""
-    cfg = make_config(training__steps=STEPS, **batch, **layout)
+    count the real tokens of the whole global batch; MoE's routing metrics are one process's. DDP and
+    ZeRO-1 run each replica's own count; ZeRO-2/3 pad the lighter replica to the longest. `single`: the
+    one-process run's own overrides."""
+    cfg = make_config(training__steps=STEPS, **single, **layout)
     run_dir = tempfile.mkdtemp(prefix="meshlm-dpw-")
     seen = pools(world).run(train_case, C.to_dict(cfg), run_dir, 0, _passes)
     got = read_metrics(run_dir)
-    ref = reference(training__steps=STEPS, **batch)
+    ref = reference(training__steps=STEPS, **single)
     assert_same_losses(ref, got, FP32)
     assert_same_norms(ref, got)
-    seqs = batch.get("training__global_batch", 8)
+    for a, b in zip(ref, got):  # MoE rows: the routing metrics (counts exactly; the aux loss to fp32)
+        assert b.get("moe", {}) == pytest.approx(a.get("moe", {}), rel=FP32), (a["step"], a.get("moe"), b.get("moe"))
+    seqs = single.get("training__global_batch", 8)
     assert [r["tokens"] for r in got] == [r["step"] * seqs * 32 for r in got]
-    lay = resolve(make_config(training__steps=STEPS, **batch, **layout), world)
+    lay = resolve(cfg, world)
     padded = lay.zero >= 2
     assert seen == [(d, lay.accum_of(d), lay.accum if padded else lay.accum_of(d)) for d, _, _ in seen]
     assert {d for d, _, _ in seen} == {0, 1}
