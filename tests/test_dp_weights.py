@@ -34,8 +34,8 @@ STEPS = 6  # enough updates for a wrong average or a wrong slice to show in the 
      ("parallel.dp_weights: not with ep > 1 (the expert all-to-all spans replicas that run different "
       "micro-batch counts)")),
     ({"parallel__dp_weights": [3, 1], "model__preset": "moe-debug", "parallel__zero": 3}, 2,
-     ("parallel.dp_weights: not with a mixture-of-experts model under ZeRO-2/3 (the lighter replica's "
-      "zero-weighted padding passes would count in the routing statistics)")),
+     ("parallel.dp_weights: not with a mixture-of-experts or MTP model under ZeRO-2/3 (the lighter replica's "
+      "zero-weighted padding passes would count in the routing statistics and the MTP loss)")),
     ({"parallel__dp_weights": [3, 1], "parallel__auto": True}, 2,
      "parallel.dp_weights: not with parallel.auto (the planner chooses equal replicas)"),
     ({"parallel__dp_weights": [3, 1], "parallel__elastic": "replan"}, 2,
