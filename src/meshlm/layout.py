@@ -27,7 +27,7 @@ class Layout:
     zero_group: int = 1             # dp ranks of one ZeRO shard group (= dp unless HSDP); unused at zero 0
     sp: bool = False                # sequence parallelism: on only where tp > 1 (`sp_enabled`)
     micro_batch: int = 1
-    accum: int = 1                  # micro-batches per optimizer step on each dp rank (= pipeline micro-batches)
+    accum: int = 1                  # micro-batches per step on each dp rank (= pipeline micro-batches; dp_weights: the most)
     quantize_weights: bool = False  # ZeRO++ qwZ (docs/zero.md)
     hpz_group: int = 0              # ZeRO++ hpZ: secondary shards over this many ranks; 0: off
     quantize_grads: bool = False    # ZeRO++ qgZ
