@@ -90,13 +90,13 @@ class CorruptData:
     def __getattr__(self, name):
         return getattr(self.data, name)
 
-    def next_batch(self, dp_rank: int, dp_size: int):
+    def next_batch(self, dp_rank: int, dp_size: int, split: tuple[int, ...] = ()):
         position = self.data.sampler.state_dict()["step"]
-        batch = self.data.next_batch(dp_rank, dp_size)
+        batch = self.data.next_batch(dp_rank, dp_size, split)
         if position != self.position:
             return batch
         g = torch.Generator().manual_seed(1000 + position)  # this rank's slice of one seeded global batch
         rows = torch.randint(0, self.vocab, (self.global_batch, batch.inputs.shape[1] + 1), generator=g)
-        n = self.global_batch // dp_size
-        rows = rows[dp_rank * n:(dp_rank + 1) * n]
+        split = split or (self.global_batch // dp_size,) * dp_size  # parallel.dp_weights: uneven runs
+        rows = rows[sum(split[:dp_rank]):sum(split[:dp_rank + 1])]
         return type(batch)(rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), batch.docs)

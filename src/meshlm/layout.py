@@ -27,10 +27,11 @@ class Layout:
     zero_group: int = 1             # dp ranks of one ZeRO shard group (= dp unless HSDP); unused at zero 0
     sp: bool = False                # sequence parallelism: on only where tp > 1 (`sp_enabled`)
     micro_batch: int = 1
-    accum: int = 1                  # micro-batches per optimizer step on each dp rank (= pipeline micro-batches)
+    accum: int = 1                  # micro-batches per step on each dp rank (= pipeline micro-batches; dp_weights: the most)
     quantize_weights: bool = False  # ZeRO++ qwZ (docs/zero.md)
     hpz_group: int = 0              # ZeRO++ hpZ: secondary shards over this many ranks; 0: off
     quantize_grads: bool = False    # ZeRO++ qgZ
+    dp_accums: tuple[int, ...] = ()  # parallel.dp_weights: micro-batches of each dp replica; (): `accum` each
 
     @property
     def world_size(self) -> int:
@@ -57,8 +58,30 @@ class Layout:
         return self.accum
 
     @property
+    def step_microbatches(self) -> int:
+        """Micro-batches of one step over all dp replicas (the global batch in micro-batches)."""
+        return sum(self.dp_accums) if self.dp_accums else self.accum * self.dp
+
+    @property
+    def mean_accum(self) -> float:
+        """Micro-batches per replica on average: each replica scales its micro-batch losses by its
+        inverse, so the dp average of the gradients is the mean over every micro-batch of the global
+        batch (= `accum` exactly without dp_weights)."""
+        return self.step_microbatches / self.dp
+
+    def accum_of(self, dp_rank: int) -> int:
+        """Micro-batches replica `dp_rank` runs per step (docs/heterogeneous.md)."""
+        return self.dp_accums[dp_rank] if self.dp_accums else self.accum
+
+    @property
+    def dp_rows(self) -> tuple[int, ...]:
+        """Sequences of each replica per step under dp_weights (replica r reads the r-th contiguous run
+        of the global batch); () for the equal split."""
+        return tuple(self.micro_batch * a for a in self.dp_accums)
+
+    @property
     def global_batch(self) -> int:
-        return self.micro_batch * self.accum * self.dp
+        return self.micro_batch * self.step_microbatches
 
     @property
     def zpp_group(self) -> int:
@@ -127,14 +150,34 @@ class Layout:
 def from_config(cfg: Config, world: int | None = None, flag: str = "--nproc") -> Layout:
     """Config → Layout, the one place a config's parallel section becomes degrees: the batch split of
     `world` ranks (dp = -1 takes the ranks pp×cp×tp leave), or with `world` None the ranks the section
-    itself fixes (a run's config.toml; dp = -1 counts one replica). `flag` names the world in errors."""
+    itself fixes (a run's config.toml; dp = -1 counts one replica, or one per parallel.dp_weights).
+    `flag` names the world in errors."""
     p, t = cfg.parallel, cfg.training
-    if world is None:
-        world = Layout(dp=max(p.dp, 1), tp=p.tp, pp=p.pp, cp=p.cp).world_size
+    if world is None:  # parallel.dp_weights names one weight per replica
+        world = Layout(dp=p.dp if p.dp > 0 else max(len(p.dp_weights), 1), tp=p.tp, pp=p.pp, cp=p.cp).world_size
     dp, accum = batch_split(p, t, world, flag)
+    accums = weighted_accums(p.dp_weights, dp, t.global_batch, t.micro_batch)
     return Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, zero_group=p.zero_group or dp,
-                  sp=bool(p.sp), micro_batch=t.micro_batch, accum=accum, quantize_weights=bool(p.quantize_weights),
-                  hpz_group=p.hpz_group, quantize_grads=bool(p.quantize_grads))
+                  sp=bool(p.sp), micro_batch=t.micro_batch, accum=max(accums, default=accum),
+                  quantize_weights=bool(p.quantize_weights), hpz_group=p.hpz_group,
+                  quantize_grads=bool(p.quantize_grads), dp_accums=accums)
+
+
+def weighted_accums(weights: list[int], dp: int, global_batch: int, micro_batch: int) -> tuple[int, ...]:
+    """Each replica's micro-batches per step under parallel.dp_weights (() without), or a ConfigError:
+    the weights must split the global batch into whole micro-batches per replica."""
+    if not weights:
+        return ()
+    if len(weights) != dp:
+        raise LayoutError(f"parallel.dp_weights: {len(weights)} weights for dp = {dp} replicas (one per replica)")
+    if min(weights) < 1:
+        raise ConfigError(f"parallel.dp_weights: every weight must be a positive integer, got {list(weights)}")
+    rows = [global_batch * w / sum(weights) for w in weights]
+    if any(global_batch * w % (sum(weights) * micro_batch) for w in weights):
+        raise LayoutError(f"parallel.dp_weights: {list(weights)} split training.global_batch {global_batch} into "
+                          f"{', '.join(f'{r:g}' for r in rows)} sequences, not whole micro-batches of "
+                          f"training.micro_batch {micro_batch} per replica")
+    return tuple(global_batch * w // (sum(weights) * micro_batch) for w in weights)
 
 
 def batch_split(p, t, world: int, flag: str = "--nproc") -> tuple[int, int]:
@@ -152,6 +195,8 @@ def batch_split(p, t, world: int, flag: str = "--nproc") -> tuple[int, int]:
                           f"{p.pp}×{dp}×{p.cp}×{p.tp} needs {need}")
     if t.micro_batch < 1 or t.global_batch < 1:
         raise LayoutError("training.micro_batch: batch sizes must be >= 1")
+    if getattr(p, "dp_weights", None):  # the uneven split is checked by `weighted_accums`
+        return dp, t.global_batch // (t.micro_batch * dp)
     if t.global_batch % (t.micro_batch * dp):
         raise LayoutError(f"training.global_batch: {t.global_batch} is not divisible by "
                           f"micro_batch×dp = {t.micro_batch}×{dp}")
@@ -241,6 +286,7 @@ def resolve(cfg: Config, world_size: int) -> Layout:
     check_fp8(cfg, args)
     check_mtp(cfg, args)
     check_zeropp(layout, p.offload)
+    check_dp_weights(cfg, args, layout)
     if layout.pp_enabled or p.pp_virtual > 1 or p.pp_layers:
         _check_pipeline(cfg, args, layout.microbatches)
     check_export(cfg, args)
@@ -304,6 +350,25 @@ def check_mtp(cfg: Config, args: ModelArgs) -> None:
         raise ConfigError("training.loss_chunks: the chunked loss head takes a sequence-parallel shard, from "
                           "which the MTP loss cannot pick its positions; with model.mtp_depth > 0 and "
                           "parallel.sp use training.loss_chunks = 0")
+
+
+def check_dp_weights(cfg: Config, args: ModelArgs, layout: Layout) -> None:
+    """What uneven data parallelism does not combine with (docs/heterogeneous.md): the pipeline runs one
+    micro-batch count on every stage, CP's and EP's groups span replicas that would run different counts.
+    (parallel.auto and elastic replanning: ParallelConfig.check.)"""
+    p = cfg.parallel
+    if not p.dp_weights:
+        return
+    why = {"pp > 1 (a pipeline schedule runs the same micro-batches on every replica)": layout.pp_enabled,
+           "cp > 1 (uneven replicas with context parallelism are not available yet)": layout.cp_enabled,
+           "ep > 1 (the expert all-to-all spans replicas that run different micro-batch counts)": layout.ep_enabled,
+           "a mixture-of-experts or MTP model under ZeRO-2/3 (the lighter replica's zero-weighted padding "
+           "passes would count in the routing statistics and the MTP loss)":
+               (args.moe or bool(args.mtp_depth)) and layout.zero >= 2 and layout.zero_enabled,
+           "parallel.microbatches (it sets one count for every replica)": bool(p.microbatches)}
+    for reason, on in why.items():
+        if on:
+            raise LayoutError(f"parallel.dp_weights: not with {reason}")
 
 
 def check_zeropp(layout: Layout, offload: str) -> None:

@@ -158,6 +158,7 @@ class ParallelConfig:
     heartbeat_s: float = 30.0  # a rank silent this long is lost: every rank fails at once (0: off)
     auto: bool = False  # the planner picks every key above and training.micro_batch / ac (plan/auto.py)
     elastic: str = "fail"  # after a resize: "fail" if the layout does not fit the new world, "replan"
+    dp_weights: list[int] = field(default_factory=list)  # per dp replica: uneven batch split; empty: equal
 
     def check(self, cfg: Config) -> None:
         """The keys alone; the degrees against the world and the model: layout.resolve."""
@@ -181,6 +182,11 @@ class ParallelConfig:
         if self.zero_group and self.zero == 0:
             raise ConfigError("parallel.zero_group: HSDP groups need a ZeRO stage (zero >= 1)")
         _choice(self.elastic, ELASTIC, "parallel.elastic")
+        if any(w < 1 for w in self.dp_weights):
+            raise ConfigError(f"parallel.dp_weights: every weight must be a positive integer, got {self.dp_weights}")
+        if self.dp_weights and (self.auto or self.elastic == "replan"):  # weights name a fixed set of replicas
+            raise ConfigError(f"parallel.dp_weights: not with {'parallel.auto' if self.auto else 'parallel.elastic = replan'}"
+                              f" (the planner chooses equal replicas)")
         hb = self.heartbeat_s
         if hb < 0 or 0 < hb < 3:
             raise ConfigError(f"parallel.heartbeat_s: must be 0 (off) or >= 3 s (stamps go out every second), "

@@ -23,9 +23,10 @@ class TrainingData:
     def vocab_size(self) -> int:
         return max(s.vocab_size for s in self.train)
 
-    def next_batch(self, dp_rank: int, dp_size: int) -> Batch:
+    def next_batch(self, dp_rank: int, dp_size: int, rows: tuple[int, ...] = ()) -> Batch:
+        """`rows`: sequences of each dp rank when they differ (parallel.dp_weights)."""
         shards = self.train if self.weights else self.train[0]
-        return self.sampler.next_batch(shards, dp_rank, dp_size, self.docs)
+        return self.sampler.next_batch(shards, dp_rank, dp_size, self.docs, rows)
 
     def eval_batches(self, batch: int, n_batches: int) -> list[Batch]:
         return eval_batches(self.val if self.weights else self.val[0], self.sampler.seq_len, batch, n_batches,

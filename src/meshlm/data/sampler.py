@@ -102,7 +102,15 @@ def _windows(reads: list[tuple[object, int]], seq_len: int, docs: bool) -> Batch
     return Batch(rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), ids)
 
 
-def _dp_slice(global_batch: int, dp_rank: int, dp_size: int) -> slice:
+def _dp_slice(global_batch: int, dp_rank: int, dp_size: int, rows: tuple[int, ...] = ()) -> slice:
+    """Rank `dp_rank`'s contiguous run of the global batch: equal runs, or `rows[r]` sequences each
+    (parallel.dp_weights)."""
+    if rows:
+        if len(rows) != dp_size or sum(rows) != global_batch or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"data: rows {list(rows)} of dp rank {dp_rank} do not split global_batch {global_batch} "
+                             f"over {dp_size} ranks")
+        start = sum(rows[:dp_rank])
+        return slice(start, start + rows[dp_rank])
     if dp_size < 1 or global_batch % dp_size != 0:
         raise ValueError(f"data: global_batch {global_batch} is not divisible by data-parallel size {dp_size}")
     if not 0 <= dp_rank < dp_size:
@@ -144,16 +152,18 @@ class GlobalBatchSampler:
             raise ValueError(f"data: step must be >= 0, got {step}")
         return self.order.take(int(step) * self.global_batch, self.global_batch).tolist()
 
-    def batch(self, shards, step: int, dp_rank: int = 0, dp_size: int = 1, docs: bool = False) -> Batch:
-        """This rank's contiguous slice of global batch `step`."""
-        part = _dp_slice(self.global_batch, dp_rank, dp_size)
+    def batch(self, shards, step: int, dp_rank: int = 0, dp_size: int = 1, docs: bool = False,
+              rows: tuple[int, ...] = ()) -> Batch:
+        """This rank's contiguous slice of global batch `step` (`rows`: uneven slices, `_dp_slice`)."""
+        part = _dp_slice(self.global_batch, dp_rank, dp_size, rows)
         if len(shards) < self.num_windows * self.seq_len + 1:
             raise ValueError(f"data: shards hold {len(shards)} tokens but the sampler was built for "
                              f"{self.num_tokens}")
         return _windows([(shards, i) for i in self.indices(step)[part]], self.seq_len, docs)
 
-    def next_batch(self, shards, dp_rank: int = 0, dp_size: int = 1, docs: bool = False) -> Batch:
-        out = self.batch(shards, self.step, dp_rank, dp_size, docs)
+    def next_batch(self, shards, dp_rank: int = 0, dp_size: int = 1, docs: bool = False,
+                   rows: tuple[int, ...] = ()) -> Batch:
+        out = self.batch(shards, self.step, dp_rank, dp_size, docs, rows)
         self.step += 1
         return out
 
@@ -202,14 +212,16 @@ class MixtureSampler:
         self.slots = WindowOrder(global_batch, _key(seed, len(sizes), 1) >> 1)
         self.step = 0
 
-    def batch(self, shards: list, step: int, dp_rank: int = 0, dp_size: int = 1, docs: bool = False) -> Batch:
-        part = _dp_slice(self.global_batch, dp_rank, dp_size)
+    def batch(self, shards: list, step: int, dp_rank: int = 0, dp_size: int = 1, docs: bool = False,
+              rows: tuple[int, ...] = ()) -> Batch:
+        part = _dp_slice(self.global_batch, dp_rank, dp_size, rows)
         reads = [(shards[k], i) for k, p in enumerate(self.parts) for i in p.indices(step)]
         order = self.slots.permute(step, np.arange(self.global_batch, dtype=np.uint64))
         return _windows([reads[j] for j in order[part]], self.seq_len, docs)
 
-    def next_batch(self, shards: list, dp_rank: int = 0, dp_size: int = 1, docs: bool = False) -> Batch:
-        out = self.batch(shards, self.step, dp_rank, dp_size, docs)
+    def next_batch(self, shards: list, dp_rank: int = 0, dp_size: int = 1, docs: bool = False,
+                   rows: tuple[int, ...] = ()) -> Batch:
+        out = self.batch(shards, self.step, dp_rank, dp_size, docs, rows)
         self.step += 1
         return out
 

@@ -30,12 +30,15 @@ class StepRunner(Protocol):
 
 class Accumulation:
     """Gradient accumulation: `accum` micro-batches of `micro_batch` rows run one after another; the
-    gradient reductions start on the last one's backward (`grads.set_sync`), overlapping it."""
+    gradient reductions start on the last one's backward (`grads.set_sync`), overlapping it.
+    `pad_to`: under parallel.dp_weights with ZeRO-2/3, whose gathers and reduce-scatters run on every
+    micro-batch, a replica with fewer micro-batches runs more of them, weighted 0, so every replica
+    joins the same collectives (docs/heterogeneous.md)."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 grads: GradSync, micro_batch: int, accum: int):
+                 grads: GradSync, micro_batch: int, accum: int, pad_to: int = 0):
         self.model, self.loss_fn, self.grads = model, loss_fn, grads
-        self.micro_batch, self.accum = micro_batch, accum
+        self.micro_batch, self.accum, self.passes = micro_batch, accum, max(accum, pad_to)
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
         """The mean token loss of one micro-batch (with the autograd graph)."""
@@ -47,12 +50,14 @@ class Accumulation:
         mb = self.micro_batch
         loss_sum = torch.zeros((), device=inputs.device)
         self.grads.begin_step()
-        for i in range(self.accum):
-            self.grads.set_sync(i == self.accum - 1)
-            part = slice(i * mb, (i + 1) * mb)
+        for i in range(self.passes):
+            self.grads.set_sync(i == self.passes - 1)
+            real = i < self.accum  # a padding pass re-reads the first micro-batch, its gradient times 0
+            part = slice(i * mb, (i + 1) * mb) if real else slice(0, mb)
             loss = self.loss(inputs[part], targets[part], None if docs is None else docs[part])
-            (loss * scale).backward()
-            loss_sum += loss.detach()
+            (loss * (scale if real else 0.0)).backward()
+            if real:
+                loss_sum += loss.detach()
         self.grads.finish()
         return loss_sum
 

@@ -39,6 +39,8 @@ def cpu_profile(peak_tflops: float = 0.0) -> GPU:
 def choose(cfg: Config, world: int, gpu: GPU | None = None, o: Options | None = None) -> tuple[Config, dict]:
     """(the config with the chosen layout, a record of the choice and its predicted numbers), or a
     one-line ConfigError when no layout of `world` ranks fits."""
+    if cfg.parallel.dp_weights:  # the search prices equal replicas: ParallelConfig.check refuses it in one line
+        cfg.parallel.check(cfg)
     cfg = priced_on(cfg, gpu=gpu is not None)  # training.precision / compile "auto": this device's
     if gpu is None:
         gpu = cpu_profile(cfg.training.peak_tflops)

@@ -186,12 +186,14 @@ class Trainer:
         tensors (`loss_sum`, `norm`, `skipped`) are read by the metrics line on logged steps only."""
         t, par, state, scaler = self.cfg.training, self.par, self.state, self.state.scaler
         t0 = time.perf_counter()
-        batch = local_batch(self.data.next_batch(self.ctx.index("dp"), self.layout.dp), par.local_tokens,
-                            self.ctx.device)
+        batch = local_batch(self.data.next_batch(self.ctx.index("dp"), self.layout.dp, self.layout.dp_rows),
+                            par.local_tokens, self.ctx.device)
         self.meter.data_s += time.perf_counter() - t0  # the data share of the step (train/observe/straggler.py)
         lr = lr_at(state.step, self.cfg.optim, t.steps)
-        # fp16: a 0-dim device tensor (scale / accum); otherwise the plain 1 / accum
-        scale = scaler.scale / self.layout.accum if scaler.enabled else 1.0 / self.layout.accum
+        # fp16: a 0-dim device tensor (scale / accum); otherwise the plain 1 / accum (dp_weights: the mean
+        # accumulation count, so the dp average is the mean over every micro-batch: docs/heterogeneous.md)
+        accum = self.layout.mean_accum
+        scale = scaler.scale / accum if scaler.enabled else 1.0 / accum
         if par.moe is not None:  # the aux loss's gradient is scaled like the main loss's
             par.moe.begin_step(scale)
         if par.mtp is not None:

@@ -333,7 +333,7 @@ class StepMeter:
         t, m = cfg.training, cfg.metrics
         self.ctx, self.par, self.comms = ctx, par, ctx.all_comms()
         self.loss_comms = (ctx.comm("dp_cp"), ctx.comm("pp"))  # pp > 1: only the last stage's is not 0
-        self.loss_divisor = layout.accum * layout.dp * layout.cp  # micro-batches of equal token counts
+        self.loss_divisor = layout.step_microbatches * layout.cp  # micro-batches of equal token counts
         self.tokens_per_step = t.global_batch * cfg.data.seq_len
         self.flops_per_step = args.flops_per_token(cfg.data.seq_len) * self.tokens_per_step
         self.peak_flops, self.peak_label = device_peak(ctx.device, t)
