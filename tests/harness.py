@@ -55,6 +55,17 @@ TINY = {
 }
 
 
+def assert_refused_in_one_line(call, message: str) -> None:
+    """`call()` raises ConfigError with exactly `message`, one line (the house rule for bad input)."""
+    try:
+        call()
+    except C.ConfigError as e:
+        assert str(e) == message, (str(e), message)
+        assert "\n" not in str(e)
+        return
+    raise AssertionError(f"not refused: {message}")
+
+
 def make_config(**overrides) -> C.Config:
     """TINY with overrides; keys use `__` for dots: make_config(parallel__dp=2)."""
     cfg = C.Config()
