@@ -366,8 +366,7 @@ def _micro_batches(ctx: _Search, base: dict, o: Options, choices: list[tuple[str
             ctx.reject("interleaved needs microbatches divisible by pp")
             continue
         spec = Spec(**base, micro_batch=mb, accum=m)
-        per_role = [stage_memory(ctx.shape, spec, st, o).totals(choices) for st in pipeline_roles(spec.pp)]
-        worst = per_role[0] if len(per_role) == 1 else [max(x) for x in zip(*per_role)]
+        worst = _worst_totals(ctx, spec, o, choices)
         variants = [(total <= ctx.usable, ac, off, total) for (ac, off), total in zip(choices, worst)]
         fits = [x for x in variants if x[0]]
         if not fits:
@@ -384,6 +383,18 @@ def _micro_batches(ctx: _Search, base: dict, o: Options, choices: list[tuple[str
         ctx.counts["dominated"] += len(fits) - len(chosen)
         for _, ac, off, total in chosen:
             _rank(ctx, spec, ac, off, total, o)
+
+
+def _worst_totals(ctx: _Search, spec: Spec, o: Options, choices: list[tuple[str, str]]) -> list[float]:
+    """Each choice's bytes on the fullest pipeline role; the roles after one on which no choice fits
+    are not priced (the answer, nothing fits, is already known)."""
+    worst = None
+    for st in pipeline_roles(spec.pp):
+        totals = stage_memory(ctx.shape, spec, st, o).totals(choices)
+        worst = totals if worst is None else [max(a, b) for a, b in zip(worst, totals)]
+        if min(worst) > ctx.usable:
+            break
+    return worst
 
 
 def _fastest(fits: list[tuple]) -> list[tuple]:
