@@ -125,11 +125,11 @@ def test_forked_search_ranks_what_the_serial_one_does(monkeypatch):
     from meshlm.plan.hardware import get_gpu
     from meshlm.plan.search import plan
     from meshlm.plan.spec import Shape
-    from meshlm.plan import search
+    from meshlm.plan import workers
     shape = Shape(PRESETS["deepseek-v2-lite"], "deepseek-v2-lite")
     dealt = []
-    workers_of = search._workers
-    monkeypatch.setattr(search, "_workers", lambda n: dealt.append(workers_of(n)) or dealt[-1])
+    workers_of = workers._workers
+    monkeypatch.setattr(workers, "_workers", lambda n: dealt.append(workers_of(n)) or dealt[-1])
     runs = []
     for workers in ("1", "2"):
         monkeypatch.setenv("MESHLM_PLAN_WORKERS", workers)

@@ -25,6 +25,7 @@ from .memory import stage_memory, state_floor
 from .options import Options
 from .spec import AC_MODES, PlanError, Shape, Spec, allgather_mask, check
 from .stages import pipeline_roles, stage_params
+from .workers import search_all
 
 FIXABLE = {"dp": int, "tp": int, "pp": int, "cp": int, "ep": int, "zero": int, "zero_group": int,
            "sp": lambda v: str(v).lower() in ("1", "true", "yes", "on"), "pp_schedule": str,
@@ -146,7 +147,7 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
                   o.usable(gpu), global_batch_tokens // seq_len,
                   dict(precision=precision, seq_len=seq_len, optim=optim, **(knobs or {})), reasons=reasons,
                   examples=examples)
-    _search_all(ctx, list(_degrees(ctx, n_gpus)))
+    search_all(ctx, list(enumerate(_degrees(ctx, n_gpus))), _search_part_local)
     rows = []
     for neg_step, _, spec, total in sorted(ctx.heap, key=lambda x: -x[0]):
         check(shape, spec)  # the search's own checks must agree with the estimator's
@@ -156,57 +157,6 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
     counts["ranked_in_detail"] = len(rows)
     return PlanResult([r for r, _ in rows[:top]], counts, reasons, examples, time.perf_counter() - t0, ctx.G,
                       [p for _, p in rows[:top]])
-
-
-_FORKED: _Search | None = None  # the search a forked worker inherits (`_search_all`)
-
-
-def _search_part(part: list) -> tuple:
-    """A worker's share of the degrees, searched on its inherited copy of the search: what it found."""
-    ctx = _FORKED
-    for tally in (ctx.counts, ctx.reasons, ctx.examples):  # the parent's own (the degrees') stay there
-        tally.clear()
-    _search_part_local(ctx, part)
-    return ctx.heap, ctx.counts, ctx.reasons, ctx.examples
-
-
-def _workers(n_degrees: int) -> int:
-    """Processes for a search: the cores (MESHLM_PLAN_WORKERS overrides), one where forking is not
-    possible (a daemon process, a platform without fork) or there is little to share out."""
-    import multiprocessing as mp
-    import os
-    want = int(os.environ.get("MESHLM_PLAN_WORKERS", "0")) or (os.cpu_count() or 1)
-    if mp.current_process().daemon or "fork" not in mp.get_all_start_methods() or n_degrees < 8:
-        return 1
-    return max(1, min(want, 16, n_degrees // 4))
-
-
-def _search_all(ctx: _Search, degrees: list) -> None:
-    """Search every degree's layouts; with several cores the degrees are dealt out to forked
-    workers, each keeping its own heap of the fastest, merged here (a layout one worker's bound drops
-    is slower than that worker's `keep` fastest, so it is not among the merged ones either)."""
-    global _FORKED
-    n = _workers(len(degrees))
-    items = list(enumerate(degrees))
-    if n == 1:
-        _search_part_local(ctx, items)
-        return
-    import multiprocessing as mp
-    _FORKED = ctx
-    try:
-        with mp.get_context("fork").Pool(n) as pool:
-            parts = pool.map(_search_part, [items[k::n] for k in range(n)])
-    finally:
-        _FORKED = None
-    for heap, counts, reasons, examples in parts:
-        ctx.heap.extend(heap)
-        ctx.counts.update(counts)
-        ctx.reasons.update(reasons)
-        for k, v in examples.items():
-            ctx.examples.setdefault(k, v)
-    # items are (-step, tie, spec, bytes): keep the fastest, the earlier found first among equals
-    ctx.heap[:] = heapq.nlargest(ctx.keep, ctx.heap, key=lambda x: (x[0], -x[1]))
-    heapq.heapify(ctx.heap)
 
 
 def _search_part_local(ctx: _Search, items: list) -> None:
