@@ -147,12 +147,14 @@ def test_fp8_comm_within_2_percent_of_bf16(pools, name, world, overrides):
     assert_near_bf16(ref, got)
 
 
-def test_float8_gather_checkpoints_load_into_bf16(pools, tmp_path):
+@pytest.mark.parametrize("model", [{}, pytest.param({"model__preset": "moe-debug"}, marks=pytest.mark.slowest)],
+                         ids=["dense", "moe-debug"])  # moe-debug: its routed experts gathered in float8 too
+def test_float8_gather_checkpoints_load_into_bf16(pools, tmp_path, model):
     """A checkpoint of a run gathering float8 resumes exactly in the same run and trains on in bf16:
     the state holds fp32 masters, whatever the gathers moved."""
     from test_train import truncate_run
 
-    every = {"checkpoint__every": 3, "checkpoint__keep": 3, "training__steps": 6}
+    every = {"checkpoint__every": 3, "checkpoint__keep": 3, "training__steps": 6, **model}
     ref = read_run(pools, make_config(**FP8, **ZERO3, **every), str(tmp_path / "a"))
     truncate_run(str(tmp_path / "a"), 3)
     for name in ("b", "c"):

@@ -48,8 +48,8 @@ def test_float8_grouped_gemms_within_float8_error_and_a_wrong_scale_fails(monkey
     errors = [_rel(a, b) for a, b in zip(got, exact)]
     print(f"float8 grouped GEMMs vs fp32: forward, input and weight gradients {errors}")
     assert all(0 < e <= F8_ERROR for e in errors), errors  # quantised (not 0), within e4m3's rounding
-    right = fp8_grouped._pow2_scales
-    monkeypatch.setattr(fp8_grouped, "_pow2_scales", lambda amax: right(amax) * 16)  # most values saturate
+    right = fp8_grouped.pow2_scales
+    monkeypatch.setattr(fp8_grouped, "pow2_scales", lambda amax: right(amax) * 16)  # most values saturate
     wrong = _products(Float8Gemms(emulate=True), x, w, g, counts)
     assert all(_rel(a, b) > F8_ERROR for a, b in zip(wrong, exact))
 

@@ -38,11 +38,13 @@ def test_ep_float8_dispatch_equals_the_books(pools):
     assert sum(b for _, b in ranks) == 2 * 2 * want["all_to_all"][1]
 
 
-def test_zero3_float8_gathers_are_priced_as_bf16_ones_are(pools):
+@pytest.mark.parametrize("model", [{}, {"model__preset": "moe-debug"}], ids=["dense", "moe-debug"])
+def test_zero3_float8_gathers_are_priced_as_bf16_ones_are(pools, model):
     """The planner's ZeRO-3 all-gather bytes under fp8 against the books (float8 linears one byte, the
     embedding, head and norms bf16), and its fp8/bf16 ratio under the issue's 0.60. The planner's ZeRO-3
     volume is per parameter, not per unit: it gathers every unit forward and backward, where the runtime
-    keeps the last unit gathered into backward; fp8 must add no error beyond that one's (within 3%)."""
+    keeps the last unit gathered into backward; fp8 must add no error beyond that one's (within 3%).
+    moe-debug: the routed experts gathered in float8 too (row-wise scales), priced so."""
     def planned(cfg):
         shape, spec = shape_from_config(cfg), spec_from_config(cfg, 2)
         return sum(c.calls * c.buffer_bytes for c in collectives(shape, spec, *_stage(shape, spec), None)
@@ -51,7 +53,7 @@ def test_zero3_float8_gathers_are_priced_as_bf16_ones_are(pools):
     err = {}
     for prec in ("fp8", "bf16"):
         cfg = make_config(**dict(FP8, training__precision=prec), parallel__dp=2, parallel__zero=3,
-                          training__micro_batch=4)
+                          training__micro_batch=4, **model)
         booked = _books(pools, cfg, 2, "dp_shard_cp")["all_gather"][1] / 2  # two steps
         err[prec] = (planned(cfg), booked)
     (p8, b8), (p16, b16) = err["fp8"], err["bf16"]

@@ -33,13 +33,19 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return x.abs().amax().float() if x.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
 
 
-def shared_scales(amaxes: torch.Tensor, comm: Comm, dtype: torch.dtype = FLOAT8) -> torch.Tensor:
-    """Each tensor's scale from every rank's amax of its piece: one MAX all-reduce of the k amaxes
-    (booked as `all_reduce_amax`), so each rank casts its piece as the whole tensor would be cast."""
+def shared_amax(amaxes: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Every rank's amaxes of its pieces, MAX all-reduced (booked as `all_reduce_amax`): each rank then
+    holds the whole tensor's (row's, column's) amax, whatever scale rule turns it into a scale."""
     out = amaxes.detach().float().clone()
     if comm.size > 1:
         comm.all_reduce(out, op=dist.ReduceOp.MAX, kind="all_reduce_amax")
-    return scales_of(out, dtype)
+    return out
+
+
+def shared_scales(amaxes: torch.Tensor, comm: Comm, dtype: torch.dtype = FLOAT8) -> torch.Tensor:
+    """Each tensor's scale from every rank's amax of its piece (`shared_amax`), so each rank casts its
+    piece as the whole tensor would be cast."""
+    return scales_of(shared_amax(amaxes, comm), dtype)
 
 
 def encode(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = FLOAT8,

@@ -26,7 +26,7 @@ E4M3_MAX = torch.finfo(E4M3).max  # 448
 ALIGN = 16  # rows per expert group, and every dimension, of a float8 grouped GEMM
 
 
-def _pow2_scales(amax: torch.Tensor) -> torch.Tensor:
+def pow2_scales(amax: torch.Tensor) -> torch.Tensor:
     """The quantising multiplier for each amax: 448/amax rounded down to a power of two (exact to invert)."""
     return torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax.float().clamp(min=1e-12))))
 
@@ -37,7 +37,7 @@ def _cast(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 data, fp32 dequantising scales with `dim` kept at size 1): one scale per slice along `dim`."""
-    s = _pow2_scales(x.abs().amax(dim=dim, keepdim=True))
+    s = pow2_scales(x.abs().amax(dim=dim, keepdim=True))
     return _cast(x, s), s.reciprocal()
 
 
@@ -53,7 +53,7 @@ def quantize_group_cols(x: torch.Tensor, counts: list[int]) -> tuple[torch.Tenso
     gid = group_ids(counts, x.device)
     amax = torch.zeros(len(counts), x.shape[1], device=x.device).scatter_reduce_(
         0, gid[:, None].expand(-1, x.shape[1]), x.abs().float(), "amax")
-    s = _pow2_scales(amax)
+    s = pow2_scales(amax)
     return _cast(x, s[gid]), s.reciprocal()
 
 
@@ -151,18 +151,29 @@ class Float8Gemms(GroupedGemms):
 
     def __init__(self, emulate: bool):
         self.emulate = emulate
+        # ZeRO-3's float8 gather (training.fp8_comm "zero"): source(w, cols) gives w already quantised,
+        # (e4m3 codes [E, out, in], dequantising scales [E, out] (cols False) or [E, in] (cols True))
+        self.source = None
 
     def keep(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (x.q, x.scale) if isinstance(x, Float8Rows) else (x,)
 
+    def weight(self, w: torch.Tensor, cols: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """w quantised per output row (cols False: the forward's) or per input column (the input
+        gradient's, as w[e]ᵀ): as gathered (`source`), else quantised here; the same codes either way."""
+        if self.source is None:
+            return quantize(w.transpose(1, 2) if cols else w)
+        codes, scales = self.source(w, cols)
+        return (codes.transpose(1, 2) if cols else codes), scales.unsqueeze(-1)
+
     def forward(self, x, w, counts):
         xq, xs = (x.q, x.scale) if isinstance(x, Float8Rows) else quantize(x)
-        wq, ws = quantize(w)  # per output row of w[e]
+        wq, ws = self.weight(w, cols=False)
         return _rows_product(xq, xs, wq, ws, counts, w.dtype, use_scaled_grouped_mm(w, self.emulate))
 
     def dgrad(self, g, w, counts):
         gq, gs = quantize(g)
-        wq, ws = quantize(w.transpose(1, 2))  # per input column of w[e]
+        wq, ws = self.weight(w, cols=True)
         return _rows_product(gq, gs, wq, ws, counts, w.dtype, use_scaled_grouped_mm(w, self.emulate))
 
     def wgrad(self, g, kept, counts, shape):

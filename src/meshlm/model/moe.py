@@ -133,14 +133,16 @@ class GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, counts, gemms=PLAIN):
         ctx.save_for_backward(w, *gemms.keep(x))
-        ctx.counts, ctx.gemms = counts, gemms
+        # w itself too: a recomputing checkpoint hands backward a detached alias of it, and a source of
+        # pre-quantised weights (Float8Gemms.source) knows the parameter, not the alias
+        ctx.counts, ctx.gemms, ctx.weight = counts, gemms, w
         return gemms.forward(x, w, counts)
 
     @staticmethod
     def backward(ctx, g):
         w, *kept = ctx.saved_tensors
         g = g.contiguous()
-        gx = ctx.gemms.dgrad(g, w, ctx.counts) if ctx.needs_input_grad[0] else None
+        gx = ctx.gemms.dgrad(g, ctx.weight, ctx.counts) if ctx.needs_input_grad[0] else None
         gw = ctx.gemms.wgrad(g, tuple(kept), ctx.counts, w.shape) if ctx.needs_input_grad[1] else None
         return gx, gw, None, None
 

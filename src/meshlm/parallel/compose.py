@@ -178,7 +178,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, layout: Layout, make_opt
     grads, opt = _synchroniser_and_optimizer(model, named, ctx, plan, table, parallel, optim, make_optimizer,
                                              reduction_of, bool(split_tied), muon, float8)
     if float8 is not None:
-        take_weights_from(model, grads.float8_weight)
+        take_weights_from(model, grads.float8_weight, grads.float8_expert_weight)
     for name in table.names():  # the copies a reduction sums are replicas of one another
         red = reduction_of(name)
         for c in red.all_reduce_over + red.sum_at_finish:

@@ -16,7 +16,7 @@ from ..choices import DTYPE_BYTES, HELD
 from ..layout import fp8_comm_in_use
 from .hardware import GPU, MIB
 from .attn_widths import attn_widths
-from .stages import float8_params_local
+from .stages import float8_expert_amaxes, float8_params_local
 from .volume import QUANT_BLOCK, cp_traffic, ep_traffic, moe_bias_bytes, packed_bytes, tp_traffic, tp_weight_traffic
 
 LATENCY_S = {"nvlink": 10e-6, "ib": 25e-6}
@@ -155,10 +155,11 @@ def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first:
         if s.zero >= 3:  # plan/volume.py zero3_step_bytes: the runtime's formula per unit
             first = (q if s.quantize_weights else pb) * psi  # qwZ: int8 gathers over the shard group
             if fp8 is not None and "zero" in fp8:  # float8 linears' weights: one byte, after their amax
-                f8 = min(psi, layers * float8_params_local(shape, t))
+                f8 = min(psi, layers * float8_params_local(shape, t, s.ep))
                 first -= (pb - 1) * f8
                 linears = sum(1 for g, _, _ in attn_widths(a, t).gemms if g not in dict(attn_widths(a, t).replicated)) + 3
-                add("dp_shard", "all_reduce_amax", n, t, 2 * m * layers, 4 * linears, window="forward")
+                add("dp_shard", "all_reduce_amax", n, t, 2 * m * layers,
+                    4 * (linears + float8_expert_amaxes(shape, t, s.ep)), window="forward")
             if s.hpz_group:  # hpZ: the step's first gather over the shard group, every other in the group
                 add("dp_shard", "all_gather", n, t, 1, first, window="forward")
                 add("dp_shard", "all_gather", k, t, 2 * m - 1, pb * psi, window="backward")

@@ -44,17 +44,29 @@ def block_params_local(shape: Shape, tp: int, ep: int = 1, frac: float | None = 
     return attn + 2 * a.dim + mlp, 0.0
 
 
-def float8_params_local(shape: Shape, tp: int) -> float:
+def float8_params_local(shape: Shape, tp: int, ep: int = 1) -> float:
     """Parameters of one Block (averaged over a MoE model's blocks) on one TP rank that fp8 training
-    multiplies in float8 as linears, and so ZeRO-3 gathers in float8 (training.fp8_comm "zero"): the
-    attention's split projections (not MLA's replicated latents), the dense FFN, the shared experts.
-    Routed experts, norms and routers are gathered in bf16 (docs/fp8.md)."""
+    multiplies in float8, and so ZeRO-3 gathers in float8 (training.fp8_comm "zero"): the attention's
+    split projections (not MLA's replicated latents), the dense FFN, the shared experts (tensorwise) and
+    the routed experts held (split over ep; row-wise scales, dims/zero/float8.py). Norms and routers are
+    gathered in bf16 (docs/fp8.md)."""
     a = shape.args
     w = attn_widths(a, tp)
     whole = {name for name, _ in w.replicated}
     attn = sum(n * k for name, n, k in w.gemms if name not in whole)
     frac = a.n_moe_blocks / a.n_layers if shape.moe else 0.0
-    return attn + (1 - frac) * 3 * a.dim * a.ffn_dim / tp + frac * 3 * a.dim * a.expert_dim * a.shared_experts / tp
+    experts = shape.shared_experts + ceil_div(shape.num_experts, ep) if shape.moe else 0
+    return attn + (1 - frac) * 3 * a.dim * a.ffn_dim / tp + frac * 3 * a.dim * a.expert_dim * experts / tp
+
+
+def float8_expert_amaxes(shape: Shape, tp: int, ep: int = 1) -> float:
+    """fp32 amaxes one ZeRO-3 gather of a Block (averaged over a MoE model's blocks) all-reduces for its
+    routed experts: one per (expert, output row) of w1, w3, w2 forward, per (expert, input column)
+    backward; 1.5 (dim + hidden) per expert on average over the two."""
+    if not shape.moe:
+        return 0.0
+    a = shape.args
+    return a.n_moe_blocks / a.n_layers * ceil_div(shape.num_experts, ep) * 1.5 * (a.dim + a.expert_dim / tp)
 
 
 def pipeline_roles(pp: int) -> tuple[str, ...]:

@@ -12,8 +12,8 @@ as one). The embedding, the output head, the norms and MoE routers stay
 bf16. Float8Linear keeps the ordinary `weight` / `bias` parameters and no buffers (dynamic scaling), so
 state_dict keys, placements and checkpoints are those of a bf16 run. torchao's float8 all-gather is a
 hook of torch FSDP2's DTensor parameters, which our flat-buffer ZeRO does not use: under training.fp8_comm
-"zero" our ZeRO-3 gathers the weights in float8 itself and `Float8ZeroLinear` takes them as they arrive
-(dims/zero/float8.py, features/float8_comm.py; docs/fp8.md).
+"zero" our ZeRO-3 gathers the weights in float8 itself and `Float8ZeroLinear` (the experts' `Float8Gemms`)
+takes them as they arrive (dims/zero/float8.py, features/float8_comm.py; docs/fp8.md).
 """
 from __future__ import annotations
 
@@ -111,21 +111,33 @@ def convert_to_float8(model: nn.Module, plan, recipe: str, emulate: bool, zero_c
     return sorted(chosen | set(convert_experts(model, plan, emulate)))
 
 
-def zero_float8(model: nn.Module) -> tuple[frozenset[int], torch.dtype] | None:
-    """(ids of the weights ZeRO-3 gathers in float8: the `Float8ZeroLinear` ones, their float8 dtype),
-    or None where no linear took that form (dims/zero/float8.py)."""
+def zero_float8(model: nn.Module) -> tuple[frozenset[int], torch.dtype, frozenset[int]] | None:
+    """(ids of the weights ZeRO-3 gathers in float8 tensorwise: the `Float8ZeroLinear` ones, their float8
+    dtype, ids of the routed experts' weights it gathers with row-wise scales: those multiplying in
+    float8), or None where there are none (dims/zero/float8.py)."""
     plain, _ = _float8_classes()
     mods = [m for m in model.modules() if isinstance(m, plain)]
-    return (frozenset(id(m.weight) for m in mods), mods[0].config.cast_config_weight.target_dtype) if mods else None
+    experts = frozenset(id(w) for m in _float8_experts(model) for w in (m.w1, m.w2, m.w3))
+    if not mods and not experts:
+        return None
+    return (frozenset(id(m.weight) for m in mods),
+            mods[0].config.cast_config_weight.target_dtype if mods else torch.float8_e4m3fn, experts)
 
 
-def take_weights_from(model: nn.Module, source) -> None:
+def _float8_experts(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(getattr(m, "gemms", None), Float8Gemms)]
+
+
+def take_weights_from(model: nn.Module, source, experts_source) -> None:
     """Each `Float8ZeroLinear` takes its weight as `source(weight)` gives it, codes and scale
-    (ZeroSync.float8_weight), instead of casting it."""
+    (ZeroSync.float8_weight), instead of casting it; the float8 experts' GEMMs theirs as
+    `experts_source(weight, cols)` does (ZeroSync.float8_expert_weight)."""
     plain, _ = _float8_classes()
     for m in model.modules():
         if isinstance(m, plain):
             m.weight_cast = functools.partial(source, m.weight)
+    for m in _float8_experts(model):
+        m.gemms.source = experts_source
 
 
 def convert_experts(model: nn.Module, plan, emulate: bool) -> list[str]:

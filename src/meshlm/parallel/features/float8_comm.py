@@ -2,7 +2,8 @@
 float8 tensors the gathers produce, handed to torchao's GEMM as already cast.
 
 - "zero": ZeRO-3 gathers a unit's float8 weights as float8 (dims/zero/float8.py); `precast` wraps a
-  gathered weight for the GEMM (features/float8.py `Float8ZeroLinear`).
+  gathered weight for the GEMM (features/float8.py `Float8ZeroLinear`); the routed experts' GEMMs take
+  theirs through `Float8Gemms.source` (row-wise scales, one gather per product's orientation).
 - "sp": SP's region entry gathers the sequence shards as float8 (`Float8SeqGather`) where only the
   region's column-parallel linears read the input and all of them multiply in float8.
 Both need torchao's tensorwise recipe: a tensorwise GEMM casts a weight (an input) with one scale for

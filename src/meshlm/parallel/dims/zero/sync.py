@@ -113,19 +113,19 @@ class ZeroSync:
     # storage again: the parameters, and any views autograd saved of them (e.g. weight.t() for a
     # matmul), keep pointing at it, so backward reads the re-gathered values and no forward copy
     # survives in the graph.
-    def _start_gather(self, u: Unit) -> None:
+    def _start_gather(self, u: Unit, backward: bool = False) -> None:
         if u.state != SHARDED:
             return
-        if self.f8 is not None and self.f8.covers(u):  # no flat bf16 buffer: float8.py
-            u.handle, u.state = self.f8.gather(u), GATHERING
+        if self.f8 is not None and self.f8.covers(u):  # no flat bf16 buffer: float8.py (`backward`: the
+            u.handle, u.state = self.f8.gather(u, cols=backward), GATHERING  # experts' backward casts)
             return
         u.full.untyped_storage().resize_(u.padded * u.full.element_size())
         u.handle = (self.zpp.gather(u) if self.zpp is not None
                     else u.comm.all_gather(u.full, u.shard, async_op=True))
         u.state = GATHERING
 
-    def _unshard(self, u: Unit) -> None:
-        self._start_gather(u)
+    def _unshard(self, u: Unit, backward: bool = False) -> None:
+        self._start_gather(u, backward)
         if u.state == GATHERING:
             u.handle.wait()
             u.handle = None
@@ -190,9 +190,9 @@ class ZeroSync:
         if u.in_backward:
             return
         if self.switches.shard_params:
-            self._unshard(u)
+            self._unshard(u, backward=True)
             if u.next_bwd is not None:
-                self._start_gather(u.next_bwd)
+                self._start_gather(u.next_bwd, backward=True)
         self._alloc_grad(u)
 
     def _alloc_grad(self, u: Unit) -> None:
@@ -342,6 +342,10 @@ class ZeroSync:
     def float8_weight(self, p: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
         """Parameter `p` as its unit's float8 gather left it: (codes, scale) (float8.py)."""
         return self.f8.weight(p)
+
+    def float8_expert_weight(self, p: nn.Parameter, cols: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert weight `p` as its unit's float8 gather left it: (codes, row or column scales) (float8.py)."""
+        return self.f8.expert_weight(p, cols)
 
     def param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """Each parameter's range of this rank's reduced gradient shard (empty where it holds none)."""
