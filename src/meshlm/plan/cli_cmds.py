@@ -282,7 +282,8 @@ def format_plan(res, shape: Shape, gpu, n: int, seq: int, tokens: int, optim: st
     head = (f"{shape.name}: {shape.num_params() / 1e9:.2f}B params on {n} × {gpu.name} "
             f"({gpu.gpus_per_node}/node), seq {seq}, {tokens:,} tokens/step = {res.global_batch} sequences"
             f"{'' if optim == 'adamw' else ', optimizer ' + optim}\n"
-            f"searched {c['candidates']:,} layouts in {res.elapsed_s:.2f} s: {c['fit']:,} fit, "
+            f"searched {c['candidates']:,} layouts in {res.elapsed_s:.2f} s"
+            f"{f' ({res.processes} processes)' if res.processes > 1 else ''}: {c['fit']:,} fit, "
             f"{c['oom']:,} out of memory, {c['invalid']:,} invalid; {c['dominated']:,} dominated by a faster "
             f"AC/offload variant")
     ep = shape.moe  # expert parallelism is a degree of MoE models only

@@ -110,6 +110,7 @@ class PlanResult:
     # (Spec, bytes, step_s) of each ranked layout as the search priced it: its memory on the worst rank
     # (stage_memory, as estimate) and its step with the bubble formula (estimate's with simulate=False)
     prices: list = field(default_factory=list)
+    processes: int = 1  # the processes the search ran in (plan/workers.py)
 
 
 def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens: int, precision: str = "bf16",
@@ -147,7 +148,7 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
                   o.usable(gpu), global_batch_tokens // seq_len,
                   dict(precision=precision, seq_len=seq_len, optim=optim, **(knobs or {})), reasons=reasons,
                   examples=examples)
-    search_all(ctx, list(enumerate(_degrees(ctx, n_gpus))), _search_part_local)
+    processes = search_all(ctx, list(enumerate(_degrees(ctx, n_gpus))), _search_part_local)
     rows = []
     for neg_step, _, spec, total in sorted(ctx.heap, key=lambda x: -x[0]):
         check(shape, spec)  # the search's own checks must agree with the estimator's
@@ -156,7 +157,7 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
     rows.sort(key=lambda x: (x[0]["step_s"], x[0]["per_gpu"]["total"]))
     counts["ranked_in_detail"] = len(rows)
     return PlanResult([r for r, _ in rows[:top]], counts, reasons, examples, time.perf_counter() - t0, ctx.G,
-                      [p for _, p in rows[:top]])
+                      [p for _, p in rows[:top]], processes)
 
 
 def _search_part_local(ctx: _Search, items: list) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import heapq
 import multiprocessing as mp
 import os
+import threading
 
 _FORKED: tuple | None = None  # (search, run) a forked worker inherits (`search_all`)
 
@@ -22,21 +23,25 @@ def _part(items: list) -> tuple:
 
 def _workers(n_degrees: int) -> int:
     """Processes for a search: the cores (MESHLM_PLAN_WORKERS overrides), one where forking is not
-    possible (a daemon process, a platform without fork) or there is little to share out."""
+    possible (a daemon process, a platform without fork), not safe (another thread is running: a fork
+    copies the locks it may hold, and a worker can wait on one forever, as one did under pytest's
+    process pools, and the explorer serves from threads) or there is little to share out."""
     want = int(os.environ.get("MESHLM_PLAN_WORKERS", "0")) or (os.cpu_count() or 1)
-    if mp.current_process().daemon or "fork" not in mp.get_all_start_methods() or n_degrees < 8:
+    if (mp.current_process().daemon or "fork" not in mp.get_all_start_methods() or n_degrees < 8
+            or threading.active_count() > 1):
         return 1
     return max(1, min(want, 16, n_degrees // 4))
 
 
-def search_all(ctx, items: list, run) -> None:
+def search_all(ctx, items: list, run) -> int:
     """`run(ctx, items)` over every (index, degrees) item, in this process or dealt round-robin to
-    forked workers; `ctx` (search._Search) ends up holding the merged heap and tallies."""
+    forked workers; `ctx` (search._Search) ends up holding the merged heap and tallies. Returns the
+    number of processes that searched."""
     global _FORKED
     n = _workers(len(items))
     if n == 1:
         run(ctx, items)
-        return
+        return 1
     _FORKED = (ctx, run)
     try:
         with mp.get_context("fork").Pool(n) as pool:
@@ -52,3 +57,4 @@ def search_all(ctx, items: list, run) -> None:
     # items are (-step, tie, spec, bytes): keep the fastest, the earlier found first among equals
     ctx.heap[:] = heapq.nlargest(ctx.keep, ctx.heap, key=lambda x: (x[0], -x[1]))
     heapq.heapify(ctx.heap)
+    return n
