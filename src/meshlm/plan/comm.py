@@ -157,7 +157,8 @@ def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first:
             if fp8 is not None and "zero" in fp8:  # float8 linears' weights: one byte, after their amax
                 f8 = min(psi, layers * float8_params_local(shape, t, s.ep))
                 first -= (pb - 1) * f8
-                linears = sum(1 for g, _, _ in attn_widths(a, t).gemms if g not in dict(attn_widths(a, t).replicated)) + 3
+                aw = attn_widths(a, t)  # one amax per split projection, the FFN's three
+                linears = sum(1 for g, _, _ in aw.gemms if g not in dict(aw.replicated)) + 3
                 add("dp_shard", "all_reduce_amax", n, t, 2 * m * layers,
                     4 * (linears + float8_expert_amaxes(shape, t, s.ep)), window="forward")
             if s.hpz_group:  # hpZ: the step's first gather over the shard group, every other in the group
