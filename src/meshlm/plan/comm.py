@@ -93,6 +93,24 @@ def by_kind(traffic) -> list[tuple[str, float, float]]:
     return [(k, c, b) for k, (c, b) in out.items() if c]
 
 
+def _fp8_comm(s):
+    """The float8 collectives `s` runs (layout.fp8_comm_in_use, as the runtime asks), None without fp8."""
+    return fp8_comm_in_use(s.precision, "tensorwise", s.fp8_comm, s) if s.precision == "fp8" else None
+
+
+def ep_collectives(shape, s, layers: int, ac: str, gpu: GPU | None, comm_efficiency: float = 0.8) -> list[Collective]:
+    """The expert-parallel all-to-alls of a stage of `layers` blocks under AC mode `ac` (plan/volume.py
+    ep_traffic: the routed copies out and back, and the split sizes); nothing hides them. The search's
+    lower bound (search.py) counts them too."""
+    a = shape.args
+    fp8 = _fp8_comm(s)
+    tokens = s.micro_batch * s.seq_len / s.cp
+    traffic = ep_traffic(a, tokens, layers * a.n_moe_blocks / a.n_layers, ac, HELD[s.precision].act,
+                         shape.capacity_factor, fp8 is not None and "ep" in fp8)
+    return [make(gpu, "ep", kind, s.ep, s.tp, calls * s.accum, nbytes / calls, comm_efficiency=comm_efficiency)
+            for kind, calls, nbytes in by_kind(traffic)]
+
+
 def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first: bool, last: bool,
                 gpu: GPU | None, comm_efficiency: float = 0.8) -> list[Collective]:
     """Every collective one rank of a stage runs in one step (before overlap is applied).
@@ -109,7 +127,7 @@ def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first:
     def add(*args, **kw):
         out.append(make(gpu, *args, comm_efficiency=comm_efficiency, **kw))
 
-    fp8 = fp8_comm_in_use(s.precision, "tensorwise", s.fp8_comm, s) if s.precision == "fp8" else None
+    fp8 = _fp8_comm(s)
     if s.tp_enabled:  # plan/volume.py: the runtime's own formulas, checked byte for byte against Comm's books
         moe_ffn = layers * a.n_moe_blocks / a.n_layers if shape.moe else 0
         for kind, calls, nbytes in by_kind(tp_traffic(a, tokens, layers, first, last, sq, s.ac, e, pb, moe_ffn, s.seq_len, fp8)
@@ -119,11 +137,8 @@ def collectives(shape, s, sp_dense: float, sp_expert: float, layers: int, first:
     # reduce-scatter sit on the critical path (the attention waits for them)
     for kind, calls, nbytes in by_kind(cp_traffic(a, tokens, layers, cp, s.cp_impl, t, s.ac, e, last)):
         add("cp", kind, cp, t, calls * m, nbytes / calls, window="attention" if kind == "p2p" else "none")
-    if s.ep_enabled:  # plan/volume.py ep_traffic: the routed copies out and back, and the split sizes
-        moe_layers = layers * a.n_moe_blocks / a.n_layers
-        for kind, calls, nbytes in by_kind(ep_traffic(a, tokens, moe_layers, s.ac, e, shape.capacity_factor,
-                                                      fp8 is not None and "ep" in fp8)):
-            add("ep", kind, s.ep, t, calls * m, nbytes / calls)
+    if s.ep_enabled:
+        out += ep_collectives(shape, s, layers, s.ac, gpu, comm_efficiency)
     if moe_bias_bytes(a):  # auxiliary-loss-free balancing: one all-reduce of the counts a step, every rank
         add("world", "all_reduce", s.world_size, 1, 1, moe_bias_bytes(a), per="step", window="step")
     if s.pp_enabled:  # activations forward and their gradients backward, once per chunk boundary

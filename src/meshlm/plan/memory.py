@@ -114,12 +114,21 @@ def stage_memory(shape: Shape, s: Spec, stage: str, o: Options = DEFAULT_OPTIONS
         shape, stage, s.tp, s.ep, s.pp, s.pp_virtual, s.pp_schedule, s.pp_layers, s.zero, s.shard_group, s.precision,
         s.dp_cp_enabled, s.bucket_mb, s.hpz_group, s.quantize_weights)
     m = StageMemory(s, stage, sp, params, grads, adam)
-    e, tokens = HELD[s.precision].act, s.micro_batch * s.seq_len / s.cp
-    dsp = shape.args.dim / s.tp if s.sp_enabled else shape.args.dim
-    head = head_bytes(shape.args, s.tp, dsp, e, o.compiled, o.loss_chunks) if sp.head else (0.0, 0.0)
-    head = ((1 + shape.args.mtp_depth) * head[0], head[1])  # each MTP module's head and loss keep their own
-    _activations(m, shape, s, o, e, tokens, head[0])
-    _buffers(m, shape, s, o, e, tokens, dsp, head[1], step_buffers)
+    units, block, acts, loss, mask, dims = _activation_terms(
+        shape, stage, s.tp, s.ep, s.pp, s.pp_virtual, s.pp_schedule, s.pp_layers, s.sp_enabled, s.cp, s.cp_impl,
+        s.micro_batch, s.accum, s.seq_len, s.precision, o)
+    m.units, m.block, m.acts = units, dict(zip(AC_MODES, block)), dict(zip(AC_MODES, acts))
+    b = m.buffers
+    b.update(loss)
+    b.update(step_buffers)
+    b.update(mask)
+    if s.optim == "muon":  # optim.name = "muon" (plan/muon.py)
+        m.muon, b["muon"] = muon_memory(shape, s, sp.layers)
+    b.update(dims)
+    rest = tuple(b.values())
+    for ac in AC_MODES:
+        m.working[ac] = m.block["none"] * (1.0 if ac == "full" else 0.5)
+        m.bufs[ac] = sum((m.working[ac], *rest))
     return m
 
 
@@ -160,58 +169,49 @@ def _rank_states(shape: Shape, stage: str, tp: int, ep: int, pp: int, v: int, sc
     return sp, params, grads, optim, tuple(step.items())
 
 
-def _activations(m: StageMemory, shape: Shape, s: Spec, o: Options, e: int, tokens: float,
-                 head_saved: float) -> None:
-    """Per AC mode: one block's saved bytes and all the rank holds at its peak (its blocks × the
-    micro-batches in flight, the embedding's token ids, the head's saved set)."""
-    sp, mb, seq, cp, impl = m.params_of, s.micro_batch, s.seq_len, s.cp, s.cp_impl
-    m.units = inflight(s.pp_schedule, s.pp, s.accum, s.pp_virtual, sp.rank)
-    held = held_layers(s.pp_schedule, s.pp, s.accum, s.pp_virtual, sp.rank, sp.chunks)
-    ids = m.units * tokens * 8 if sp.embed else None  # token ids kept by the embedding backward
-    head_units = s.accum if (s.pp_enabled and s.pp_schedule == "gpipe") else 1
-    head = head_units * tokens * head_saved if sp.head else None
-    per_token = block_bytes_all_ac(shape, seq, e, s.tp, s.sp_enabled, o.flash, o.attn_math_bytes, o.compiled, cp,
-                                   impl, o.recompute_gemms)
+@lru_cache(maxsize=65536)
+def _activation_terms(shape: Shape, stage: str, tp: int, ep: int, pp: int, v: int, schedule: str, pp_layers: tuple,
+                      sp_on: bool, cp: int, impl: str, mb: int, accum: int, seq: int, precision: str,
+                      o: Options) -> tuple:
+    """What the micro-batch, not the ZeRO stage, sets (cached: the search asks once per ZeRO choice):
+    the micro-batches in flight, per AC mode one block's saved bytes and all the rank holds at its peak
+    (its blocks × the micro-batches in flight, the embedding's token ids, the head's saved set), and the
+    transient buffers no AC mode changes, apart from ZeRO's and Muon's (stage_memory adds those in order:
+    the loss, the step's ZeRO / DP buffers, the attention mask, Muon's, each dimension's exchange)."""
+    sp = stage_params_of(shape, tp, ep, pp, v, schedule, pp_layers, stage)
+    a, e, tokens = shape.args, HELD[precision].act, mb * seq / cp
+    dsp = a.dim / tp if sp_on else a.dim
+    head = head_bytes(a, tp, dsp, e, o.compiled, o.loss_chunks) if sp.head else (0.0, 0.0)
+    head_saved = (1 + a.mtp_depth) * head[0]  # each MTP module's head and loss keep their own
+    units = inflight(schedule, pp, accum, v, sp.rank)
+    held = held_layers(schedule, pp, accum, v, sp.rank, sp.chunks)
+    ids = units * tokens * 8 if sp.embed else 0.0  # token ids kept by the embedding backward
+    head_units = accum if (pp > 1 and schedule == "gpipe") else 1
+    head_held = head_units * tokens * head_saved if sp.head else 0.0
+    per_token = block_bytes_all_ac(shape, seq, e, tp, sp_on, o.flash, o.attn_math_bytes, o.compiled, cp, impl,
+                                   o.recompute_gemms)
     # MTP blocks are never checkpointed: they keep everything; each module also keeps its two input norms'
     # inputs and rstd and the projection's input [embedding; hidden] (4·e·d + 8 per token)
-    mtp = shape.args.mtp_depth if sp.head else 0
+    mtp = a.mtp_depth if sp.head else 0
+    block, acts = [], []
     for ac, blk_tok in zip(AC_MODES, per_token):
         blk = blk_tok * tokens + saved_mask_bytes(mb, seq, o.attn_mask, cp, impl, ac, e)
-        acts = held * blk + head_units * mtp * ((per_token[0] - blk_tok) + 4 * e * shape.args.dim + 8) * tokens
-        if ids is not None:
-            acts += ids
-        if head is not None:
-            acts += head
-        m.block[ac], m.acts[ac] = blk, acts
-
-
-def _buffers(m: StageMemory, shape: Shape, s: Spec, o: Options, e: int, tokens: float, dsp: float, loss: float,
-             step_buffers: tuple) -> None:
-    """The transient buffers: one block's backward working set (full AC first recomputes all of a
-    block's activations; otherwise gradient temporaries take about half a block's worth while its saved
-    tensors are released), then those no AC mode changes (the loss, what ZeRO or DP hold for the step,
-    the attention mask, Muon's, each dimension's exchange)."""
-    a, sp, b = shape.args, m.params_of, m.buffers
-    if sp.head:
-        b["loss"] = tokens * loss
-    b.update(step_buffers)
-    mask = dense_mask_bytes(s.micro_batch, s.seq_len, o.attn_mask, s.cp, s.cp_impl)
-    if mask:
-        b["attn_mask"] = mask
-    if s.optim == "muon":  # optim.name = "muon" (plan/muon.py)
-        m.muon, b["muon"] = muon_memory(shape, s, sp.layers)
-    if s.tp_enabled:
-        b["tp"] = 2 * e * a.dim * tokens
-    if s.pp_enabled:
-        b["pp_p2p"] = 4 * e * dsp * tokens
-    if s.cp_enabled:
-        b["cp"] = cp_buffer_bytes(a, s.tp, s.cp, s.cp_impl, e) * tokens
-    if s.ep_enabled:
-        b["ep_all_to_all"] = 2 * shape.top_k * shape.capacity_factor * e * a.dim * tokens
-    rest = tuple(b.values())
-    for ac in AC_MODES:
-        m.working[ac] = m.block["none"] * (1.0 if ac == "full" else 0.5)
-        m.bufs[ac] = sum((m.working[ac], *rest))
+        held_ac = held * blk + head_units * mtp * ((per_token[0] - blk_tok) + 4 * e * a.dim + 8) * tokens
+        block.append(blk)
+        acts.append(held_ac + ids + head_held)
+    loss = (("loss", tokens * head[1]),) if sp.head else ()
+    dense = dense_mask_bytes(mb, seq, o.attn_mask, cp, impl)
+    mask = (("attn_mask", dense),) if dense else ()
+    dims = []
+    if tp > 1:
+        dims.append(("tp", 2 * e * a.dim * tokens))
+    if pp > 1:
+        dims.append(("pp_p2p", 4 * e * dsp * tokens))
+    if cp > 1:
+        dims.append(("cp", cp_buffer_bytes(a, tp, cp, impl, e) * tokens))
+    if ep > 1:
+        dims.append(("ep_all_to_all", 2 * shape.top_k * shape.capacity_factor * e * a.dim * tokens))
+    return units, tuple(block), tuple(acts), loss, mask, tuple(dims)
 
 
 def nvme_bytes(shard_params: float, buffer_mb: float) -> tuple[float, float]:

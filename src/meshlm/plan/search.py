@@ -18,7 +18,7 @@ from typing import Callable
 
 from ..choices import HELD
 from ..layout import Layout
-from .comm import link
+from .comm import ep_collectives, link
 from .estimate import bubble_formula, estimate, micro_times, time_model
 from .hardware import GIB, GPU
 from .memory import stage_memory, state_floor
@@ -395,8 +395,21 @@ def _lower_bound(ctx: _Search, o: Options, s: Spec, ac: str) -> float:
             mt = ctx.micro[key] = micro_times(shape, s.tp, s.sp, s.ep, s.cp, s.seq_len, sp.layers, sp.head,
                                               s.micro_batch, run_ac, s.precision, gpu, o)
         t_f, t_b, t_rc = mt["t_f"], mt["t_b"], mt["t_rc"]
-        x = sp.layers * 2 * (3 if ac == "full" else 2) * tp_s
+        x = sp.layers * 2 * (3 if ac == "full" else 2) * tp_s + _ep_seconds(ctx, o, s, sp.layers, ac)
         f, b = t_f + x / 2, t_b + t_rc + x / 2
         busy.append(m * (f + b))
         full.append(m * (f + b) * (1 + bubble_formula(s.pp_schedule, s.pp, m, s.pp_virtual, f, b, t_b / 2)))
     return max(min(full), max(busy))
+
+
+def _ep_seconds(ctx: _Search, o: Options, s: Spec, layers: int, ac: str) -> float:
+    """One micro-batch's expert-parallel all-to-alls on a stage of `layers` blocks: never hidden
+    (plan/estimate.py), so they belong in the bound; for a MoE model they are often the largest term."""
+    if not s.ep_enabled:
+        return 0.0
+    key = ("ep", s.ep, s.tp, s.cp, s.micro_batch, layers, ac, s.precision, s.fp8_comm)
+    got = ctx.micro.get(key)
+    if got is None:
+        step = ep_collectives(ctx.shape, s, layers, ac, ctx.gpu, o.comm_efficiency)  # linear in the accumulation
+        got = ctx.micro[key] = sum(c.seconds for c in step) / s.accum
+    return got
