@@ -7,8 +7,7 @@ from typing import Callable, Hashable
 import torch
 from torch import nn
 
-from ..config import OptimConfig
-from ..config.sections import decay_span
+from ..config import OptimConfig, decay_span
 from ..distributed.comm import Comm
 from ..parallel.dims.grad_sync import decays, flat_groups
 from ..parallel.optim.adamw import adamw_step, fused_adamw_supported
