@@ -93,3 +93,41 @@ def test_bad_schedule_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, ar
     assert code == 2 and len(err.splitlines()) == 1, err
     assert needle in err, err
     assert not run_dir.exists()
+
+
+# -- in training: the schedule survives a resume and every layout ------------------------------------
+# TINY's 10 steps, warmup 2, the last 4 decaying to 0 (updates at steps 7..10; a checkpoint after step 7
+# is in the middle of the decay)
+WSD = dict(optim__schedule="wsd", optim__decay_steps=4, optim__decay_type="sqrt", optim__min_lr_ratio=0.0)
+
+
+def test_resume_in_the_middle_of_the_decay_is_identical(tmp_path):
+    from harness import make_config, run_local
+    cfg = make_config(checkpoint__every=7, checkpoint__keep=0, **WSD)
+    ref = run_local(cfg, str(tmp_path / "a"))
+    assert [r["lr"] for r in ref] == [lr_at(s, cfg.optim, 10) for s in range(10)]
+    assert ref[5]["lr"] == cfg.optim.lr and ref[6]["lr"] == cfg.optim.lr / 2 and ref[-1]["lr"] == 0.0  # sqrt: 1 - √¼
+    run_local(cfg, str(tmp_path / "b"), stop=7)
+    resumed = run_local(make_config(checkpoint__every=7, checkpoint__resume="auto", **WSD), str(tmp_path / "b"))
+    after = [r for r in resumed if r["step"] > 7]
+    assert [r["step"] for r in after] == [8, 9, 10]
+    for a, b in zip(ref[7:], after):
+        assert (a["loss"], a["lr"]) == (b["loss"], b["lr"]), a["step"]  # exact
+
+
+def test_wsd_dp2_zero3_equals_one_process_and_its_mid_decay_checkpoint_resumes_in_one(pools, tmp_path):
+    """One multi-rank row: dp2 ZeRO-3 with WSD against one process (fp32, 1e-5 per step), then its
+    checkpoint from the middle of the decay resumed by one process, equal to the uninterrupted run."""
+    import os
+
+    from harness import assert_same_losses, make_config, reference, run_local, train_in
+    ref = reference(**WSD)
+    run_dir = str(tmp_path / "dp2")
+    got = train_in(pools, make_config(parallel__dp=2, parallel__zero=3, checkpoint__every=7, checkpoint__keep=0,
+                                      **WSD), 2, run_dir)
+    assert_same_losses(ref, got, 1e-5)
+    assert [r["lr"] for r in got] == [r["lr"] for r in ref]
+    ck = os.path.join(run_dir, "checkpoints", "step_00000007")
+    resumed = [r for r in run_local(make_config(checkpoint__resume=ck, **WSD), str(tmp_path / "one")) if r["step"] > 7]
+    assert [r["step"] for r in resumed] == [8, 9, 10]
+    assert_same_losses(ref[7:], resumed, 1e-5)
