@@ -14,4 +14,5 @@ from .text import apply, from_dict, load, parse_overrides, replace, to_dict, to_
 
 __all__ = ["AUTO", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LayoutError", "MetricsConfig",
            "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "RopeScalingConfig", "TrainingConfig",
-           "apply", "check_schedule", "decay_span", "from_dict", "load", "parse_overrides", "replace", "resolve_auto", "to_dict", "to_toml"]
+           "apply", "check_schedule", "decay_span", "from_dict", "load", "parse_overrides", "replace", "resolve_auto",
+           "to_dict", "to_toml"]
