@@ -29,6 +29,8 @@ ON_ERROR = ("stop", "continue")  # checkpoint.on_error: what a failed save or ex
 # checkpoint.on_signal: every signal name but the two no process can catch
 CATCHABLE_SIGNALS = tuple(s.name for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP))
 OPTIMIZERS = ("adamw", "muon")  # optim.name
+LR_SCHEDULES = ("cosine", "wsd", "constant", "linear")  # optim.schedule (docs/training.md)
+DECAY_TYPES = ("linear", "sqrt", "cosine")  # optim.decay_type: the shape of WSD's decay
 
 # Bytes per element of each dtype name (reductions, exports); a precision's tensors: HELD.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

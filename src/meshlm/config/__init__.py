@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from .sections import (AUTO, CheckpointConfig, Config, ConfigError, DataConfig, LayoutError, MetricsConfig,
                        ModelConfig, MoEConfig, OptimConfig, ParallelConfig, RopeScalingConfig, TrainingConfig,
-                       resolve_auto)
+                       check_schedule, decay_span, resolve_auto)
 from .text import apply, from_dict, load, parse_overrides, replace, to_dict, to_toml
 
 __all__ = ["AUTO", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LayoutError", "MetricsConfig",
            "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "RopeScalingConfig", "TrainingConfig",
-           "apply", "from_dict", "load", "parse_overrides", "replace", "resolve_auto", "to_dict", "to_toml"]
+           "apply", "check_schedule", "decay_span", "from_dict", "load", "parse_overrides", "replace", "resolve_auto",
+           "to_dict", "to_toml"]

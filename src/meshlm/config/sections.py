@@ -10,9 +10,9 @@ import dataclasses
 import os
 from dataclasses import dataclass, field, fields
 
-from ..choices import (AC_MODES, CATCHABLE_SIGNALS, CP_IMPLS, ELASTIC, EXPORT_DTYPES, FP8_COMMS, FP8_RECIPES, OFFLOAD,
-                       ON_ERROR, OPTIMIZERS, PP_SCHEDULES, PRECISIONS, REDUCE_DTYPES, SPIKE_ACTIONS, ZERO_STAGES,
-                       choose)
+from ..choices import (AC_MODES, CATCHABLE_SIGNALS, CP_IMPLS, DECAY_TYPES, ELASTIC, EXPORT_DTYPES, FP8_COMMS,
+                       FP8_RECIPES, LR_SCHEDULES, OFFLOAD, ON_ERROR, OPTIMIZERS, PP_SCHEDULES, PRECISIONS,
+                       REDUCE_DTYPES, SPIKE_ACTIONS, ZERO_STAGES, choose)
 
 class ConfigError(ValueError):
     """A configuration problem; its message is one line that names the key."""
@@ -217,6 +217,7 @@ class TrainingConfig:
     spike_action: str = "skip"  # skip (drop the update) or rollback (newest checkpoint before it)
     loss_chunks: int = 0  # > 0: output head + loss over this many token chunks, logits never whole
     mtp_loss_weight: float = 0.3  # λ of the MTP loss (model.mtp_depth > 0; DeepSeek-V3's first 10T tokens)
+    z_loss: float = 0.0  # > 0: adds z·mean(log²Z) of the main head's softmax normaliser (docs/training.md)
 
     def check(self, cfg: Config) -> None:
         _check_device_keys(self)
@@ -240,6 +241,8 @@ class TrainingConfig:
             raise ConfigError(f"training.loss_chunks: must be >= 0 (0 = whole logits), got {self.loss_chunks}")
         if self.mtp_loss_weight < 0:
             raise ConfigError(f"training.mtp_loss_weight: must be >= 0, got {self.mtp_loss_weight}")
+        if not self.z_loss >= 0:  # NaN too
+            raise ConfigError(f"training.z_loss: must be >= 0 (0 = off), got {self.z_loss}")
 
 
 @dataclass
@@ -255,9 +258,15 @@ class OptimConfig:
     muon_lr: float = 0.0  # 0: optim.lr (the update is scaled to AdamW's RMS, so one rate serves both)
     muon_momentum: float = 0.95  # Nesterov momentum of the Muon parameters
     muon_ns_steps: int = 5  # quintic Newton-Schulz iterations
+    # the LR schedule after warmup (train/optim.py lr_at, docs/training.md): cosine, wsd, constant, linear
+    schedule: str = "cosine"
+    decay_steps: float = 0.0  # wsd: N >= 1 steps, or a fraction in (0, 1) of training.steps; 0: 0.2
+    decay_type: str = "linear"  # wsd: the decay's shape (linear, sqrt, cosine)
+    anneal_steps: int = 0  # > 0 with checkpoint.resume PATH: decay over N steps from that checkpoint's step
 
     def check(self, cfg: Config) -> None:
         _choice(self.name, OPTIMIZERS, "optim.name")
+        check_schedule(self, cfg)
         if self.muon_lr < 0:
             raise ConfigError(f"optim.muon_lr: must be >= 0 (0 = optim.lr), got {self.muon_lr}")
         if not 0 <= self.muon_momentum < 1:
@@ -347,6 +356,42 @@ class Config:
 
 
 AUTO = "auto"
+
+
+def check_schedule(o: OptimConfig, cfg: Config) -> None:
+    """optim.schedule and its keys; an anneal (optim.anneal_steps) is settled by train/preflight.py, which
+    reads the checkpoint's step and rewrites the run as a WSD whose decay is its last anneal_steps steps."""
+    _choice(o.schedule, LR_SCHEDULES, "optim.schedule")
+    _choice(o.decay_type, DECAY_TYPES, "optim.decay_type")
+    if o.warmup < 0:
+        raise ConfigError(f"optim.warmup: must be >= 0, got {o.warmup}")
+    if not o.decay_steps >= 0 or o.decay_steps > 1 and not float(o.decay_steps).is_integer():
+        raise ConfigError(f"optim.decay_steps: expected a whole number of steps >= 1 or a fraction in (0, 1) of "
+                          f"training.steps, got {o.decay_steps}")
+    if o.anneal_steps < 0:
+        raise ConfigError(f"optim.anneal_steps: must be >= 0 (0 = no anneal), got {o.anneal_steps}")
+    if o.anneal_steps:
+        if cfg.checkpoint.resume in ("auto", "never"):
+            raise ConfigError("optim.anneal_steps: an anneal starts from a checkpoint: give --checkpoint.resume PATH")
+        if o.schedule not in ("wsd", "constant"):
+            raise ConfigError(f"optim.anneal_steps: anneals a run whose rate is flat (optim.schedule wsd or constant), "
+                              f"not {o.schedule}")
+        return  # training.steps and the decay are derived from the checkpoint (preflight.settle_anneal)
+    if o.decay_steps and o.schedule != "wsd":
+        raise ConfigError(f"optim.decay_steps: only optim.schedule = wsd has a decay phase (schedule is {o.schedule})")
+    steps = cfg.training.steps
+    if o.schedule == "wsd" and steps:
+        span = decay_span(o, steps)
+        if span > steps - o.warmup:
+            raise ConfigError(f"optim.decay_steps: the decay ({span} steps) is longer than the steps after warmup "
+                              f"({steps} - {o.warmup} = {steps - o.warmup})")
+
+
+def decay_span(o: OptimConfig, steps: int) -> int:
+    """WSD's decay in steps: optim.decay_steps as a count, or its fraction of `steps` (0: a fifth, which
+    matched cosine in Hägele et al. 2024), rounded, at least 1."""
+    d = o.decay_steps or 0.2
+    return int(d) if d >= 1 else max(1, round(d * steps))
 
 
 def _check_device_keys(t: TrainingConfig) -> None:

@@ -38,6 +38,7 @@ from .features.chunked_loss import chunked_loss, head_in_loss
 from .features.float8 import convert_to_float8, take_weights_from, zero_float8
 from .features.float8_comm import comm_in_use, gather_entries_in_float8
 from .features.mtp import MTPLoss
+from .features.z_loss import ZLoss
 from .optim.adamw import Optimizer
 from .optim.muon import MuonAdamW
 from .optim.nvme import NvmeOptimizer
@@ -58,6 +59,16 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab: int | None
     if vocab is not None:
         logits = logits[..., :vocab]
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def cross_entropy_and_z(logits: torch.Tensor, targets: torch.Tensor,
+                        vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cross_entropy` and mean log² Z over the same real-vocabulary logits (training.z_loss,
+    features/z_loss.py)."""
+    if vocab is not None:
+        logits = logits[..., :vocab]
+    flat = logits.flatten(0, 1).float()
+    return F.cross_entropy(flat, targets.flatten()), flat.logsumexp(-1).square().mean()
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,7 @@ class Parallelized:
     moe: MoEStats | None = None  # MoE models: routing metrics and the aux-loss gradient scale
     cp: ContextParallel | None = None  # cp > 1: which tokens of each sequence this rank holds
     mtp: MTPLoss | None = None  # model.mtp_depth > 0: the loss with the MTP term, its step's sum
+    zloss: ZLoss | None = None  # training.z_loss > 0: its weight and its step's sum (features/z_loss.py)
     state_writer: bool = True  # writes the model-state buffers to checkpoints (one copy per stage)
 
     def local_tokens(self, x: torch.Tensor) -> torch.Tensor:
@@ -184,9 +196,10 @@ def parallelize(model: nn.Module, ctx: ParallelContext, layout: Layout, make_opt
         for c in red.all_reduce_over + red.sum_at_finish:
             if c.size > 1:
                 table.update(name, lambda pl: pl.replicate(c.name, c.rank))
-    loss_fn = _loss_fn(model, tp, loss_head, ctx, layout, training.compile)
+    zloss = ZLoss(training.z_loss) if training.z_loss > 0 else None
+    loss_fn = _loss_fn(model, tp, loss_head, ctx, layout, training.compile, zloss)
     # model.mtp_depth: the MTP term joins the gradient (its hooks after SP's and CP's: features/mtp.py)
-    mtp = MTPLoss(model, loss_fn, training.mtp_loss_weight, cp) if model.args.mtp_depth and \
+    mtp = MTPLoss(model, loss_fn, training.mtp_loss_weight, cp, zloss) if model.args.mtp_depth and \
         training.mtp_loss_weight > 0 else None
     loss_fn = mtp or loss_fn
     if pipe is not None:
@@ -199,7 +212,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, layout: Layout, make_opt
     return Parallelized(model=model, optimizer=opt, grads=grads, placements=table, world=ctx.comm("world"),
                         loss_fn=loss_fn, runner=runner, names={id(p): name for name, p in named},
                         pipeline=runner if pipe is not None else None,
-                        moe=MoEStats(model, plan, layout.tp) if model.args.moe else None, cp=cp, mtp=mtp,
+                        moe=MoEStats(model, plan, layout.tp) if model.args.moe else None, cp=cp, mtp=mtp, zloss=zloss,
                         state_writer=all(i == 0 for d, i in ctx.coords.items() if d != "pp"))
 
 
@@ -250,15 +263,17 @@ def _synchroniser_and_optimizer(model, named, ctx, plan, table, parallel: Parall
     return grads, opt
 
 
-def _loss_fn(model, tp, loss_head, ctx, layout, compile_: bool):
+def _loss_fn(model, tp, loss_head, ctx, layout, compile_: bool, zloss: ZLoss | None = None):
     """The mean token loss: vocab-parallel under TP, chunked with a loss head, else cross-entropy over the
-    real vocabulary (compiled when the blocks are: it fuses well, and has no collective inside)."""
-    if layout.tp_enabled:
-        loss_fn = tp.make_loss_fn()
-    else:
-        loss_fn = partial(cross_entropy, vocab=model.args.vocab_size)  # drops padded logits, if any
-        if compile_:
-            loss_fn = torch.compile(loss_fn, dynamic=False)
+    real vocabulary (compiled when the blocks are: it fuses well, and has no collective inside).
+    `zloss`: training.z_loss, which each of them computes from its own log-sum-exp."""
     if loss_head is not None:
-        loss_fn = chunked_loss(loss_head, tp and tp.vocab, ctx.comm("tp") if layout.tp_enabled else None, compile_)
-    return loss_fn
+        return chunked_loss(loss_head, tp and tp.vocab, ctx.comm("tp") if layout.tp_enabled else None, compile_,
+                            zloss)
+    if layout.tp_enabled:
+        return tp.make_loss_fn(zloss)
+    # drops padded logits, if any
+    loss_fn = partial(cross_entropy_and_z if zloss else cross_entropy, vocab=model.args.vocab_size)
+    if compile_:
+        loss_fn = torch.compile(loss_fn, dynamic=False)
+    return zloss.plain(loss_fn) if zloss else loss_fn

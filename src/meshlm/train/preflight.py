@@ -4,6 +4,7 @@ layout for the device that trains, then every input the run will read or write (
 data shards, W&B, offload directories, the checkpoint it resumes and the room for the ones it writes)."""
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ def settle(config_path: str | None, extra: list[str], nproc: int | None, max_res
     if rest:
         raise C.ConfigError(f"unrecognised argument: {rest[0]}")
     cfg = C.load(config_path, pairs)
+    settle_anneal(cfg, pairs, run_dir)  # optim.anneal_steps: the run's end and decay from the checkpoint
     asked_attn = cfg.model.attn_impl
     device_defaults(cfg)  # training.precision / compile "auto": this machine's values, into config.toml
     pin_model_shape(cfg)  # model.init_from: the HF model's shape goes into config.toml
@@ -60,6 +62,38 @@ def settle(config_path: str | None, extra: list[str], nproc: int | None, max_res
     check_inputs(cfg, layout, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if worker else world, run_dir,
                  restarts or 0)
     return Start(cfg, layout, world, worker, restarts, run_dir, pairs, asked_attn)
+
+
+def settle_anneal(cfg: C.Config, pairs: list, run_dir: str | None) -> None:
+    """optim.anneal_steps N with checkpoint.resume PATH (docs/training.md, "Annealing"): the run goes on
+    from the checkpoint's step S to S + N (training.steps is derived: a --training.steps that disagrees is
+    refused), as a WSD schedule whose decay is those N steps, so the rate stays a function of the step and
+    the config alone (a restart of the anneal keeps it). Its own run directory: never the source's."""
+    o = cfg.optim
+    if not o.anneal_steps:
+        return
+    from .checkpoint import find_resume
+    C.check_schedule(o, cfg)  # a resume path, a flat schedule
+    path = find_resume("", cfg.checkpoint.resume)
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            step = int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise C.ConfigError(f"checkpoint.resume: cannot read the step of {path}/meta.json ({e})") from None
+    if step < o.warmup:
+        raise C.ConfigError(f"optim.anneal_steps: the checkpoint's step {step} is inside the warmup "
+                            f"(optim.warmup {o.warmup}): anneal a checkpoint of the stable phase")
+    end = step + o.anneal_steps
+    asked = [v for k, v in pairs if k == "training.steps"]
+    if asked and int(asked[-1]) != end:
+        raise C.ConfigError(f"training.steps: the anneal ends at step {end} (checkpoint step {step} + "
+                            f"optim.anneal_steps {o.anneal_steps}), not {asked[-1]}; leave training.steps out")
+    source = os.path.dirname(os.path.dirname(os.path.abspath(path)))  # RUN/checkpoints/step_N
+    if run_dir and os.path.abspath(run_dir) == source:
+        raise C.ConfigError(f"--run-dir: an anneal writes a run directory of its own, not the source run's "
+                            f"{run_dir}")
+    cfg.training.steps = end
+    cfg.optim.schedule, cfg.optim.decay_steps = "wsd", float(o.anneal_steps)
 
 
 def check_inputs(cfg: C.Config, layout: Layout, local_world: int, run_dir: str, restarts: int) -> None:

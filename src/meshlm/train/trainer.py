@@ -198,6 +198,8 @@ class Trainer:
             par.moe.begin_step(scale)
         if par.mtp is not None:
             par.mtp.begin_step()
+        if par.zloss is not None:
+            par.zloss.begin_step()
         loss_sum = self.runner.run(batch, scale, timed=measure)  # gradients reduced on return
         grads = par.grads.grad_tensors()
         if scaler.enabled:

@@ -142,8 +142,9 @@ class TensorParallel:
     vocab: DimSplit
     entries: list[RegionEntry] = field(default_factory=list)
 
-    def make_loss_fn(self) -> VocabParallelLoss:
-        return VocabParallelLoss(self.comm, self.vocab)
+    def make_loss_fn(self, zloss=None) -> VocabParallelLoss:
+        """`zloss`: training.z_loss's features/z_loss.ZLoss, or None."""
+        return VocabParallelLoss(self.comm, self.vocab, zloss)
 
 
 def _split(table, fqn: str, dim: int, size: int, comm: Comm, rep: int = 1, padded: int | None = None) -> None:

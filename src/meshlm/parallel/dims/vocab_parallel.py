@@ -37,10 +37,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class _VocabParallelCE(Function):
-    """Mean cross-entropy over [N, V/t] logit slices. Saves only the local softmax for backward."""
+    """Mean cross-entropy over [N, V/t] logit slices. Saves only the local softmax for backward (and,
+    under training.z_loss, the per-token log-sum-exp: features/z_loss.py)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, comm, start, valid):
+    def forward(ctx, logits, targets, comm, start, valid, zloss=None, z: float = 0.0):
         n, rows = logits.shape
         real = logits[:, :valid]  # padded ids are not part of the vocabulary
         if valid:
@@ -61,34 +62,43 @@ class _VocabParallelCE(Function):
         sum_exp, target_logit = both[0], both[1]
         loss = (sum_exp.log() - target_logit).mean()
         exp.div_(sum_exp[:, None])  # softmax of the local slice
-        ctx.save_for_backward(exp, idx, hit)
+        ctx.z = z  # the weight, read outside: forward runs without autograd
+        if ctx.z:  # log Z per token from the shards' max and sums: the logits are never gathered
+            lse = shift + sum_exp.log()
+            zloss.record(lse.square().mean(), ctx.z)
+            ctx.save_for_backward(exp, idx, hit, lse)
+        else:
+            ctx.save_for_backward(exp, idx, hit)
         ctx.rows, ctx.n = rows, n
         return loss
 
     @staticmethod
     def backward(ctx, g):
-        softmax, idx, hit = ctx.saved_tensors
+        softmax, idx, hit = ctx.saved_tensors[:3]
         grad = softmax.new_zeros((ctx.n, ctx.rows))
         valid = softmax.shape[1]
         if valid:
             real = grad[:, :valid]
             real.copy_(softmax)
+            if ctx.z:  # d(z·mean log² Z)/d logit = 2·z·log Z·softmax / N
+                real.mul_(ctx.saved_tensors[3][:, None] * (2 * ctx.z) + 1)
             real.scatter_add_(1, idx[:, None], -hit.to(grad.dtype)[:, None])
         grad.mul_(g / ctx.n)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 class VocabParallelLoss:
     """`loss_fn(local_logits [B, S, V/t], targets [B, S])`: the mean token loss, equal to
-    F.cross_entropy over the full logits up to summation order."""
+    F.cross_entropy over the full logits up to summation order. `zloss`: training.z_loss's
+    features/z_loss.ZLoss (its term in the gradient, its value recorded there), or None."""
 
-    def __init__(self, comm: Comm, vocab: DimSplit):
+    def __init__(self, comm: Comm, vocab: DimSplit, zloss=None):
         """`vocab`: the rows' split from the placement record (first id, rows held, real ids of them)."""
-        self.comm = comm
+        self.comm, self.zloss = comm, zloss
         self.start, self.rows, self.valid = vocab.start, vocab.chunk, vocab.real
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if logits.shape[-1] != self.rows:
             raise ValueError(f"vocab-parallel loss: expected {self.rows} logits per token, got {logits.shape[-1]}")
         return _VocabParallelCE.apply(logits.flatten(0, 1).float(), targets.flatten(), self.comm,
-                                      self.start, self.valid)
+                                      self.start, self.valid, self.zloss, self.zloss.coef if self.zloss else 0.0)

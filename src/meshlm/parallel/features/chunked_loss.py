@@ -51,9 +51,12 @@ def _chunk_sums(logits: torch.Tensor, shift: torch.Tensor, idx: torch.Tensor, hi
 
 
 def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, idx: torch.Tensor, hit: torch.Tensor,
-                scale: torch.Tensor) -> torch.Tensor:
-    """The logits' gradient (softmax - one-hot)·scale, in the logits' dtype."""
+                scale: torch.Tensor, z: float = 0.0) -> torch.Tensor:
+    """The logits' gradient (softmax - one-hot)·scale, in the logits' dtype; `z` (training.z_loss):
+    plus z·mean log² Z's, 2·z·lse·softmax·scale (features/z_loss.py)."""
     p = (logits.to(lse.dtype) - lse[:, None]).exp()
+    if z:
+        p = p * (lse[:, None] * (2 * z) + 1)
     p = p.scatter_add(1, idx[:, None], -hit.to(p.dtype)[:, None])
     return (p * scale).to(logits.dtype)
 
@@ -65,7 +68,8 @@ class _ChunkedHeadCE(Function):
     """Mean cross-entropy of F.linear(h, w[:valid]) against `targets`, k token chunks at a time."""
 
     @staticmethod
-    def forward(ctx, h, w, targets, chunks: int, start: int, valid: int, comm: Comm | None, fns):
+    def forward(ctx, h, w, targets, chunks: int, start: int, valid: int, comm: Comm | None, fns, zloss=None,
+                z: float = 0.0):
         n = h.shape[0]
         sums, _ = fns
         real = w[:valid]
@@ -88,6 +92,9 @@ class _ChunkedHeadCE(Function):
             tlogit[lo:hi] = both[1]
         ctx.save_for_backward(h, w, targets, lse)
         ctx.chunks, ctx.start, ctx.valid, ctx.fns = chunks, start, valid, fns
+        ctx.z = z  # the weight, read outside: forward runs without autograd
+        if ctx.z:  # training.z_loss from the log-sum-exp kept anyway (features/z_loss.py)
+            zloss.record(lse.square().mean(), ctx.z)
         return (lse - tlogit).mean()
 
     @staticmethod
@@ -102,12 +109,12 @@ class _ChunkedHeadCE(Function):
         scale = g / n
         for lo, hi in _bounds(n, ctx.chunks) if valid else ():
             idx, hit = _target_parts(targets[lo:hi], ctx.start, valid)
-            d = grad_fn(F.linear(h[lo:hi], real), lse[lo:hi], idx, hit, scale)
+            d = grad_fn(F.linear(h[lo:hi], real), lse[lo:hi], idx, hit, scale, ctx.z)
             if want_h:
                 torch.mm(d, real, out=gh[lo:hi])
             if want_w:
                 gw[:valid].addmm_(d.t(), h[lo:hi])
-        return gh, gw, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None, None
 
 
 def _bounds(n: int, chunks: int) -> list[tuple[int, int]]:
@@ -121,19 +128,22 @@ class LossHead(nn.Linear):
     """The output head under training.loss_chunks. The model's forward stops at the final norm
     (`Llama.head_in_loss`) and the loss calls this module with the targets, so its hooks (TP's entry,
     ZeRO's gather and release) wrap the chunked loss as they wrapped the matmul. `start`, `valid`:
-    the first vocabulary id and the real rows this rank holds; `comm`: the TP group splitting them."""
+    the first vocabulary id and the real rows this rank holds; `comm`: the TP group splitting them;
+    `zloss`: training.z_loss's features/z_loss.ZLoss, or None."""
     chunks: int
     start: int
     valid: int
     comm: Comm | None
     fns: tuple
+    zloss: object = None
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """The mean token loss given `targets` [B, S]; the logits without them."""
         if targets is None:
             return super().forward(x)
         return _ChunkedHeadCE.apply(x.flatten(0, 1), edge(self.weight), targets.flatten(), self.chunks,
-                                    self.start, self.valid, self.comm, self.fns)
+                                    self.start, self.valid, self.comm, self.fns, self.zloss,
+                                    self.zloss.coef if self.zloss is not None else 0.0)
 
 
 def head_in_loss(model: nn.Module, plan, chunks: int) -> LossHead | None:
@@ -149,13 +159,13 @@ def head_in_loss(model: nn.Module, plan, chunks: int) -> LossHead | None:
     return swap_in(model, head, LossHead, chunks=chunks, start=0, valid=model.args.vocab_size, comm=None, fns=_FNS)
 
 
-def chunked_loss(head: LossHead, vocab, comm: Comm | None, compile: bool) -> Callable:
+def chunked_loss(head: LossHead, vocab, comm: Comm | None, compile: bool, zloss=None) -> Callable:
     """The loss_fn of a model whose head is in the loss: `loss_fn(final-norm output, targets)`.
     `vocab`: the head rows' split (placement.DimSplit), None when the head holds the whole vocabulary
-    unpadded; `comm`: the TP group when the rows are split over it."""
+    unpadded; `comm`: the TP group when the rows are split over it; `zloss`: features/z_loss.ZLoss."""
     if vocab is not None:
         head.start, head.valid = vocab.start, vocab.real
-    head.comm = comm
+    head.comm, head.zloss = comm, zloss
     if compile:
         head.fns = tuple(torch.compile(f, dynamic=False) for f in _FNS)
     return head

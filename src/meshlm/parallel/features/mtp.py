@@ -24,6 +24,7 @@ before that gather, which is why layout.py refuses MTP with training.loss_chunks
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -32,14 +33,17 @@ from torch import nn
 from ...distributed.functional import all_gather_dim
 from ..dims.context_parallel import ContextParallel
 from ..dims.cp_allgather import sequence_order
+from .z_loss import ZLoss
 
 
 class MTPLoss:
     """The loss function of a model with MTP modules (module doc); `total`: the step's sum of this
     rank's unweighted MTP losses (None before any; zero on stages without the head)."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable, weight: float, cp: ContextParallel | None):
-        self.model, self.loss_fn, self.weight, self.cp = model, loss_fn, weight, cp
+    def __init__(self, model: nn.Module, loss_fn: Callable, weight: float, cp: ContextParallel | None,
+                 zloss: ZLoss | None = None):
+        """`zloss`: training.z_loss, which the main head's loss gets and the MTP heads' do not."""
+        self.model, self.loss_fn, self.weight, self.cp, self.zloss = model, loss_fn, weight, cp, zloss
         self.depth = model.args.mtp_depth
         self.h = self.positions = self.docs = None
         self.total: torch.Tensor | None = None
@@ -63,7 +67,8 @@ class MTPLoss:
         h, self.h = self.h, None
         if h is None or not torch.is_grad_enabled():  # evaluation: the main loss alone
             return main
-        mtp = self.mtp_loss(h, targets)
+        with self.zloss.main_only() if self.zloss is not None else nullcontext():
+            mtp = self.mtp_loss(h, targets)
         self.total = mtp.detach() if self.total is None else self.total + mtp.detach()
         return main + (mtp - mtp.detach()) * self.weight
 

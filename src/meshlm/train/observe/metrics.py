@@ -396,6 +396,9 @@ class StepMeter:
         if self.par.mtp is not None:  # the unweighted MTP loss; `loss` is the main head's alone
             total = self.par.mtp.total
             rec["mtp_loss"] = self.global_loss(total if total is not None else torch.zeros((), device=device))
+        if self.par.zloss is not None:  # z · mean log² Z (training.z_loss); `loss` stays the cross-entropy
+            total = self.par.zloss.total
+            rec["z_loss"] = self.global_loss(total if total is not None else torch.zeros((), device=device))
         if self.par.moe is not None:
             rec["moe"] = self.par.moe.record(self.ctx.comm("world"), device)
         if self.par.pipeline is not None:  # measured bubble; rank 0 writes the step's Chrome trace
