@@ -16,7 +16,7 @@ from harness import assert_refused_in_one_line, assert_same_losses, make_config,
 
 from meshlm import config as C
 from meshlm.data.rampup import BatchRamp
-from meshlm.data.sampler import GlobalBatchSampler
+from meshlm.data.sampler import GlobalBatchSampler, MixtureSampler, apportion
 
 # TINY (global_batch 8, 10 steps) with micro-batches of 1 and the ramp 2 -> 8 in steps of 2 over 24
 # samples: 4 steps of 2, 2 of 4, 2 of 6, then 8 (by hand: the level of c consumed samples is c·3 // 24)
@@ -61,6 +61,41 @@ def test_sampler_serves_each_step_from_its_consumed_offset():
     assert fixed.indices(5) == fixed.order.take(40, 8).tolist() and fixed.state_dict() == {"step": 0}
     ramped.load_state_dict({"step": 5})
     assert ramped.state_dict() == {"step": 5, "samples": 12} and ramped.batch_size() == 4
+
+
+class _Source:
+    """A token stream whose every token of window w is k·10⁶ + w: a batch's first column names the
+    source and window of each row."""
+
+    def __init__(self, k: int, tokens: int, seq: int):
+        self.k, self.tokens, self.seq = k, tokens, seq
+
+    def __len__(self) -> int:
+        return self.tokens
+
+    def get(self, pos: int, count: int) -> np.ndarray:
+        return np.full(count, self.k * 10**6 + pos // self.seq, dtype=np.int64)
+
+
+def test_mixture_ramp_apportions_each_batch_and_walks_each_source_in_order():
+    """data.mix under a ramp: each step's batch is apportioned between the sets like a full one, each
+    set's windows over the steps are its own order read once, and dp ranks read slices of one batch."""
+    seq, weights = 8, [0.75, 0.25]
+    srcs = [_Source(0, 4001, seq), _Source(1, 2001, seq)]
+    ms = MixtureSampler([len(s) for s in srcs], ["a", "b"], weights, seq, 8, seed=1, rampup=[2, 2, 24])
+    seen: list[list[int]] = [[], []]
+    for step, size in enumerate(SIZES):
+        rows = ms.batch(srcs, step).inputs[:, 0].tolist()
+        halves = [ms.batch(srcs, step, r, 2).inputs[:, 0].tolist() for r in range(2)]
+        assert len(rows) == size and halves[0] + halves[1] == rows
+        mine = [sorted(x % 10**6 for x in rows if x // 10**6 == k) for k in range(2)]
+        assert [len(m) for m in mine] == apportion(size, weights)
+        for k, part in enumerate(ms.parts):  # the next windows of set k's own order
+            assert mine[k] == sorted(part.order.take(len(seen[k]), len(mine[k])).tolist())
+            seen[k] += mine[k]
+    ms.load_state_dict({"step": 10})
+    assert ms.drawn() == {"a": len(seen[0]) * seq, "b": len(seen[1]) * seq}
+    assert sum(ms.drawn().values()) == seq * sum(SIZES)
 
 
 def _copy_truncated(src: str, keep_step: int) -> str:

@@ -267,8 +267,7 @@ def _check_rampup(ramp: list[int], global_batch: int, cfg: Config) -> None:
                           f"{global_batch} - {start} (Megatron's rule: the ramp ends exactly at the global batch)")
     why = {"parallel.elastic = \"replan\" (the planner would pick a batch split the ramp's sizes may not "
            "divide)": cfg.parallel.elastic == "replan",
-           "parallel.dp_weights (the uneven split is fixed for one global batch)": bool(cfg.parallel.dp_weights),
-           "data.mix (a mixture apportions one global batch)": bool(cfg.data.mix)}
+           "parallel.dp_weights (the uneven split is fixed for one global batch)": bool(cfg.parallel.dp_weights)}
     for reason, on in why.items():
         if on:
             raise ConfigError(f"{key}: not with {reason}")

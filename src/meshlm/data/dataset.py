@@ -36,7 +36,7 @@ class TrainingData:
 def open_data(path: str, mix: list, seq_len: int, global_batch: int, seed: int,
               document_mask: bool = False, rampup: list[int] = ()) -> TrainingData:
     """Open `path` (or every set of `mix`, all tokenised alike) and build the sampler (`rampup`:
-    training.batch_rampup, one set only)."""
+    training.batch_rampup)."""
     dirs = [p for p, _ in mix] if mix else [path]
     train = [TokenShards(d, "train") for d in dirs]
     val = [TokenShards(d, "val") for d in dirs]
@@ -51,5 +51,6 @@ def open_data(path: str, mix: list, seq_len: int, global_batch: int, seed: int,
         sampler = GlobalBatchSampler.for_shards(train[0], seq_len, global_batch, seed, rampup)
         return TrainingData(train, val, None, sampler, document_mask)
     names = [os.path.normpath(d) for d in dirs]
-    sampler = MixtureSampler([len(s) for s in train], names, [w for _, w in mix], seq_len, global_batch, seed)
+    sampler = MixtureSampler([len(s) for s in train], names, [w for _, w in mix], seq_len, global_batch, seed,
+                             rampup)
     return TrainingData(train, val, [w for _, w in mix], sampler, document_mask)

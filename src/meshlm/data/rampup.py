@@ -52,8 +52,12 @@ class BatchRamp:
             steps = -(-(boundary - samples) // batch)
             step, samples = step + steps, samples + steps * batch
 
+    def index(self, step: int) -> int:
+        """Which level step `step` is in."""
+        return bisect_right(self._starts, int(step)) - 1
+
     def level(self, step: int) -> Level:
-        return self.levels[bisect_right(self._starts, int(step)) - 1]
+        return self.levels[self.index(step)]
 
     def batch(self, step: int) -> int:
         """Sequences in global batch `step`."""

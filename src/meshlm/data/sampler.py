@@ -211,10 +211,11 @@ class MixtureSampler:
     """Several prepared sets with weights: every global batch holds `counts[k]` sequences of source k
     (apportion), each source walking its own epochs; a per-step shuffle of the slots spreads the
     sources over the data-parallel ranks. Deterministic per step, so identical in every layout and
-    resumable across layouts from the step alone."""
+    resumable across layouts from the step alone. Under training.batch_rampup each batch size is
+    apportioned alike and each source goes on from the sequences it gave the steps before."""
 
     def __init__(self, sizes: list[int], names: list[str], weights: list[float], seq_len: int,
-                 global_batch: int, seed: int):
+                 global_batch: int, seed: int, rampup: list[int] = ()):
         self.counts = apportion(global_batch, weights)
         empty = [n for n, c in zip(names, self.counts) if c == 0]
         if empty:
@@ -223,15 +224,28 @@ class MixtureSampler:
         self.names, self.seq_len, self.global_batch = list(names), int(seq_len), int(global_batch)
         self.parts = [GlobalBatchSampler(n, seq_len, c, _key(seed, k) >> 1)
                       for k, (n, c) in enumerate(zip(sizes, self.counts))]
-        self.slots = WindowOrder(global_batch, _key(seed, len(sizes), 1) >> 1)
-        self.ramp = BatchRamp(self.global_batch)  # a fixed batch (batch_rampup with data.mix is refused)
-        self.step = 0
+        self.slot_seed = _key(seed, len(sizes), 1) >> 1
+        self.ramp = BatchRamp(self.global_batch, rampup)
+        self.level_counts = [apportion(lv.batch, weights) for lv in self.ramp.levels]  # a ramp's smaller
+        self.step = 0  # batches may give a light source none
+
+    def given(self, step: int) -> list[int]:
+        """Sequences each source gave the steps before `step` (one term per batch size of the ramp)."""
+        out = [0] * len(self.parts)
+        for lv, end, counts in zip(self.ramp.levels, [lv.step for lv in self.ramp.levels[1:]] + [step],
+                                   self.level_counts):
+            n = max(0, min(step, end) - lv.step)
+            out = [o + n * c for o, c in zip(out, counts)]
+        return out
 
     def batch(self, shards: list, step: int, dp_rank: int = 0, dp_size: int = 1, docs: bool = False,
               rows: tuple[int, ...] = ()) -> Batch:
-        part = _dp_slice(self.global_batch, dp_rank, dp_size, rows)
-        reads = [(shards[k], i) for k, p in enumerate(self.parts) for i in p.indices(step)]
-        order = self.slots.permute(step, np.arange(self.global_batch, dtype=np.uint64))
+        size = self.ramp.batch(step)
+        counts = self.level_counts[self.ramp.index(step)]
+        part = _dp_slice(size, dp_rank, dp_size, rows)
+        reads = [(shards[k], i) for k, (p, at, c) in enumerate(zip(self.parts, self.given(step), counts))
+                 for i in p.order.take(at, c).tolist()]
+        order = WindowOrder(size, self.slot_seed).permute(step, np.arange(size, dtype=np.uint64))
         return _windows([reads[j] for j in order[part]], self.seq_len, docs)
 
     def next_batch(self, shards: list, dp_rank: int = 0, dp_size: int = 1, docs: bool = False,
@@ -242,7 +256,7 @@ class MixtureSampler:
 
     def drawn(self) -> dict[str, int]:
         """Tokens drawn from each source so far (inputs of every consumed step)."""
-        return {n: self.step * c * self.seq_len for n, c in zip(self.names, self.counts)}
+        return {n: g * self.seq_len for n, g in zip(self.names, self.given(self.step))}
 
     batch_size = GlobalBatchSampler.batch_size
     state_dict = GlobalBatchSampler.state_dict
