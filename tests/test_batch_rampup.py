@@ -239,3 +239,17 @@ def test_estimate_prices_the_ramp_steps_at_their_batch(capsys, tmp_path):
     assert text.splitlines()[-1] == f"run: 10 steps, {10 * step[8] / 3600:.3g} h"
     code, _ = _estimate(capsys, tmp_path, "--training.global_batch", "8", "--training.batch_rampup", "2,3,24")
     assert code == 2
+
+
+def test_calibration_reads_the_full_batch_steps_of_a_ramped_run(tmp_path):
+    """--calibrate prices the run's layout at the full batch: a ramped run's smaller steps are left out
+    (warm-up is counted from the first full-batch line)."""
+    from meshlm.plan.calibrate import PlanError, measured
+
+    lines = [{"step": s + 1, "step_s": 0.1 * b / 8 + 0.01 * s, "global_batch": b, "comm": {}}
+             for s, b in enumerate(SIZES + [8, 8, 8])]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert measured(str(tmp_path)).step_s == pytest.approx(0.1 + 0.01 * 11)  # steps 11-13 of 9-13
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines[:10]))
+    with pytest.raises(PlanError, match="has 2 logged steps at the full batch"):
+        measured(str(tmp_path))
