@@ -148,11 +148,19 @@ LAYOUTS = [
 def test_ramp_layout_matches_one_process(pools, name, world, layout):
     """Each replica runs batch/(dp·micro_batch) micro-batches a step (ZeRO-3 gathers per micro-batch);
     the pipeline runs a schedule of 2, 4, 6 then 8 micro-batches: fp32 losses within 1e-5 of one
-    process's with the same ramp, the same batch logged."""
-    ref, _ = ramp_reference()
-    got = train_in(pools, make_config(**RAMP, **layout), world, tempfile.mkdtemp(prefix=f"meshlm-ramp-{name}-"))
+    process's with the same ramp, the same batch logged. The layout's mid-ramp checkpoint (step 5)
+    resumes in the other layout of the pair (one process, or dp2 ZeRO-3) on the same losses."""
+    ref, ref_dir = ramp_reference()
+    run_dir = tempfile.mkdtemp(prefix=f"meshlm-ramp-{name}-")
+    got = train_in(pools, make_config(**RAMP, **layout, checkpoint__every=5, checkpoint__keep=0), world, run_dir)
     assert [r["global_batch"] for r in got] == SIZES
     assert_same_losses(ref, got, 1e-5)
+    if name == "dp2-zero3":  # resharded mid-ramp: dp2 ZeRO-3 -> one process, one process -> dp2 ZeRO-3
+        resumed = run_local(make_config(**RAMP, checkpoint__resume="auto"), _copy_truncated(run_dir, 5))
+        assert_same_losses(ref, resumed, 1e-5)
+        back = train_in(pools, make_config(**RAMP, **layout, checkpoint__resume="auto"), world,
+                        _copy_truncated(ref_dir, 5))
+        assert_same_losses(ref, back, 1e-5)
 
 
 BAD = [
