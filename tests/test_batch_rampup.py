@@ -12,9 +12,8 @@ import tempfile
 import numpy as np
 import pytest
 
-from harness import assert_refused_in_one_line, assert_same_losses, make_config, read_metrics, run_local, train_in
+from harness import assert_refused_in_one_line, assert_same_losses, make_config, run_local, train_in
 
-from meshlm import config as C
 from meshlm.data.rampup import BatchRamp
 from meshlm.data.sampler import GlobalBatchSampler, MixtureSampler, apportion
 
@@ -164,17 +163,17 @@ def test_ramp_layout_matches_one_process(pools, name, world, layout):
 
 
 BAD = [
-    ({"training__batch_rampup": [2, 2]}, "training.batch_rampup: expected [start_sequences, increment, "
-                                         "over_sequences], got [2, 2]"),
-    ({"training__batch_rampup": [16, 2, 8]}, "training.batch_rampup: the start batch 16 is larger than "
-                                             "training.global_batch 8"),
+    ({"training__batch_rampup": [2, 2]}, ("training.batch_rampup: expected [start_sequences, increment, "
+                                          "over_sequences], got [2, 2]")),
+    ({"training__batch_rampup": [16, 2, 8]}, ("training.batch_rampup: the start batch 16 is larger than "
+                                              "training.global_batch 8")),
     ({"training__batch_rampup": [2, 0, 8]}, "training.batch_rampup: the increment must be > 0, got 0"),
     ({"training__batch_rampup": [2, 2, -8]}, "training.batch_rampup: the ramp's samples must be >= 0, got -8"),
-    ({"training__batch_rampup": [2, 4, 8]}, "training.batch_rampup: the increment 4 does not divide "
-     "training.global_batch - start = 8 - 2 (Megatron's rule: the ramp ends exactly at the global batch)"),
+    ({"training__batch_rampup": [2, 4, 8]}, ("training.batch_rampup: the increment 4 does not divide "
+     "training.global_batch - start = 8 - 2 (Megatron's rule: the ramp ends exactly at the global batch)")),
     ({"training__batch_rampup": [2, 2, 8], "parallel__elastic": "replan"},
-     'training.batch_rampup: not with parallel.elastic = "replan" (the planner would pick a batch split the '
-     "ramp's sizes may not divide)"),
+     ('training.batch_rampup: not with parallel.elastic = "replan" (the planner would pick a batch split the '
+      "ramp's sizes may not divide)")),
     ({"training__batch_rampup": [2, 2, 8], "parallel__dp_weights": [3, 1]},
      "training.batch_rampup: not with parallel.dp_weights (the uneven split is fixed for one global batch)"),
 ]
