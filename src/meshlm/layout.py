@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import Config, ConfigError, LayoutError, resolve_auto
+from .data.rampup import BatchRamp
 from .model.args import ModelArgs
 from .model.from_config import check_export, model_args
 
@@ -68,6 +69,10 @@ class Layout:
         inverse, so the dp average of the gradients is the mean over every micro-batch of the global
         batch (= `accum` exactly without dp_weights)."""
         return self.step_microbatches / self.dp
+
+    def step_accum(self, batch: int) -> float:
+        """`mean_accum` of a step of `batch` sequences (training.batch_rampup: each step's own)."""
+        return batch / (self.micro_batch * self.dp)
 
     def accum_of(self, dp_rank: int) -> int:
         """Micro-batches replica `dp_rank` runs per step (docs/heterogeneous.md)."""
@@ -287,8 +292,9 @@ def resolve(cfg: Config, world_size: int) -> Layout:
     check_mtp(cfg, args)
     check_zeropp(layout, p.offload)
     check_dp_weights(cfg, args, layout)
-    if layout.pp_enabled or p.pp_virtual > 1 or p.pp_layers:
-        _check_pipeline(cfg, args, layout.microbatches)
+    for m in check_rampup(cfg, layout):  # every step's micro-batch count (the pipeline runs each)
+        if layout.pp_enabled or p.pp_virtual > 1 or p.pp_layers:
+            _check_pipeline(cfg, args, m)
     check_export(cfg, args)
     return layout
 
@@ -369,6 +375,21 @@ def check_dp_weights(cfg: Config, args: ModelArgs, layout: Layout) -> None:
     for reason, on in why.items():
         if on:
             raise LayoutError(f"parallel.dp_weights: not with {reason}")
+
+
+def check_rampup(cfg: Config, layout: Layout) -> list[int]:
+    """Every batch size of training.batch_rampup split into whole micro-batches per dp replica (a
+    LayoutError naming the first that is not: another dp or micro_batch may fit); returns each size's
+    micro-batches per replica, the full batch's last (without a ramp: `layout.microbatches` alone)."""
+    t = cfg.training
+    if not t.batch_rampup:
+        return [layout.microbatches]
+    per_step, sizes = layout.micro_batch * layout.dp, BatchRamp(t.global_batch, t.batch_rampup).sizes()
+    for size in sizes:
+        if size % per_step:
+            raise LayoutError(f"training.batch_rampup: a step of {size} sequences does not split into whole "
+                              f"micro-batches of micro_batch×dp = {layout.micro_batch}×{layout.dp}")
+    return [size // per_step for size in sizes]
 
 
 def check_zeropp(layout: Layout, offload: str) -> None:

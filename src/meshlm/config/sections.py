@@ -218,9 +218,12 @@ class TrainingConfig:
     loss_chunks: int = 0  # > 0: output head + loss over this many token chunks, logits never whole
     mtp_loss_weight: float = 0.3  # λ of the MTP loss (model.mtp_depth > 0; DeepSeek-V3's first 10T tokens)
     z_loss: float = 0.0  # > 0: adds z·mean(log²Z) of the main head's softmax normaliser (docs/training.md)
+    # [start, increment, over]: Megatron's --rampup-batch-size (data/rampup.py); empty: a fixed batch
+    batch_rampup: list[int] = field(default_factory=list)
 
     def check(self, cfg: Config) -> None:
         _check_device_keys(self)
+        _check_rampup(self.batch_rampup, self.global_batch, cfg)
         _choice(self.fp8_recipe, FP8_RECIPES, "training.fp8_recipe")
         for entry in self.fp8_comm:
             _choice(entry, FP8_COMMS, "training.fp8_comm")
@@ -243,6 +246,34 @@ class TrainingConfig:
             raise ConfigError(f"training.mtp_loss_weight: must be >= 0, got {self.mtp_loss_weight}")
         if not self.z_loss >= 0:  # NaN too
             raise ConfigError(f"training.z_loss: must be >= 0 (0 = off), got {self.z_loss}")
+
+
+def _check_rampup(ramp: list[int], global_batch: int, cfg: Config) -> None:
+    """training.batch_rampup's own numbers and what it cannot combine with (whole micro-batches per
+    rank need the world size: layout.check_rampup)."""
+    if not ramp:
+        return
+    key = "training.batch_rampup"
+    if len(ramp) != 3:
+        raise ConfigError(f"{key}: expected [start_sequences, increment, over_sequences], got {ramp}")
+    start, inc, over = ramp
+    if start < 1:
+        raise ConfigError(f"{key}: the start batch must be >= 1 sequence, got {start}")
+    if start > global_batch:
+        raise ConfigError(f"{key}: the start batch {start} is larger than training.global_batch {global_batch}")
+    if inc <= 0:
+        raise ConfigError(f"{key}: the increment must be > 0, got {inc}")
+    if over < 0:
+        raise ConfigError(f"{key}: the ramp's samples must be >= 0, got {over}")
+    if (global_batch - start) % inc:
+        raise ConfigError(f"{key}: the increment {inc} does not divide training.global_batch - start = "
+                          f"{global_batch} - {start} (Megatron's rule: the ramp ends exactly at the global batch)")
+    why = {"parallel.elastic = \"replan\" (the planner would pick a batch split the ramp's sizes may not "
+           "divide)": cfg.parallel.elastic == "replan",
+           "parallel.dp_weights (the uneven split is fixed for one global batch)": bool(cfg.parallel.dp_weights)}
+    for reason, on in why.items():
+        if on:
+            raise ConfigError(f"{key}: not with {reason}")
 
 
 @dataclass

@@ -34,8 +34,9 @@ class TrainingData:
 
 
 def open_data(path: str, mix: list, seq_len: int, global_batch: int, seed: int,
-              document_mask: bool = False) -> TrainingData:
-    """Open `path` (or every set of `mix`, all tokenised alike) and build the sampler."""
+              document_mask: bool = False, rampup: list[int] = ()) -> TrainingData:
+    """Open `path` (or every set of `mix`, all tokenised alike) and build the sampler (`rampup`:
+    training.batch_rampup)."""
     dirs = [p for p, _ in mix] if mix else [path]
     train = [TokenShards(d, "train") for d in dirs]
     val = [TokenShards(d, "val") for d in dirs]
@@ -47,8 +48,9 @@ def open_data(path: str, mix: list, seq_len: int, global_batch: int, seed: int,
         for s in train:
             s.require_documents()
     if not mix:
-        sampler = GlobalBatchSampler.for_shards(train[0], seq_len, global_batch, seed)
+        sampler = GlobalBatchSampler.for_shards(train[0], seq_len, global_batch, seed, rampup)
         return TrainingData(train, val, None, sampler, document_mask)
     names = [os.path.normpath(d) for d in dirs]
-    sampler = MixtureSampler([len(s) for s in train], names, [w for _, w in mix], seq_len, global_batch, seed)
+    sampler = MixtureSampler([len(s) for s in train], names, [w for _, w in mix], seq_len, global_batch, seed,
+                             rampup)
     return TrainingData(train, val, [w for _, w in mix], sampler, document_mask)

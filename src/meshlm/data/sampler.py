@@ -1,7 +1,8 @@
 """Deterministic global batches, independent of how they are split across ranks.
 
-The global batch of a step depends only on (seed, step, seq_len, global_batch, number of windows);
-each data-parallel rank takes a contiguous slice of it. So a run on 1 process and on any layout sees
+The global batch of a step depends only on (seed, step, seq_len, global_batch, number of windows,
+training.batch_rampup); each data-parallel rank takes a contiguous slice of it. Step t reads the
+window stream from its consumed-sample offset (`BatchRamp.consumed`: t·global_batch without a ramp). So a run on 1 process and on any layout sees
 exactly the same samples per step, which is what lets layouts be compared loss-for-loss.
 
 The per-epoch shuffle is a stateless bijection (`WindowOrder`: a Feistel network with cycle walking),
@@ -13,6 +14,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+
+from .rampup import BatchRamp
 
 __all__ = ["WindowOrder", "GlobalBatchSampler", "MixtureSampler", "Batch", "apportion", "eval_batches"]
 
@@ -120,9 +123,10 @@ def _dp_slice(global_batch: int, dp_rank: int, dp_size: int, rows: tuple[int, ..
 
 
 class GlobalBatchSampler:
-    """Endless sequence of per-epoch permutations of one split's windows; `step` is the data position."""
+    """Endless sequence of per-epoch permutations of one split's windows; `step` is the data position
+    (the samples it has consumed follow from it: `ramp.consumed(step)`)."""
 
-    def __init__(self, num_tokens: int, seq_len: int, global_batch: int, seed: int):
+    def __init__(self, num_tokens: int, seq_len: int, global_batch: int, seed: int, rampup: list[int] = ()):
         if seq_len < 1:
             raise ValueError(f"data: seq_len must be >= 1, got {seq_len}")
         if global_batch < 1:
@@ -133,29 +137,35 @@ class GlobalBatchSampler:
         if self.num_windows < 1:
             raise ValueError(f"data: corpus too small for seq_len {seq_len} ({num_tokens} tokens)")
         self.order = WindowOrder(self.num_windows, self.seed)
+        self.ramp = BatchRamp(self.global_batch, rampup)
         self.step = 0
 
     @classmethod
-    def for_shards(cls, shards, seq_len: int, global_batch: int, seed: int) -> "GlobalBatchSampler":
-        return cls(len(shards), seq_len, global_batch, seed)
+    def for_shards(cls, shards, seq_len: int, global_batch: int, seed: int,
+                   rampup: list[int] = ()) -> "GlobalBatchSampler":
+        return cls(len(shards), seq_len, global_batch, seed, rampup)
+
+    def batch_size(self, step: int | None = None) -> int:
+        """Sequences in global batch `step` (default: the next one to be consumed)."""
+        return self.ramp.batch(self.step if step is None else step)
 
     def epoch_permutation(self, epoch: int) -> list[int]:
         """The whole order of `epoch` (small corpora and tests only: it is n ints)."""
         return self.order.permute(epoch, np.arange(self.num_windows, dtype=np.uint64)).tolist()
 
     def epoch_of(self, step: int) -> int:
-        return (int(step) * self.global_batch) // self.num_windows
+        return self.ramp.consumed(step) // self.num_windows
 
     def indices(self, step: int) -> list[int]:
         """Window ids of global batch `step` (may cross an epoch boundary)."""
         if step < 0:
             raise ValueError(f"data: step must be >= 0, got {step}")
-        return self.order.take(int(step) * self.global_batch, self.global_batch).tolist()
+        return self.order.take(self.ramp.consumed(step), self.ramp.batch(step)).tolist()
 
     def batch(self, shards, step: int, dp_rank: int = 0, dp_size: int = 1, docs: bool = False,
               rows: tuple[int, ...] = ()) -> Batch:
         """This rank's contiguous slice of global batch `step` (`rows`: uneven slices, `_dp_slice`)."""
-        part = _dp_slice(self.global_batch, dp_rank, dp_size, rows)
+        part = _dp_slice(self.ramp.batch(step), dp_rank, dp_size, rows)
         if len(shards) < self.num_windows * self.seq_len + 1:
             raise ValueError(f"data: shards hold {len(shards)} tokens but the sampler was built for "
                              f"{self.num_tokens}")
@@ -171,8 +181,12 @@ class GlobalBatchSampler:
         return None
 
     def state_dict(self) -> dict:
-        """`step` is the next step to be consumed."""
-        return {"step": int(self.step)}
+        """`step` is the next step to be consumed; under training.batch_rampup also `samples`, the
+        sequences consumed before it (for readers: it follows from the step and the ramp)."""
+        out = {"step": int(self.step)}
+        if self.ramp.ramp_steps:
+            out["samples"] = int(self.ramp.consumed(self.step))
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         step = int(state["step"])
@@ -197,10 +211,11 @@ class MixtureSampler:
     """Several prepared sets with weights: every global batch holds `counts[k]` sequences of source k
     (apportion), each source walking its own epochs; a per-step shuffle of the slots spreads the
     sources over the data-parallel ranks. Deterministic per step, so identical in every layout and
-    resumable across layouts from the step alone."""
+    resumable across layouts from the step alone. Under training.batch_rampup each batch size is
+    apportioned alike and each source goes on from the sequences it gave the steps before."""
 
     def __init__(self, sizes: list[int], names: list[str], weights: list[float], seq_len: int,
-                 global_batch: int, seed: int):
+                 global_batch: int, seed: int, rampup: list[int] = ()):
         self.counts = apportion(global_batch, weights)
         empty = [n for n, c in zip(names, self.counts) if c == 0]
         if empty:
@@ -209,14 +224,28 @@ class MixtureSampler:
         self.names, self.seq_len, self.global_batch = list(names), int(seq_len), int(global_batch)
         self.parts = [GlobalBatchSampler(n, seq_len, c, _key(seed, k) >> 1)
                       for k, (n, c) in enumerate(zip(sizes, self.counts))]
-        self.slots = WindowOrder(global_batch, _key(seed, len(sizes), 1) >> 1)
-        self.step = 0
+        self.slot_seed = _key(seed, len(sizes), 1) >> 1
+        self.ramp = BatchRamp(self.global_batch, rampup)
+        self.level_counts = [apportion(lv.batch, weights) for lv in self.ramp.levels]  # a ramp's smaller
+        self.step = 0  # batches may give a light source none
+
+    def given(self, step: int) -> list[int]:
+        """Sequences each source gave the steps before `step` (one term per batch size of the ramp)."""
+        out = [0] * len(self.parts)
+        for lv, end, counts in zip(self.ramp.levels, [lv.step for lv in self.ramp.levels[1:]] + [step],
+                                   self.level_counts):
+            n = max(0, min(step, end) - lv.step)
+            out = [o + n * c for o, c in zip(out, counts)]
+        return out
 
     def batch(self, shards: list, step: int, dp_rank: int = 0, dp_size: int = 1, docs: bool = False,
               rows: tuple[int, ...] = ()) -> Batch:
-        part = _dp_slice(self.global_batch, dp_rank, dp_size, rows)
-        reads = [(shards[k], i) for k, p in enumerate(self.parts) for i in p.indices(step)]
-        order = self.slots.permute(step, np.arange(self.global_batch, dtype=np.uint64))
+        size = self.ramp.batch(step)
+        counts = self.level_counts[self.ramp.index(step)]
+        part = _dp_slice(size, dp_rank, dp_size, rows)
+        reads = [(shards[k], i) for k, (p, at, c) in enumerate(zip(self.parts, self.given(step), counts))
+                 for i in p.order.take(at, c).tolist()]
+        order = WindowOrder(size, self.slot_seed).permute(step, np.arange(size, dtype=np.uint64))
         return _windows([reads[j] for j in order[part]], self.seq_len, docs)
 
     def next_batch(self, shards: list, dp_rank: int = 0, dp_size: int = 1, docs: bool = False,
@@ -227,8 +256,9 @@ class MixtureSampler:
 
     def drawn(self) -> dict[str, int]:
         """Tokens drawn from each source so far (inputs of every consumed step)."""
-        return {n: self.step * c * self.seq_len for n, c in zip(self.names, self.counts)}
+        return {n: g * self.seq_len for n, g in zip(self.names, self.given(self.step))}
 
+    batch_size = GlobalBatchSampler.batch_size
     state_dict = GlobalBatchSampler.state_dict
     load_state_dict = GlobalBatchSampler.load_state_dict
 

@@ -33,12 +33,14 @@ class Accumulation:
     gradient reductions start on the last one's backward (`grads.set_sync`), overlapping it.
     `pad_to`: under parallel.dp_weights with ZeRO-2/3, whose gathers and reduce-scatters run on every
     micro-batch, a replica with fewer micro-batches runs more of them, weighted 0, so every replica
-    joins the same collectives (docs/heterogeneous.md)."""
+    joins the same collectives (docs/heterogeneous.md). `accum` and `passes` are the full batch's; a
+    step runs as many micro-batches as its batch holds (training.batch_rampup: fewer while ramping)."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  grads: GradSync, micro_batch: int, accum: int, pad_to: int = 0):
         self.model, self.loss_fn, self.grads = model, loss_fn, grads
-        self.micro_batch, self.accum, self.passes = micro_batch, accum, max(accum, pad_to)
+        self.micro_batch, self.accum, self.pad_to = micro_batch, accum, pad_to
+        self.passes = max(accum, pad_to)
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
         """The mean token loss of one micro-batch (with the autograd graph)."""
@@ -48,11 +50,15 @@ class Accumulation:
     def run(self, batch: Batch, scale: float | torch.Tensor = 1.0, timed: bool = False) -> torch.Tensor:
         inputs, targets, docs = batch
         mb = self.micro_batch
+        accum = inputs.shape[0] // mb
+        if accum * mb != inputs.shape[0]:
+            raise ValueError(f"step: {inputs.shape[0]} sequences do not split into micro-batches of {mb}")
+        passes = max(accum, self.pad_to)
         loss_sum = torch.zeros((), device=inputs.device)
         self.grads.begin_step()
-        for i in range(self.passes):
-            self.grads.set_sync(i == self.passes - 1)
-            real = i < self.accum  # a padding pass re-reads the first micro-batch, its gradient times 0
+        for i in range(passes):
+            self.grads.set_sync(i == passes - 1)
+            real = i < accum  # a padding pass re-reads the first micro-batch, its gradient times 0
             part = slice(i * mb, (i + 1) * mb) if real else slice(0, mb)
             loss = self.loss(inputs[part], targets[part], None if docs is None else docs[part])
             (loss * (scale if real else 0.0)).backward()

@@ -99,9 +99,11 @@ def _records(run_dir: str, skip: int = 0) -> list[dict]:
         raise PlanError(f"--calibrate: cannot read {path}: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise PlanError(f"--calibrate: {path} is not JSON Lines ({e.msg})") from None
+    full = max((r.get("global_batch", 0) for r in recs), default=0)  # training.batch_rampup: the model
+    recs = [r for r in recs if r.get("global_batch", full) == full]  # is priced at the full batch
     if len(recs) <= WARMUP_RECORDS:
-        raise PlanError(f"--calibrate: {path} has {len(recs)} logged steps; need more than {WARMUP_RECORDS} "
-                        f"(the first are warm-up)")
+        raise PlanError(f"--calibrate: {path} has {len(recs)} logged steps{' at the full batch' if full else ''}; "
+                        f"need more than {WARMUP_RECORDS} (the first are warm-up)")
     return recs[WARMUP_RECORDS:]
 
 

@@ -11,7 +11,8 @@ import json
 import sys
 
 from .. import config as C
-from .estimate import CATEGORIES, Options, estimate, step_categories
+from ..layout import check_rampup
+from .estimate import CATEGORIES, Options, describe_run, estimate, run_time, step_categories
 from .goodput import Resilience, describe as describe_goodput, goodput
 from .hardware import FLAG_FIELDS, GIB, HardwareError, describe, get_gpu, names
 from .ops import KERNELS
@@ -143,9 +144,15 @@ def run_estimate(args, extra_argv: list[str] | None = None) -> int:
         cfg, gpu, opts, cal = _device(args, C.load(args.config, pairs), args.gpus)
         shape = shape_from_config(cfg)
         spec = spec_from_config(cfg, args.gpus)
+        check_rampup(cfg, spec)
         out = estimate(shape, spec, gpu, opts)
     except (C.ConfigError, PlanError, HardwareError) as e:
         return _fail(str(e))
+    run = None
+    if "step_s" in out:  # the run's total time, the ramp's smaller steps priced at their batch
+        run = run_time(shape, spec, gpu, opts, cfg.training.steps, cfg.training.batch_rampup, out["step_s"])
+        if run["ramp_steps"]:  # (--json as the explorer's estimate without one: explore/api.py)
+            out["run"] = run
     if args.json:
         print(json.dumps(out, indent=1))
     else:
@@ -153,7 +160,7 @@ def run_estimate(args, extra_argv: list[str] | None = None) -> int:
         if cal is not None:
             from .calibrate import rate_sources
             sources = rate_sources(cal, args.gpus)
-        print(format_estimate(out, gpu, sources))
+        print(format_estimate(out, gpu, sources) + ("\n" + describe_run(run) if run else ""))
     return 0
 
 

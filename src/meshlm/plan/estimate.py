@@ -19,6 +19,7 @@ import dataclasses
 from functools import lru_cache
 
 from ..choices import HELD
+from ..data.rampup import BatchRamp
 from . import comm as C
 from .hardware import GPU
 from .activations import vocab_rows
@@ -292,6 +293,35 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
         "comm_bytes_per_step": sum(c["bytes"] for c in comm),
         "flops_per_step": model_flops,
     }
+
+
+def run_time(shape: Shape, s: Spec, gpu: GPU, o: Options, steps: int, rampup: list[int] = (),
+             step_s: float | None = None) -> dict:
+    """A run of `steps` optimizer steps: each batch size training.batch_rampup uses, priced by the time
+    model at that batch (the same layout, fewer micro-batches per replica), times its steps
+    (`step_s`: the full batch's step, already priced). `ramp_extra`: the run's time over the same
+    tokens at the full batch's throughput, less one (what the ramp's smaller steps cost)."""
+    ramp = BatchRamp(s.global_batch, rampup)
+    per_step = s.micro_batch * s.dp  # sequences per micro-batch of every replica (no dp_weights with a ramp)
+    parts = []
+    for batch, n in ramp.steps_at(steps):
+        t = step_s if batch == s.global_batch and step_s is not None else \
+            time_model(shape, dataclasses.replace(s, accum=batch // per_step), gpu, o)["step_s"]
+        parts.append({"global_batch": batch, "steps": n, "step_s": t})
+    full = step_s if step_s is not None else time_model(shape, s, gpu, o)["step_s"]
+    seconds = sum(p["steps"] * p["step_s"] for p in parts)
+    tokens = ramp.consumed(steps) * s.seq_len
+    at_full = tokens / (s.global_batch * s.seq_len) * full
+    return {"steps": steps, "seconds": seconds, "tokens": tokens, "ramp_steps": min(ramp.ramp_steps, steps),
+            "ramp_extra": seconds / at_full - 1 if at_full else 0.0, "batches": parts}
+
+
+def describe_run(r: dict) -> str:
+    """`meshlm estimate`'s run line."""
+    line = f"run: {r['steps']:,} steps, {r['seconds'] / 3600:.3g} h"
+    if r["ramp_steps"]:
+        line += f" (ramp: first {r['ramp_steps']:,} steps at smaller batches, {r['ramp_extra']:+.1%})"
+    return line
 
 
 # the step's categories in the order `meshlm estimate` prints them (step_categories)

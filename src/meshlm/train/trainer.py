@@ -96,7 +96,7 @@ class Trainer:
         self.args = model_args(cfg)
         d = cfg.data
         self.data = open_data("" if d.mix else (d.path or default_data_dir()), d.mix, d.seq_len,
-                              t.global_batch, t.seed, d.document_mask)
+                              t.global_batch, t.seed, d.document_mask, t.batch_rampup)
         if self.data.vocab_size > self.args.vocab_size:
             raise ValueError(f"model.vocab_size: {self.args.vocab_size} is smaller than the tokenizer's "
                              f"{self.data.vocab_size}")
@@ -156,7 +156,7 @@ class Trainer:
                 if self.spike_handler.rolled_back(out["spike"], state):  # go on from the checkpoint
                     self.meter.restart()
                     continue
-                self.meter.count_step()
+                self.meter.count_step(out["global_batch"])
                 rec = self.meter.line(state, out, log.message) if logging else None
                 exporting = self.saving.after_step(state, rec)  # a checkpoint, if due
                 log.advance()
@@ -186,13 +186,15 @@ class Trainer:
         tensors (`loss_sum`, `norm`, `skipped`) are read by the metrics line on logged steps only."""
         t, par, state, scaler = self.cfg.training, self.par, self.state, self.state.scaler
         t0 = time.perf_counter()
+        size = self.data.sampler.batch_size()  # this step's global batch (training.batch_rampup: while ramping, fewer)
         batch = local_batch(self.data.next_batch(self.ctx.index("dp"), self.layout.dp, self.layout.dp_rows),
                             par.local_tokens, self.ctx.device)
         self.meter.data_s += time.perf_counter() - t0  # the data share of the step (train/observe/straggler.py)
-        lr = lr_at(state.step, self.cfg.optim, t.steps)
+        lr = lr_at(state.step, self.cfg.optim, t.steps)  # a function of the step, ramp or not (docs/batch_rampup.md)
         # fp16: a 0-dim device tensor (scale / accum); otherwise the plain 1 / accum (dp_weights: the mean
-        # accumulation count, so the dp average is the mean over every micro-batch: docs/heterogeneous.md)
-        accum = self.layout.mean_accum
+        # accumulation count, so the dp average is the mean over every micro-batch: docs/heterogeneous.md);
+        # the step's own count, so the gradient is the mean over the step's tokens under a ramp too
+        accum = self.layout.step_accum(size)
         scale = scaler.scale / accum if scaler.enabled else 1.0 / accum
         if par.moe is not None:  # the aux loss's gradient is scaled like the main loss's
             par.moe.begin_step(scale)
@@ -213,7 +215,7 @@ class Trainer:
             scaler.update(found_inf)
         spike = None
         if state.spikes.enabled:  # a host read of the global loss every step, hence off by default
-            spike = state.spikes.judge(state.step + 1, self.meter.global_loss(loss_sum), float(norm))
+            spike = state.spikes.judge(state.step + 1, self.meter.global_loss(loss_sum, size), float(norm))
         if spike is not None:  # the update is not applied (train/resilience/spike.py): the same on every rank
             found_inf = torch.ones((), device=self.ctx.device)
         clip_(grads, norm, t.clip)  # harmless on a skipped step: the optimizer ignores the grads
@@ -223,7 +225,7 @@ class Trainer:
         if par.moe is not None:  # auxiliary-loss-free balancing: every step, from the step's global counts
             par.moe.update_biases(par.world, self.ctx.device, found_inf)
         state.step += 1
-        return {"loss_sum": loss_sum, "norm": norm, "lr": lr, "spike": spike,
+        return {"loss_sum": loss_sum, "norm": norm, "lr": lr, "spike": spike, "global_batch": size,
                 "skipped": found_inf if found_inf is not None else False, "mem": mem, "stop": stop}
 
     # -- the stages of a step after it ran ------------------------------------------------------

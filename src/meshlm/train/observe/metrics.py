@@ -334,22 +334,27 @@ class StepMeter:
         self.ctx, self.par, self.comms = ctx, par, ctx.all_comms()
         self.loss_comms = (ctx.comm("dp_cp"), ctx.comm("pp"))  # pp > 1: only the last stage's is not 0
         self.loss_divisor = layout.step_microbatches * layout.cp  # micro-batches of equal token counts
-        self.tokens_per_step = t.global_batch * cfg.data.seq_len
-        self.flops_per_step = args.flops_per_token(cfg.data.seq_len) * self.tokens_per_step
+        self.micro_batch, self.cp, self.seq_len = layout.micro_batch, layout.cp, cfg.data.seq_len
+        self.global_batch, self.ramped = t.global_batch, bool(t.batch_rampup)
+        self.flops_per_token = args.flops_per_token(cfg.data.seq_len)
+        self.tokens_per_step = t.global_batch * cfg.data.seq_len  # a full step's (bench/gpu.py reads these)
+        self.flops_per_step = self.flops_per_token * self.tokens_per_step
         self.peak_flops, self.peak_label = device_peak(ctx.device, t)
         self.trace = os.path.join(run_dir, "pipeline_trace.json") if ctx.is_logger else None
         self.data_s = 0.0  # seconds reading batches since the last line (the step's time split)
-        self.window_start, self.window_steps = time.perf_counter(), 0
+        self.window_start, self.window_steps, self.window_seqs = time.perf_counter(), 0, 0
         self.sched = sched_seconds()
         self.stragglers = StragglerWatch(store, ctx.rank, ctx.world_size, m.straggler_factor, m.straggler_steps)
 
-    def count_step(self) -> None:
-        """One more step in this window (a step undone by a rollback is not counted)."""
+    def count_step(self, sequences: int) -> None:
+        """One more step, of `sequences` (its global batch), in this window (a step undone by a
+        rollback is not counted)."""
         self.window_steps += 1
+        self.window_seqs += sequences
 
     def new_window(self) -> None:
         """The next line averages the steps from now on."""
-        self.window_start, self.window_steps = time.perf_counter(), 0
+        self.window_start, self.window_steps, self.window_seqs = time.perf_counter(), 0, 0
 
     def restart(self) -> None:
         """The loop starts (or goes on from a rollback): what was counted so far is not a step's."""
@@ -357,12 +362,14 @@ class StepMeter:
         self.sched = sched_seconds()
         reset_stats(self.comms)
 
-    def global_loss(self, loss_sum: torch.Tensor) -> float:
-        """Mean loss over the whole global batch from each rank's sum of micro-batch losses."""
+    def global_loss(self, loss_sum: torch.Tensor, batch: int | None = None) -> float:
+        """Mean loss over the whole global batch (`batch` sequences: training.batch_rampup's step; None:
+        training.global_batch) from each rank's sum of micro-batch losses."""
         total = float(loss_sum)
         for comm in self.loss_comms:
             total = comm.all_reduce_scalars([total])[0]
-        return total / self.loss_divisor
+        divisor = self.loss_divisor if batch in (None, self.global_batch) else batch // self.micro_batch * self.cp
+        return total / divisor
 
     def line(self, state: "TrainState", out: dict, message) -> dict:
         """The metrics line of `state.step`, whose `train_step` returned `out`; stragglers named on
@@ -374,10 +381,12 @@ class StepMeter:
         stats = merge_stats(self.comms)
         reset_stats(self.comms)
         world = self.ctx.world_size
-        mfu = self.flops_per_step / step_s / (self.peak_flops * world) if self.peak_flops else 0.0
-        rec = {"step": state.step, "loss": self.global_loss(out["loss_sum"]), "grad_norm": float(out["norm"]),
-               "lr": out["lr"], "tokens": state.step * self.tokens_per_step,
-               "tokens_per_s": self.tokens_per_step / step_s, "mfu": mfu, "step_s": step_s,
+        step_tokens = self.window_seqs * self.seq_len / n  # per step of the window (a ramp's differ)
+        mfu = self.flops_per_token * step_tokens / step_s / (self.peak_flops * world) if self.peak_flops else 0.0
+        rec = {"step": state.step, "loss": self.global_loss(out["loss_sum"], out["global_batch"]),
+               "grad_norm": float(out["norm"]), "lr": out["lr"],
+               "tokens": state.sampler.ramp.consumed(state.step) * self.seq_len,
+               "tokens_per_s": step_tokens / step_s, "mfu": mfu, "step_s": step_s,
                "mem": out["mem"] or memory(self.par, device), "peak_flops": self.peak_flops,
                "peak_label": self.peak_label, "world": world,
                "comm": {k: {"calls": s.calls / n, "bytes": s.bytes / n, "seconds": s.seconds / n}
@@ -389,16 +398,20 @@ class StepMeter:
             if now is not None and before is not None:  # on a core / waiting for one, per step
                 rec["cpu_s"], rec["wait_s"] = ((a - b) / n for a, b in zip(now, before))
             self.sched = now
+        if self.ramped:  # training.batch_rampup: the step's own global batch (sequences)
+            rec["global_batch"] = out["global_batch"]
         rec["time_split"] = split(step_s, sum(s.seconds for s in stats.values()) / n, self.data_s / n)
         self.data_s = 0.0
         if state.sampler.drawn() is not None:  # data.mix: tokens drawn per source so far
             rec["data"] = state.sampler.drawn()
         if self.par.mtp is not None:  # the unweighted MTP loss; `loss` is the main head's alone
             total = self.par.mtp.total
-            rec["mtp_loss"] = self.global_loss(total if total is not None else torch.zeros((), device=device))
+            rec["mtp_loss"] = self.global_loss(total if total is not None else torch.zeros((), device=device),
+                                               out["global_batch"])
         if self.par.zloss is not None:  # z · mean log² Z (training.z_loss); `loss` stays the cross-entropy
             total = self.par.zloss.total
-            rec["z_loss"] = self.global_loss(total if total is not None else torch.zeros((), device=device))
+            rec["z_loss"] = self.global_loss(total if total is not None else torch.zeros((), device=device),
+                                             out["global_batch"])
         if self.par.moe is not None:
             rec["moe"] = self.par.moe.record(self.ctx.comm("world"), device)
         if self.par.pipeline is not None:  # measured bubble; rank 0 writes the step's Chrome trace

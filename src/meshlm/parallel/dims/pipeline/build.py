@@ -47,9 +47,12 @@ def pipeline_runner(model: nn.Module, grads, loss_fn, pipe: PipelineStages, ctx,
     S = p * v
     stages = [Stage(model, plan, [str(i) for i in pipe.blocks[pipe.stage(c)]], pipe.stage(c),
                     pipe.stage(c) == 0, pipe.stage(c) == S - 1) for c in range(v)]
-    m = layout.microbatches
-    actions = build_schedule(schedule, p, m, v)
-    check_schedule(actions, p, m, v, pipe.vshape)
+    def schedule_for(m: int):
+        """The checked action lists of a step of m micro-batches (training.batch_rampup: several m)."""
+        actions = build_schedule(schedule, p, m, v)
+        check_schedule(actions, p, m, v, pipe.vshape)
+        return actions
+
     args = model.args
     split = layout.tp if sp and layout.tp_enabled else 1
 
@@ -57,5 +60,6 @@ def pipeline_runner(model: nn.Module, grads, loss_fn, pipe: PipelineStages, ctx,
         return (n, seq // split, args.dim)
 
     dtype = next(model.parameters()).dtype
-    return PipelineRuntime(stages, actions, pipe.rank, ctx.comm("pp"), grads, loss_fn, dtype,
-                           ctx.device, act_shape, m, schedule, split_w=split_w, vshape=pipe.vshape)
+    return PipelineRuntime(stages, schedule_for, pipe.rank, ctx.comm("pp"), grads, loss_fn, dtype, ctx.device,
+                           act_shape, layout.micro_batch, layout.microbatches, schedule, split_w=split_w,
+                           vshape=pipe.vshape)

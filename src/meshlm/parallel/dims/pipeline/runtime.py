@@ -54,18 +54,23 @@ class Stage:
 
 
 class PipelineRuntime:
-    """Drives `stages` (this rank's chunks, by chunk index) through `actions[rank]` each step."""
+    """Drives `stages` (this rank's chunks, by chunk index) through `actions[rank]` each step.
 
-    def __init__(self, stages: list[Stage], actions: list[list[Action]], rank: int, comm: Comm, grads,
-                 loss_fn: Callable, dtype: torch.dtype, device: torch.device,
-                 act_shape: Callable[[int, int], tuple[int, ...]], m: int, schedule: str = "",
+    `schedule_for(m)` builds (and checks) the action lists of a step of m micro-batches of `micro_batch`
+    sequences: a step runs the schedule of as many micro-batches as its batch holds, so under
+    training.batch_rampup the ramp's smaller steps run shorter schedules (each built once, on first use).
+    The stage split does not depend on m, so every step runs over the same stages."""
+
+    def __init__(self, stages: list[Stage], schedule_for: Callable[[int], list[list[Action]]], rank: int,
+                 comm: Comm, grads, loss_fn: Callable, dtype: torch.dtype, device: torch.device,
+                 act_shape: Callable[[int, int], tuple[int, ...]], micro_batch: int, m: int, schedule: str = "",
                  split_w: bool = True, vshape: bool = False):
-        self.stages, self.actions, self.rank, self.comm = stages, actions, rank, comm
-        self.p, self.v, self.m = len(actions), len(stages), m
+        self.stages, self.rank, self.comm, self.v = stages, rank, comm, len(stages)
         self.grads, self.loss_fn, self.dtype, self.device = grads, loss_fn, dtype, device
         self.act_shape, self.schedule, self.split_w, self.vshape = act_shape, schedule, split_w, vshape
-        self.items = p2p_batches(actions[rank])
-        self.sync_items = self._sync_points()
+        self.schedule_for, self.micro_batch = schedule_for, micro_batch
+        self._plans: dict[int, tuple] = {}
+        self._use(m)
         self.inbox: dict = {}
         self.outbox: dict = {}
         self.saved: dict = {}
@@ -73,10 +78,21 @@ class PipelineRuntime:
         self.sending: list = []  # (work, tensor) of sends posted this step, waited at its end
         self._clock: _Clock | None = None  # spans of the last timed step, resolved only when read
 
-    def _sync_points(self) -> set[int]:
+    def _use(self, m: int) -> None:
+        """Run steps of m micro-batches from now on: their actions, p2p items and sync points."""
+        if m not in self._plans:
+            actions = self.schedule_for(m)
+            items = p2p_batches(actions[self.rank])
+            self._plans[m] = (actions, items, self._sync_points(items))
+        self.m = m
+        self.actions, self.items, self.sync_items = self._plans[m]
+        self.p = len(self.actions)
+
+    @staticmethod
+    def _sync_points(items) -> set[int]:
         """Item index of the last weight-gradient backward of each chunk."""
         last: dict[int, int] = {}
-        for i, it in enumerate(self.items):
+        for i, it in enumerate(items):
             if not isinstance(it, tuple) and it.kind in ("B", "W"):
                 last[it.chunk] = i
         return set(last.values())
@@ -88,9 +104,11 @@ class PipelineRuntime:
         (document masking), split like the inputs. `timed`: on CUDA the clock drains the compute
         stream once per timed step, so the trainer times its logged steps only (their bubble)."""
         inputs, targets, docs = batch
-        if inputs.shape[0] % self.m:
-            raise ValueError(f"pipeline: {inputs.shape[0]} sequences do not split into {self.m} micro-batches")
-        n, seq = inputs.shape[0] // self.m, inputs.shape[1]
+        if inputs.shape[0] % self.micro_batch:
+            raise ValueError(f"pipeline: {inputs.shape[0]} sequences do not split into micro-batches of "
+                             f"{self.micro_batch}")
+        self._use(inputs.shape[0] // self.micro_batch)
+        n, seq = self.micro_batch, inputs.shape[1]
         xs, ys = inputs.split(n), targets.split(n)
         ds = docs.split(n) if docs is not None else [None] * self.m
         shape = self.act_shape(n, seq)
