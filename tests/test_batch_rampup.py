@@ -1,4 +1,4 @@
-"""training.batch_rampup (issue 53, item 3; docs/batch_rampup.md): Megatron's --rampup-batch-size. The
+"""training.batch_rampup (issue 53, item 3; docs/training.md, "Batch-size ramp-up"): Megatron's --rampup-batch-size. The
 batch sizes follow Megatron's rule, the sampler serves each step from its consumed-sample offset, the
 ramp's first steps are a small-batch run's, every layout gives one process's losses, a run resumed in
 the middle of the ramp is the uninterrupted run, bad ramps are one line before any worker, and the
@@ -19,7 +19,9 @@ from meshlm.data.sampler import GlobalBatchSampler, MixtureSampler, apportion
 
 # TINY (global_batch 8, 10 steps) with micro-batches of 1 and the ramp 2 -> 8 in steps of 2 over 24
 # samples: 4 steps of 2, 2 of 4, 2 of 6, then 8 (by hand: the level of c consumed samples is c·3 // 24)
-RAMP = {"training__micro_batch": 1, "training__batch_rampup": [2, 2, 24]}
+# and WSD (warmup 2, flat, then a 6-step linear decay from step 4): step 5's checkpoint is mid-ramp and mid-decay
+WSD = {"optim__schedule": "wsd", "optim__decay_steps": 6}
+RAMP = {"training__micro_batch": 1, "training__batch_rampup": [2, 2, 24], **WSD}
 SIZES = [2, 2, 2, 2, 4, 4, 6, 6, 8, 8]
 
 
@@ -123,12 +125,13 @@ def test_one_process_ramp_is_a_small_batch_run_then_resumes_exactly():
     the step's tokens, the LR of the step); metrics.jsonl shows each step's batch and counts its tokens;
     a run resumed from step 5 (batch 4, mid-ramp) logs the uninterrupted run's losses exactly."""
     ref, run_dir = ramp_reference()
-    small = run_local(make_config(training__micro_batch=1, training__global_batch=2))
+    small = run_local(make_config(training__micro_batch=1, training__global_batch=2, **WSD))
     assert [r["loss"] for r in ref[:4]] == [r["loss"] for r in small[:4]]
     assert ref[4]["loss"] != small[4]["loss"]  # step 5 reads 4 sequences
     assert [r["global_batch"] for r in ref] == SIZES and "global_batch" not in small[0]
     assert [r["tokens"] for r in ref] == [32 * sum(SIZES[:s + 1]) for s in range(10)]
     assert [r["lr"] for r in ref] == [r["lr"] for r in small]  # the schedule counts steps
+    assert ref[3]["lr"] == ref[2]["lr"] > ref[4]["lr"] > ref[5]["lr"] > ref[9]["lr"]  # flat, then decaying
     with open(os.path.join(run_dir, "checkpoints", "step_00000005", "meta.json")) as f:
         assert json.load(f)["sampler"] == {"step": 5, "samples": 12}
     resumed_dir = _copy_truncated(run_dir, 5)

@@ -7,9 +7,10 @@ parent process before any worker starts, so a bad run fails with one line naming
 """
 from __future__ import annotations
 
+from .course import check_schedule, decay_span
 from .sections import (AUTO, CheckpointConfig, Config, ConfigError, DataConfig, LayoutError, MetricsConfig,
                        ModelConfig, MoEConfig, OptimConfig, ParallelConfig, RopeScalingConfig, TrainingConfig,
-                       check_schedule, decay_span, resolve_auto)
+                       resolve_auto)
 from .text import apply, from_dict, load, parse_overrides, replace, to_dict, to_toml
 
 __all__ = ["AUTO", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LayoutError", "MetricsConfig",

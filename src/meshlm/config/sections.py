@@ -10,22 +10,11 @@ import dataclasses
 import os
 from dataclasses import dataclass, field, fields
 
-from ..choices import (AC_MODES, CATCHABLE_SIGNALS, CP_IMPLS, DECAY_TYPES, ELASTIC, EXPORT_DTYPES, FP8_COMMS,
-                       FP8_RECIPES, LR_SCHEDULES, OFFLOAD, ON_ERROR, OPTIMIZERS, PP_SCHEDULES, PRECISIONS,
-                       REDUCE_DTYPES, SPIKE_ACTIONS, ZERO_STAGES, choose)
-
-class ConfigError(ValueError):
-    """A configuration problem; its message is one line that names the key."""
-
-
-class LayoutError(ConfigError):
-    """A parallel layout or batch split that does not fit the world size or the model (layout.resolve's
-    checks that need both): another layout can fix it, so parallel.elastic = "replan" may replace it."""
-
-
-def _choice(value, allowed, key: str) -> None:
-    choose(value, allowed, key, ConfigError)
-
+from ..choices import (AC_MODES, CATCHABLE_SIGNALS, CP_IMPLS, ELASTIC, EXPORT_DTYPES, FP8_COMMS, FP8_RECIPES,
+                       OFFLOAD, ON_ERROR, OPTIMIZERS, PP_SCHEDULES, PRECISIONS, REDUCE_DTYPES, SPIKE_ACTIONS,
+                       ZERO_STAGES)
+from .errors import ConfigError, LayoutError, _choice  # noqa: F401  (LayoutError: the package exports it from here)
+from .course import check_ramp_keys, check_schedule
 
 @dataclass
 class MoEConfig:
@@ -223,7 +212,7 @@ class TrainingConfig:
 
     def check(self, cfg: Config) -> None:
         _check_device_keys(self)
-        _check_rampup(self.batch_rampup, self.global_batch, cfg)
+        check_ramp_keys(self.batch_rampup, self.global_batch, cfg)
         _choice(self.fp8_recipe, FP8_RECIPES, "training.fp8_recipe")
         for entry in self.fp8_comm:
             _choice(entry, FP8_COMMS, "training.fp8_comm")
@@ -246,34 +235,6 @@ class TrainingConfig:
             raise ConfigError(f"training.mtp_loss_weight: must be >= 0, got {self.mtp_loss_weight}")
         if not self.z_loss >= 0:  # NaN too
             raise ConfigError(f"training.z_loss: must be >= 0 (0 = off), got {self.z_loss}")
-
-
-def _check_rampup(ramp: list[int], global_batch: int, cfg: Config) -> None:
-    """training.batch_rampup's own numbers and what it cannot combine with (whole micro-batches per
-    rank need the world size: layout.check_rampup)."""
-    if not ramp:
-        return
-    key = "training.batch_rampup"
-    if len(ramp) != 3:
-        raise ConfigError(f"{key}: expected [start_sequences, increment, over_sequences], got {ramp}")
-    start, inc, over = ramp
-    if start < 1:
-        raise ConfigError(f"{key}: the start batch must be >= 1 sequence, got {start}")
-    if start > global_batch:
-        raise ConfigError(f"{key}: the start batch {start} is larger than training.global_batch {global_batch}")
-    if inc <= 0:
-        raise ConfigError(f"{key}: the increment must be > 0, got {inc}")
-    if over < 0:
-        raise ConfigError(f"{key}: the ramp's samples must be >= 0, got {over}")
-    if (global_batch - start) % inc:
-        raise ConfigError(f"{key}: the increment {inc} does not divide training.global_batch - start = "
-                          f"{global_batch} - {start} (Megatron's rule: the ramp ends exactly at the global batch)")
-    why = {"parallel.elastic = \"replan\" (the planner would pick a batch split the ramp's sizes may not "
-           "divide)": cfg.parallel.elastic == "replan",
-           "parallel.dp_weights (the uneven split is fixed for one global batch)": bool(cfg.parallel.dp_weights)}
-    for reason, on in why.items():
-        if on:
-            raise ConfigError(f"{key}: not with {reason}")
 
 
 @dataclass
@@ -387,42 +348,6 @@ class Config:
 
 
 AUTO = "auto"
-
-
-def check_schedule(o: OptimConfig, cfg: Config) -> None:
-    """optim.schedule and its keys; an anneal (optim.anneal_steps) is settled by train/preflight.py, which
-    reads the checkpoint's step and rewrites the run as a WSD whose decay is its last anneal_steps steps."""
-    _choice(o.schedule, LR_SCHEDULES, "optim.schedule")
-    _choice(o.decay_type, DECAY_TYPES, "optim.decay_type")
-    if o.warmup < 0:
-        raise ConfigError(f"optim.warmup: must be >= 0, got {o.warmup}")
-    if not o.decay_steps >= 0 or o.decay_steps > 1 and not float(o.decay_steps).is_integer():
-        raise ConfigError(f"optim.decay_steps: expected a whole number of steps >= 1 or a fraction in (0, 1) of "
-                          f"training.steps, got {o.decay_steps}")
-    if o.anneal_steps < 0:
-        raise ConfigError(f"optim.anneal_steps: must be >= 0 (0 = no anneal), got {o.anneal_steps}")
-    if o.anneal_steps:
-        if cfg.checkpoint.resume in ("auto", "never"):
-            raise ConfigError("optim.anneal_steps: an anneal starts from a checkpoint: give --checkpoint.resume PATH")
-        if o.schedule not in ("wsd", "constant"):
-            raise ConfigError(f"optim.anneal_steps: anneals a run whose rate is flat (optim.schedule wsd or constant), "
-                              f"not {o.schedule}")
-        return  # training.steps and the decay are derived from the checkpoint (preflight.settle_anneal)
-    if o.decay_steps and o.schedule != "wsd":
-        raise ConfigError(f"optim.decay_steps: only optim.schedule = wsd has a decay phase (schedule is {o.schedule})")
-    steps = cfg.training.steps
-    if o.schedule == "wsd" and steps:
-        span = decay_span(o, steps)
-        if span > steps - o.warmup:
-            raise ConfigError(f"optim.decay_steps: the decay ({span} steps) is longer than the steps after warmup "
-                              f"({steps} - {o.warmup} = {steps - o.warmup})")
-
-
-def decay_span(o: OptimConfig, steps: int) -> int:
-    """WSD's decay in steps: optim.decay_steps as a count, or its fraction of `steps` (0: a fifth, which
-    matched cosine in Hägele et al. 2024), rounded, at least 1."""
-    d = o.decay_steps or 0.2
-    return int(d) if d >= 1 else max(1, round(d * steps))
 
 
 def _check_device_keys(t: TrainingConfig) -> None:

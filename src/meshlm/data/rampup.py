@@ -1,5 +1,5 @@
 """The global batch of every step under `training.batch_rampup = [start, increment, over]`, Megatron's
-`--rampup-batch-size` (docs/batch_rampup.md): the batch starts at `start` sequences and grows by
+`--rampup-batch-size` (docs/training.md, "Batch-size ramp-up"): the batch starts at `start` sequences and grows by
 `increment` each time another `over / ((global_batch - start) / increment)` samples have been consumed,
 reaching `global_batch` once `over` samples are consumed.
 

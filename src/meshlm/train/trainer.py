@@ -190,7 +190,7 @@ class Trainer:
         batch = local_batch(self.data.next_batch(self.ctx.index("dp"), self.layout.dp, self.layout.dp_rows),
                             par.local_tokens, self.ctx.device)
         self.meter.data_s += time.perf_counter() - t0  # the data share of the step (train/observe/straggler.py)
-        lr = lr_at(state.step, self.cfg.optim, t.steps)  # a function of the step, ramp or not (docs/batch_rampup.md)
+        lr = lr_at(state.step, self.cfg.optim, t.steps)  # a function of the step, ramp or not (docs/training.md, "Batch-size ramp-up")
         # fp16: a 0-dim device tensor (scale / accum); otherwise the plain 1 / accum (dp_weights: the mean
         # accumulation count, so the dp average is the mean over every micro-batch: docs/heterogeneous.md);
         # the step's own count, so the gradient is the mean over the step's tokens under a ramp too
