@@ -1,5 +1,6 @@
 """The planner's numbers in the headers of configs/*.toml: each recipe names the `meshlm estimate`
-command behind them (`# estimate: ...`) and carries its result (`# planner: ...`). Run this (or
+command behind them (`# estimate: ...`) and carries its result (`# planner: ...`; a recipe with a
+batch ramp also the run's total, `# run: ...`, the estimate's last line). Run this (or
 `make recipes`) after a planner change to rewrite the `# planner:` lines; tests/test_recipes.py checks
 that every header matches a fresh estimate to the precision it prints.
 
@@ -22,6 +23,7 @@ NUMBERS = re.compile(r"^# planner: (?P<gib>[\d.]+) GiB per GPU, (?P<tokens>\d+) 
                      r"(?P<step>[\d.]+) s/step, MFU (?P<mfu>[\d.]+)%$", re.M)
 # half a unit of the last printed digit: a header agrees with a fresh estimate when it rounds to it
 PRINTED = {"gib": 0.005, "tokens": 0.5, "step": 0.005, "mfu": 0.05}
+RUN = re.compile(r"^# run: (.*)$", re.M)
 
 
 def recipes() -> list[str]:
@@ -45,8 +47,16 @@ def header(path: str) -> dict[str, float]:
     return {k: float(v) for k, v in m.groupdict().items()}
 
 
-def estimate(path: str) -> dict[str, float]:
-    """The numbers `meshlm estimate --json` gives for the header's command, run in this process."""
+def header_run(path: str) -> str | None:
+    """The header's `# run:` line (training.batch_rampup's recipes), without its '# '."""
+    with open(path) as f:
+        m = RUN.search(f.read())
+    return None if m is None else "run: " + m.group(1)
+
+
+def estimate(path: str) -> dict:
+    """The numbers `meshlm estimate --json` gives for the header's command, run in this process, and
+    (`run`) its run line when the recipe ramps its batch (else None)."""
     from meshlm.cli import main
     out, cwd = io.StringIO(), os.getcwd()
     os.chdir(ROOT)
@@ -58,8 +68,9 @@ def estimate(path: str) -> dict[str, float]:
     if code:
         raise RuntimeError(f"{path}: meshlm estimate exited {code}")
     e = json.loads(out.getvalue())
+    from meshlm.plan.estimate import describe_run
     return {"gib": e["per_gpu"]["total"] / 2 ** 30, "tokens": e["tokens_per_s_per_gpu"], "step": e["step_s"],
-            "mfu": 100 * e["mfu"]}
+            "mfu": 100 * e["mfu"], "run": describe_run(e["run"]) if "run" in e else None}
 
 
 def line(n: dict[str, float]) -> str:
@@ -70,15 +81,20 @@ def line(n: dict[str, float]) -> str:
 def differences(path: str) -> list[str]:
     """What differs between the header and a fresh estimate beyond the printed precision."""
     have, fresh = header(path), estimate(path)
-    return [f"{k}: header {have[k]:g}, estimate {fresh[k]:.4g}" for k in PRINTED
-            if abs(have[k] - fresh[k]) > PRINTED[k] * (1 + 1e-9)]
+    out = [f"{k}: header {have[k]:g}, estimate {fresh[k]:.4g}" for k in PRINTED
+           if abs(have[k] - fresh[k]) > PRINTED[k] * (1 + 1e-9)]
+    if header_run(path) != fresh["run"]:
+        out.append(f"run: header {header_run(path)!r}, estimate {fresh['run']!r}")
+    return out
 
 
 def rewrite(path: str) -> bool:
     """Put a fresh estimate into the header; True if the line changed."""
     with open(path) as f:
         text = f.read()
-    new = NUMBERS.sub(line(estimate(path)), text, count=1)
+    fresh = estimate(path)
+    new = re.sub(r"^# run: .*\n", "", text, count=1, flags=re.M)
+    new = NUMBERS.sub(line(fresh) + (f"\n# {fresh['run']}" if fresh["run"] else ""), new, count=1)
     if new != text:
         with open(path, "w") as f:
             f.write(new)
