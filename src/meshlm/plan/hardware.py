@@ -8,7 +8,7 @@ because that is what the allocator can hand out.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from .. import cards
 
@@ -62,6 +62,12 @@ class GPU:
     # (50 or 450 GB/s). 0.197 is the mean of those 27 rows (bench/overlap.py, bench/results/2026-11-26-
     # nvidia-h200/overlap/; docs/planner.md). Assumed the same on every card (an A100's 108 SMs lose more)
     overlap_slowdown: float = 0.197
+
+    def __post_init__(self):  # a key of the search's caches (ops.gemm_seconds): hashed once, not per lookup
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def peak(self, precision: str) -> float:
         """The dense peak MFU is reported against: fp8 runs report against the bf16 peak (the blocks'

@@ -121,9 +121,11 @@ def wave_efficiency(m: float, n: float, sms: int, k: float = 0.0) -> float:
     return min(1.0, tiles / (math.ceil(tiles / sms) * sms))
 
 
+@lru_cache(maxsize=1 << 18)
 def gemm_seconds(m: float, n: float, k: float, gpu: GPU, e: int, peak: float) -> float:
     """One (m×k)·(k×n) GEMM: compute at the GPU's measured large-GEMM ceiling (divided by that
-    measurement's own wave efficiency, 8192³) times this shape's wave efficiency, or HBM traffic."""
+    measurement's own wave efficiency, 8192³) times this shape's wave efficiency, or HBM traffic.
+    Cached: the search prices the same block shapes for many layouts."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
     intrinsic = gpu.gemm_ceiling / wave_efficiency(8192, 8192, gpu.sms)
