@@ -74,6 +74,14 @@ class Layout:
         return self.dp_accums[dp_rank] if self.dp_accums else self.accum
 
     @property
+    def dp_pad_to(self) -> int:
+        """Under dp_weights, the passes every replica runs where its collectives meet other replicas on
+        every micro-batch (ZeRO-2/3's gathers and reduce-scatters; EP's all-to-alls when an ep group spans
+        replicas): the longest count, the lighter ones padding (`Accumulation`); 0: each runs its own."""
+        zero = self.zero >= 2 and self.zero_enabled
+        return self.accum if self.dp_accums and (zero or self.cp % self.ep) else 0
+
+    @property
     def dp_rows(self) -> tuple[int, ...]:
         """Sequences of each replica per step under dp_weights (replica r reads the r-th contiguous run
         of the global batch); () for the equal split."""
@@ -360,7 +368,6 @@ def check_dp_weights(cfg: Config, args: ModelArgs, layout: Layout) -> None:
     if not p.dp_weights:
         return
     why = {"pp > 1 (a pipeline schedule runs the same micro-batches on every replica)": layout.pp_enabled,
-           "cp > 1 (uneven replicas with context parallelism are not available yet)": layout.cp_enabled,
            "ep > 1 (the expert all-to-all spans replicas that run different micro-batch counts)": layout.ep_enabled,
            "a mixture-of-experts or MTP model under ZeRO-2/3 (the lighter replica's zero-weighted padding "
            "passes would count in the routing statistics and the MTP loss)":

@@ -206,9 +206,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, layout: Layout, make_opt
         runner = pipeline_runner(model, grads, loss_fn, pipe, ctx, layout, plan, schedule=parallel.pp_schedule,
                                  sp=parallel.sp, split_w=training.ac not in ("full", "op"))
     else:
-        # ZeRO-2/3 gather or reduce on every micro-batch: uneven replicas pad to the longest (`Accumulation`)
-        pad = layout.accum if layout.dp_accums and layout.zero >= 2 and layout.zero_enabled else 0
-        runner = Accumulation(model, loss_fn, grads, layout.micro_batch, layout.accum_of(ctx.index("dp")), pad)
+        # ZeRO-2/3 and EP meet other replicas on every micro-batch: uneven replicas pad to the longest
+        runner = Accumulation(model, loss_fn, grads, layout.micro_batch, layout.accum_of(ctx.index("dp")),
+                              layout.dp_pad_to)
     return Parallelized(model=model, optimizer=opt, grads=grads, placements=table, world=ctx.comm("world"),
                         loss_fn=loss_fn, runner=runner, names={id(p): name for name, p in named},
                         pipeline=runner if pipe is not None else None,
