@@ -28,12 +28,6 @@ STEPS = 6  # enough updates for a wrong average or a wrong slice to show in the 
                                            "2.66667 sequences, not whole micro-batches of training.micro_batch 2 per replica")),
     ({"parallel__dp_weights": [1, 1], "parallel__pp": 2}, 4,
      "parallel.dp_weights: not with pp > 1 (a pipeline schedule runs the same micro-batches on every replica)"),
-    ({"parallel__dp_weights": [1, 1], "parallel__ep": 2, "model__moe__num_experts": 4}, 2,
-     ("parallel.dp_weights: not with ep > 1 (the expert all-to-all spans replicas that run different "
-      "micro-batch counts)")),
-    ({"parallel__dp_weights": [3, 1], "model__preset": "moe-debug", "parallel__zero": 3}, 2,
-     ("parallel.dp_weights: not with a mixture-of-experts or MTP model under ZeRO-2/3 (the lighter replica's "
-      "zero-weighted padding passes would count in the routing statistics and the MTP loss)")),
     ({"parallel__dp_weights": [3, 1], "parallel__auto": True}, 2,
      "parallel.dp_weights: not with parallel.auto (the planner chooses equal replicas)"),
     ({"parallel__dp_weights": [3, 1], "parallel__elastic": "replan"}, 2,

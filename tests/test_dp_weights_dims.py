@@ -10,6 +10,13 @@ CASES = [
     # a cp group lies inside one replica: its ranks run the replica's count; gradients meet over dp × cp
     ("dp2-cp2-zero1-3-1", 4, {"parallel__dp": 2, "parallel__cp": 2, "parallel__zero": 1,
                               "parallel__dp_weights": [3, 1]}, {}),
+    # an ep group spans replicas: the lighter one pads (loss × 0) to join every all-to-all, and its
+    # padding passes count in no routing statistic (the aux loss's gradient included)
+    ("moe-dp2-ep2-3-1", 2, {"parallel__dp": 2, "parallel__ep": 2, "parallel__dp_weights": [3, 1]},
+     {"model__preset": "moe-debug"}),
+    ("moe-zero3-3-1", 2, {"parallel__zero": 3, "parallel__dp_weights": [3, 1]}, {"model__preset": "moe-debug"}),
+    # MTP (and DeepSeek-V3's bias update and sequence-wise loss) under ZeRO-2's padding
+    ("dsv3-zero2-3-1", 2, {"parallel__zero": 2, "parallel__dp_weights": [3, 1]}, {"model__preset": "dsv3-debug"}),
 ]
 
 

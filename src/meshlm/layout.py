@@ -368,10 +368,6 @@ def check_dp_weights(cfg: Config, args: ModelArgs, layout: Layout) -> None:
     if not p.dp_weights:
         return
     why = {"pp > 1 (a pipeline schedule runs the same micro-batches on every replica)": layout.pp_enabled,
-           "ep > 1 (the expert all-to-all spans replicas that run different micro-batch counts)": layout.ep_enabled,
-           "a mixture-of-experts or MTP model under ZeRO-2/3 (the lighter replica's zero-weighted padding "
-           "passes would count in the routing statistics and the MTP loss)":
-               (args.moe or bool(args.mtp_depth)) and layout.zero >= 2 and layout.zero_enabled,
            "parallel.microbatches (it sets one count for every replica)": bool(p.microbatches)}
     for reason, on in why.items():
         if on:
