@@ -26,8 +26,12 @@ STEPS = 6  # enough updates for a wrong average or a wrong slice to show in the 
     ({"parallel__dp_weights": [3, 1, 1]}, 2, "parallel.dp_weights: 3 weights for dp = 2 replicas (one per replica)"),
     ({"parallel__dp_weights": [2, 1]}, 2, ("parallel.dp_weights: [2, 1] split training.global_batch 8 into 5.33333, "
                                            "2.66667 sequences, not whole micro-batches of training.micro_batch 2 per replica")),
-    ({"parallel__dp_weights": [1, 1], "parallel__pp": 2}, 4,
-     "parallel.dp_weights: not with pp > 1 (a pipeline schedule runs the same micro-batches on every replica)"),
+    ({"parallel__dp_weights": [3, 1], "parallel__microbatches": 3}, 2,
+     "parallel.dp_weights: not with parallel.microbatches (it sets one count for every replica)"),
+    ({"parallel__dp_weights": [3, 1], "parallel__pp": 2, "parallel__pp_schedule": "interleaved",
+      "parallel__pp_virtual": 2}, 4,
+     ("parallel.dp_weights: replica 0 runs 3 micro-batches: parallel.microbatches: 'interleaved' needs "
+      "micro-batches divisible by pp; 3 is not a multiple of 2")),
     ({"parallel__dp_weights": [3, 1], "parallel__auto": True}, 2,
      "parallel.dp_weights: not with parallel.auto (the planner chooses equal replicas)"),
     ({"parallel__dp_weights": [3, 1], "parallel__elastic": "replan"}, 2,
@@ -123,14 +127,18 @@ def check_uneven_row(pools, world: int, layout: dict, single: dict) -> None:
 
 
 def test_checkpoint_under_weights_resumes_evenly_and_in_one_process(pools):
-    """Saved at step 3 under 3:1; resumed under 1:1 and in one process, steps 4-6 are the uninterrupted
-    run's: the data position is the step, whatever the split."""
+    check_resume(pools, 2, {}, {"parallel__dp": 2})
+
+
+def check_resume(pools, world: int, layout: dict, even: dict) -> None:
+    """Saved at step 3 under 3:1 (`layout` besides the weights); resumed under 1:1 (`even`) and in one
+    process, steps 4-6 are the uninterrupted run's: the data position is the step, whatever the split."""
     ref = reference(training__steps=STEPS)
     first = tempfile.mkdtemp(prefix="meshlm-dpw-ckpt-")
-    train_in(pools, make_config(training__steps=STEPS, checkpoint__every=3, parallel__dp_weights=[3, 1]), 2, first,
-             stop=3)
+    train_in(pools, make_config(training__steps=STEPS, checkpoint__every=3, parallel__dp_weights=[3, 1], **layout),
+             world, first, stop=3)
     saved = os.path.join(first, "checkpoints", "step_00000003")
-    for world, layout in ((2, {"parallel__dp": 2}), (1, {})):
+    for world, layout in ((world, even), (1, {})):
         out = tempfile.mkdtemp(prefix="meshlm-dpw-resume-")
         resumed = train_in(pools, make_config(training__steps=STEPS, checkpoint__resume=saved, **layout), world, out)
         assert [r["step"] for r in resumed] == list(range(4, STEPS + 1))

@@ -4,7 +4,11 @@ norms, routing metrics and MTP loss equal one process's (fp32, 1e-5 per step); t
 tests/test_dp_weights.py's `check_uneven_row`."""
 import pytest
 from harness import rows
-from test_dp_weights import check_uneven_row
+from test_dp_weights import check_resume, check_uneven_row
+
+from meshlm.parallel.dims.pipeline.runtime import sync_points
+from meshlm.schedule.replay import p2p_batches
+from meshlm.schedule.schedules import SCHEDULES, TAKES_VIRTUAL, V_SHAPED, build_schedule
 
 CASES = [
     # a cp group lies inside one replica: its ranks run the replica's count; gradients meet over dp × cp
@@ -17,9 +21,40 @@ CASES = [
     ("moe-zero3-3-1", 2, {"parallel__zero": 3, "parallel__dp_weights": [3, 1]}, {"model__preset": "moe-debug"}),
     # MTP (and DeepSeek-V3's bias update and sequence-wise loss) under ZeRO-2's padding
     ("dsv3-zero2-3-1", 2, {"parallel__zero": 2, "parallel__dp_weights": [3, 1]}, {"model__preset": "dsv3-debug"}),
+    # each replica's pipeline runs its own count (3 and 1 micro-batches); replicas meet at the step end
+    ("dp2-pp2-1f1b-3-1", 4, {"parallel__dp": 2, "parallel__pp": 2, "parallel__pp_schedule": "1f1b",
+                             "parallel__dp_weights": [3, 1]}, {}),
+    ("dp2-pp2-1f1b-zero1-3-1", 4, {"parallel__dp": 2, "parallel__pp": 2, "parallel__pp_schedule": "1f1b",
+                                   "parallel__zero": 1, "parallel__dp_weights": [3, 1]}, {}),
+    # ZeRO-3 gathers per micro-batch over replicas: the lighter pipeline pads its schedule to 3
+    ("dp2-pp2-1f1b-zero3-3-1", 4, {"parallel__dp": 2, "parallel__pp": 2, "parallel__pp_schedule": "1f1b",
+                                   "parallel__zero": 3, "parallel__dp_weights": [3, 1]}, {}),
 ]
 
 
 @pytest.mark.parametrize("name,world,layout,single", rows(CASES, slowest=[]))
 def test_uneven_dims_match_one_process(pools, name, world, layout, single):
     check_uneven_row(pools, world, layout, single)
+
+
+def test_pipeline_checkpoint_under_weights_resumes_evenly_and_in_one_process(pools):
+    """dp2 × pp2 saved under 3:1, resumed under 1:1 (the same layout) and in one process."""
+    pp = {"parallel__dp": 2, "parallel__pp": 2, "parallel__pp_schedule": "1f1b"}
+    check_resume(pools, 4, pp, pp)
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_reductions_meet_in_one_order_whatever_the_count(schedule):
+    """Under DDP / ZeRO-1 replicas with different pipeline counts meet only in the step's reductions,
+    which fire on each chunk's last weight-gradient backward: their chunk order on every rank must not
+    depend on the count, or a replica running 1 micro-batch would enter another collective than one
+    running 3."""
+    for p in (2, 4):
+        v = 2 if schedule in TAKES_VIRTUAL | V_SHAPED else 1
+        counts = [m for m in range(1, 13) if schedule not in TAKES_VIRTUAL or m % p == 0]
+        orders = set()
+        for m in counts:
+            acts = build_schedule(schedule, p, m, v)
+            items = [p2p_batches(acts[r]) for r in range(p)]
+            orders.add(tuple(tuple(its[i].chunk for i in sync_points(its)) for its in items))
+        assert len(orders) == 1 and all(len(o) == v for o in next(iter(orders))), (schedule, p, orders)

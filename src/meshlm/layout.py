@@ -361,17 +361,21 @@ def check_mtp(cfg: Config, args: ModelArgs) -> None:
 
 
 def check_dp_weights(cfg: Config, args: ModelArgs, layout: Layout) -> None:
-    """What uneven data parallelism does not combine with (docs/heterogeneous.md): the pipeline runs one
-    micro-batch count on every stage, CP's and EP's groups span replicas that would run different counts.
-    (parallel.auto and elastic replanning: ParallelConfig.check.)"""
+    """What uneven data parallelism does not combine with (docs/heterogeneous.md): parallel.microbatches
+    (one count for all), and a replica's count that its pipeline schedule refuses. (parallel.auto and
+    elastic replanning: ParallelConfig.check.)"""
+    from .schedule.stage import stage_blocks
     p = cfg.parallel
     if not p.dp_weights:
         return
-    why = {"pp > 1 (a pipeline schedule runs the same micro-batches on every replica)": layout.pp_enabled,
-           "parallel.microbatches (it sets one count for every replica)": bool(p.microbatches)}
-    for reason, on in why.items():
-        if on:
-            raise LayoutError(f"parallel.dp_weights: not with {reason}")
+    if p.microbatches:
+        raise LayoutError("parallel.dp_weights: not with parallel.microbatches (it sets one count for every replica)")
+    if layout.pp_enabled:  # each replica's pipeline runs its own count (or the longest, padded)
+        for r, m in enumerate(layout.dp_accums):
+            try:
+                stage_blocks(args, p, max(m, layout.dp_pad_to))
+            except ValueError as e:
+                raise LayoutError(f"parallel.dp_weights: replica {r} runs {m} micro-batches: {e}") from None
 
 
 def check_zeropp(layout: Layout, offload: str) -> None:

@@ -203,13 +203,14 @@ def parallelize(model: nn.Module, ctx: ParallelContext, layout: Layout, make_opt
         training.mtp_loss_weight > 0 else None
     loss_fn = mtp or loss_fn
     moe = MoEStats(model, plan, layout.tp) if model.args.moe else None
+    counted = [c for c in (moe, mtp, zloss) if c is not None]  # told which passes pad (dp_weights)
     if pipe is not None:
         runner = pipeline_runner(model, grads, loss_fn, pipe, ctx, layout, plan, schedule=parallel.pp_schedule,
-                                 sp=parallel.sp, split_w=training.ac not in ("full", "op"))
+                                 sp=parallel.sp, split_w=training.ac not in ("full", "op"), counted=counted)
     else:
         # ZeRO-2/3 and EP meet other replicas on every micro-batch: uneven replicas pad to the longest
         runner = Accumulation(model, loss_fn, grads, layout.micro_batch, layout.accum_of(ctx.index("dp")),
-                              layout.dp_pad_to, [c for c in (moe, mtp, zloss) if c is not None])
+                              layout.dp_pad_to, counted)
     return Parallelized(model=model, optimizer=opt, grads=grads, placements=table, world=ctx.comm("world"),
                         loss_fn=loss_fn, runner=runner, names={id(p): name for name, p in named},
                         pipeline=runner if pipe is not None else None,

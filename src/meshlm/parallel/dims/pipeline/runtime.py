@@ -13,6 +13,10 @@ Activation shapes are known in advance (micro-batch × local sequence × dim, th
 Backward kinds: B is one `autograd.backward`; the zero-bubble I and W are in backward.py (I sends
 the input gradient on at once; W later runs only the weight-gradient products).
 
+Uneven data parallelism (parallel.dp_weights): `m` is this replica's own count, or the longest where
+collectives span replicas on every micro-batch; then micro-batches `accum` and on are padding, as
+parallel/step.py `Accumulation` pads: the first micro-batch again, its loss times 0, counted in nothing.
+
 Gradient sync: every compute runs with `grads.set_sync(False)` except the last weight-producing
 backward (B or W) of each chunk, so DP buckets and ZeRO-1 reductions fire once per step, right after
 each chunk's gradients are final, overlapping the rest of the schedule. With tied embeddings the two
@@ -31,6 +35,16 @@ from ....distributed.comm import Comm
 from ....schedule.actions import Action, local_target, message_of, source_of
 from ....schedule.replay import p2p_batches
 from .backward import input_backward
+
+
+def sync_points(items: list) -> list[int]:
+    """Item index of the last weight-gradient backward of each chunk, in item order: where a step's
+    gradient reductions fire (uneven replicas rely on their chunk order not depending on the count)."""
+    last: dict[int, int] = {}
+    for i, it in enumerate(items):
+        if not isinstance(it, tuple) and it.kind in ("B", "W"):
+            last[it.chunk] = i
+    return sorted(last.values())
 
 
 class Stage:
@@ -59,27 +73,20 @@ class PipelineRuntime:
     def __init__(self, stages: list[Stage], actions: list[list[Action]], rank: int, comm: Comm, grads,
                  loss_fn: Callable, dtype: torch.dtype, device: torch.device,
                  act_shape: Callable[[int, int], tuple[int, ...]], m: int, schedule: str = "",
-                 split_w: bool = True, vshape: bool = False):
+                 split_w: bool = True, vshape: bool = False, accum: int = 0, counted=()):
         self.stages, self.actions, self.rank, self.comm = stages, actions, rank, comm
         self.p, self.v, self.m = len(actions), len(stages), m
+        self.accum, self.passes, self.counted = accum or m, m, tuple(counted)  # micro-batches with data; all
         self.grads, self.loss_fn, self.dtype, self.device = grads, loss_fn, dtype, device
         self.act_shape, self.schedule, self.split_w, self.vshape = act_shape, schedule, split_w, vshape
         self.items = p2p_batches(actions[rank])
-        self.sync_items = self._sync_points()
+        self.sync_items = set(sync_points(self.items))
         self.inbox: dict = {}
         self.outbox: dict = {}
         self.saved: dict = {}
         self.deferred: dict = {}
         self.sending: list = []  # (work, tensor) of sends posted this step, waited at its end
         self._clock: _Clock | None = None  # spans of the last timed step, resolved only when read
-
-    def _sync_points(self) -> set[int]:
-        """Item index of the last weight-gradient backward of each chunk."""
-        last: dict[int, int] = {}
-        for i, it in enumerate(self.items):
-            if not isinstance(it, tuple) and it.kind in ("B", "W"):
-                last[it.chunk] = i
-        return set(last.values())
 
     # -- one training step ----------------------------------------------------------------------
     def run(self, batch: Batch, scale: float | torch.Tensor = 1.0, timed: bool = False) -> torch.Tensor:
@@ -88,11 +95,11 @@ class PipelineRuntime:
         (document masking), split like the inputs. `timed`: on CUDA the clock drains the compute
         stream once per timed step, so the trainer times its logged steps only (their bubble)."""
         inputs, targets, docs = batch
-        if inputs.shape[0] % self.m:
-            raise ValueError(f"pipeline: {inputs.shape[0]} sequences do not split into {self.m} micro-batches")
-        n, seq = inputs.shape[0] // self.m, inputs.shape[1]
+        if inputs.shape[0] % self.accum:
+            raise ValueError(f"pipeline: {inputs.shape[0]} sequences do not split into {self.accum} micro-batches")
+        n, seq = inputs.shape[0] // self.accum, inputs.shape[1]
         xs, ys = inputs.split(n), targets.split(n)
-        ds = docs.split(n) if docs is not None else [None] * self.m
+        ds = docs.split(n) if docs is not None else [None] * self.accum
         shape = self.act_shape(n, seq)
         loss_sum = torch.zeros((), device=self.device)
         clock = _Clock(self.device) if timed else None
@@ -117,6 +124,7 @@ class PipelineRuntime:
                     clock.stop()
         finally:
             self.grads.set_sync(True)
+            self._padding(False)
         self.comm.wait_p2p([w for w, _ in self.sending])
         self.sending = []
         left = [k for box in (self.inbox, self.outbox, self.saved, self.deferred) for k in box]
@@ -126,19 +134,27 @@ class PipelineRuntime:
         self._clock = clock
         return loss_sum
 
+    def _padding(self, on: bool) -> None:
+        if self.passes > self.accum:
+            for c in self.counted:
+                c.padding(on)
+
     def _compute(self, a: Action, xs, ys, ds, seq: int, scale: float | torch.Tensor):
         st, key = self.stages[a.chunk], (a.mb, a.chunk)
         if a.kind == "F":
+            pad = a.mb >= self.accum  # a padding micro-batch: the first one again, loss times 0
+            mb = 0 if pad else a.mb
+            self._padding(pad)
             if st.first:
-                x = xs[a.mb]
+                x = xs[mb]
             else:
                 x = self.inbox.pop(("F",) + key).requires_grad_(True)
-            out = st(x, seq, ds[a.mb])
+            out = st(x, seq, ds[mb])
             loss = None
             if st.last:
-                loss = self.loss_fn(out, ys[a.mb])
-                out = loss * scale
-                loss = loss.detach()
+                loss = self.loss_fn(out, ys[mb])
+                out = loss * (0.0 if pad else scale)
+                loss = None if pad else loss.detach()
             else:
                 self._hand_off(a, out.detach())
             self.saved[key] = (x, out)
