@@ -29,10 +29,20 @@ CASES = [
     # ZeRO-3 gathers per micro-batch over replicas: the lighter pipeline pads its schedule to 3
     ("dp2-pp2-1f1b-zero3-3-1", 4, {"parallel__dp": 2, "parallel__pp": 2, "parallel__pp_schedule": "1f1b",
                                    "parallel__zero": 3, "parallel__dp_weights": [3, 1]}, {}),
+    # two chunks per rank: the reductions of both chunks meet in one order whatever the count
+    ("dp2-pp2-zbv-3-1", 4, {"parallel__dp": 2, "parallel__pp": 2, "parallel__pp_schedule": "zbv",
+                            "parallel__pp_virtual": 2, "parallel__dp_weights": [3, 1]}, {}),
+    ("dp2-pp2-interleaved-1-3", 4, {"parallel__dp": 2, "parallel__pp": 2, "parallel__pp_schedule": "interleaved",
+                                    "parallel__pp_virtual": 2, "parallel__dp_weights": [1, 3]},
+     {"training__global_batch": 16}),
+    # EP inside a pipeline: the lighter pipeline pads so every all-to-all is met
+    ("moe-dp2-pp2-ep2-3-1", 4, {"parallel__dp": 2, "parallel__pp": 2, "parallel__pp_schedule": "1f1b",
+                                "parallel__ep": 2, "parallel__dp_weights": [3, 1]}, {"model__preset": "moe-debug"}),
 ]
 
 
-@pytest.mark.parametrize("name,world,layout,single", rows(CASES, slowest=[]))
+@pytest.mark.parametrize("name,world,layout,single", rows(CASES, slowest=[
+    "dp2-pp2-1f1b-zero3-3-1", "dp2-pp2-zbv-3-1", "dp2-pp2-interleaved-1-3", "moe-dp2-pp2-ep2-3-1"]))
 def test_uneven_dims_match_one_process(pools, name, world, layout, single):
     check_uneven_row(pools, world, layout, single)
 
