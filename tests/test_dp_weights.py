@@ -26,16 +26,12 @@ STEPS = 6  # enough updates for a wrong average or a wrong slice to show in the 
     ({"parallel__dp_weights": [3, 1, 1]}, 2, "parallel.dp_weights: 3 weights for dp = 2 replicas (one per replica)"),
     ({"parallel__dp_weights": [2, 1]}, 2, ("parallel.dp_weights: [2, 1] split training.global_batch 8 into 5.33333, "
                                            "2.66667 sequences, not whole micro-batches of training.micro_batch 2 per replica")),
-    ({"parallel__dp_weights": [1, 1], "parallel__pp": 2}, 4,
-     "parallel.dp_weights: not with pp > 1 (a pipeline schedule runs the same micro-batches on every replica)"),
-    ({"parallel__dp_weights": [1, 1], "parallel__cp": 2}, 4,
-     "parallel.dp_weights: not with cp > 1 (uneven replicas with context parallelism are not available yet)"),
-    ({"parallel__dp_weights": [1, 1], "parallel__ep": 2, "model__moe__num_experts": 4}, 2,
-     ("parallel.dp_weights: not with ep > 1 (the expert all-to-all spans replicas that run different "
-      "micro-batch counts)")),
-    ({"parallel__dp_weights": [3, 1], "model__preset": "moe-debug", "parallel__zero": 3}, 2,
-     ("parallel.dp_weights: not with a mixture-of-experts or MTP model under ZeRO-2/3 (the lighter replica's "
-      "zero-weighted padding passes would count in the routing statistics and the MTP loss)")),
+    ({"parallel__dp_weights": [3, 1], "parallel__microbatches": 3}, 2,
+     "parallel.dp_weights: not with parallel.microbatches (it sets one count for every replica)"),
+    ({"parallel__dp_weights": [3, 1], "parallel__pp": 2, "parallel__pp_schedule": "interleaved",
+      "parallel__pp_virtual": 2}, 4,
+     ("parallel.dp_weights: replica 0 runs 3 micro-batches: parallel.microbatches: 'interleaved' needs "
+      "micro-batches divisible by pp; 3 is not a multiple of 2")),
     ({"parallel__dp_weights": [3, 1], "parallel__auto": True}, 2,
      "parallel.dp_weights: not with parallel.auto (the planner chooses equal replicas)"),
     ({"parallel__dp_weights": [3, 1], "parallel__elastic": "replan"}, 2,
@@ -104,11 +100,15 @@ def _passes(trainer) -> tuple[int, int, int]:
 @pytest.mark.parametrize("name,world,layout,single", rows(CASES, slowest=["dp2-tp2-2-1", "ddp-1-3", "zero2-1-3",
                                                                              "moe-zero1-1-3"]))
 def test_uneven_layout_matches_one_process(pools, name, world, layout, single):
+    check_uneven_row(pools, world, layout, single)
+
+
+def check_uneven_row(pools, world: int, layout: dict, single: dict) -> None:
     """Every update is the one-process update of the same global batch: the losses agree per step, so do
     the gradient norms (AdamW forgives a gradient scaled wrongly; the norm does not), and the metrics
-    count the real tokens of the whole global batch; MoE's routing metrics are one process's. DDP and
-    ZeRO-1 run each replica's own count; ZeRO-2/3 pad the lighter replica to the longest. `single`: the
-    one-process run's own overrides."""
+    count the real tokens of the whole global batch; MoE's routing metrics and MTP's loss are one
+    process's. DDP and ZeRO-1 run each replica's own count; ZeRO-2/3 and EP pad the lighter replica to
+    the longest. `single`: the one-process run's own overrides (shared by tests/test_dp_weights_dims.py)."""
     cfg = make_config(training__steps=STEPS, **single, **layout)
     run_dir = tempfile.mkdtemp(prefix="meshlm-dpw-")
     seen = pools(world).run(train_case, C.to_dict(cfg), run_dir, 0, _passes)
@@ -116,25 +116,29 @@ def test_uneven_layout_matches_one_process(pools, name, world, layout, single):
     ref = reference(training__steps=STEPS, **single)
     assert_same_losses(ref, got, FP32)
     assert_same_norms(ref, got)
-    for a, b in zip(ref, got):  # MoE rows: the routing metrics (counts exactly; the aux loss to fp32)
-        assert b.get("moe", {}) == pytest.approx(a.get("moe", {}), rel=FP32), (a["step"], a.get("moe"), b.get("moe"))
+    for key in ("moe", "mtp_loss"):  # the routing metrics (counts exactly; the aux loss to fp32), MTP's loss
+        for a, b in zip(ref, got):
+            assert b.get(key, {}) == pytest.approx(a.get(key, {}), rel=FP32), (key, a["step"], a.get(key), b.get(key))
     seqs = single.get("training__global_batch", 8)
     assert [r["tokens"] for r in got] == [r["step"] * seqs * 32 for r in got]
     lay = resolve(cfg, world)
-    padded = lay.zero >= 2
-    assert seen == [(d, lay.accum_of(d), lay.accum if padded else lay.accum_of(d)) for d, _, _ in seen]
-    assert {d for d, _, _ in seen} == {0, 1}
+    assert seen == [(d, lay.accum_of(d), max(lay.accum_of(d), lay.dp_pad_to)) for d, _, _ in seen]
+    assert {d for d, _, _ in seen} == set(range(lay.dp))
 
 
 def test_checkpoint_under_weights_resumes_evenly_and_in_one_process(pools):
-    """Saved at step 3 under 3:1; resumed under 1:1 and in one process, steps 4-6 are the uninterrupted
-    run's: the data position is the step, whatever the split."""
+    check_resume(pools, 2, {}, {"parallel__dp": 2})
+
+
+def check_resume(pools, world: int, layout: dict, even: dict) -> None:
+    """Saved at step 3 under 3:1 (`layout` besides the weights); resumed under 1:1 (`even`) and in one
+    process, steps 4-6 are the uninterrupted run's: the data position is the step, whatever the split."""
     ref = reference(training__steps=STEPS)
     first = tempfile.mkdtemp(prefix="meshlm-dpw-ckpt-")
-    train_in(pools, make_config(training__steps=STEPS, checkpoint__every=3, parallel__dp_weights=[3, 1]), 2, first,
-             stop=3)
+    train_in(pools, make_config(training__steps=STEPS, checkpoint__every=3, parallel__dp_weights=[3, 1], **layout),
+             world, first, stop=3)
     saved = os.path.join(first, "checkpoints", "step_00000003")
-    for world, layout in ((2, {"parallel__dp": 2}), (1, {})):
+    for world, layout in ((world, even), (1, {})):
         out = tempfile.mkdtemp(prefix="meshlm-dpw-resume-")
         resumed = train_in(pools, make_config(training__steps=STEPS, checkpoint__resume=saved, **layout), world, out)
         assert [r["step"] for r in resumed] == list(range(4, STEPS + 1))

@@ -79,6 +79,14 @@ class Layout:
         return self.dp_accums[dp_rank] if self.dp_accums else self.accum
 
     @property
+    def dp_pad_to(self) -> int:
+        """Under dp_weights, the passes every replica runs where its collectives meet other replicas on
+        every micro-batch (ZeRO-2/3's gathers and reduce-scatters; EP's all-to-alls when an ep group spans
+        replicas): the longest count, the lighter ones padding (`Accumulation`); 0: each runs its own."""
+        zero = self.zero >= 2 and self.zero_enabled
+        return self.accum if self.dp_accums and (zero or self.cp % self.ep) else 0
+
+    @property
     def dp_rows(self) -> tuple[int, ...]:
         """Sequences of each replica per step under dp_weights (replica r reads the r-th contiguous run
         of the global batch); () for the equal split."""
@@ -359,22 +367,21 @@ def check_mtp(cfg: Config, args: ModelArgs) -> None:
 
 
 def check_dp_weights(cfg: Config, args: ModelArgs, layout: Layout) -> None:
-    """What uneven data parallelism does not combine with (docs/heterogeneous.md): the pipeline runs one
-    micro-batch count on every stage, CP's and EP's groups span replicas that would run different counts.
-    (parallel.auto and elastic replanning: ParallelConfig.check.)"""
+    """What uneven data parallelism does not combine with (docs/heterogeneous.md): parallel.microbatches
+    (one count for all), and a replica's count that its pipeline schedule refuses. (parallel.auto and
+    elastic replanning: ParallelConfig.check.)"""
+    from .schedule.stage import stage_blocks
     p = cfg.parallel
     if not p.dp_weights:
         return
-    why = {"pp > 1 (a pipeline schedule runs the same micro-batches on every replica)": layout.pp_enabled,
-           "cp > 1 (uneven replicas with context parallelism are not available yet)": layout.cp_enabled,
-           "ep > 1 (the expert all-to-all spans replicas that run different micro-batch counts)": layout.ep_enabled,
-           "a mixture-of-experts or MTP model under ZeRO-2/3 (the lighter replica's zero-weighted padding "
-           "passes would count in the routing statistics and the MTP loss)":
-               (args.moe or bool(args.mtp_depth)) and layout.zero >= 2 and layout.zero_enabled,
-           "parallel.microbatches (it sets one count for every replica)": bool(p.microbatches)}
-    for reason, on in why.items():
-        if on:
-            raise LayoutError(f"parallel.dp_weights: not with {reason}")
+    if p.microbatches:
+        raise LayoutError("parallel.dp_weights: not with parallel.microbatches (it sets one count for every replica)")
+    if layout.pp_enabled:  # each replica's pipeline runs its own count (or the longest, padded)
+        for r, m in enumerate(layout.dp_accums):
+            try:
+                stage_blocks(args, p, max(m, layout.dp_pad_to))
+            except ValueError as e:
+                raise LayoutError(f"parallel.dp_weights: replica {r} runs {m} micro-batches: {e}") from None
 
 
 def check_rampup(cfg: Config, layout: Layout) -> list[int]:

@@ -45,7 +45,9 @@ balanced), weighted by `aux_loss_coef` and summed over blocks. It reaches the op
 touching the loss function: `_AuxGrad` is the identity on the block output whose backward also feeds
 coef · `aux_grad_scale` into the balance term (Megatron's MoEAuxLossAutoScaler), so it works unchanged
 in pipeline stages, under checkpointing and in every layout. The trainer sets `aux_grad_scale` to the
-factor it multiplies the main loss by (1/accumulation, × the fp16 loss scale).
+factor it multiplies the main loss by (1/accumulation, × the fp16 loss scale). A forward that must count
+in nothing (uneven data parallelism's padding passes, which route tokens only to join the others'
+all-to-alls) runs with `counted = False` and `aux_grad_scale = 0`, both set from outside.
 
 The module holds no parallel state. These methods are the seams parallel/dims/expert_parallel.py overrides:
 `run_experts` (expert parallelism: it takes the tokens sorted by global expert id and the count per
@@ -196,6 +198,7 @@ class MoE(nn.Module):
         self.shared = FeedForward(args.dim, args.shared_experts * args.expert_dim) if args.shared_experts else None
         self.aux_grad_scale: float | torch.Tensor = 1.0  # set by the trainer each step
         self.stats: torch.Tensor | None = None  # [E + 3] summed over the step's training forwards
+        self.counted = True  # False: the forwards that follow record no statistics (set from outside)
         # DeepSeek-V3 routing (module doc); `plain`: the softmax path above, untouched
         self.plain, self.score = args.plain_routing, args.moe_score
         self.n_group, self.topk_group = args.n_group, args.topk_group
@@ -285,7 +288,7 @@ class MoE(nn.Module):
         if self.seq_aux_loss_coef > 0 and torch.is_grad_enabled():
             seq = self._seq_balance(chosen, probs, shape[0] if x.dim() == 3 else 1)
             out = _AuxGrad.apply(out, seq, self.seq_aux_scale())
-        if _recording():
+        if self.counted and _recording():
             self._record(counts, kept, balance)
         return out.view(shape)
 

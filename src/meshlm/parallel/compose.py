@@ -202,17 +202,19 @@ def parallelize(model: nn.Module, ctx: ParallelContext, layout: Layout, make_opt
     mtp = MTPLoss(model, loss_fn, training.mtp_loss_weight, cp, zloss) if model.args.mtp_depth and \
         training.mtp_loss_weight > 0 else None
     loss_fn = mtp or loss_fn
+    moe = MoEStats(model, plan, layout.tp) if model.args.moe else None
+    counted = [c for c in (moe, mtp, zloss) if c is not None]  # told which passes pad (dp_weights)
     if pipe is not None:
         runner = pipeline_runner(model, grads, loss_fn, pipe, ctx, layout, plan, schedule=parallel.pp_schedule,
-                                 sp=parallel.sp, split_w=training.ac not in ("full", "op"))
+                                 sp=parallel.sp, split_w=training.ac not in ("full", "op"), counted=counted)
     else:
-        # ZeRO-2/3 gather or reduce on every micro-batch: uneven replicas pad to the longest (`Accumulation`)
-        pad = layout.accum if layout.dp_accums and layout.zero >= 2 and layout.zero_enabled else 0
-        runner = Accumulation(model, loss_fn, grads, layout.micro_batch, layout.accum_of(ctx.index("dp")), pad)
+        # ZeRO-2/3 and EP meet other replicas on every micro-batch: uneven replicas pad to the longest
+        runner = Accumulation(model, loss_fn, grads, layout.micro_batch, layout.accum_of(ctx.index("dp")),
+                              layout.dp_pad_to, counted)
     return Parallelized(model=model, optimizer=opt, grads=grads, placements=table, world=ctx.comm("world"),
                         loss_fn=loss_fn, runner=runner, names={id(p): name for name, p in named},
                         pipeline=runner if pipe is not None else None,
-                        moe=MoEStats(model, plan, layout.tp) if model.args.moe else None, cp=cp, mtp=mtp, zloss=zloss,
+                        moe=moe, cp=cp, mtp=mtp, zloss=zloss,
                         state_writer=all(i == 0 for d, i in ctx.coords.items() if d != "pp"))
 
 

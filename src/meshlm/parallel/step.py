@@ -4,7 +4,7 @@ stages: micro-batches one after another on this rank) and `pipeline.runtime.Pipe
 schedule runs every micro-batch over the stages)."""
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -28,19 +28,29 @@ class StepRunner(Protocol):
         but the last)."""
 
 
+class Counted(Protocol):
+    """What keeps per-step statistics of the passes (MoE routing, the MTP and z-loss totals)."""
+
+    def padding(self, on: bool) -> None:
+        """`on`: the passes that follow are padding (loss × 0): they must count in nothing."""
+
+
 class Accumulation:
     """Gradient accumulation: `accum` micro-batches of `micro_batch` rows run one after another; the
     gradient reductions start on the last one's backward (`grads.set_sync`), overlapping it.
-    `pad_to`: under parallel.dp_weights with ZeRO-2/3, whose gathers and reduce-scatters run on every
-    micro-batch, a replica with fewer micro-batches runs more of them, weighted 0, so every replica
-    joins the same collectives (docs/heterogeneous.md). `accum` and `passes` are the full batch's; a
-    step runs as many micro-batches as its batch holds (training.batch_rampup: fewer while ramping)."""
+    `pad_to`: under parallel.dp_weights where collectives span replicas on every micro-batch (ZeRO-2/3's
+    gathers and reduce-scatters, EP's all-to-alls: `Layout.dp_pad_to`), a replica with fewer
+    micro-batches runs more of them, weighted 0, so every replica joins the same collectives; `counted`
+    are told which passes pad, so no statistic counts them (docs/heterogeneous.md). `accum` and
+    `passes` are the full batch's; a step runs as many micro-batches as its batch holds
+    (training.batch_rampup: fewer while ramping)."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 grads: GradSync, micro_batch: int, accum: int, pad_to: int = 0):
+                 grads: GradSync, micro_batch: int, accum: int, pad_to: int = 0, counted: Sequence[Counted] = ()):
         self.model, self.loss_fn, self.grads = model, loss_fn, grads
         self.micro_batch, self.accum, self.pad_to = micro_batch, accum, pad_to
         self.passes = max(accum, pad_to)
+        self.counted = tuple(counted)
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
         """The mean token loss of one micro-batch (with the autograd graph)."""
@@ -59,13 +69,21 @@ class Accumulation:
         for i in range(passes):
             self.grads.set_sync(i == passes - 1)
             real = i < accum  # a padding pass re-reads the first micro-batch, its gradient times 0
+            if i == accum:
+                self._padding(True)
             part = slice(i * mb, (i + 1) * mb) if real else slice(0, mb)
             loss = self.loss(inputs[part], targets[part], None if docs is None else docs[part])
             (loss * (scale if real else 0.0)).backward()
             if real:
                 loss_sum += loss.detach()
+        if passes > accum:
+            self._padding(False)
         self.grads.finish()
         return loss_sum
+
+    def _padding(self, on: bool) -> None:
+        for c in self.counted:
+            c.padding(on)
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> torch.Tensor:

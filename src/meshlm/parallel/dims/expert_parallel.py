@@ -190,6 +190,7 @@ class MoEStats:
 
     def __init__(self, model: nn.Module, plan, tp: int):
         args = model.args
+        self.scale: float | torch.Tensor = 1.0
         self.modules = plan.moe_layers(model)
         blocks = [i for i in range(args.n_layers + args.mtp_depth) if args.is_moe_block(i)]
         self.row = {b: i for i, b in enumerate(blocks)}
@@ -198,9 +199,19 @@ class MoEStats:
 
     def begin_step(self, scale: float | torch.Tensor) -> None:
         """`scale`: what the main loss is multiplied by before backward (1/accum, × fp16's scale)."""
+        self.scale = scale
         for m in self.modules.values():
             m.aux_grad_scale = scale
             m.stats = None
+            m.counted = True
+
+    def padding(self, on: bool) -> None:
+        """`on`: the passes that follow are padding (parallel/step.py `Accumulation`: loss × 0), which
+        route tokens only to join the other replicas' all-to-alls: they record no routing statistics
+        (bias update, aux loss, metrics) and feed the balance losses no gradient."""
+        for m in self.modules.values():
+            m.counted = not on
+            m.aux_grad_scale = 0.0 if on else self.scale
 
     def _rows(self, width: int, device: torch.device) -> torch.Tensor:
         """[MoE blocks, width] float64: this rank's `stats` (first `width` columns), zeros for the

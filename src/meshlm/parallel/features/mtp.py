@@ -47,6 +47,7 @@ class MTPLoss:
         self.depth = model.args.mtp_depth
         self.h = self.positions = self.docs = None
         self.total: torch.Tensor | None = None
+        self._padding = False  # padding passes (parallel/step.py) add nothing to `total`
         self._picks: dict[tuple[int, int], tuple] = {}
         if model.norm is not None:  # the stage with the head (every stage calls the model's forward)
             model.norm.register_forward_hook(self._keep_h)
@@ -62,6 +63,10 @@ class MTPLoss:
     def begin_step(self) -> None:
         self.total = None
 
+    def padding(self, on: bool) -> None:
+        """`on`: the passes that follow are padding (loss × 0): their MTP loss is not reported."""
+        self._padding = on
+
     def __call__(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         main = self.loss_fn(out, targets)
         h, self.h = self.h, None
@@ -69,7 +74,8 @@ class MTPLoss:
             return main
         with self.zloss.main_only() if self.zloss is not None else nullcontext():
             mtp = self.mtp_loss(h, targets)
-        self.total = mtp.detach() if self.total is None else self.total + mtp.detach()
+        if not self._padding:
+            self.total = mtp.detach() if self.total is None else self.total + mtp.detach()
         return main + (mtp - mtp.detach()) * self.weight
 
     def mtp_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,11 @@ class ZLoss:
     def __init__(self, weight: float):
         self.weight = weight
         self.total: torch.Tensor | None = None
-        self._paused = False
+        self._paused = self._padding = False
+
+    def padding(self, on: bool) -> None:
+        """`on`: the passes that follow are padding (parallel/step.py, loss × 0): no term, none recorded."""
+        self._padding = on
 
     def begin_step(self) -> None:
         self.total = None
@@ -35,7 +39,7 @@ class ZLoss:
     @property
     def coef(self) -> float:
         """The weight the loss being built gets: 0 under `main_only` and without autograd (evaluation)."""
-        return 0.0 if self._paused or not torch.is_grad_enabled() else self.weight
+        return 0.0 if self._paused or self._padding or not torch.is_grad_enabled() else self.weight
 
     def record(self, mean_sq: torch.Tensor, coef: float) -> None:
         """A kernel computed mean log² Z of one micro-batch under weight `coef` (> 0)."""

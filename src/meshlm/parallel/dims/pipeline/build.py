@@ -38,15 +38,19 @@ def split_model(model: nn.Module, ctx, layout, plan, parallel) -> PipelineStages
 
 
 def pipeline_runner(model: nn.Module, grads, loss_fn, pipe: PipelineStages, ctx, layout, plan, *, schedule: str,
-                    sp: bool, split_w: bool):
+                    sp: bool, split_w: bool, counted=()):
     """The runtime over this rank's chunks of the pruned, materialised `model`. `split_w`: the zero-bubble
-    I/W split of a block's backward (off under block AC, which recomputes per call: backward.py)."""
+    I/W split of a block's backward (off under block AC, which recomputes per call: backward.py).
+    parallel.dp_weights: the schedule is built for this replica's own count (every stage of a replica
+    shares it), padded to the longest where collectives span replicas per micro-batch (`Layout.dp_pad_to`;
+    `counted`: what the padding must not count in, as parallel/step.py `Accumulation`)."""
     from .runtime import PipelineRuntime, Stage
 
     p, v = pipe.p, pipe.v
     S = p * v
     stages = [Stage(model, plan, [str(i) for i in pipe.blocks[pipe.stage(c)]], pipe.stage(c),
                     pipe.stage(c) == 0, pipe.stage(c) == S - 1) for c in range(v)]
+
     def schedule_for(m: int):
         """The checked action lists of a step of m micro-batches (training.batch_rampup: several m)."""
         actions = build_schedule(schedule, p, m, v)
@@ -61,5 +65,5 @@ def pipeline_runner(model: nn.Module, grads, loss_fn, pipe: PipelineStages, ctx,
 
     dtype = next(model.parameters()).dtype
     return PipelineRuntime(stages, schedule_for, pipe.rank, ctx.comm("pp"), grads, loss_fn, dtype, ctx.device,
-                           act_shape, layout.micro_batch, layout.microbatches, schedule, split_w=split_w,
-                           vshape=pipe.vshape)
+                           act_shape, layout.micro_batch, layout.accum_of(ctx.index("dp")), schedule,
+                           split_w=split_w, vshape=pipe.vshape, pad_to=layout.dp_pad_to, counted=counted)

@@ -13,6 +13,10 @@ Activation shapes are known in advance (micro-batch × local sequence × dim, th
 Backward kinds: B is one `autograd.backward`; the zero-bubble I and W are in backward.py (I sends
 the input gradient on at once; W later runs only the weight-gradient products).
 
+Uneven data parallelism (parallel.dp_weights): `m` is this replica's own count, or the longest where
+collectives span replicas on every micro-batch; then micro-batches `accum` and on are padding, as
+parallel/step.py `Accumulation` pads: the first micro-batch again, its loss times 0, counted in nothing.
+
 Gradient sync: every compute runs with `grads.set_sync(False)` except the last weight-producing
 backward (B or W) of each chunk, so DP buckets and ZeRO-1 reductions fire once per step, right after
 each chunk's gradients are final, overlapping the rest of the schedule. With tied embeddings the two
@@ -31,6 +35,16 @@ from ....distributed.comm import Comm
 from ....schedule.actions import Action, local_target, message_of, source_of
 from ....schedule.replay import p2p_batches
 from .backward import input_backward
+
+
+def sync_points(items: list) -> list[int]:
+    """Item index of the last weight-gradient backward of each chunk, in item order: where a step's
+    gradient reductions fire (uneven replicas rely on their chunk order not depending on the count)."""
+    last: dict[int, int] = {}
+    for i, it in enumerate(items):
+        if not isinstance(it, tuple) and it.kind in ("B", "W"):
+            last[it.chunk] = i
+    return sorted(last.values())
 
 
 class Stage:
@@ -59,16 +73,18 @@ class PipelineRuntime:
     `schedule_for(m)` builds (and checks) the action lists of a step of m micro-batches of `micro_batch`
     sequences: a step runs the schedule of as many micro-batches as its batch holds, so under
     training.batch_rampup the ramp's smaller steps run shorter schedules (each built once, on first use).
-    The stage split does not depend on m, so every step runs over the same stages."""
+    The stage split does not depend on m, so every step runs over the same stages. `pad_to` and
+    `counted`: parallel.dp_weights' padding (the module's docstring)."""
 
     def __init__(self, stages: list[Stage], schedule_for: Callable[[int], list[list[Action]]], rank: int,
                  comm: Comm, grads, loss_fn: Callable, dtype: torch.dtype, device: torch.device,
                  act_shape: Callable[[int, int], tuple[int, ...]], micro_batch: int, m: int, schedule: str = "",
-                 split_w: bool = True, vshape: bool = False):
+                 split_w: bool = True, vshape: bool = False, pad_to: int = 0, counted=()):
         self.stages, self.rank, self.comm, self.v = stages, rank, comm, len(stages)
         self.grads, self.loss_fn, self.dtype, self.device = grads, loss_fn, dtype, device
         self.act_shape, self.schedule, self.split_w, self.vshape = act_shape, schedule, split_w, vshape
         self.schedule_for, self.micro_batch = schedule_for, micro_batch
+        self.pad_to, self.counted = pad_to, tuple(counted)
         self._plans: dict[int, tuple] = {}
         self._use(m)
         self.inbox: dict = {}
@@ -78,24 +94,17 @@ class PipelineRuntime:
         self.sending: list = []  # (work, tensor) of sends posted this step, waited at its end
         self._clock: _Clock | None = None  # spans of the last timed step, resolved only when read
 
-    def _use(self, m: int) -> None:
-        """Run steps of m micro-batches from now on: their actions, p2p items and sync points."""
+    def _use(self, accum: int) -> None:
+        """Run steps of `accum` micro-batches with data from now on (padded to `pad_to`): their actions,
+        p2p items and sync points."""
+        m = max(accum, self.pad_to)
         if m not in self._plans:
             actions = self.schedule_for(m)
             items = p2p_batches(actions[self.rank])
-            self._plans[m] = (actions, items, self._sync_points(items))
-        self.m = m
+            self._plans[m] = (actions, items, set(sync_points(items)))
+        self.m, self.accum, self.passes = m, accum, m
         self.actions, self.items, self.sync_items = self._plans[m]
         self.p = len(self.actions)
-
-    @staticmethod
-    def _sync_points(items) -> set[int]:
-        """Item index of the last weight-gradient backward of each chunk."""
-        last: dict[int, int] = {}
-        for i, it in enumerate(items):
-            if not isinstance(it, tuple) and it.kind in ("B", "W"):
-                last[it.chunk] = i
-        return set(last.values())
 
     # -- one training step ----------------------------------------------------------------------
     def run(self, batch: Batch, scale: float | torch.Tensor = 1.0, timed: bool = False) -> torch.Tensor:
@@ -110,7 +119,7 @@ class PipelineRuntime:
         self._use(inputs.shape[0] // self.micro_batch)
         n, seq = self.micro_batch, inputs.shape[1]
         xs, ys = inputs.split(n), targets.split(n)
-        ds = docs.split(n) if docs is not None else [None] * self.m
+        ds = docs.split(n) if docs is not None else [None] * self.accum
         shape = self.act_shape(n, seq)
         loss_sum = torch.zeros((), device=self.device)
         clock = _Clock(self.device) if timed else None
@@ -135,6 +144,7 @@ class PipelineRuntime:
                     clock.stop()
         finally:
             self.grads.set_sync(True)
+            self._padding(False)
         self.comm.wait_p2p([w for w, _ in self.sending])
         self.sending = []
         left = [k for box in (self.inbox, self.outbox, self.saved, self.deferred) for k in box]
@@ -144,19 +154,27 @@ class PipelineRuntime:
         self._clock = clock
         return loss_sum
 
+    def _padding(self, on: bool) -> None:
+        if self.passes > self.accum:
+            for c in self.counted:
+                c.padding(on)
+
     def _compute(self, a: Action, xs, ys, ds, seq: int, scale: float | torch.Tensor):
         st, key = self.stages[a.chunk], (a.mb, a.chunk)
         if a.kind == "F":
+            pad = a.mb >= self.accum  # a padding micro-batch: the first one again, loss times 0
+            mb = 0 if pad else a.mb
+            self._padding(pad)
             if st.first:
-                x = xs[a.mb]
+                x = xs[mb]
             else:
                 x = self.inbox.pop(("F",) + key).requires_grad_(True)
-            out = st(x, seq, ds[a.mb])
+            out = st(x, seq, ds[mb])
             loss = None
             if st.last:
-                loss = self.loss_fn(out, ys[a.mb])
-                out = loss * scale
-                loss = loss.detach()
+                loss = self.loss_fn(out, ys[mb])
+                out = loss * (0.0 if pad else scale)
+                loss = None if pad else loss.detach()
             else:
                 self._hand_off(a, out.detach())
             self.saved[key] = (x, out)
