@@ -17,6 +17,16 @@ GIB = 2 ** 30
 MIB = 2 ** 20
 
 
+def hashed_once(obj) -> int:
+    """The hash of a frozen dataclass, computed on its first use and kept: the planner's caches key on
+    GPU and Options in every lookup, and a generated hash walks every field each time."""
+    h = obj.__dict__.get("_hash")
+    if h is None:
+        h = hash(tuple(getattr(obj, f.name) for f in fields(obj)))
+        object.__setattr__(obj, "_hash", h)
+    return h
+
+
 @dataclass(frozen=True)
 class GPU:
     name: str
@@ -63,11 +73,7 @@ class GPU:
     # nvidia-h200/overlap/; docs/planner.md). Assumed the same on every card (an A100's 108 SMs lose more)
     overlap_slowdown: float = 0.197
 
-    def __post_init__(self):  # a key of the search's caches (ops.gemm_seconds): hashed once, not per lookup
-        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
-
-    def __hash__(self) -> int:
-        return self._hash
+    __hash__ = hashed_once  # a key of the search's caches (ops.gemm_seconds)
 
     def peak(self, precision: str) -> float:
         """The dense peak MFU is reported against: fp8 runs report against the bf16 peak (the blocks'

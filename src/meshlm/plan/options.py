@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .hardware import GIB, GPU
+from .hardware import GIB, GPU, hashed_once
 
 if TYPE_CHECKING:
     from .ops import Rates
@@ -39,6 +39,8 @@ class Options:
     doc_tokens: int = 0
     loss_chunks: int = 0           # training.loss_chunks: logits of one chunk alive at a time (0: off)
     step_overhead_s: float | None = None  # GPU idle per step outside every kernel (None: STEP_GAP_S)
+
+    __hash__ = hashed_once  # a key of the search's caches (search.py's micro-times, ops.stage_compute)
 
     def usable(self, gpu: GPU | None) -> float | None:
         return None if gpu is None else gpu.hbm_bytes * self.mem_fraction - self.reserve_gib * GIB
