@@ -182,3 +182,22 @@ def test_bad_devices_refused_before_any_worker(devices, line, tmp_path):
                           "--nproc", "2", "--run-dir", str(tmp_path / "run")])
     assert code == 2 and not (tmp_path / "run").exists()
     assert err.startswith(line), err
+
+
+def test_explorer_api_takes_a_mixed_cluster():
+    from meshlm.explore.api import BadRequest, run_estimate, run_plan
+    body = {"model.preset": "llama3-1b", "gpu": "h100:4,a100-80gb:4", "global_batch_tokens": 2 ** 19, "top": 2}
+    out = run_plan(body)
+    assert out["mixed"] and 1 <= len(out["ranked"]) <= 2 and out["comparison"]["alone_gpus"] == 4
+    best = out["ranked"][0]
+    assert [t["card"] for t in best["per_type"]] == ["h100", "a100-80gb"]
+    assert 'devices = ["h100:4", "a100-80gb:4"]' in best["toml"]
+    est = run_estimate({**body, "parallel.pp": 2, "gpus": 8})
+    assert est["mixed"]["per_type"][1]["gpu"] == "A100-80GB" and est["mixed"]["step_s"] > 0
+    assert 'devices = ["h100:4", "a100-80gb:4"]' in est["toml"]
+    with pytest.raises(BadRequest) as e:
+        run_plan({**body, "gpus": 6})
+    assert e.value.key == "gpus" and str(e.value).startswith("gpus: 6 ranks, but the device groups")
+    with pytest.raises(BadRequest) as e:
+        run_estimate({**body, "parallel.tp": 8, "gpu": "h100:4/4,a100-80gb:4/4"})
+    assert e.value.key == "parallel.tp"

@@ -133,7 +133,7 @@ def price_pipeline(shape: Shape, s: Spec, cluster: Cluster, o: Options, simulate
     optimizer, offload)."""
     cards = unit_groups(cluster, cluster.world // s.pp)
     m = s.accum
-    fbw, tails, mem, busy = [], [], [], []
+    fbw, tails, mem, busy, blocks = [], [], [], [], []
     for r, g in enumerate(cards):
         t = _stage_time(shape, s, f"rank{r}", g.gpu, o)
         x = (t["exposed_mb"] + t["overlap_mb"]) / m
@@ -143,9 +143,10 @@ def price_pipeline(shape: Shape, s: Spec, cluster: Cluster, o: Options, simulate
         tails.append(t["exposed_step"] + t["overlap_step"] + opt + off + t["muon_s"] + overhead)
         mem.append(stage_memory(shape, s, f"rank{r}", o).total())
         busy.append(m * (f + b))
+        blocks.append(t["params"].layers)  # s.pp_layers, or the runtime's own split when it is empty
     span, source = _makespan(s, fbw, simulate)
     step = span + max(tails)
-    return Priced(s, "pp", step, _per_type(cluster, cards, mem, busy, o, "layers", list(s.pp_layers)),
+    return Priced(s, "pp", step, _per_type(cluster, cards, mem, busy, o, "layers", blocks),
                   all(x <= o.usable(g.gpu) for x, g in zip(mem, cards)), source)
 
 
