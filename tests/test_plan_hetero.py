@@ -201,3 +201,20 @@ def test_explorer_api_takes_a_mixed_cluster():
     with pytest.raises(BadRequest) as e:
         run_estimate({**body, "parallel.tp": 8, "gpu": "h100:4/4,a100-80gb:4/4"})
     assert e.value.key == "parallel.tp"
+
+
+def test_mixed_recipe_is_the_planners_pick_and_passes_the_devices_check():
+    from meshlm.plan.auto import resolve
+    cfg = C.load("configs/llama3-8b-h100-a100.toml")
+    shape, o, knobs = _shape("llama3-8b")
+    cluster = parse_cluster(cfg.parallel.devices)
+    res = plan_mixed(shape, cluster, cfg.data.seq_len, cfg.training.global_batch * cfg.data.seq_len, "bf16", 1, {}, o,
+                     knobs=knobs)
+    best = res.ranked[0].spec
+    p = cfg.parallel
+    assert (best.pp, best.pp_schedule, list(best.pp_layers), best.zero, best.tp) == \
+        (p.pp, p.pp_schedule, p.pp_layers, p.zero, p.tp)
+    assert (best.micro_batch, best.ac) == (cfg.training.micro_batch, cfg.training.ac)
+    assert resolve(cfg, 16).pp == 4  # parallel.devices adds up to the world and no TP group spans two types
+    with pytest.raises(C.ConfigError, match="parallel.devices: h100:8,a100-80gb:8 adds up to 16 GPUs"):
+        resolve(cfg, 8)
