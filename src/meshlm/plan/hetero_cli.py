@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 
 from .. import config as C
 from .cluster import Cluster, check_world, is_mixed_flag, parse_cluster, tp_span
@@ -149,6 +150,9 @@ def run_plan_mixed(args, cfg, shape: Shape, cluster: Cluster, seq: int, tokens: 
                           "alone": res.alone, "comparison": comparison(res), "counts": dict(res.counts)}, indent=1))
     else:
         print(format_mixed(res, shape, cfg.optim.name))
+    if args.explain:
+        reasons = [f"  {n:>9,}  {why}" for why, n in res.reasons.most_common()] or ["  nothing"]
+        print("\n".join(["discarded (mixed layouts):"] + reasons), file=sys.stderr if args.json else sys.stdout)
     if not res.ranked:
         return 1
     if args.emit_config:

@@ -85,22 +85,20 @@ def _with(n: int, p: int, r: int, k: int) -> tuple[int, ...]:
     return tuple(fill[:r] + [k] + fill[r:])
 
 
-def block_caps(shape: Shape, s: Spec, cards: list[Group], o: Options) -> list[int]:
-    """The most blocks each pipeline rank's card holds: a rank's bytes are affine in its blocks (states
-    and saved activations per block; the rest fixed), so two sizes give the line."""
-    n, p, caps = shape.args.n_layers, s.pp, []
-    for r, g in enumerate(cards):
-        one, two = (stage_memory(shape, dataclasses.replace(s, pp_layers=_with(n, p, r, k)), f"rank{r}", o).total()
-                    for k in (1, 2))
-        room, per = o.usable(g.gpu) - one, two - one
-        caps.append(0 if room < 0 else n - p + 1 if per <= 0 else min(n - p + 1, 1 + int(room // per)))
-    return caps
+def block_cap(shape: Shape, s: Spec, r: int, card: Group, o: Options) -> int:
+    """The most blocks pipeline rank r's card holds: a rank's bytes are affine in its blocks (states and
+    saved activations per block; the rest fixed), so two sizes give the line."""
+    n, p = shape.args.n_layers, s.pp
+    one, two = (stage_memory(shape, dataclasses.replace(s, pp_layers=_with(n, p, r, k)), f"rank{r}", o).total()
+                for k in (1, 2))
+    room, per = o.usable(card.gpu) - one, two - one
+    return 0 if room < 0 else n - p + 1 if per <= 0 else min(n - p + 1, 1 + int(room // per))
 
 
 def speed_split(shape: Shape, s: Spec, cards: list[Group], o: Options) -> tuple[int, ...] | None:
     """`pp_layers` for stages on `cards` (one per pipeline rank): balanced by each card's block time
     (the last stage also runs the head), no stage holding more blocks than its card's memory takes
-    (`block_caps`); None when no split fits."""
+    (`block_cap`, asked of the stages the balanced split overfills); None when no split fits."""
     same = "1f1b" if s.pp_schedule == "zb-h1" else s.pp_schedule  # the same micro-batches in flight (stages.inflight)
     return _split(shape, dataclasses.replace(s, pp_schedule=same), tuple(cards), o)
 
@@ -111,7 +109,18 @@ def _split(shape: Shape, s: Spec, cards: tuple, o: Options) -> tuple[int, ...] |
     if n - p + 1 < 2:
         return tuple([1] * p) if n == p else None
     cost, head = zip(*(_block_costs(shape, s, g.gpu, o) for g in cards))
-    return greedy_counts(n, tuple(cost), tuple([0.0] * (p - 1) + [head[-1]]), tuple(block_caps(shape, s, cards, o)))
+    extra, caps = tuple([0.0] * (p - 1) + [head[-1]]), [n] * p
+    while True:
+        counts = greedy_counts(n, tuple(cost), extra, tuple(caps))
+        if counts is None:
+            return None
+        spec = dataclasses.replace(s, pp_layers=counts)
+        over = [r for r in range(p) if caps[r] == n
+                and stage_memory(shape, spec, f"rank{r}", o).total() > o.usable(cards[r].gpu)]
+        if not over:
+            return counts
+        for r in over:
+            caps[r] = block_cap(shape, s, r, cards[r], o)
 
 
 def _makespan(s: Spec, rank_fbw: list[tuple[float, float, float]], simulate: bool) -> tuple[float, str]:
