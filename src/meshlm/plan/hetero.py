@@ -230,7 +230,7 @@ def _data(ctx: _Mixed) -> None:
     if not (ctx.want("pp", 1) and ctx.want("cp", 1) and ctx.want("ep", 1)):
         return
     for tp in _divisors(W):
-        if tp > ctx.node or not ctx.tp_ok(tp):
+        if not ctx.tp_ok(tp):
             continue
         if any(g.count % tp for g in cluster.groups):
             ctx.reject("a TP group would span two device types")
@@ -253,7 +253,7 @@ def _data(ctx: _Mixed) -> None:
 
 def _weigh_and_price(ctx: _Mixed, s: Spec, cards: list[Group]) -> Priced | None:
     """The layout `s` with each replica's micro-batches in proportion to its card's speed."""
-    groups = [g for g in ctx.cluster.groups]
+    groups = list(ctx.cluster.groups)
     replicas = [sum(1 for c in cards if c is g) for g in groups]
     per_mb = []
     for g in groups:
