@@ -85,12 +85,29 @@ def _with(n: int, p: int, r: int, k: int) -> tuple[int, ...]:
     return tuple(fill[:r] + [k] + fill[r:])
 
 
-def block_cap(shape: Shape, s: Spec, r: int, card: Group, o: Options) -> int:
-    """The most blocks pipeline rank r's card holds: a rank's bytes are affine in its blocks (states and
+def rank_bytes(shape: Shape, s: Spec, r: int, o: Options) -> float:
+    """Pipeline rank r's bytes under s's own AC mode and offload (one StageMemory serves them all)."""
+    return _memory(shape, dataclasses.replace(s, ac="none", offload="none"), r, o).total(s.ac, s.offload)
+
+
+@lru_cache(maxsize=65536)
+def _memory(shape: Shape, plain: Spec, r: int, o: Options):
+    """Rank r's StageMemory of `plain` (a Spec with ac and offload "none": it prices every choice)."""
+    return stage_memory(shape, plain, f"rank{r}", o)
+
+
+@lru_cache(maxsize=65536)
+def _line(shape: Shape, plain: Spec, r: int, o: Options) -> tuple:
+    """Rank r's StageMemory at 1 and at 2 blocks: a rank's bytes are affine in its blocks (states and
     saved activations per block; the rest fixed), so two sizes give the line."""
-    n, p = shape.args.n_layers, s.pp
-    one, two = (stage_memory(shape, dataclasses.replace(s, pp_layers=_with(n, p, r, k)), f"rank{r}", o).total()
-                for k in (1, 2))
+    n, p = shape.args.n_layers, plain.pp
+    return tuple(_memory(shape, dataclasses.replace(plain, pp_layers=_with(n, p, r, k)), r, o) for k in (1, 2))
+
+
+def block_cap(shape: Shape, plain: Spec, r: int, card: Group, o: Options, ac: str, offload: str) -> int:
+    """The most blocks pipeline rank r's card holds under this AC mode and offload (`_line`)."""
+    n, p = shape.args.n_layers, plain.pp
+    one, two = (m.total(ac, offload) for m in _line(shape, plain, r, o))
     room, per = o.usable(card.gpu) - one, two - one
     return 0 if room < 0 else n - p + 1 if per <= 0 else min(n - p + 1, 1 + int(room // per))
 
@@ -110,17 +127,18 @@ def _split(shape: Shape, s: Spec, cards: tuple, o: Options) -> tuple[int, ...] |
         return tuple([1] * p) if n == p else None
     cost, head = zip(*(_block_costs(shape, s, g.gpu, o) for g in cards))
     extra, caps = tuple([0.0] * (p - 1) + [head[-1]]), [n] * p
+    plain = dataclasses.replace(s, ac="none", offload="none")
     while True:
         counts = greedy_counts(n, tuple(cost), extra, tuple(caps))
         if counts is None:
             return None
-        spec = dataclasses.replace(s, pp_layers=counts)
+        at = dataclasses.replace(plain, pp_layers=counts)
         over = [r for r in range(p) if caps[r] == n
-                and stage_memory(shape, spec, f"rank{r}", o).total() > o.usable(cards[r].gpu)]
+                and _memory(shape, at, r, o).total(s.ac, s.offload) > o.usable(cards[r].gpu)]
         if not over:
             return counts
         for r in over:
-            caps[r] = block_cap(shape, s, r, cards[r], o)
+            caps[r] = block_cap(shape, plain, r, cards[r], o, s.ac, s.offload)
 
 
 def _makespan(s: Spec, rank_fbw: list[tuple[float, float, float]], simulate: bool) -> tuple[float, str]:
@@ -150,7 +168,7 @@ def price_pipeline(shape: Shape, s: Spec, cluster: Cluster, o: Options, simulate
         fbw.append((f, b, min(t["t_b"] / 2, b)))
         opt, off, _, overhead = step_terms(s, t["params"], g.gpu, o)
         tails.append(t["exposed_step"] + t["overlap_step"] + opt + off + t["muon_s"] + overhead)
-        mem.append(stage_memory(shape, s, f"rank{r}", o).total())
+        mem.append(rank_bytes(shape, s, r, o))
         busy.append(m * (f + b))
         blocks.append(t["params"].layers)  # s.pp_layers, or the runtime's own split when it is empty
     span, source = _makespan(s, fbw, simulate)
