@@ -218,3 +218,14 @@ def test_mixed_recipe_is_the_planners_pick_and_passes_the_devices_check():
     assert resolve(cfg, 16).pp == 4  # parallel.devices adds up to the world and no TP group spans two types
     with pytest.raises(C.ConfigError, match="parallel.devices: h100:8,a100-80gb:8 adds up to 16 GPUs"):
         resolve(cfg, 8)
+
+
+def test_mixed_estimate_prints_each_type():
+    code, out, err = run(["estimate", "--config", "configs/llama3-8b-h100-a100.toml", "--gpu", "h100:8,a100-80gb:8"])
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("16 GPUs: 8 × H100-SXM-80GB") and "pp_layers=[13, 13, 4, 2]" in lines[1]
+    assert lines[2].startswith("fits: yes; step ") and "pipeline makespan: simulator" in lines[2]
+    assert [ln.split()[0] for ln in lines[3:]] == ["H100-SXM-80GB", "A100-80GB"]
+    code, _, err = run(["estimate", "--config", "configs/llama3-8b-h100-a100.toml", "--gpu", "h100:8,a100-40gb:8"])
+    assert code == 2 and err.startswith("meshlm: parallel.devices: h100:8,a100-80gb:8 is not the --gpu cluster")

@@ -229,6 +229,9 @@ def _data(ctx: _Mixed) -> None:
     shape, cluster, W, G = ctx.shape, ctx.cluster, ctx.cluster.world, ctx.G
     if not (ctx.want("pp", 1) and ctx.want("cp", 1) and ctx.want("ep", 1)):
         return
+    if not (ctx.want("zero", 0) or ctx.want("zero", 1)):
+        ctx.reject("data parallelism across types runs DDP or ZeRO-1 (ZeRO-2/3 pad the lighter replicas)")
+        return
     for tp in _divisors(W):
         if not ctx.tp_ok(tp):
             continue
