@@ -176,10 +176,12 @@ def test_bad_cluster_is_one_line_exit_2(argv, line):
     ("h100:1,tpu-v5:1", "meshlm: parallel.devices: unknown GPU 'tpu-v5'"),
     ("h100:4", "meshlm: parallel.devices: h100:4 adds up to 4 GPUs, the world size is 2"),
     ("h100:1,a100-80gb:1", "meshlm: parallel.tp: the TP group of ranks 0-1 spans h100 and a100-80gb"),
+    ("h100:2 --parallel.auto true", "meshlm: parallel.devices: not with parallel.auto"),
 ])
 def test_bad_devices_refused_before_any_worker(devices, line, tmp_path):
+    devices, *more = devices.split()
     code, out, err = run(["train", "--model.preset", "debug", "--parallel.devices", devices, "--parallel.tp", "2",
-                          "--nproc", "2", "--run-dir", str(tmp_path / "run")])
+                          "--nproc", "2", "--run-dir", str(tmp_path / "run"), *more])
     assert code == 2 and not (tmp_path / "run").exists()
     assert err.startswith(line), err
 
