@@ -12,6 +12,14 @@ MESHLM_TEST_HOLD_ALONE=N     a job on one rank waits after step N until it is en
 MESHLM_TEST_SIGNAL=R:N:NAME rank R sends itself signal NAME (e.g. SIGTERM) while it runs step N
 MESHLM_TEST_ABORT_AT_EXIT=R  rank R aborts (SIGABRT) at interpreter exit, after its run finished and
                              its teardown: the exit abort the launcher must tell from a failed run
+MESHLM_TEST_SECONDS_PER_FLOP=S0,S1,...  rank R is a slower card: before each step it sleeps S_R seconds
+                             per FLOP of the micro-batches it runs (3 × the planner's forward FLOPs per
+                             token, plan/estimate._fwd_flops, × its tokens: forward and backward, no
+                             recompute), and writes each step's sleep and runner seconds to
+                             run_dir/card_times_rank<R>.jsonl (tests/test_plan_hetero_cpu.py)
+MESHLM_TEST_SECONDS_PER_BLOCK_FLOP=S0,S1,...  the same slower cards inside the step: each block's and the
+                             head's forward sleeps S_R seconds per FLOP of it, its backward twice that
+                             (a pipeline stage is then as slow as its card), written as above
 """
 from __future__ import annotations
 
@@ -62,6 +70,12 @@ def install(trainer) -> None:
         trainer.checkpointer.on_written = lambda step: (step, rank) == at and os.kill(os.getpid(), signal.SIGKILL)
     if env.get("MESHLM_TEST_ABORT_AT_EXIT", "") == str(rank):
         atexit.register(os.abort)
+    per_flop = env.get("MESHLM_TEST_SECONDS_PER_FLOP", "")
+    if per_flop:
+        trainer.runner = SlowCard(trainer, float(per_flop.split(",")[rank]))
+    per_block = env.get("MESHLM_TEST_SECONDS_PER_BLOCK_FLOP", "")
+    if per_block:
+        trainer.runner = SlowBlocks(trainer, float(per_block.split(",")[rank]))
     if corrupt >= 0:
         trainer.data = CorruptData(trainer.data, corrupt, trainer.cfg.training.global_batch, trainer.args.vocab_size)
 
@@ -100,3 +114,77 @@ class CorruptData:
         split = split or (self.global_batch // dp_size,) * dp_size  # parallel.dp_weights: uneven runs
         rows = rows[sum(split[:dp_rank]):sum(split[:dp_rank + 1])]
         return type(batch)(rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), batch.docs)
+
+
+class SlowCard:
+    """A step runner on a card `seconds_per_flop` slow: it sleeps for the FLOPs of this rank's
+    micro-batches first (the planner's count), then runs the step; each step's sleep and the runner's
+    own seconds (its compute plus the time it waits for the other replicas in the gradient all-reduce)
+    go to run_dir/card_times_rank<R>.jsonl."""
+
+    def __init__(self, trainer, seconds_per_flop: float):
+        import json
+
+        from meshlm.plan.estimate import _fwd_flops
+        from meshlm.plan.spec import Shape
+        t, a = trainer.cfg.training, trainer.args
+        accum = trainer.layout.accum_of(trainer.ctx.index("dp"))
+        seq = trainer.cfg.data.seq_len
+        self.flops = 3 * accum * t.micro_batch * seq * _fwd_flops(Shape(a), 1, seq, a.n_layers, True)[0]
+        self.inner, self.delay, self.json = trainer.runner, seconds_per_flop * self.flops, json
+        self.path = os.path.join(trainer.run_dir, f"card_times_rank{trainer.ctx.rank}.jsonl")
+
+    def run(self, batch, scale=1.0, timed=False):
+        t0 = time.perf_counter()
+        time.sleep(self.delay)
+        t1 = time.perf_counter()
+        out = self.inner.run(batch, scale, timed)
+        t2 = time.perf_counter()
+        with open(self.path, "a") as f:
+            f.write(self.json.dumps({"sleep_s": t1 - t0, "run_s": t2 - t1, "flops": self.flops}) + "\n")
+        return out
+
+    def eval_loss(self, batch):
+        return self.inner.eval_loss(batch)
+
+
+class SlowBlocks(SlowCard):
+    """SlowCard's delay inside the step: a forward hook on every block and on the head sleeps for its
+    forward FLOPs (the planner's count) and puts a hook on its output's gradient that sleeps twice as
+    long in backward, so each pipeline stage runs at its card's pace, micro-batch by micro-batch."""
+
+    def __init__(self, trainer, seconds_per_flop: float):
+        import json
+
+        from meshlm.model.llama import Block
+        from meshlm.plan.estimate import _fwd_flops
+        from meshlm.plan.spec import Shape
+        a, seq = trainer.args, trainer.cfg.data.seq_len
+        tokens, shape = trainer.cfg.training.micro_batch * seq, Shape(trainer.args)
+        self.inner, self.json, self.slept, self.flops = trainer.runner, json, 0.0, 0.0
+        self.path = os.path.join(trainer.run_dir, f"card_times_rank{trainer.ctx.rank}.jsonl")
+        for m in trainer.par.model.modules():
+            if isinstance(m, Block):
+                self._hook(m, seconds_per_flop * tokens * _fwd_flops(shape, 1, seq, 1, False)[0])
+        if getattr(trainer.par.model, "output", None) is not None:
+            self._hook(trainer.par.model.output, seconds_per_flop * tokens * _fwd_flops(shape, 1, seq, 0, True)[0])
+
+    def _hook(self, module, forward_s: float) -> None:
+        def after(mod, inputs, out):
+            self._sleep(forward_s)
+            if out.requires_grad:
+                out.register_hook(lambda grad: self._sleep(2 * forward_s))
+        module.register_forward_hook(after)
+
+    def _sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+        self.slept += seconds
+
+    def run(self, batch, scale=1.0, timed=False):
+        self.slept = 0.0
+        t0 = time.perf_counter()
+        out = self.inner.run(batch, scale, timed)
+        run_s = time.perf_counter() - t0
+        with open(self.path, "a") as f:
+            f.write(self.json.dumps({"sleep_s": self.slept, "run_s": run_s}) + "\n")
+        return out

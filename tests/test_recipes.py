@@ -15,10 +15,11 @@ _spec.loader.exec_module(recipe_estimates)
 RECIPES = recipe_estimates.recipes()
 
 
-def test_the_six_recipes_are_there_and_linked_from_the_readme():
+def test_the_seven_recipes_are_there_and_linked_from_the_readme():
     names = {pathlib.Path(p).name for p in RECIPES}
     assert names == {"llama3-8b-8xh100.toml", "llama3-70b-32xh100.toml", "mixtral-8x7b-16xh100.toml",
-                     "llama3-8b-128k-8xh100.toml", "finetune-llama3-8b-hf.toml", "deepseek-v3-1024xh100.toml"}
+                     "llama3-8b-128k-8xh100.toml", "finetune-llama3-8b-hf.toml", "deepseek-v3-1024xh100.toml",
+                     "llama3-8b-h100-a100.toml"}
     readme = (ROOT / "README.md").read_text()
     assert all(f"configs/{n}" in readme for n in names)
 

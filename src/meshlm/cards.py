@@ -46,3 +46,22 @@ def device_card(device_name: str, memory_bytes: float) -> str | None:
     if f == "A100" and memory_bytes > BIG_A100:
         return "a100-80gb"
     return FAMILY_CARDS.get(f) if f else None
+
+
+def device_groups(items: list[str]) -> list[tuple[str, int, int | None]]:
+    """`["h100:16/8", "a100-80gb:8"]` -> [(card name as given, GPUs, GPUs per node or None)]: a mixed
+    cluster in rank order (`--gpu` and parallel.devices both read it). Which names exist is the planner's
+    (plan/hardware.py); here only the form is checked: a ValueError whose message names the bad item."""
+    out = []
+    for item in items:
+        name, sep, rest = str(item).strip().partition(":")
+        count, slash, node = rest.partition("/")
+        try:
+            n, per = int(count), (int(node) if slash else None)
+        except ValueError:
+            n, per = 0, None
+        if not sep or not name or n < 1 or (slash and (per is None or per < 1 or n % per)):
+            raise ValueError(f"{item!r} is not TYPE:COUNT or TYPE:COUNT/NODE (a positive count; NODE, the GPUs "
+                             f"per node, divides COUNT), e.g. h100:16/8")
+        out.append((name.lower(), n, per))
+    return out

@@ -10,11 +10,12 @@ import dataclasses
 import os
 from dataclasses import dataclass, field, fields
 
+from ..cards import device_groups
 from ..choices import (AC_MODES, CATCHABLE_SIGNALS, CP_IMPLS, ELASTIC, EXPORT_DTYPES, FP8_COMMS, FP8_RECIPES,
                        OFFLOAD, ON_ERROR, OPTIMIZERS, PP_SCHEDULES, PRECISIONS, REDUCE_DTYPES, SPIKE_ACTIONS,
                        ZERO_STAGES)
-from .errors import ConfigError, LayoutError, _choice  # noqa: F401  (LayoutError: the package exports it from here)
 from .course import check_ramp_keys, check_schedule
+from .errors import ConfigError, LayoutError, _choice  # noqa: F401  (LayoutError: the package exports it from here)
 
 @dataclass
 class MoEConfig:
@@ -148,6 +149,9 @@ class ParallelConfig:
     auto: bool = False  # the planner picks every key above and training.micro_batch / ac (plan/auto.py)
     elastic: str = "fail"  # after a resize: "fail" if the layout does not fit the new world, "replan"
     dp_weights: list[int] = field(default_factory=list)  # per dp replica: uneven batch split; empty: equal
+    # a mixed cluster: the card type of each node group in rank order, "TYPE:COUNT[/NODE]" (docs/heterogeneous.md);
+    # empty: one type. The form is checked here; the names, the count and the TP groups by plan/cluster.py
+    devices: list[str] = field(default_factory=list)
 
     def check(self, cfg: Config) -> None:
         """The keys alone; the degrees against the world and the model: layout.resolve."""
@@ -176,6 +180,13 @@ class ParallelConfig:
         if self.dp_weights and (self.auto or self.elastic == "replan"):  # weights name a fixed set of replicas
             raise ConfigError(f"parallel.dp_weights: not with {'parallel.auto' if self.auto else 'parallel.elastic = replan'}"
                               f" (the planner chooses equal replicas)")
+        try:
+            device_groups(self.devices)
+        except ValueError as e:
+            raise ConfigError(f"parallel.devices: {e}") from None
+        if self.devices and self.auto:
+            raise ConfigError("parallel.devices: not with parallel.auto (the search prices one device type; "
+                              "meshlm plan --gpu TYPE:COUNT,... plans a mixed cluster)")
         hb = self.heartbeat_s
         if hb < 0 or 0 < hb < 3:
             raise ConfigError(f"parallel.heartbeat_s: must be 0 (off) or >= 3 s (stamps go out every second), "

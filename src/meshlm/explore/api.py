@@ -14,8 +14,11 @@ import os
 import re
 
 from .. import config as C
+from ..plan.cluster import Cluster, check_world, is_mixed_flag, parse_cluster
 from ..plan.estimate import SIMULATED, Options, estimate, schedule_timeline
 from ..plan.hardware import FLAG_FIELDS, PROFILES, HardwareError, get_gpu
+from ..plan.hetero import plan_mixed
+from ..plan.hetero_cli import comparison, estimate_mixed, mixed_config, row
 from ..plan.ops import KERNELS
 from ..plan.search import plan
 from ..plan.spec import AC_MODES, CP_IMPLS, OPTIMIZERS, PRECISIONS, SCHEDULES, PlanError, presets, priced_on, \
@@ -187,7 +190,7 @@ def parse(body, layout: bool = True, runs_root: str | None = None):
     if n > MAX_GPUS:
         raise BadRequest(f"gpus: at most {MAX_GPUS}, got {n}", "gpus")
     hw = {k: _number(body, k, int if k == "gpus_per_node" else float) for k in FLAG_FIELDS}
-    gpu = get_gpu(str(body.get("gpu") or "h100"), **hw)
+    gpu, n = _device(body, n, hw)
     eff = _number(body, "efficiency", float, Options.efficiency)
     ceff = _number(body, "comm_efficiency", float, Options.comm_efficiency)
     if (eff is not None and not 0 < eff <= 1) or not 0 < ceff <= 1:
@@ -228,6 +231,23 @@ def parse(body, layout: bool = True, runs_root: str | None = None):
     return cfg, gpu, n, opts, tokens
 
 
+def _device(body: dict, n: int, hw: dict):
+    """(the GPU profile, or a mixed Cluster for `gpu` = "h100:8,a100-80gb:8"; the number of GPUs): a
+    mixed cluster gives the count itself, and a `gpus` that disagrees is refused naming gpus."""
+    name = str(body.get("gpu") or "h100")
+    if not is_mixed_flag(name):
+        return get_gpu(name, **hw), n
+    if body.get("calibrate"):
+        raise BadRequest("calibrate: a mixed cluster is priced from the device profiles", "calibrate")
+    cluster = parse_cluster(name.split(","), key="gpu", **hw)
+    if not _blank(body.get("gpus")):
+        check_world(cluster, n, "gpus")
+    if cluster.world > MAX_GPUS:
+        raise BadRequest(f"gpu: at most {MAX_GPUS} GPUs, got {cluster.world}", "gpu")
+    g = cluster.groups[0]
+    return (cluster if cluster.mixed else g.gpu), cluster.world
+
+
 def _jsonable(x):
     """The estimate exactly as `meshlm estimate --json` prints it (same float round trip)."""
     return json.loads(json.dumps(x))
@@ -241,6 +261,10 @@ def run_estimate(body, runs_root: str | None = None) -> dict:
     try:
         cfg, gpu, n, opts, _ = parse(body, runs_root=runs_root)
         shape = shape_from_config(cfg)
+        if isinstance(gpu, Cluster):  # a mixed cluster: each stage or replica on its own card
+            cfg.parallel.devices = gpu.items()
+            return {"mixed": _jsonable(estimate_mixed(shape, cfg, gpu, opts)), "pipeline": None,
+                    "toml": C.to_toml(cfg)}
         spec = spec_from_config(cfg, n)
         out = estimate(shape, spec, gpu, opts)
     except BadRequest:
@@ -259,6 +283,8 @@ def run_plan(body, runs_root: str | None = None) -> dict:
         cfg, gpu, n, opts, tokens = parse(body, layout=False, runs_root=runs_root)
         top = _number(body, "top", int, 10, 1)
         shape = shape_from_config(cfg)
+        if isinstance(gpu, Cluster):
+            return _plan_mixed(shape, cfg, gpu, opts, tokens, min(top, 50))
         res = plan(shape, gpu, n, cfg.data.seq_len, tokens, cfg.training.precision, min(top, 50), {}, opts,
                    optim=cfg.optim.name, knobs=search_knobs(cfg))
     except BadRequest:
@@ -272,6 +298,17 @@ def run_plan(body, runs_root: str | None = None) -> dict:
                      "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"], "per_gpu_total": r["per_gpu"]["total"],
                      "inputs": layout_inputs(row_cfg), "toml": C.to_toml(row_cfg)})
     return {"ranked": rows, "counts": dict(res.counts), "reasons": dict(res.reasons.most_common(8)),
+            "elapsed_s": res.elapsed_s, "global_batch": res.global_batch}
+
+
+def _plan_mixed(shape, cfg, cluster, opts, tokens: int, top: int) -> dict:
+    """POST /api/plan on a mixed cluster: `meshlm plan --gpu TYPE:COUNT,... --json`'s rows, each with the
+    TOML that trains it (parallel.devices and the planner's pp_layers or dp_weights)."""
+    res = plan_mixed(shape, cluster, cfg.data.seq_len, tokens, cfg.training.precision, top, {}, opts,
+                     cfg.optim.name, search_knobs(cfg))
+    rows = [dict(_jsonable(row(p, shape, cluster)), toml=C.to_toml(mixed_config(shape, p, cluster, cfg)))
+            for p in res.ranked]
+    return {"mixed": True, "ranked": rows, "comparison": _jsonable(comparison(res)), "counts": dict(res.counts),
             "elapsed_s": res.elapsed_s, "global_batch": res.global_batch}
 
 

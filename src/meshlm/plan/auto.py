@@ -15,7 +15,8 @@ from ..config import Config, ConfigError, LayoutError
 from ..layout import Layout
 from ..layout import resolve as resolve_layout
 from .estimate import Options
-from .hardware import GB, GPU, get_gpu
+from .cluster import check_devices
+from .hardware import GB, GPU, HardwareError, get_gpu
 from .search import plan
 from .spec import PlanError, Shape, code_options, priced_on, search_knobs, shape_from_config, spec_of_layout, to_config
 
@@ -81,7 +82,12 @@ def resolve(cfg: Config, world: int, gpu: GPU | None = None, restarts: int = 0) 
     parallel.elastic = "replan": a configured layout that does not fit `world` (an elastic restart on
     fewer or more ranks) is replaced by the planner's choice for it, noted in `cfg.auto_record`
     (`replanned_from`); "fail" keeps the one-line ConfigError and, after a restart (`restarts`, the
-    count every rank agreed on: distributed/mesh.py `join_world`), says how to allow it."""
+    count every rank agreed on: distributed/mesh.py `join_world`), says how to allow it. parallel.devices
+    is checked against the world first (plan/cluster.py)."""
+    try:
+        check_devices(cfg, world)
+    except HardwareError as e:
+        raise ConfigError(str(e)) from None
     if cfg.parallel.auto:
         new, cfg.auto_record = choose(cfg, world, gpu)
         cfg.parallel, cfg.training = new.parallel, new.training

@@ -17,6 +17,7 @@ from .goodput import Resilience, describe as describe_goodput, goodput
 from .hardware import FLAG_FIELDS, GIB, HardwareError, describe, get_gpu, names
 from .ops import KERNELS
 from .search import PlanError, parse_fix, plan
+from .hetero_cli import cluster_of, estimate_mixed, format_estimate_mixed, run_plan_mixed
 from .spec import (OPTIMIZERS, Shape, code_options, presets, priced_on, search_knobs, shape_from_config,
                    spec_from_config, spec_of_layout, to_config)
 
@@ -27,9 +28,11 @@ def _fail(msg: str, code: int = 2) -> int:
 
 
 def _hardware_flags(p: argparse.ArgumentParser, gpu_required: bool) -> None:
-    p.add_argument("--gpu", help=f"GPU profile: {', '.join(names())}" + (" (or --calibrate)" if gpu_required else ""))
-    p.add_argument("--gpus", type=int, default=None if gpu_required else 1, required=gpu_required,
-                   help="number of GPUs (world size)")
+    p.add_argument("--gpu", help=f"GPU profile: {', '.join(names())}" + (" (or --calibrate)" if gpu_required else "")
+                   + "; a mixed cluster as TYPE:COUNT[/NODE],... in rank order, e.g. h100:8,a100-80gb:8 "
+                     "(docs/heterogeneous.md)")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="number of GPUs (world size; default 1 for estimate; a mixed --gpu gives it)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node sharing NVLink (default: the profile's, 8)")
     g = p.add_argument_group("custom hardware (override or define a profile)")
     g.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per GPU")
@@ -141,7 +144,12 @@ def run_estimate(args, extra_argv: list[str] | None = None) -> int:
         pairs, rest = C.parse_overrides(list(extra_argv or []))
         if rest:
             raise PlanError(f"unrecognised argument: {rest[0]}")
-        cfg, gpu, opts, cal = _device(args, C.load(args.config, pairs), args.gpus)
+        cfg = C.load(args.config, pairs)
+        cluster = cluster_of(args, cfg)
+        if cluster is not None:
+            return _estimate_mixed(args, cfg, cluster)
+        args.gpus = 1 if args.gpus is None else args.gpus
+        cfg, gpu, opts, cal = _device(args, cfg, args.gpus)
         shape = shape_from_config(cfg)
         spec = spec_from_config(cfg, args.gpus)
         check_rampup(cfg, spec)
@@ -161,6 +169,14 @@ def run_estimate(args, extra_argv: list[str] | None = None) -> int:
             from .calibrate import rate_sources
             sources = rate_sources(cal, args.gpus)
         print(format_estimate(out, gpu, sources) + ("\n" + describe_run(run) if run else ""))
+    return 0
+
+
+def _estimate_mixed(args, cfg, cluster) -> int:
+    """`meshlm estimate` on a mixed cluster (plan/hetero_cli.py)."""
+    cfg = priced_on(cfg, gpu=True)
+    out = estimate_mixed(shape_from_config(cfg), cfg, cluster, _options(args, cfg))
+    print(json.dumps(out, indent=1) if args.json else format_estimate_mixed(out, cluster))
     return 0
 
 
@@ -247,6 +263,13 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
             raise PlanError(f"--emit-rank: must be 1 to --top = {args.top}, got {args.emit_rank}")
         if not args.gpu and not args.calibrate:
             raise PlanError("--gpu: give a GPU profile (or --calibrate RUN_DIR)")
+        cluster = cluster_of(args)
+        if cluster is not None:  # more than one device type (plan/hetero.py)
+            cfg = priced_on(cfg, gpu=True)
+            return run_plan_mixed(args, cfg, shape, cluster, seq, tokens, _options(args, cfg), parse_fix(args.fix),
+                                  search_knobs(cfg))
+        if args.gpus is None:
+            raise PlanError("--gpus: give the number of GPUs (or a mixed cluster: --gpu TYPE:COUNT,...)")
         cfg, gpu, opts, _ = _device(args, cfg, args.gpus)  # --emit-config: compile as priced
         res = plan(shape, gpu, args.gpus, seq, tokens, args.precision, args.top, parse_fix(args.fix), opts,
                    optim=cfg.optim.name, knobs=search_knobs(cfg))
@@ -258,6 +281,8 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
         good = goodput(shape.num_params(), args.gpus, gpu.gpus_per_node, Resilience(*rates))
     except (C.ConfigError, PlanError, HardwareError) as e:
         return _fail(str(e))
+    except OSError as e:  # --emit-config of a mixed plan
+        return _fail(f"--emit-config: cannot write {args.emit_config}: {e.strerror}")
     for r in res.ranked:  # the same for every layout: each rank writes its shard of the full state
         r["resilience"] = good
         r["goodput_tokens_per_s_per_gpu"] = r["tokens_per_s_per_gpu"] * good["goodput"]

@@ -229,6 +229,33 @@ def _stage_time(shape: Shape, s: Spec, stage: str, gpu: GPU, o: Options) -> dict
             "ops": ops, "muon_s": muon_s}
 
 
+def step_terms(s: Spec, sp, gpu: GPU, o: Options) -> tuple[float, float, float, float]:
+    """(optimizer, offload, offload disk I/O, per-step overhead) seconds of one step on a rank holding
+    the parameters `sp` (stages.StageParams) on `gpu`: what follows the last backward."""
+    # optimizer step: read master, m, v, grad; write master, m, v and the compute copy (HBM bound); the
+    # per-op model also reads the gradients once more for the clipping norm (train_step clips first)
+    pb, gb, ob = state_bytes_per_param(s.precision)
+    n = s.shard_group
+    shard = sp.dense / n + sp.expert / (max(1, n // s.ep) if s.zero else 1)
+    offload_s = opt_s = io_s = 0.0
+    if s.offload == "optimizer":
+        offload_s = shard * (gb + pb) / gpu.pcie_bw + shard / gpu.cpu_adam_params_per_s
+    elif s.offload == "nvme":
+        # read master, m, v (12 B) and write them back (12 B) per parameter; the read-ahead and
+        # write-behind threads overlap that with the host's staging and AdamW (docs/zero.md)
+        io_s = 12 * shard / gpu.disk_read_bw + 12 * shard / gpu.disk_write_bw
+        offload_s = max(io_s, shard * (gb + pb) / gpu.pcie_bw + shard / gpu.cpu_adam_params_per_s)
+    elif o.efficiency is not None:  # the flat model: read and write the state, read the gradient once
+        opt_s = shard * (2 * ob + gb + (pb if HELD[s.precision].master else 0)) / gpu.hbm_bw
+    else:
+        opt_s = shard * optimizer_bytes_per_param(s.precision) / _bandwidth(gpu, o)
+    overhead_s = 0.0
+    if o.efficiency is None:
+        overhead_s = o.rates.step_overhead_s if o.rates is not None else \
+            STEP_GAP_S if o.step_overhead_s is None else o.step_overhead_s
+    return opt_s, offload_s, io_s, overhead_s
+
+
 def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | None = None) -> dict:
     stages = pipeline_roles(s.pp)
     times = [_stage_time(shape, s, st, gpu, o) for st in stages]
@@ -249,28 +276,7 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
     busy = m * slot(worst)
     step_exposed = max(t["exposed_step"] + t["overlap_step"] for t in times)
     step_overlap = max(t["overlap_step"] for t in times)
-    # optimizer step: read master, m, v, grad; write master, m, v and the compute copy (HBM bound); the
-    # per-op model also reads the gradients once more for the clipping norm (train_step clips first)
-    pb, gb, ob = state_bytes_per_param(s.precision)
-    sp = worst["params"]
-    n = s.shard_group
-    shard = sp.dense / n + sp.expert / (max(1, n // s.ep) if s.zero else 1)
-    offload_s = opt_s = io_s = 0.0
-    if s.offload == "optimizer":
-        offload_s = shard * (gb + pb) / gpu.pcie_bw + shard / gpu.cpu_adam_params_per_s
-    elif s.offload == "nvme":
-        # read master, m, v (12 B) and write them back (12 B) per parameter; the read-ahead and
-        # write-behind threads overlap that with the host's staging and AdamW (docs/zero.md)
-        io_s = 12 * shard / gpu.disk_read_bw + 12 * shard / gpu.disk_write_bw
-        offload_s = max(io_s, shard * (gb + pb) / gpu.pcie_bw + shard / gpu.cpu_adam_params_per_s)
-    elif o.efficiency is not None:  # the flat model: read and write the state, read the gradient once
-        opt_s = shard * (2 * ob + gb + (pb if HELD[s.precision].master else 0)) / gpu.hbm_bw
-    else:
-        opt_s = shard * optimizer_bytes_per_param(s.precision) / _bandwidth(gpu, o)
-    overhead_s = 0.0
-    if o.efficiency is None:
-        overhead_s = o.rates.step_overhead_s if o.rates is not None else \
-            STEP_GAP_S if o.step_overhead_s is None else o.step_overhead_s
+    opt_s, offload_s, io_s, overhead_s = step_terms(s, worst["params"], gpu, o)
     muon_s = max(t["muon_s"] for t in times)  # Newton-Schulz, after the step's gradients (plan/muon.py)
     step = busy * (1 + bubble) + step_exposed + opt_s + muon_s + offload_s + overhead_s
     tokens = s.global_batch * s.seq_len

@@ -71,8 +71,14 @@ def float8_expert_amaxes(shape: Shape, tp: int, ep: int = 1) -> float:
 
 def pipeline_roles(pp: int) -> tuple[str, ...]:
     """The ranks the planner sizes: the first and the last, and with pp >= 3 the middle rank holding
-    the most blocks (it sets the pace when the end stages are given fewer blocks)."""
+    the most blocks (it sets the pace when the end stages are given fewer blocks). "rank{r}" names
+    any one pipeline rank (`every_rank`)."""
     return ("only",) if pp == 1 else ("first", "last") if pp == 2 else ("first", "last", "middle")
+
+
+def every_rank(pp: int) -> tuple[str, ...]:
+    """A role per pipeline rank, for stages that differ by more than their position (a mixed cluster)."""
+    return ("only",) if pp == 1 else tuple(f"rank{r}" for r in range(pp))
 
 
 @lru_cache(maxsize=4096)
@@ -96,6 +102,8 @@ def stage_chunks(a, pp: int, v: int, stage: str, schedule: str = "1f1b",
 
     if stage == "middle":
         rank = max(range(1, pp - 1), key=lambda r: (sum(blocks[s] for s in held(r)), -r))
+    elif stage.startswith("rank"):  # one rank by number (plan/hetero.py sizes every stage of a mixed cluster)
+        rank = int(stage[4:])
     else:
         rank = pp - 1 if stage == "last" else 0
     mine = held(rank)

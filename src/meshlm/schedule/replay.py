@@ -143,7 +143,7 @@ class _Replay:
         if ready is None:
             return False
         start = max(self.clock[r], ready)
-        self.clock[r] = start + self.dur[it.kind]
+        self.clock[r] = start + (self.dur[r] if isinstance(self.dur, list) else self.dur)[it.kind]
         self.spans[r].append((start, self.clock[r], it))
         self.flow.ran(r, it.kind, it.chunk, it.mb, self.clock[r])
         return True
@@ -205,7 +205,8 @@ class _Replay:
 
 def replay(actions: list[list[Action]], p: int, v: int, dur: dict | None = None, cost_comm: float = 0.0,
            blocking: bool = True, vshape: bool = False, repair: bool = False) -> Replayed:
-    """Replay `actions` with compute durations `dur` ({"F", "B", "I", "W"}; None: untimed) and p2p
+    """Replay `actions` with compute durations `dur` ({"F", "B", "I", "W"}, or a list of such, one per
+    rank, when stages differ; None: untimed) and p2p
     batches that block (rendezvous) or, with `blocking=False`, cost nothing.
 
     A rank that can never go on raises ScheduleError naming every stuck rank, its action and what it

@@ -48,7 +48,8 @@ P2P_MODES = ("free", "blocking")
 
 def simulate(actions: list[list[Action]], p: int, m: int, v: int = 1, cost_f: float = 1.0,
              cost_b: float = 2.0, cost_w: float | None = None, cost_comm: float = 0.0,
-             p2p: str = "free", name: str = "", vshape: bool = False) -> Timeline:
+             p2p: str = "free", name: str = "", vshape: bool = False,
+             rank_costs: list[tuple[float, float, float]] | None = None) -> Timeline:
     """Simulate `actions` (as built by schedules.py) and return its Timeline.
 
     p2p="free": p2p only carries data (arrives cost_comm after production),
@@ -56,8 +57,15 @@ def simulate(actions: list[list[Action]], p: int, m: int, v: int = 1, cost_f: fl
     before the next compute and a send needs its recv posted (the rendezvous
     model check.py proves safe), which is what a runtime pays if it waits
     on every batch_isend_irecv.
+
+    `rank_costs`: (F, B, W) of each rank instead of one for all, when stages are not equally fast (uneven
+    `pp_layers`, or cards of different speed: plan/hetero.py); the summary `costs` keep cost_f, cost_b.
     """
     dur = action_costs(v, cost_f, cost_b, cost_w)
+    if rank_costs is not None:
+        if len(rank_costs) != p:
+            raise ValueError(f"rank_costs: {len(rank_costs)} entries for {p} ranks")
+        dur = [action_costs(v, *c) for c in rank_costs]
     if cost_comm < 0:
         raise ValueError(f"cost_comm must be >= 0, got {cost_comm}")
     if p2p not in P2P_MODES:
