@@ -29,6 +29,7 @@ ON_ERROR = ("stop", "continue")  # checkpoint.on_error: what a failed save or ex
 # checkpoint.on_signal: every signal name but the two no process can catch
 CATCHABLE_SIGNALS = tuple(s.name for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP))
 OPTIMIZERS = ("adamw", "muon")  # optim.name
+OUTER_QUANTIZE = ("none", "bf16", "fp8", "int8")  # training.outer.quantize: the outer gradients on the wire
 
 # Bytes per element of each dtype name (reductions, exports); a precision's tensors: HELD.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

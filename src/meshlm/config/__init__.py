@@ -8,10 +8,10 @@ parent process before any worker starts, so a bad run fails with one line naming
 from __future__ import annotations
 
 from .sections import (AUTO, CheckpointConfig, Config, ConfigError, DataConfig, LayoutError, MetricsConfig,
-                       ModelConfig, MoEConfig, OptimConfig, ParallelConfig, RopeScalingConfig, TrainingConfig,
+                       ModelConfig, MoEConfig, OptimConfig, OuterConfig, ParallelConfig, RopeScalingConfig, TrainingConfig,
                        resolve_auto)
 from .text import apply, from_dict, load, parse_overrides, replace, to_dict, to_toml
 
 __all__ = ["AUTO", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LayoutError", "MetricsConfig",
-           "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "RopeScalingConfig", "TrainingConfig",
+           "ModelConfig", "MoEConfig", "OptimConfig", "OuterConfig", "ParallelConfig", "RopeScalingConfig", "TrainingConfig",
            "apply", "from_dict", "load", "parse_overrides", "replace", "resolve_auto", "to_dict", "to_toml"]

@@ -74,7 +74,7 @@ class Parallelized:
     optimizer: Optimizer
     grads: GradSync
     placements: PlacementTable
-    world: object  # Comm over every rank: the gradient norm sums each owner's squares over it
+    world: object  # Comm over this island's ranks (all of them at one island): the gradient norm sums each owner's squares over it
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     runner: StepRunner
     names: dict[int, str]  # id() of each parameter -> its placement's name
@@ -196,7 +196,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, layout: Layout, make_opt
         # ZeRO-2/3 gather or reduce on every micro-batch: uneven replicas pad to the longest (`Accumulation`)
         pad = layout.accum if layout.dp_accums and layout.zero >= 2 and layout.zero_enabled else 0
         runner = Accumulation(model, loss_fn, grads, layout.micro_batch, layout.accum_of(ctx.index("dp")), pad)
-    return Parallelized(model=model, optimizer=opt, grads=grads, placements=table, world=ctx.comm("world"),
+    return Parallelized(model=model, optimizer=opt, grads=grads, placements=table, world=ctx.comm("island"),
                         loss_fn=loss_fn, runner=runner, names={id(p): name for name, p in named},
                         pipeline=runner if pipe is not None else None,
                         moe=MoEStats(model, plan, layout.tp) if model.args.moe else None, cp=cp, mtp=mtp,

@@ -15,18 +15,33 @@ import torch
 from ..config import Config
 from ..data import default_data_dir
 from ..data.dataset import open_data
-from ..distributed.mesh import ParallelContext, init_context, join_world, pick_device, shutdown
+from ..distributed.mesh import (
+    ParallelContext,
+    init_context,
+    join_world,
+    pick_device,
+    shutdown,
+)
 from ..layout import Layout
 from ..model import build_model
 from ..model.from_config import model_args
 from ..parallel import Parallelized, parallelize, slices
+from ..parallel.dims.islands import outer_sync
+from ..parallel.plans.moe import model_plan_for
 from ..parallel.step import local_batch
 from ..plan.auto import resolve
 from . import checkpoint as ckpt
 from . import plugins
 from .evaluate import evaluate
 from .launch import record_error
-from .observe.metrics import MetricsLog, StepMeter, StepProfiler, device_profile, log_auto, memory
+from .observe.metrics import (
+    MetricsLog,
+    StepMeter,
+    StepProfiler,
+    device_profile,
+    log_auto,
+    memory,
+)
 from .optim import LossScaler, MasterOptimizer, clip_, grad_norm, lr_at
 from .resilience import fault, preempt
 from .resilience.saving import Saving
@@ -58,7 +73,7 @@ def run(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout |
         teardown(ctx, finished, before)
 
 
-def start(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout | None = None) -> "Trainer":
+def start(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout | None = None) -> Trainer:
     """One worker's start-up, in the order docs/fault_tolerance.md ("Growing back") needs: the world
     group and the job's restart count every rank agreed on (`restarts`, if the caller already joined),
     then the layout (its parallel.elastic message depends on that count; `layout`, if the caller already
@@ -105,6 +120,8 @@ class Trainer:
         self.par: Parallelized = parallelize(model, ctx, layout, MasterOptimizer, **slices(cfg))
         self.model = self.par.model
         self.runner = self.par.runner
+        # parallel.islands > 1: DiLoCo's outer step across islands (docs/diloco.md); None otherwise
+        self.outer = outer_sync(self.par, ctx, layout, t.outer, model_plan_for(self.model), self.args.n_layers)
         # what checkpoints hold, and what keeps a run alive (watchdog, non-finite guard, preemption)
         self.state = TrainState(self.par, self.data.sampler, LossScaler(t.precision == "fp16", device=ctx.device),
                                 SpikeDetector(t.spike_zscore, t.spike_window, t.spike_action), cfg, layout, ctx.rank)
@@ -186,7 +203,8 @@ class Trainer:
         tensors (`loss_sum`, `norm`, `skipped`) are read by the metrics line on logged steps only."""
         t, par, state, scaler = self.cfg.training, self.par, self.state, self.state.scaler
         t0 = time.perf_counter()
-        batch = local_batch(self.data.next_batch(self.ctx.index("dp"), self.layout.dp, self.layout.dp_rows),
+        batch = local_batch(self.data.next_batch(self.ctx.data_index(), self.layout.dp * self.layout.islands,
+                                                 self.layout.dp_rows),
                             par.local_tokens, self.ctx.device)
         self.meter.data_s += time.perf_counter() - t0  # the data share of the step (train/observe/straggler.py)
         lr = lr_at(state.step, self.cfg.optim, t.steps)
@@ -204,6 +222,8 @@ class Trainer:
             torch._foreach_mul_(grads, scaler.inv_scale())
         stop = self.preempt.flag()  # checkpoint.on_signal: summed over the world with the norm
         norm = grad_norm(par.norm_grads(), par.world, self.ctx.device, carry=stop)
+        if self.outer is not None:  # stopping is the job's decision, across islands too
+            self.outer.agree_stop(stop)
         self.guard.observe(state.step + 1, loss_sum, norm)  # device ops only; read on log steps
         found_inf = None
         if scaler.enabled:
@@ -221,6 +241,8 @@ class Trainer:
         if par.moe is not None:  # auxiliary-loss-free balancing: every step, from the step's global counts
             par.moe.update_biases(par.world, self.ctx.device, found_inf)
         state.step += 1
+        if self.outer is not None:  # every H inner steps (per fragment): the islands' outer step
+            self.outer.after_step(state.step)
         return {"loss_sum": loss_sum, "norm": norm, "lr": lr, "spike": spike,
                 "skipped": found_inf if found_inf is not None else False, "mem": mem, "stop": stop}
 

@@ -1,0 +1,201 @@
+"""DiLoCo islands (issue #52, docs/diloco.md): bad input in one line before any worker; the layout inside an
+island changes nothing (fp32, 1e-5 per step) and equals a plain one-process reference that runs the islands one
+after another; with H = 1, outer lr 1 and no momentum the parameters after a step are the islands' mean; the
+cross-island bytes equal plan/islands.py's formula and are at most 1/H (int8: 1/(2H)) of synchronous DP's."""
+import os
+import tempfile
+
+import pytest
+import torch
+from harness import (
+    assert_refused_in_one_line,
+    assert_same_losses,
+    make_config,
+    train_in,
+)
+
+from meshlm import config as C
+from meshlm.layout import resolve
+from meshlm.plan.islands import bytes_per_step
+
+FP32 = 1e-5
+STEPS = 6
+ISLANDS = {"parallel__islands": 2, "training__steps": STEPS, "training__outer__sync_every": 2}
+
+
+# ---------------------------------------------------------------- bad input, before launch
+
+@pytest.mark.parametrize("overrides,world,message", [
+    ({"parallel__islands": 3}, 4, "parallel.islands: 3 does not divide the world size 4"),
+    ({"parallel__islands": 0}, 1, "parallel.islands: must be >= 1, got 0"),
+    ({"parallel__islands": 2, "parallel__zero": 1, "parallel__offload": "nvme", "parallel__offload_dir": "/tmp/x"}, 2,
+     ("parallel.islands: 2 islands not with parallel.offload = nvme (the outer step reads and writes the fp32 "
+      "masters in memory)")),
+    ({"parallel__islands": 2, "parallel__elastic": "replan"}, 2,
+     "parallel.islands: 2 islands not with parallel.elastic = replan (the planner knows no islands)"),
+    ({"parallel__islands": 2, "training__outer__fragments": 3, "training__outer__sync_every": 6, "model__n_layers": 2}, 2,
+     "training.outer.fragments: 3 fragments of 2 blocks (each fragment holds whole blocks)"),
+    ({"training__outer__fragments": 3, "training__outer__sync_every": 4}, 1,
+     ("training.outer.fragments: must be >= 1 and divide training.outer.sync_every 4 (fragment k syncs at step "
+      "k·H/K mod H), got 3")),
+    ({"training__outer__quantize": "int4"}, 1,
+     "training.outer.quantize: 'int4' is not one of none, bf16, fp8, int8"),
+    ({"training__outer__sync_every": 0}, 1, "training.outer.sync_every: must be >= 1, got 0"),
+    ({"parallel__islands": 2, "training__global_batch": 6}, 2,
+     "training.global_batch: 6 is not divisible by micro_batch×dp×islands = 2×1×2"),
+])
+def test_bad_islands_input_is_one_clear_line(overrides, world, message):
+    assert_refused_in_one_line(lambda: resolve(make_config(**overrides), world), message)
+
+
+def test_islands_split_the_world_and_the_batch_like_dp():
+    lay = resolve(make_config(parallel__islands=2, parallel__zero=3), 4)
+    assert (lay.islands, lay.dp, lay.accum, lay.global_batch, lay.world_size) == (2, 2, 1, 8, 4)
+    assert lay.shape()["islands"] == 2 and "islands" not in resolve(make_config(), 4).shape()
+
+
+def test_one_island_makes_no_group_and_trains_on_the_world_group():
+    """islands = 1 (the default): the island's group is the world's own and the cross-island one is empty,
+    so no collective and no process group is added (the losses are the suite's references)."""
+    from meshlm.distributed.mesh import ISLAND, groups_along
+    shape = resolve(make_config(parallel__tp=2), 4).shape()
+    assert groups_along(ISLAND, shape) == [[0, 1, 2, 3]] and groups_along(("islands",), shape) == [[r] for r in range(4)]
+    two = dict(shape, islands=2, dp_replicate=1)
+    assert groups_along(ISLAND, two) == [[0, 1], [2, 3]] and groups_along(("tp",), two) == [[0, 1], [2, 3]]
+    assert groups_along(("islands",), two) == [[0, 2], [1, 3]]
+
+
+# ---------------------------------------------------------------- a plain one-process reference
+
+class _Share:
+    """Island i's share of every global batch: the i-th of n contiguous slices (what dp = n reads)."""
+
+    def __init__(self, data, i: int, n: int):
+        self.data, self.i, self.n = data, i, n
+
+    def next_batch(self, dp_rank: int, dp_size: int, rows=()):
+        return self.data.next_batch(self.i, self.n)
+
+
+def islands_reference(islands: int = 2, **overrides) -> list[list[float]]:
+    """Each island a one-process Trainer with 1/islands of the batch, run one after another every step;
+    every H steps the outer step, written plainly with torch.optim.SGD(nesterov) on the mean of the
+    islands' θ_outer − θ_inner. Returns each island's losses."""
+    from meshlm.data import default_data_dir
+    from meshlm.data.dataset import open_data
+    from meshlm.distributed.mesh import init_context, pick_device
+    from meshlm.train.trainer import Trainer
+
+    full = make_config(**{**ISLANDS, **overrides})
+    o, g = full.training.outer, full.training.global_batch
+    trainers = []
+    for i in range(islands):
+        cfg = make_config(**{**ISLANDS, **overrides, "parallel__islands": 1, "training__global_batch": g // islands})
+        layout = resolve(cfg, 1)
+        tr = Trainer(cfg, tempfile.mkdtemp(prefix="meshlm-island-"), init_context(layout.shape(), pick_device("cpu")),
+                     layout)
+        tr.data = _Share(open_data(default_data_dir(), [], cfg.data.seq_len, g, cfg.training.seed), i, islands)
+        trainers.append(tr)
+    masters = [[t for _, kind, t in tr.par.optimizer.state_storage() if kind == "master"] for tr in trainers]
+    outer = [t.detach().clone().requires_grad_(True) for t in masters[0]]
+    sgd = torch.optim.SGD(outer, lr=o.lr, momentum=o.momentum, nesterov=o.momentum > 0)
+    losses: list[list[float]] = [[] for _ in range(islands)]
+    for step in range(1, full.training.steps + 1):
+        for i, tr in enumerate(trainers):
+            losses[i].append(tr.meter.global_loss(tr.train_step()["loss_sum"]))
+        if step % o.sync_every == 0:
+            with torch.no_grad():
+                for k, p in enumerate(outer):
+                    p.grad = sum(p - m[k] for m in masters) / islands
+            sgd.step()
+            with torch.no_grad():
+                for tr, ms in zip(trainers, masters):
+                    for p, m in zip(outer, ms):
+                        m.copy_(p)
+                    tr.par.optimizer.loaded(tr.par.optimizer.step_count())
+    for tr in trainers:
+        tr.close()
+    return losses
+
+
+def _as_records(losses: list[float]) -> list[dict]:
+    return [{"step": s + 1, "loss": v} for s, v in enumerate(losses)]
+
+
+def test_layout_inside_an_island_changes_nothing(pools):
+    """islands 2 with one rank each, with dp2 ZeRO-3 each (4 ranks), and the plain reference: island 0's
+    per-step losses (rank 0 logs its island's) agree within 1e-5, through three outer syncs; island 1's
+    part shows in island 0's losses after each sync."""
+    ref = islands_reference()
+    assert ref[0] != ref[1]  # the islands read different data
+    one = train_in(pools, make_config(**ISLANDS), 2, tempfile.mkdtemp(prefix="meshlm-isl-"))
+    assert_same_losses(_as_records(ref[0]), one, FP32)
+    zero3 = train_in(pools, make_config(**ISLANDS, parallel__zero=3), 4, tempfile.mkdtemp(prefix="meshlm-isl-"))
+    assert_same_losses(_as_records(ref[0]), zero3, FP32)
+
+
+# ---------------------------------------------------------------- the outer step is DiLoCo's
+
+def mean_case(cfg_dict: dict, run_dir: str) -> list[float]:
+    """Runs in a pool rank: wraps the outer step to gather every island's inner masters before it and
+    compare the masters after it with their mean; the largest difference per sync."""
+    from meshlm.distributed.mesh import init_context, pick_device
+    from meshlm.train.trainer import Trainer
+
+    cfg = C.from_dict(cfg_dict)
+    layout = resolve(cfg, int(os.environ["WORLD_SIZE"]))
+    trainer = Trainer(cfg, run_dir, init_context(layout.shape(), pick_device("cpu"), timeout_s=120), layout)
+    outer, worst = trainer.outer, []
+    inner_step = outer.after_step
+
+    def checked(step: int):
+        mine = [t for frag in outer.fragments for _, t in frag]
+        flat = torch.cat([t.reshape(-1) for t in mine])
+        every = torch.empty(outer.comm.size * flat.numel())
+        outer.comm.all_gather(every, flat, kind="test")
+        mean = every.view(outer.comm.size, -1).mean(0)
+        out = inner_step(step)
+        worst.append(float((torch.cat([t.reshape(-1) for t in mine]) - mean).abs().max()))
+        assert not torch.equal(every.view(outer.comm.size, -1)[0], every.view(outer.comm.size, -1)[1])
+        return out
+
+    outer.after_step = checked
+    trainer.fit()
+    return worst
+
+
+def test_h1_lr1_no_momentum_is_the_mean_of_the_islands(pools):
+    cfg = make_config(**{**ISLANDS, "training__outer__sync_every": 1, "training__outer__lr": 1.0,
+                         "training__outer__momentum": 0.0, "training__steps": 3})
+    worst = pools(2).run(mean_case, C.to_dict(cfg), tempfile.mkdtemp(prefix="meshlm-isl-"))
+    for per_rank in worst:
+        assert len(per_rank) == 3 and max(per_rank) <= 1e-6, per_rank
+
+
+def _outer_bytes(rec: dict) -> float:
+    return rec["comm"].get("outer", {}).get("bytes", 0.0)
+
+
+@pytest.mark.parametrize("quantize,fragments", [("none", 1), ("int8", 2)])
+def test_cross_island_bytes_meet_the_formula_and_beat_sync_dp(pools, quantize, fragments):
+    """Same seed twice: bit-identical (H > 1); rank 0's booked outer bytes per inner step over the run
+    equal plan/islands.py's formula and are <= 1/H (int8: 1/(2H)) of dp2's reduce bytes per step."""
+    h = 4
+    cfg = make_config(**{**ISLANDS, "training__outer__sync_every": h, "training__outer__quantize": quantize,
+                         "training__outer__fragments": fragments, "training__steps": 8})
+    a = train_in(pools, cfg, 2, tempfile.mkdtemp(prefix="meshlm-isl-"))
+    b = train_in(pools, cfg, 2, tempfile.mkdtemp(prefix="meshlm-isl-"))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    dp = train_in(pools, make_config(parallel__dp=2, training__steps=8), 2, tempfile.mkdtemp(prefix="meshlm-isl-"))
+    sync_bytes = sum(r["comm"]["all_reduce"]["bytes"] for r in dp) / len(dp)
+    outer = sum(_outer_bytes(r) for r in a) / len(a)
+    from meshlm.model import build_model
+    from meshlm.model.from_config import model_args
+    from meshlm.parallel.plans.moe import model_plan_for
+    with torch.device("meta"):
+        model = build_model(model_args(cfg))
+    sizes = [0] * fragments
+    for name, p in model.named_parameters():
+        sizes[model_plan_for(model).fragment_of(name, model.args.n_layers, fragments)] += p.numel()
+    assert outer == pytest.approx(bytes_per_step(sizes, 2, h, quantize), rel=1e-12)
+    assert outer <= sync_bytes / (h * (2 if quantize == "int8" else 1))
