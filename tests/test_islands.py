@@ -96,22 +96,28 @@ def islands_reference(islands: int = 2, **overrides) -> list[list[float]]:
                      layout)
         tr.data = _Share(open_data(default_data_dir(), [], cfg.data.seq_len, g, cfg.training.seed), i, islands)
         trainers.append(tr)
-    masters = [[t for _, kind, t in tr.par.optimizer.state_storage() if kind == "master"] for tr in trainers]
+    named = [[(n, t) for n, kind, t in tr.par.optimizer.state_storage() if kind == "master"] for tr in trainers]
+    masters = [[t for _, t in ms] for ms in named]
+    layers = trainers[0].args.n_layers
+    fragment = [int(n.split(".")[1]) * o.fragments // layers if n.startswith("layers.") else
+                0 if n.startswith("tok_embeddings") else o.fragments - 1 for n, _ in named[0]]
     outer = [t.detach().clone().requires_grad_(True) for t in masters[0]]
     sgd = torch.optim.SGD(outer, lr=o.lr, momentum=o.momentum, nesterov=o.momentum > 0)
     losses: list[list[float]] = [[] for _ in range(islands)]
     for step in range(1, full.training.steps + 1):
         for i, tr in enumerate(trainers):
             losses[i].append(tr.meter.global_loss(tr.train_step()["loss_sum"]))
-        if step % o.sync_every == 0:
+        due = {k for k in range(o.fragments) if step % o.sync_every == k * o.sync_every // o.fragments}
+        if due:
             with torch.no_grad():
                 for k, p in enumerate(outer):
-                    p.grad = sum(p - m[k] for m in masters) / islands
+                    p.grad = sum(p - m[k] for m in masters) / islands if fragment[k] in due else None
             sgd.step()
             with torch.no_grad():
                 for tr, ms in zip(trainers, masters):
-                    for p, m in zip(outer, ms):
-                        m.copy_(p)
+                    for k, (p, m) in enumerate(zip(outer, ms)):
+                        if fragment[k] in due:
+                            m.copy_(p)
                     tr.par.optimizer.loaded(tr.par.optimizer.step_count())
     for tr in trainers:
         tr.close()
@@ -122,16 +128,33 @@ def _as_records(losses: list[float]) -> list[dict]:
     return [{"step": s + 1, "loss": v} for s, v in enumerate(losses)]
 
 
-def test_layout_inside_an_island_changes_nothing(pools):
-    """islands 2 with one rank each, with dp2 ZeRO-3 each (4 ranks), and the plain reference: island 0's
-    per-step losses (rank 0 logs its island's) agree within 1e-5, through three outer syncs; island 1's
-    part shows in island 0's losses after each sync."""
-    ref = islands_reference()
+_REFS: dict[str, list[list[float]]] = {}
+
+
+def cached_reference(**overrides) -> list[list[float]]:
+    key = repr(sorted(overrides.items()))
+    if key not in _REFS:
+        _REFS[key] = islands_reference(**overrides)
+    return _REFS[key]
+
+
+@pytest.mark.parametrize("inside,world", [
+    ({}, 2),
+    ({"parallel__zero": 3}, 4),
+    ({"parallel__tp": 2, "parallel__sp": True}, 4),
+    ({"parallel__pp": 2}, 4),
+    ({"training__outer__fragments": 2}, 2),
+    ({"training__outer__fragments": 2, "parallel__zero": 2, "parallel__tp": 2}, 4),
+], ids=["one-rank", "dp2-zero3", "tp2-sp", "pp2", "streaming", "streaming-zero2-tp2"])
+def test_layout_inside_an_island_changes_nothing(pools, inside, world):
+    """islands 2 with the layout `inside` each island and the plain reference: island 0's per-step losses
+    (rank 0 logs its island's) agree within 1e-5 through three outer syncs (streaming: six, one fragment
+    each); island 1's part shows in island 0's losses after each sync."""
+    k = inside.get("training__outer__fragments", 1)
+    ref = cached_reference(**({"training__outer__fragments": k} if k > 1 else {}))
     assert ref[0] != ref[1]  # the islands read different data
-    one = train_in(pools, make_config(**ISLANDS), 2, tempfile.mkdtemp(prefix="meshlm-isl-"))
-    assert_same_losses(_as_records(ref[0]), one, FP32)
-    zero3 = train_in(pools, make_config(**ISLANDS, parallel__zero=3), 4, tempfile.mkdtemp(prefix="meshlm-isl-"))
-    assert_same_losses(_as_records(ref[0]), zero3, FP32)
+    got = train_in(pools, make_config(**ISLANDS, **inside), world, tempfile.mkdtemp(prefix="meshlm-isl-"))
+    assert_same_losses(_as_records(ref[0]), got, FP32)
 
 
 # ---------------------------------------------------------------- the outer step is DiLoCo's
