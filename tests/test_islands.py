@@ -222,3 +222,49 @@ def test_cross_island_bytes_meet_the_formula_and_beat_sync_dp(pools, quantize, f
         sizes[model_plan_for(model).fragment_of(name, model.args.n_layers, fragments)] += p.numel()
     assert outer == pytest.approx(bytes_per_step(sizes, 2, h, quantize), rel=1e-12)
     assert outer <= sync_bytes / (h * (2 if quantize == "int8" else 1))
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def _truncate(run_dir: str, keep_step: int) -> None:
+    """A finished run made to look as if it had stopped right after checkpoint `keep_step`."""
+    import json
+    import shutil
+    root = os.path.join(run_dir, "checkpoints")
+    for name in os.listdir(root):
+        if int(name.split("_")[1]) > keep_step:
+            shutil.rmtree(os.path.join(root, name))
+    path = os.path.join(run_dir, "metrics.jsonl")
+    lines = [line for line in open(path) if json.loads(line)["step"] <= keep_step]
+    open(path, "w").writelines(lines)
+
+
+def test_checkpoints_resume_inside_a_round_and_move_between_island_counts_only_when_consistent(pools):
+    """islands 2 × dp2 ZeRO-3, H = 4: resuming at step 2 (inside a round: each island's inner state and the
+    sharded θ_outer and momentum come back) gives the same losses bit for bit; that checkpoint is refused in
+    one line for one island, while step 4's (right after a sync: island 0's masters are θ_outer) loads into one
+    process."""
+    from meshlm.train import checkpoint as ckpt
+    over = {**ISLANDS, "training__outer__sync_every": 4, "training__steps": 8, "parallel__zero": 3,
+            "checkpoint__every": 2, "checkpoint__keep": 5}
+    run_dir = tempfile.mkdtemp(prefix="meshlm-isl-ckpt-")
+    ref = train_in(pools, make_config(**over), 4, run_dir)
+    _truncate(run_dir, 2)
+    resumed = train_in(pools, make_config(**over, checkpoint__resume="auto"), 4, run_dir)
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    assert [r["loss"] for r in resumed[2:]] == [r["loss"] for r in ref[2:]]  # exact
+    root = os.path.join(run_dir, "checkpoints")
+    one = make_config(**{**over, "parallel__islands": 1, "parallel__zero": 0})
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.check_islands(one, os.path.join(root, "step_00000002"))
+    assert str(e.value).startswith("parallel.islands: ") and "\n" not in str(e.value)
+    assert "written by 2 islands at step 2, inside an outer round" in str(e.value)
+    at_sync = os.path.join(root, "step_00000004")
+    ckpt.check_islands(one, at_sync)
+    md = ckpt.read_metadata(at_sync)
+    name = "layers.0.attention.wq.weight"
+    assert torch.equal(ckpt.read_full(at_sync, md, f"master/{name}"), ckpt.read_full(at_sync, md, f"outer/param/{name}"))
+    assert torch.equal(ckpt.read_full(at_sync, md, f"island1/master/{name}"), ckpt.read_full(at_sync, md, f"master/{name}"))
+    assert not torch.equal(ckpt.read_full(at_sync, md, f"exp_avg/{name}"), ckpt.read_full(at_sync, md, f"island1/exp_avg/{name}"))
+    moved = train_in(pools, C.replace(one, checkpoint={"resume": at_sync}), 1, tempfile.mkdtemp(prefix="meshlm-isl-one-"))
+    assert [r["step"] for r in moved] == [5, 6, 7, 8]

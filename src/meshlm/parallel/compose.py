@@ -200,7 +200,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, layout: Layout, make_opt
                         loss_fn=loss_fn, runner=runner, names={id(p): name for name, p in named},
                         pipeline=runner if pipe is not None else None,
                         moe=MoEStats(model, plan, layout.tp) if model.args.moe else None, cp=cp, mtp=mtp,
-                        state_writer=all(i == 0 for d, i in ctx.coords.items() if d != "pp"))
+                        state_writer=all(i == 0 for d, i in ctx.coords.items() if d not in ("pp", "islands")))
 
 
 def _apply_dims(model, ctx, layout, plan, table, experts, parallel: ParallelConfig, training: TrainingConfig):

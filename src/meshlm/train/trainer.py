@@ -124,7 +124,8 @@ class Trainer:
         self.outer = outer_sync(self.par, ctx, layout, t.outer, model_plan_for(self.model), self.args.n_layers)
         # what checkpoints hold, and what keeps a run alive (watchdog, non-finite guard, preemption)
         self.state = TrainState(self.par, self.data.sampler, LossScaler(t.precision == "fp16", device=ctx.device),
-                                SpikeDetector(t.spike_zscore, t.spike_window, t.spike_action), cfg, layout, ctx.rank)
+                                SpikeDetector(t.spike_zscore, t.spike_window, t.spike_action), cfg, layout, ctx.rank,
+                                self.outer, ctx.coords["islands"])
         self.checkpointer = ckpt.Checkpointer(os.path.join(run_dir, "checkpoints"), ctx.comm("world"),
                                               cfg.checkpoint.keep, cfg.checkpoint.async_, cfg.checkpoint.on_error)
         self.watchdog = fault.watch(ctx, cfg.parallel.heartbeat_s, partial(record_error, run_dir))

@@ -38,6 +38,18 @@ class OuterSync:
         self.params = {name: t.detach().float().clone() for frag in self.fragments for name, t in frag}
         self.momentum = {name: torch.zeros_like(t) for name, t in self.params.items()}
 
+    def storage(self) -> list[tuple[str, dict[str, torch.Tensor]]]:
+        """What checkpoints hold (train/state.py): θ_outer and the momentum, by parameter name."""
+        return [("param", self.params), ("momentum", self.momentum)]
+
+    @torch.no_grad()
+    def restart_from_masters(self) -> None:
+        """θ_outer = the masters, no momentum: DiLoCo starting from an ordinary (one-island) checkpoint."""
+        for frag in self.fragments:
+            for name, t in frag:
+                self.params[name].copy_(t)
+                self.momentum[name].zero_()
+
     def due(self, step: int) -> list[int]:
         """Fragments synced after inner step `step` (1-based): fragment k at step ≡ k·H/K (mod H)."""
         h, k = self.cfg.sync_every, self.cfg.fragments
