@@ -48,6 +48,17 @@ def test_bad_islands_input_is_one_clear_line(overrides, world, message):
     assert_refused_in_one_line(lambda: resolve(make_config(**overrides), world), message)
 
 
+@pytest.mark.parametrize("argv,line", [
+    (["--nproc", "4", "--parallel.islands", "3"], "meshlm: parallel.islands: 3 does not divide the world size 4"),
+    (["--training.outer.quantize", "int4"], "meshlm: training.outer.quantize: 'int4' is not one of none, bf16, fp8, int8"),
+])
+def test_the_command_line_refuses_before_any_worker(tmp_path, capsys, argv, line):
+    from meshlm.cli import main
+    run_dir = tmp_path / "run"
+    code = main(["train", "--run-dir", str(run_dir), "--model.preset", "debug", *argv])
+    assert (code, capsys.readouterr().err.strip()) == (2, line) and not run_dir.exists()
+
+
 def test_islands_split_the_world_and_the_batch_like_dp():
     lay = resolve(make_config(parallel__islands=2, parallel__zero=3), 4)
     assert (lay.islands, lay.dp, lay.accum, lay.global_batch, lay.world_size) == (2, 2, 1, 8, 4)
