@@ -279,3 +279,30 @@ def test_checkpoints_resume_inside_a_round_and_move_between_island_counts_only_w
     assert not torch.equal(ckpt.read_full(at_sync, md, f"exp_avg/{name}"), ckpt.read_full(at_sync, md, f"island1/exp_avg/{name}"))
     moved = train_in(pools, C.replace(one, checkpoint={"resume": at_sync}), 1, tempfile.mkdtemp(prefix="meshlm-isl-one-"))
     assert [r["step"] for r in moved] == [5, 6, 7, 8]
+
+
+# ---------------------------------------------------------------- the planner
+
+def test_planner_traffic_and_the_smallest_hiding_h():
+    from meshlm.plan.islands import fragment_sizes, outer_plan, outer_sync_bytes, sync_seconds
+    n = 10_000_000
+    assert bytes_per_step([n], 2, 50, "none") * 50 == outer_sync_bytes(n, 2, "none") == 8 * n  # DP's all-reduce of n
+    assert bytes_per_step(fragment_sizes(n, 4), 2, 50, "int8") <= 8 * n / (2 * 50)
+    assert bytes_per_step(fragment_sizes(n, 4), 2, 50, "bf16") == 8 * n / (2 * 50)
+    p = outer_plan(n, 2, step_s=0.5, link_gbps=0.1, latency_ms=30, quantize="none")
+    assert p.hidden and sync_seconds(n // p.fragments, 2, "none", 0.1, 30) <= 0.5 * p.sync_every / p.fragments
+    smaller = p.sync_every // 2
+    assert all(sync_seconds(max(fragment_sizes(n, k)), 2, "none", 0.1, 30) > 0.5 * smaller / k
+               for k in (1, 2, 4, 8, 16) if k <= smaller)
+
+
+def test_meshlm_estimate_prints_the_islands_lines(capsys):
+    from meshlm.cli import main
+    code = main(["estimate", "--gpu", "h100", "--gpus", "16", "--model.preset", "llama3-8b", "--islands", "2",
+                 "--link-gbps", "1.25", "--link-latency-ms", "50", "--training.global_batch", "64",
+                 "--training.micro_batch", "2", "--training.outer.sync_every", "32"])
+    out = capsys.readouterr().out
+    assert code == 0 and "islands: 2; the outer sync moves" in out and "(H 32, 1 fragment(s), none)" in out
+    assert "as synchronous DP over the link" in out and "the smallest H that" in out
+    assert main(["estimate", "--gpu", "h100", "--gpus", "16", "--islands", "3"]) == 2
+    assert capsys.readouterr().err.strip() == "meshlm: --islands: must be >= 1 and divide --gpus 16, got 3"
