@@ -306,3 +306,14 @@ def test_meshlm_estimate_prints_the_islands_lines(capsys):
     assert "as synchronous DP over the link" in out and "the smallest H that" in out
     assert main(["estimate", "--gpu", "h100", "--gpus", "16", "--islands", "3"]) == 2
     assert capsys.readouterr().err.strip() == "meshlm: --islands: must be >= 1 and divide --gpus 16, got 3"
+
+
+@pytest.mark.slow
+def test_payoff_bench_smoke():
+    """bench/diloco.py end to end on a few steps: DiLoCo's cross-island bytes are 1/H of synchronous DP's."""
+    from test_bench import run_json
+    out = run_json("bench/diloco.py", "--json", "--steps", "8", "--eval-every", "4", "--batch", "4", "--rows", "sync",
+                   "h8", "--png", os.path.join(tempfile.mkdtemp(), "d.png"))
+    sync, h8 = out["rows"]
+    assert (sync["row"], h8["row"]) == ("sync", "h8") and 0.12 < h8["bytes_vs_sync"] <= 0.125
+    assert os.path.isfile(out["png"]) and len(out["rows"]) == 2
