@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from spawn import join_gloo, spawn_gloo  # noqa: E402  (bench/spawn.py)
+from spawn import join_gloo, spawn_gloo  # bench/spawn.py
 
 ROWS = {  # name: (sync_every, fragments, quantize); "sync": synchronous DP
     "sync": None, "h8": (8, 1, "none"), "h32": (32, 1, "none"), "h128": (128, 1, "none"),

@@ -246,8 +246,10 @@ def _truncate(run_dir: str, keep_step: int) -> None:
         if int(name.split("_")[1]) > keep_step:
             shutil.rmtree(os.path.join(root, name))
     path = os.path.join(run_dir, "metrics.jsonl")
-    lines = [line for line in open(path) if json.loads(line)["step"] <= keep_step]
-    open(path, "w").writelines(lines)
+    with open(path) as f:
+        lines = [line for line in f if json.loads(line)["step"] <= keep_step]
+    with open(path, "w") as f:
+        f.writelines(lines)
 
 
 def test_checkpoints_resume_inside_a_round_and_move_between_island_counts_only_when_consistent(pools):
