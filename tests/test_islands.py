@@ -279,14 +279,28 @@ def test_checkpoints_resume_inside_a_round_and_move_between_island_counts_only_w
     assert torch.equal(ckpt.read_full(at_sync, md, f"master/{name}"), ckpt.read_full(at_sync, md, f"outer/param/{name}"))
     assert torch.equal(ckpt.read_full(at_sync, md, f"island1/master/{name}"), ckpt.read_full(at_sync, md, f"master/{name}"))
     assert not torch.equal(ckpt.read_full(at_sync, md, f"exp_avg/{name}"), ckpt.read_full(at_sync, md, f"island1/exp_avg/{name}"))
-    moved = train_in(pools, C.replace(one, checkpoint={"resume": at_sync}), 1, tempfile.mkdtemp(prefix="meshlm-isl-one-"))
+    one_dir = tempfile.mkdtemp(prefix="meshlm-isl-one-")
+    moved = train_in(pools, C.replace(one, checkpoint={"resume": at_sync}), 1, one_dir)
     assert [r["step"] for r in moved] == [5, 6, 7, 8]
+    # and back: an ordinary checkpoint starts DiLoCo, θ_outer = its masters (one island's state in every island)
+    plain = os.path.join(one_dir, "checkpoints", "step_00000006")
+    two = make_config(**{**ISLANDS, "training__outer__sync_every": 4, "training__steps": 8,
+                         "checkpoint__resume": plain})
+    ckpt.check_islands(two, plain)
+    again = train_in(pools, two, 2, tempfile.mkdtemp(prefix="meshlm-isl-two-"))
+    assert [r["step"] for r in again] == [7, 8]
+    assert abs(again[0]["loss"] - moved[2]["loss"]) / moved[2]["loss"] < 0.05  # the same model, half the batch
 
 
 # ---------------------------------------------------------------- the planner
 
 def test_planner_traffic_and_the_smallest_hiding_h():
-    from meshlm.plan.islands import fragment_sizes, outer_plan, outer_sync_bytes, sync_seconds
+    from meshlm.plan.islands import (
+        fragment_sizes,
+        outer_plan,
+        outer_sync_bytes,
+        sync_seconds,
+    )
     n = 10_000_000
     assert bytes_per_step([n], 2, 50, "none") * 50 == outer_sync_bytes(n, 2, "none") == 8 * n  # DP's all-reduce of n
     assert bytes_per_step(fragment_sizes(n, 4), 2, 50, "int8") <= 8 * n / (2 * 50)
