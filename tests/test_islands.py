@@ -210,18 +210,23 @@ def _outer_bytes(rec: dict) -> float:
     return rec["comm"].get("outer", {}).get("bytes", 0.0)
 
 
-@pytest.mark.parametrize("quantize,fragments", [("none", 1), ("int8", 2)])
+_SYNC: dict[str, float] = {}
+
+
+@pytest.mark.parametrize("quantize,fragments", [("none", 1), ("int8", 2), ("fp8", 1), ("bf16", 4)])
 def test_cross_island_bytes_meet_the_formula_and_beat_sync_dp(pools, quantize, fragments):
     """Same seed twice: bit-identical (H > 1); rank 0's booked outer bytes per inner step over the run
-    equal plan/islands.py's formula and are <= 1/H (int8: 1/(2H)) of dp2's reduce bytes per step."""
+    equal plan/islands.py's formula and are <= 1/H (quantised: 1/(2H)) of dp2's reduce bytes per step."""
     h = 4
     cfg = make_config(**{**ISLANDS, "training__outer__sync_every": h, "training__outer__quantize": quantize,
                          "training__outer__fragments": fragments, "training__steps": 8})
     a = train_in(pools, cfg, 2, tempfile.mkdtemp(prefix="meshlm-isl-"))
     b = train_in(pools, cfg, 2, tempfile.mkdtemp(prefix="meshlm-isl-"))
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
-    dp = train_in(pools, make_config(parallel__dp=2, training__steps=8), 2, tempfile.mkdtemp(prefix="meshlm-isl-"))
-    sync_bytes = sum(r["comm"]["all_reduce"]["bytes"] for r in dp) / len(dp)
+    if "dp2" not in _SYNC:
+        dp = train_in(pools, make_config(parallel__dp=2, training__steps=8), 2, tempfile.mkdtemp(prefix="meshlm-isl-"))
+        _SYNC["dp2"] = sum(r["comm"]["all_reduce"]["bytes"] for r in dp) / len(dp)
+    sync_bytes = _SYNC["dp2"]
     outer = sum(_outer_bytes(r) for r in a) / len(a)
     from meshlm.model import build_model
     from meshlm.model.from_config import model_args
@@ -232,7 +237,12 @@ def test_cross_island_bytes_meet_the_formula_and_beat_sync_dp(pools, quantize, f
     for name, p in model.named_parameters():
         sizes[model_plan_for(model).fragment_of(name, model.args.n_layers, fragments)] += p.numel()
     assert outer == pytest.approx(bytes_per_step(sizes, 2, h, quantize), rel=1e-12)
-    assert outer <= sync_bytes / (h * (2 if quantize == "int8" else 1))
+    assert outer <= sync_bytes / (h * (2 if quantize != "none" else 1))
+    if quantize != "none":  # the quantised outer gradient moves the model as fp32's does, nearly
+        exact = train_in(pools, make_config(**{**ISLANDS, "training__outer__sync_every": h, "training__steps": 8,
+                                               "training__outer__fragments": fragments}), 2,
+                         tempfile.mkdtemp(prefix="meshlm-isl-"))
+        assert a[-1]["loss"] != exact[-1]["loss"] and abs(a[-1]["loss"] - exact[-1]["loss"]) < 0.01 * exact[-1]["loss"]
 
 
 # ---------------------------------------------------------------- checkpoints
