@@ -7,12 +7,7 @@ import tempfile
 
 import pytest
 import torch
-from harness import (
-    assert_refused_in_one_line,
-    assert_same_losses,
-    make_config,
-    train_in,
-)
+from harness import assert_refused_in_one_line, assert_same_losses, make_config, read_metrics, train_in
 
 from meshlm import config as C
 from meshlm.layout import resolve
@@ -346,3 +341,39 @@ def test_payoff_bench_smoke():
     sync, h8 = out["rows"]
     assert (sync["row"], h8["row"]) == ("sync", "h8") and 0.12 < h8["bytes_vs_sync"] <= 0.125
     assert os.path.isfile(out["png"]) and len(out["rows"]) == 2
+
+
+def resumed_probe(trainer) -> tuple[int, float]:
+    """Runs in a pool rank after the resume: (its island, the largest difference between its masters and
+    what it should have loaded: its island's own masters if the checkpoint has the island, else θ_outer)."""
+    from meshlm.train import checkpoint as ckpt
+    path = ckpt.find_resume(trainer.checkpointer.root, trainer.cfg.checkpoint.resume)
+    md, written, i = ckpt.read_metadata(path), ckpt.islands_of(path), trainer.state.island
+    key = ((f"island{i}/" if i else "") + "master/{}") if i < written else "outer/param/{}"
+    worst = 0.0
+    for name, kind, t in trainer.par.optimizer.state_storage():
+        if kind == "master":
+            worst = max(worst, float((ckpt.read_full(path, md, key.format(name)).view_as(t) - t).abs().max()))
+    return i, worst
+
+
+def test_an_island_dropped_or_rejoining_goes_on_from_the_checkpoint(pools):
+    """4 islands checkpoint inside a round; resumed as 2 islands (two dropped), each keeps its own inner
+    state and θ_outer goes on; that run's checkpoint inside a round resumed as 4 islands: the two that
+    rejoin start from θ_outer, the others from their own state."""
+    from harness import train_case
+    over = {**ISLANDS, "training__outer__sync_every": 4, "training__steps": 6, "checkpoint__every": 2,
+            "checkpoint__keep": 5}
+    four = tempfile.mkdtemp(prefix="meshlm-isl-four-")
+    train_in(pools, make_config(**{**over, "parallel__islands": 4}), 4, four, stop=2)
+    two = tempfile.mkdtemp(prefix="meshlm-isl-two-")
+    cfg = make_config(**over, checkpoint__resume=os.path.join(four, "checkpoints", "step_00000002"))
+    seen = pools(2).run(train_case, C.to_dict(cfg), two, 0, resumed_probe)
+    assert [i for i, _ in seen] == [0, 1] and max(w for _, w in seen) == 0.0
+    assert [r["step"] for r in read_metrics(two)] == [3, 4, 5, 6]
+    back = make_config(**{**over, "training__steps": 8, "parallel__islands": 4,
+                          "checkpoint__resume": os.path.join(two, "checkpoints", "step_00000006")})
+    again = tempfile.mkdtemp(prefix="meshlm-isl-again-")
+    seen = pools(4).run(train_case, C.to_dict(back), again, 0, resumed_probe)
+    assert [i for i, _ in seen] == [0, 1, 2, 3] and max(w for _, w in seen) == 0.0
+    assert [r["step"] for r in read_metrics(again)] == [7, 8]

@@ -75,14 +75,16 @@ class TrainState:
 
     def load(self, path: str) -> dict:
         """Every piece from the checkpoint at `path` (written by any layout); its meta.json. Islands: a
-        checkpoint of another island count loads island 0's state (ckpt.check_islands allowed it)."""
+        checkpoint of another island count (ckpt.check_islands allowed it) keeps the islands it has."""
         ckpt.check_islands(self.cfg, path)
         written = ckpt.islands_of(path)
-        same = written == self.layout.islands
-        state, shapes = self.pieces(None if same else 0, outer=written > 1)
+        # an island the checkpoint has reads its own state, a new one island 0's (docs/diloco.md, "Checkpoints")
+        state, shapes = self.pieces(self.island if self.island < written else 0, outer=written > 1)
         meta = ckpt.load(path, state, shapes)
         if self.outer is not None and written == 1:  # DiLoCo from an ordinary checkpoint: θ_outer = its masters
             self.outer.restart_from_masters()
+        elif self.outer is not None and self.island >= written:  # an island (re)joins from θ_outer
+            self.outer.rejoin()
         self.par.optimizer.loaded(meta["optimizer_step"])
         torch.set_rng_state(state["rng/cpu"].parts[0][1])
         self.sampler.load_state_dict(meta["sampler"])

@@ -50,6 +50,13 @@ class OuterSync:
                 self.params[name].copy_(t)
                 self.momentum[name].zero_()
 
+    @torch.no_grad()
+    def rejoin(self) -> None:
+        """The masters = θ_outer: an island that was not in the checkpoint (re)joins from the outer model."""
+        for frag in self.fragments:
+            for name, t in frag:
+                t.copy_(self.params[name])
+
     def due(self, step: int) -> list[int]:
         """Fragments synced after inner step `step` (1-based): fragment k at step ≡ k·H/K (mod H)."""
         h, k = self.cfg.sync_every, self.cfg.fragments

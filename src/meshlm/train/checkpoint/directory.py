@@ -60,21 +60,23 @@ def islands_of(path: str) -> int:
 
 
 def check_islands(cfg, path: str) -> None:
-    """A checkpoint moves between island counts only where its state is one model (docs/diloco.md,
-    "Checkpoints"): from one island (θ_outer starts as its masters), or right after an outer sync of the
-    whole model (fragments = 1, step divisible by H), where every island holds θ_outer; the new islands
-    then take island 0's inner optimizer state. Anything else: one line."""
+    """A checkpoint of N islands resumes with any number M > 1 of them (docs/diloco.md, "Checkpoints":
+    islands below N keep their own state, θ_outer and its momentum go on, islands from N up join from
+    θ_outer: an island dropped or rejoining), and from one island (θ_outer starts as its masters). Into
+    one island (no outer step left) only right after an outer sync of the whole model (fragments = 1,
+    step divisible by H), where every island holds θ_outer. Anything else: one line."""
     meta = _meta(path)
     written, now = islands_of(path), cfg.parallel.islands
-    if written == now or written == 1:
+    if written == now or written == 1 or now > 1:
         return
     outer = (meta.get("config") or {}).get("training", {}).get("outer", {})
     h, k, step = int(outer.get("sync_every", 1)), int(outer.get("fragments", 1)), int(meta.get("step", 0))
     if k != 1 or step % h:
         raise CheckpointError(f"parallel.islands: {path} was written by {written} islands at step {step}, inside "
                               f"an outer round (training.outer.sync_every {h}, fragments {k}), where the islands' "
-                              f"models differ; resume it with parallel.islands = {written}, or from a checkpoint "
-                              f"right after a whole-model outer sync (fragments = 1, a step divisible by {h})")
+                              f"models differ; resume it with parallel.islands > 1, or in one island from a "
+                              f"checkpoint right after a whole-model outer sync (fragments = 1, a step divisible "
+                              f"by {h})")
 
 
 def preflight(cfg, run_dir: str, restarts: int = 0) -> None:
