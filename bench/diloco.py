@@ -20,9 +20,11 @@ import time
 
 from spawn import join_gloo, spawn_gloo  # bench/spawn.py
 
-ROWS = {  # name: (sync_every, fragments, quantize); "sync": synchronous DP
+ROWS = {  # name: (sync_every, fragments, quantize[, outer lr, outer momentum]); "sync": synchronous DP
     "sync": None, "h8": (8, 1, "none"), "h32": (32, 1, "none"), "h128": (128, 1, "none"),
     "stream4": (32, 4, "none"), "h32-int8": (32, 1, "int8"), "stream4-int8": (32, 4, "int8"),
+    "h32-avg": (32, 1, "none", 1.0, 0.0),  # plain periodic averaging (local SGD): outer lr 1, no momentum
+    "h8-avg": (8, 1, "none", 1.0, 0.0),
 }
 
 
@@ -38,9 +40,9 @@ def make_cfg(a, row):
     if ROWS[row] is None:
         over["parallel.dp"] = a.islands
     else:
-        h, k, q = ROWS[row]
+        h, k, q, lr, mom = (*ROWS[row], 0.7, 0.9)[:5]
         over.update({"parallel.islands": a.islands, "training.outer.sync_every": h, "training.outer.fragments": k,
-                     "training.outer.quantize": q})
+                     "training.outer.quantize": q, "training.outer.lr": lr, "training.outer.momentum": mom})
     for key, v in over.items():
         C.apply(cfg, key, v)
     return cfg
@@ -135,7 +137,7 @@ def main() -> int:
     print(f"{'row':14s} {'H':>4s} {'K':>2s} {'quant':>5s} {'held-out':>9s} {'gap':>7s} {'cross-island MB':>16s} "
           f"{'vs sync':>8s}")
     for r in results:
-        h, k, q = r["setting"] or ("-", "-", "-")
+        h, k, q = (r["setting"] or ("-", "-", "-"))[:3]
         print(f"{r['row']:14s} {h!s:>4s} {k!s:>2s} {q:>5s} {r['final_eval_loss']:9.4f} {r['gap_pct']:+6.2f}% "
               f"{r['cross_island_bytes'] / 1e6:16.3f} {r['bytes_vs_sync']:8.4f}")
     print(f"tokens {base['tokens']}; load {load0[0]:.1f} -> {summary['load_after'][0]:.1f}; plot {a.png}")
