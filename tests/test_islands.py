@@ -152,8 +152,9 @@ def cached_reference(**overrides) -> list[list[float]]:
     ({"training__outer__fragments": 2}, 2),
     ({"training__outer__fragments": 2, "parallel__zero": 2, "parallel__tp": 2}, 4),
     ({"optim__name": "muon"}, 2),
+    ({"parallel__zero": 1, "parallel__offload": "optimizer"}, 2),
     ({"model__preset": "dsv3-debug", "parallel__ep": 2}, 4),
-], ids=["one-rank", "dp2-zero3", "tp2-sp", "pp2", "streaming", "streaming-zero2-tp2", "muon", "dsv3-ep2"])
+], ids=["one-rank", "dp2-zero3", "tp2-sp", "pp2", "streaming", "streaming-zero2-tp2", "muon", "zero1-offload", "dsv3-ep2"])
 def test_layout_inside_an_island_changes_nothing(pools, inside, world):
     """islands 2 with the layout `inside` each island and the plain reference: island 0's per-step losses
     (rank 0 logs its island's) agree within 1e-5 through three outer syncs (streaming: six, one fragment

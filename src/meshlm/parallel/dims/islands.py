@@ -29,8 +29,8 @@ KIND = "outer"  # the books' name for the outer sync's collectives (metrics.json
 class OuterSync:
     """θ_outer and its Nesterov momentum (fp32, laid out like this rank's masters), and the sync."""
 
-    def __init__(self, optimizer, comm, outer, fragment_of: Callable[[str], int]):
-        self.optimizer, self.comm, self.cfg = optimizer, comm, outer
+    def __init__(self, optimizer, comm, outer, fragment_of: Callable[[str], int], device: torch.device):
+        self.optimizer, self.comm, self.cfg, self.device = optimizer, comm, outer, device
         self.fragments: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(outer.fragments)]
         for name, kind, t in optimizer.state_storage():
             if kind == "master":
@@ -87,8 +87,9 @@ class OuterSync:
         frag = self.fragments[f]
         if not frag:
             return
-        delta = torch.cat([(self.params[name] - t.float()).reshape(-1) for name, t in frag])
-        mean = self.average(delta)
+        # on the compute device for the collective (offload = "optimizer" keeps masters in host memory)
+        delta = torch.cat([(self.params[name] - t.float()).reshape(-1) for name, t in frag]).to(self.device)
+        mean = self.average(delta).to(frag[0][1].device)
         lr, mu, at = self.cfg.lr, self.cfg.momentum, 0
         for name, t in frag:
             g = mean[at:at + t.numel()].view(t.shape)
@@ -146,4 +147,4 @@ def outer_sync(par, ctx, layout, outer, plan, n_layers: int) -> OuterSync | None
     if layout.islands <= 1:
         return None
     return OuterSync(par.optimizer, ctx.comm("islands"), outer,
-                     lambda name: plan.fragment_of(name, n_layers, outer.fragments))
+                     lambda name: plan.fragment_of(name, n_layers, outer.fragments), ctx.device)
