@@ -378,3 +378,16 @@ def test_an_island_dropped_or_rejoining_goes_on_from_the_checkpoint(pools):
     seen = pools(4).run(train_case, C.to_dict(back), again, 0, resumed_probe)
     assert [i for i, _ in seen] == [0, 1, 2, 3] and max(w for _, w in seen) == 0.0
     assert [r["step"] for r in read_metrics(again)] == [7, 8]
+
+
+def test_meshlm_plan_with_islands_searches_one_island_and_emits_a_config_for_the_job(tmp_path, capsys):
+    from meshlm.cli import main
+    path = tmp_path / "islands.toml"
+    assert main(["plan", "--gpu", "h100", "--gpus", "32", "--model", "llama3-1b", "--islands", "4", "--top", "1",
+                 "--link-gbps", "1", "--emit-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "islands: 4; the outer sync moves" in out and "the smallest H that" in out
+    cfg = C.load(str(path))
+    lay = resolve(cfg, 32)
+    assert (cfg.parallel.islands, lay.islands, lay.world_size) == (4, 4, 32)
+    assert lay.global_batch * cfg.data.seq_len == 2 ** 22  # the job's tokens per step, over the four islands

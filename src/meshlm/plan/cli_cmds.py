@@ -279,9 +279,11 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
         if args.emit_rank > len(res.ranked):
             return _fail(f"--emit-rank: only {len(res.ranked)} layouts fit, no row {args.emit_rank}", 1)
         best = spec_of_layout(res.ranked[args.emit_rank - 1]["layout"])
+        out = to_config(shape, best, cfg)
+        out.training.global_batch *= islands  # the layout is one island's, the batch the job's (parallel.islands kept)
         try:
             with open(args.emit_config, "w") as f:
-                f.write(C.to_toml(to_config(shape, best, cfg)))
+                f.write(C.to_toml(out))
         except OSError as e:
             return _fail(f"--emit-config: cannot write {args.emit_config}: {e.strerror}")
         if not args.json:
