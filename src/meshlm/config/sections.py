@@ -10,26 +10,9 @@ import dataclasses
 import os
 from dataclasses import dataclass, field, fields
 
-from ..choices import (
-    AC_MODES,
-    CATCHABLE_SIGNALS,
-    CP_IMPLS,
-    ELASTIC,
-    EXPORT_DTYPES,
-    FP8_COMMS,
-    FP8_RECIPES,
-    OFFLOAD,
-    ON_ERROR,
-    OPTIMIZERS,
-    OUTER_QUANTIZE,
-    PP_SCHEDULES,
-    PRECISIONS,
-    REDUCE_DTYPES,
-    SPIKE_ACTIONS,
-    ZERO_STAGES,
-    choose,
-)
-
+from ..choices import (AC_MODES, CATCHABLE_SIGNALS, CP_IMPLS, ELASTIC, EXPORT_DTYPES, FP8_COMMS, FP8_RECIPES, OFFLOAD,
+                       ON_ERROR, OPTIMIZERS, OUTER_QUANTIZE, PP_SCHEDULES, PRECISIONS, REDUCE_DTYPES, SPIKE_ACTIONS,
+                       ZERO_STAGES, choose)
 
 class ConfigError(ValueError):
     """A configuration problem; its message is one line that names the key."""
@@ -213,7 +196,7 @@ class ParallelConfig:
 
 
 def _check_islands(p: ParallelConfig) -> None:
-    """parallel.islands against the modes it cannot serve (docs/diloco.md, "What it does not combine with")."""
+    """parallel.islands against the modes it cannot serve (docs/diloco.md, "Bad input")."""
     if p.islands < 1:
         raise ConfigError(f"parallel.islands: must be >= 1, got {p.islands}")
     if p.islands == 1:

@@ -15,13 +15,7 @@ import torch
 from ..config import Config
 from ..data import default_data_dir
 from ..data.dataset import open_data
-from ..distributed.mesh import (
-    ParallelContext,
-    init_context,
-    join_world,
-    pick_device,
-    shutdown,
-)
+from ..distributed.mesh import ParallelContext, init_context, join_world, pick_device, shutdown
 from ..layout import Layout
 from ..model import build_model
 from ..model.from_config import model_args
@@ -34,14 +28,7 @@ from . import checkpoint as ckpt
 from . import plugins
 from .evaluate import evaluate
 from .launch import record_error
-from .observe.metrics import (
-    MetricsLog,
-    StepMeter,
-    StepProfiler,
-    device_profile,
-    log_auto,
-    memory,
-)
+from .observe.metrics import MetricsLog, StepMeter, StepProfiler, device_profile, log_auto, memory
 from .optim import LossScaler, MasterOptimizer, clip_, grad_norm, lr_at
 from .resilience import fault, preempt
 from .resilience.saving import Saving
@@ -73,7 +60,7 @@ def run(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout |
         teardown(ctx, finished, before)
 
 
-def start(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout | None = None) -> Trainer:
+def start(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout | None = None) -> "Trainer":
     """One worker's start-up, in the order docs/fault_tolerance.md ("Growing back") needs: the world
     group and the job's restart count every rank agreed on (`restarts`, if the caller already joined),
     then the layout (its parallel.elastic message depends on that count; `layout`, if the caller already
