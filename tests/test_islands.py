@@ -71,6 +71,15 @@ def test_one_island_makes_no_group_and_trains_on_the_world_group():
     assert groups_along(("islands",), two) == [[0, 2], [1, 3]]
 
 
+def test_one_island_ignores_the_outer_keys_bit_for_bit():
+    """At islands = 1 no outer step runs, whatever training.outer says: the same losses, bit for bit."""
+    from harness import reference
+    base = reference(training__steps=4)
+    outer = reference(training__steps=4, parallel__islands=1, training__outer__sync_every=1,
+                      training__outer__lr=1.0, training__outer__momentum=0.0, training__outer__quantize="int8")
+    assert [r["loss"] for r in base] == [r["loss"] for r in outer] and "outer" not in base[-1]["comm"]
+
+
 # ---------------------------------------------------------------- a plain one-process reference
 
 class _Share:
