@@ -62,10 +62,6 @@ class OuterSync:
         h, k = self.cfg.sync_every, self.cfg.fragments
         return [f for f in range(k) if step % h == f * h // k % h]
 
-    def sizes(self) -> list[int]:
-        """Elements of each fragment on this rank (the planner's formula takes them)."""
-        return [sum(t.numel() for _, t in frag) for frag in self.fragments]
-
     def agree_stop(self, flag: torch.Tensor) -> None:
         """The preemption flag, already summed over this island with the gradient norm, summed over the
         islands too: stopping (and the checkpoint it writes) is the job's decision."""
