@@ -31,6 +31,7 @@ CATCHABLE_SIGNALS = tuple(s.name for s in signal.Signals if s not in (signal.SIG
 OPTIMIZERS = ("adamw", "muon")  # optim.name
 LR_SCHEDULES = ("cosine", "wsd", "constant", "linear")  # optim.schedule (docs/training.md)
 DECAY_TYPES = ("linear", "sqrt", "cosine")  # optim.decay_type: the shape of WSD's decay
+OUTER_QUANTIZE = ("none", "bf16", "fp8", "int8")  # training.outer.quantize: the outer gradients on the wire
 
 # Bytes per element of each dtype name (reductions, exports); a precision's tensors: HELD.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

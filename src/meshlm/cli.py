@@ -24,7 +24,8 @@ def cmd_train(args, extra: list[str]) -> int:
         preflight.write_config(start, args.config)
     if not args.worker and int(os.environ.get("RANK", "0")) == 0:
         t, attention = cfg.training, _attention(cfg, start.layout, start.asked_attn)
-        print(f"meshlm: {cfg.model.preset}, {world} worker{'s' if world > 1 else ''}{_shared_gpus(cfg, world)}, "
+        print(f"meshlm: {cfg.model.preset}, {world} worker{'s' if world > 1 else ''}{_shared_gpus(cfg, world)}"
+              f"{_islands(cfg, start.layout)}, "
               f"precision {t.precision}{_fp8_comm(cfg, start.layout)}, "
               f"compile {'on' if t.compile else 'off'}{attention}, "
               f"run dir {run_dir}", file=sys.stderr)
@@ -182,6 +183,16 @@ def _fp8_comm(cfg, layout) -> str:
     unused = [e for e in t.fp8_comm if e not in used]
     return (f" (float8 collectives: {', '.join(e for e in t.fp8_comm if e in used) or 'none'}"
             + (f"; not applying here: {', '.join(unused)}" if unused else "") + ")")
+
+
+def _islands(cfg, layout) -> str:
+    """The start-up line's DiLoCo islands (docs/diloco.md): the metrics line then speaks for island 0."""
+    if layout.islands <= 1:
+        return ""
+    o = cfg.training.outer
+    return (f" in {layout.islands} DiLoCo islands (outer sync every {o.sync_every} steps, {o.fragments} "
+            f"fragment{'s' if o.fragments > 1 else ''}, outer gradients {'fp32' if o.quantize == 'none' else o.quantize}; "
+            f"losses logged are island 0's)")
 
 
 def _shared_gpus(cfg, world: int) -> str:

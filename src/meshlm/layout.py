@@ -33,10 +33,11 @@ class Layout:
     hpz_group: int = 0              # ZeRO++ hpZ: secondary shards over this many ranks; 0: off
     quantize_grads: bool = False    # ZeRO++ qgZ
     dp_accums: tuple[int, ...] = ()  # parallel.dp_weights: micro-batches of each dp replica; (): `accum` each
+    islands: int = 1                # DiLoCo islands, outside pp: each runs the layout above (docs/diloco.md)
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.cp * self.tp
+        return self.islands * self.pp * self.dp * self.cp * self.tp
 
     @property
     def dp_shard(self) -> int:
@@ -94,7 +95,8 @@ class Layout:
 
     @property
     def global_batch(self) -> int:
-        return self.micro_batch * self.step_microbatches
+        """Sequences of one step over every island (each island reads its own equal share, like dp)."""
+        return self.micro_batch * self.step_microbatches * self.islands
 
     @property
     def zpp_group(self) -> int:
@@ -151,8 +153,9 @@ class Layout:
 
     def shape(self) -> dict[str, int]:
         """The mesh's degrees by dimension name (distributed/mesh.py), with ZeRO++'s group when on."""
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
-                "cp": self.cp, "tp": self.tp, "ep": self.ep, **({"zpp": self.zpp_group} if self.zpp_group else {})}
+        return {**({"islands": self.islands} if self.islands > 1 else {}), "pp": self.pp,
+                "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp,
+                "ep": self.ep, **({"zpp": self.zpp_group} if self.zpp_group else {})}
 
     def check_groups(self) -> None:
         """The ZeRO shard group against dp (a LayoutError naming parallel.zero_group)."""
@@ -167,13 +170,14 @@ def from_config(cfg: Config, world: int | None = None, flag: str = "--nproc") ->
     `flag` names the world in errors."""
     p, t = cfg.parallel, cfg.training
     if world is None:  # parallel.dp_weights names one weight per replica
-        world = Layout(dp=p.dp if p.dp > 0 else max(len(p.dp_weights), 1), tp=p.tp, pp=p.pp, cp=p.cp).world_size
+        world = Layout(dp=p.dp if p.dp > 0 else max(len(p.dp_weights), 1), tp=p.tp, pp=p.pp, cp=p.cp,
+                       islands=p.islands).world_size
     dp, accum = batch_split(p, t, world, flag)
     accums = weighted_accums(p.dp_weights, dp, t.global_batch, t.micro_batch)
     return Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, zero_group=p.zero_group or dp,
                   sp=bool(p.sp), micro_batch=t.micro_batch, accum=max(accums, default=accum),
                   quantize_weights=bool(p.quantize_weights), hpz_group=p.hpz_group,
-                  quantize_grads=bool(p.quantize_grads), dp_accums=accums)
+                  quantize_grads=bool(p.quantize_grads), dp_accums=accums, islands=getattr(p, "islands", 1))
 
 
 def weighted_accums(weights: list[int], dp: int, global_batch: int, micro_batch: int) -> tuple[int, ...]:
@@ -196,24 +200,29 @@ def weighted_accums(weights: list[int], dp: int, global_batch: int, micro_batch:
 def batch_split(p, t, world: int, flag: str = "--nproc") -> tuple[int, int]:
     """(dp, accumulation count) of `world` ranks, or a ConfigError naming the key. Shared with the
     planner, whose `flag` is --gpus."""
-    inner = Layout(tp=p.tp, pp=p.pp, cp=p.cp).world_size
+    islands = getattr(p, "islands", 1)
+    if world % islands:
+        raise LayoutError(f"parallel.islands: {islands} does not divide the world size {world}")
+    inner = Layout(tp=p.tp, pp=p.pp, cp=p.cp, islands=islands).world_size
     if world % inner:
-        raise LayoutError(f"parallel: pp×cp×tp = {inner} does not divide the world size {world}")
+        raise LayoutError(f"parallel: {'islands×' * (islands > 1)}pp×cp×tp = {inner} does not divide the world "
+                          f"size {world}")
     dp = world // inner if p.dp == -1 else p.dp
     if dp < 1:
         raise LayoutError(f"parallel.dp: must be >= 1 or -1, got {p.dp}")
-    need = Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp).world_size
+    need = Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, islands=islands).world_size
     if need != world:
-        raise LayoutError(f"{flag}: {world} ranks but the layout pp×dp×cp×tp = "
-                          f"{p.pp}×{dp}×{p.cp}×{p.tp} needs {need}")
+        raise LayoutError(f"{flag}: {world} ranks but the layout {'islands×' * (islands > 1)}pp×dp×cp×tp = "
+                          f"{f'{islands}×' * (islands > 1)}{p.pp}×{dp}×{p.cp}×{p.tp} needs {need}")
     if t.micro_batch < 1 or t.global_batch < 1:
         raise LayoutError("training.micro_batch: batch sizes must be >= 1")
     if getattr(p, "dp_weights", None):  # the uneven split is checked by `weighted_accums`
         return dp, t.global_batch // (t.micro_batch * dp)
-    if t.global_batch % (t.micro_batch * dp):
+    if t.global_batch % (t.micro_batch * dp * islands):
         raise LayoutError(f"training.global_batch: {t.global_batch} is not divisible by "
-                          f"micro_batch×dp = {t.micro_batch}×{dp}")
-    accum = t.global_batch // (t.micro_batch * dp)
+                          f"micro_batch×dp{'×islands' * (islands > 1)} = {t.micro_batch}×{dp}"
+                          f"{f'×{islands}' * (islands > 1)}")
+    accum = t.global_batch // (t.micro_batch * dp * islands)
     if p.microbatches and p.microbatches != accum:
         raise LayoutError(f"parallel.microbatches: {p.microbatches} must equal the accumulation count "
                           f"global_batch/(micro_batch×dp) = {accum}")
@@ -300,6 +309,7 @@ def resolve(cfg: Config, world_size: int) -> Layout:
     check_mtp(cfg, args)
     check_zeropp(layout, p.offload)
     check_dp_weights(cfg, args, layout)
+    check_islands(cfg, args, layout)
     for m in check_rampup(cfg, layout):  # every step's micro-batch count (the pipeline runs each)
         if layout.pp_enabled or p.pp_virtual > 1 or p.pp_layers:
             _check_pipeline(cfg, args, m)
@@ -397,6 +407,18 @@ def check_rampup(cfg: Config, layout: Layout) -> list[int]:
             raise LayoutError(f"training.batch_rampup: a step of {size} sequences does not split into whole "
                               f"micro-batches of micro_batch×dp = {layout.micro_batch}×{layout.dp}")
     return [size // per_step for size in sizes]
+
+
+def check_islands(cfg: Config, args: ModelArgs, layout: Layout) -> None:
+    """DiLoCo's keys against the model and the job (docs/diloco.md): a fragment is a run of whole blocks,
+    and a rollback would send one island back while the others go on."""
+    o = cfg.training.outer
+    if layout.islands > 1 and o.fragments > args.n_layers:
+        raise ConfigError(f"training.outer.fragments: {o.fragments} fragments of {args.n_layers} blocks "
+                          f"(each fragment holds whole blocks)")
+    if layout.islands > 1 and cfg.training.spike_zscore and cfg.training.spike_action == "rollback":
+        raise ConfigError("training.spike_action: rollback not with parallel.islands > 1 (one island's spike "
+                          "would send it back while the others go on); use skip")
 
 
 def check_zeropp(layout: Layout, offload: str) -> None:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from .course import check_schedule, decay_span
 from .sections import (AUTO, CheckpointConfig, Config, ConfigError, DataConfig, LayoutError, MetricsConfig,
-                       ModelConfig, MoEConfig, OptimConfig, ParallelConfig, RopeScalingConfig, TrainingConfig,
+                       ModelConfig, MoEConfig, OptimConfig, OuterConfig, ParallelConfig, RopeScalingConfig, TrainingConfig,
                        resolve_auto)
 from .text import apply, from_dict, load, parse_overrides, replace, to_dict, to_toml
 
 __all__ = ["AUTO", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LayoutError", "MetricsConfig",
-           "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "RopeScalingConfig", "TrainingConfig",
-           "apply", "check_schedule", "decay_span", "from_dict", "load", "parse_overrides", "replace", "resolve_auto",
-           "to_dict", "to_toml"]
+           "ModelConfig", "MoEConfig", "OptimConfig", "OuterConfig", "ParallelConfig", "RopeScalingConfig",
+           "TrainingConfig", "apply", "check_schedule", "decay_span", "from_dict", "load", "parse_overrides", "replace",
+           "resolve_auto", "to_dict", "to_toml"]

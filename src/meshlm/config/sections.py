@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 
 from ..cards import device_groups
 from ..choices import (AC_MODES, CATCHABLE_SIGNALS, CP_IMPLS, ELASTIC, EXPORT_DTYPES, FP8_COMMS, FP8_RECIPES,
-                       OFFLOAD, ON_ERROR, OPTIMIZERS, PP_SCHEDULES, PRECISIONS, REDUCE_DTYPES, SPIKE_ACTIONS,
+                       OFFLOAD, ON_ERROR, OPTIMIZERS, OUTER_QUANTIZE, PP_SCHEDULES, PRECISIONS, REDUCE_DTYPES, SPIKE_ACTIONS,
                        ZERO_STAGES)
 from .course import check_ramp_keys, check_schedule
 from .errors import ConfigError, LayoutError, _choice  # noqa: F401  (LayoutError: the package exports it from here)
@@ -152,6 +152,7 @@ class ParallelConfig:
     # a mixed cluster: the card type of each node group in rank order, "TYPE:COUNT[/NODE]" (docs/heterogeneous.md);
     # empty: one type. The form is checked here; the names, the count and the TP groups by plan/cluster.py
     devices: list[str] = field(default_factory=list)
+    islands: int = 1  # DiLoCo islands, the mesh's outermost dimension (training.outer; docs/diloco.md)
 
     def check(self, cfg: Config) -> None:
         """The keys alone; the degrees against the world and the model: layout.resolve."""
@@ -187,10 +188,49 @@ class ParallelConfig:
         if self.devices and self.auto:
             raise ConfigError("parallel.devices: not with parallel.auto (the search prices one device type; "
                               "meshlm plan --gpu TYPE:COUNT,... plans a mixed cluster)")
+        _check_islands(self)
         hb = self.heartbeat_s
         if hb < 0 or 0 < hb < 3:
             raise ConfigError(f"parallel.heartbeat_s: must be 0 (off) or >= 3 s (stamps go out every second), "
                               f"got {hb}")
+
+
+def _check_islands(p: ParallelConfig) -> None:
+    """parallel.islands against the modes it cannot serve (docs/diloco.md, "Bad input")."""
+    if p.islands < 1:
+        raise ConfigError(f"parallel.islands: must be >= 1, got {p.islands}")
+    if p.islands == 1:
+        return
+    why = {"parallel.offload = nvme (the outer step reads and writes the fp32 masters in memory)": p.offload == "nvme",
+           "parallel.elastic = replan (the planner knows no islands)": p.elastic == "replan",
+           "parallel.auto (the planner knows no islands)": p.auto,
+           "parallel.dp_weights (each island reads an equal share of the global batch)": bool(p.dp_weights)}
+    for reason, on in why.items():
+        if on:
+            raise ConfigError(f"parallel.islands: {p.islands} islands not with {reason}")
+
+
+@dataclass
+class OuterConfig:
+    """DiLoCo's outer optimizer (parallel.islands > 1; docs/diloco.md): every `sync_every` inner steps the
+    islands average their pseudo-gradients and take one Nesterov SGD step."""
+    sync_every: int = 100  # H: inner steps between outer syncs of one fragment
+    lr: float = 0.7
+    momentum: float = 0.9  # Nesterov
+    fragments: int = 1  # streaming DiLoCo: K fragments of contiguous blocks, staggered by H/K steps
+    quantize: str = "none"  # the outer gradients on the wire: none (fp32), bf16, fp8, int8 (with scales)
+
+    def check(self, cfg: Config) -> None:
+        if self.sync_every < 1:
+            raise ConfigError(f"training.outer.sync_every: must be >= 1, got {self.sync_every}")
+        if not self.lr > 0:
+            raise ConfigError(f"training.outer.lr: must be > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"training.outer.momentum: must be in [0, 1), got {self.momentum}")
+        if self.fragments < 1 or self.sync_every % self.fragments:
+            raise ConfigError(f"training.outer.fragments: must be >= 1 and divide training.outer.sync_every "
+                              f"{self.sync_every} (fragment k syncs at step k·H/K mod H), got {self.fragments}")
+        _choice(self.quantize, OUTER_QUANTIZE, "training.outer.quantize")
 
 
 @dataclass
@@ -221,9 +261,12 @@ class TrainingConfig:
     # [start, increment, over]: Megatron's --rampup-batch-size (data/rampup.py); empty: a fixed batch
     batch_rampup: list[int] = field(default_factory=list)
 
+    outer: OuterConfig = field(default_factory=OuterConfig)  # DiLoCo (parallel.islands > 1)
+
     def check(self, cfg: Config) -> None:
         _check_device_keys(self)
         check_ramp_keys(self.batch_rampup, self.global_batch, cfg)
+        self.outer.check(cfg)
         _choice(self.fp8_recipe, FP8_RECIPES, "training.fp8_recipe")
         for entry in self.fp8_comm:
             _choice(entry, FP8_COMMS, "training.fp8_comm")

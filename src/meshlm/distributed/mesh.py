@@ -1,5 +1,7 @@
-"""The 5-D device mesh (pp, dp_replicate, dp_shard, cp, tp) and the process groups along it, plus the
-expert view of the dp×cp ranks when `shape["ep"] > 1` (`expert_groups`).
+"""The device mesh (islands, pp, dp_replicate, dp_shard, cp, tp) and the process groups along it, plus the
+expert view of the dp×cp ranks when `shape["ep"] > 1` (`expert_groups`). `islands` (DiLoCo, docs/diloco.md)
+is outermost and absent from a shape at 1: every group but `world` and `islands` lies inside one island,
+`island` is this rank's island, and `islands` the ranks at the same place in every island (the outer sync).
 
 Rank r sits at coordinates given by r in row-major order over that shape, so tp neighbours are
 consecutive ranks (one node) and pp is outermost. Groups are created once, on every rank, in the same
@@ -19,7 +21,8 @@ import torch.distributed as dist
 
 from .comm import Comm
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+DIMS = ("islands", "pp", "dp_replicate", "dp_shard", "cp", "tp")
+ISLAND = DIMS[1:]  # the dimensions inside one island
 # Groups that span several mesh dimensions at once.
 # dp_cp / dp_shard_cp: context-parallel ranks hold the same weights and see other tokens, so gradients
 # are averaged over dp×cp and ZeRO shards over dp_shard×cp (as torchtitan does).
@@ -30,15 +33,15 @@ COMPOSITES = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "c
 def coords_of(rank: int, shape: dict[str, int]) -> dict[str, int]:
     out = {}
     for d in reversed(DIMS):
-        out[d] = rank % shape[d]
-        rank //= shape[d]
+        out[d] = rank % shape.get(d, 1)
+        rank //= shape.get(d, 1)
     return {d: out[d] for d in DIMS}
 
 
 def rank_of(coords: dict[str, int], shape: dict[str, int]) -> int:
     r = 0
     for d in DIMS:
-        r = r * shape[d] + coords[d]
+        r = r * shape.get(d, 1) + coords[d]
     return r
 
 
@@ -46,10 +49,10 @@ def groups_along(dims: tuple[str, ...], shape: dict[str, int]) -> list[list[int]
     """Every set of ranks that differ only in `dims` (each set sorted), in a fixed order."""
     fixed = [d for d in DIMS if d not in dims]
     out = []
-    for fixed_vals in itertools.product(*(range(shape[d]) for d in fixed)):
+    for fixed_vals in itertools.product(*(range(shape.get(d, 1)) for d in fixed)):
         base = dict(zip(fixed, fixed_vals))
         members = []
-        for var_vals in itertools.product(*(range(shape[d]) for d in dims)):
+        for var_vals in itertools.product(*(range(shape.get(d, 1)) for d in dims)):
             c = dict(base, **dict(zip(dims, var_vals)))
             members.append(rank_of(c, shape))
         out.append(sorted(members))
@@ -99,15 +102,19 @@ class ParallelContext:
 
     def size(self, dim: str) -> int:
         dims = COMPOSITES.get(dim, (dim,))
-        return math.prod(self.shape[d] for d in dims)
+        return math.prod(self.shape.get(d, 1) for d in dims)
 
     def index(self, dim: str) -> int:
         """This rank's position within the group along `dim` (composite dims row-major)."""
         c = self.coords
         idx = 0
         for d in COMPOSITES.get(dim, (dim,)):
-            idx = idx * self.shape[d] + c[d]
+            idx = idx * self.shape.get(d, 1) + c[d]
         return idx
+
+    def data_index(self) -> int:
+        """This rank's data-parallel replica over the job: islands split the global batch like dp."""
+        return self.coords["islands"] * self.size("dp") + self.index("dp")
 
     def comm(self, dim: str) -> Comm:
         return self.comms[dim]
@@ -183,7 +190,7 @@ def init_context(shape: dict[str, int], device: torch.device, timeout_s: float =
     `restarts`: the count `join_world` agreed on (None: join and agree now)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    need = math.prod(shape[d] for d in DIMS)
+    need = math.prod(shape.get(d, 1) for d in DIMS)
     if need != world:
         raise RuntimeError(f"layout needs {need} ranks but WORLD_SIZE is {world}")
     _init_world(device, timeout_s)
@@ -210,6 +217,9 @@ def init_context(shape: dict[str, int], device: torch.device, timeout_s: float =
         for name, groups in zpp_groups(shape, shape["zpp"]).items():
             ctx.comms[name] = _make_comm(name, groups, rank, world, timeout_s)
     ctx.comms["world"] = Comm("world", dist.group.WORLD if world > 1 else None, list(range(world)), rank)
+    # This rank's island: the training math's world (docs/architecture.md, "Islands"); at one island the
+    # world group itself (no new group), booked apart.
+    ctx.comms["island"] = _make_comm("island", groups_along(ISLAND, shape), rank, world, timeout_s)
     return ctx
 
 

@@ -85,7 +85,7 @@ class Parallelized:
     optimizer: Optimizer
     grads: GradSync
     placements: PlacementTable
-    world: object  # Comm over every rank: the gradient norm sums each owner's squares over it
+    world: object  # Comm over this island's ranks (all of them at one island): the gradient norm sums each owner's squares over it
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     runner: StepRunner
     names: dict[int, str]  # id() of each parameter -> its placement's name
@@ -211,11 +211,11 @@ def parallelize(model: nn.Module, ctx: ParallelContext, layout: Layout, make_opt
         # ZeRO-2/3 and EP meet other replicas on every micro-batch: uneven replicas pad to the longest
         runner = Accumulation(model, loss_fn, grads, layout.micro_batch, layout.accum_of(ctx.index("dp")),
                               layout.dp_pad_to, counted)
-    return Parallelized(model=model, optimizer=opt, grads=grads, placements=table, world=ctx.comm("world"),
+    return Parallelized(model=model, optimizer=opt, grads=grads, placements=table, world=ctx.comm("island"),
                         loss_fn=loss_fn, runner=runner, names={id(p): name for name, p in named},
                         pipeline=runner if pipe is not None else None,
                         moe=moe, cp=cp, mtp=mtp, zloss=zloss,
-                        state_writer=all(i == 0 for d, i in ctx.coords.items() if d != "pp"))
+                        state_writer=all(i == 0 for d, i in ctx.coords.items() if d not in ("pp", "islands")))
 
 
 def _apply_dims(model, ctx, layout, plan, table, experts, parallel: ParallelConfig, training: TrainingConfig):

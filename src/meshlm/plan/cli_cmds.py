@@ -12,6 +12,7 @@ import sys
 
 from .. import config as C
 from ..layout import check_rampup
+from . import islands as isl
 from .estimate import CATEGORIES, Options, describe_run, estimate, run_time, step_categories
 from .goodput import Resilience, describe as describe_goodput, goodput
 from .hardware import FLAG_FIELDS, GIB, HardwareError, describe, get_gpu, names
@@ -82,6 +83,7 @@ def add_parsers(subparsers) -> None:
     e = subparsers.add_parser("estimate", help="memory, time and MFU of one layout (takes --section.key overrides)")
     e.add_argument("--config", help="TOML config file, as for `meshlm train`")
     _hardware_flags(e, gpu_required=False)
+    isl.add_flags(e)
     e.set_defaults(func=run_estimate)
     p = subparsers.add_parser("plan", help="search every layout of N GPUs and rank those that fit")
     p.add_argument("--model", help=f"preset ({', '.join(presets())}); default: --config's model")
@@ -107,6 +109,7 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="plan for training.compile = true / false (compiled blocks save fewer activations); "
                         "default: the config's, whose \"auto\" compiles on a GPU, not for a CPU run's --calibrate")
+    isl.add_flags(p)
     p.set_defaults(func=run_plan)
 
 
@@ -150,10 +153,13 @@ def run_estimate(args, extra_argv: list[str] | None = None) -> int:
             return _estimate_mixed(args, cfg, cluster)
         args.gpus = 1 if args.gpus is None else args.gpus
         cfg, gpu, opts, cal = _device(args, cfg, args.gpus)
+        islands = isl.islands_flag(args, cfg)
         shape = shape_from_config(cfg)
         spec = spec_from_config(cfg, args.gpus)
         check_rampup(cfg, spec)
         out = estimate(shape, spec, gpu, opts)
+        if islands > 1:  # DiLoCo: the cross-island traffic and step times (plan/islands.py)
+            out["islands"] = isl.report(out, islands, cfg.training.outer, args.link_gbps, args.link_latency_ms)
     except (C.ConfigError, PlanError, HardwareError) as e:
         return _fail(str(e))
     run = None
@@ -168,7 +174,10 @@ def run_estimate(args, extra_argv: list[str] | None = None) -> int:
         if cal is not None:
             from .calibrate import rate_sources
             sources = rate_sources(cal, args.gpus)
-        print(format_estimate(out, gpu, sources) + ("\n" + describe_run(run) if run else ""))
+        text = format_estimate(out, gpu, sources)
+        if "islands" in out:
+            text += "\n" + isl.describe(out["islands"])
+        print(text + ("\n" + describe_run(run) if run else ""))
     return 0
 
 
@@ -271,8 +280,9 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
         if args.gpus is None:
             raise PlanError("--gpus: give the number of GPUs (or a mixed cluster: --gpu TYPE:COUNT,...)")
         cfg, gpu, opts, _ = _device(args, cfg, args.gpus)  # --emit-config: compile as priced
-        res = plan(shape, gpu, args.gpus, seq, tokens, args.precision, args.top, parse_fix(args.fix), opts,
-                   optim=cfg.optim.name, knobs=search_knobs(cfg))
+        islands = isl.islands_flag(args, cfg)  # DiLoCo: the search is one island's (plan/islands.py)
+        res = plan(shape, gpu, args.gpus // islands, seq, tokens // islands, args.precision, args.top,
+                   parse_fix(args.fix), opts, optim=cfg.optim.name, knobs=search_knobs(cfg))
         rates = (args.failures_per_gpu_hour, args.ckpt_node_gbps, args.storage_gbps, args.restart_min,
                  args.spare_min, args.repair_h)
         if min(rates) < 0 or min(rates[1:3]) <= 0:
@@ -289,8 +299,11 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(res.ranked, indent=1))
     else:
-        print(format_plan(res, shape, gpu, args.gpus, seq, tokens, cfg.optim.name))
+        print(format_plan(res, shape, gpu, args.gpus // islands, seq, tokens // islands, cfg.optim.name))
         print(describe_goodput(good))
+        if islands > 1 and res.ranked:
+            print(isl.describe(isl.report(res.ranked[0], islands, cfg.training.outer, args.link_gbps,
+                                          args.link_latency_ms)))
     if args.explain:
         print(format_explain(res), file=sys.stderr if args.json else sys.stdout)
     if not res.ranked:
@@ -299,9 +312,11 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
         if args.emit_rank > len(res.ranked):
             return _fail(f"--emit-rank: only {len(res.ranked)} layouts fit, no row {args.emit_rank}", 1)
         best = spec_of_layout(res.ranked[args.emit_rank - 1]["layout"])
+        out = to_config(shape, best, cfg)
+        out.training.global_batch *= islands  # the layout is one island's, the batch the job's (parallel.islands kept)
         try:
             with open(args.emit_config, "w") as f:
-                f.write(C.to_toml(to_config(shape, best, cfg)))
+                f.write(C.to_toml(out))
         except OSError as e:
             return _fail(f"--emit-config: cannot write {args.emit_config}: {e.strerror}")
         if not args.json:

@@ -19,30 +19,43 @@ class TrainState:
     state_dict / load_state_dict, so that the state sits below what observes and acts on it."""
 
     def __init__(self, par: Parallelized, sampler, scaler: LossScaler, spikes: Stateful,
-                 cfg: Config, layout: Layout, rank: int):
+                 cfg: Config, layout: Layout, rank: int, outer=None, island: int = 0):
         self.par, self.sampler, self.scaler, self.spikes = par, sampler, scaler, spikes
         self.cfg, self.layout, self.rank = cfg, layout, rank
+        self.outer, self.island = outer, island  # parallel.islands > 1: the OuterSync, this rank's island
         self.step = 0  # optimizer steps taken
         self.saved_step: int | None = None  # newest checkpoint written or loaded (for messages)
 
-    def pieces(self) -> tuple[dict[str, ckpt.Pieces], dict[str, tuple[int, ...]]]:
+    def pieces(self, island: int | None = None, outer: bool = True
+               ) -> tuple[dict[str, ckpt.Pieces], dict[str, tuple[int, ...]]]:
         """This rank's pieces of every checkpoint tensor (views of its own optimizer state, placed by
         the placement records; the model-state buffers, Parallelized.model_state), and the full shape
-        of every key, in model order."""
+        of every key, in model order. With islands (docs/diloco.md, "Checkpoints"), island i's state is
+        under `island{i}/` (island 0's under the plain keys), and θ_outer and its momentum under `outer/`
+        (`outer`: with them); `island`: whose keys this rank reads or writes (default: its own)."""
         state, shapes = {}, {}
         places, opt = self.par.placements, self.par.optimizer
+        island = self.island if island is None else island
+        prefix = f"island{island}/" if island else ""
         for name, kind, t in opt.state_storage():
             pl = places[name]
-            key = f"{kind}/{name}"
+            key = f"{prefix}{kind}/{name}"
             # offload = "nvme": `t` stands for a stretch of a state file, read and written through it
             state[key] = ckpt.Pieces(pl.full_shape, torch.float32,
                                      [(b.offsets, v) for b, v in pl.pieces(t)], pl.owner,
                                      opt.backing(name, kind) if t.is_meta else None)
             shapes[key] = pl.full_shape
         for name, t in self.par.model_state().items():  # whole on each holder; one copy per stage writes
-            key = f"master/{name}"
+            key = f"{prefix}master/{name}"
             state[key] = ckpt.Pieces(tuple(t.shape), torch.float32, [((0,) * t.dim(), t)], self.par.state_writer)
             shapes[key] = tuple(t.shape)
+        for kind, tensors in (self.outer.storage() if self.outer is not None and outer else []):
+            for name, t in tensors.items():  # laid out like the masters; island 0's owners write them
+                pl = places[name]
+                state[f"outer/{kind}/{name}"] = ckpt.Pieces(pl.full_shape, torch.float32,
+                                                            [(b.offsets, v) for b, v in pl.pieces(t)],
+                                                            pl.owner and self.island == 0)
+                shapes[f"outer/{kind}/{name}"] = pl.full_shape
         rng = torch.get_rng_state()
         state["rng/cpu"] = ckpt.Pieces(tuple(rng.shape), rng.dtype, [((0,), rng)], self.rank == 0)
         return state, shapes
@@ -61,9 +74,17 @@ class TrainState:
         return out
 
     def load(self, path: str) -> dict:
-        """Every piece from the checkpoint at `path` (written by any layout); its meta.json."""
-        state, shapes = self.pieces()
+        """Every piece from the checkpoint at `path` (written by any layout); its meta.json. Islands: a
+        checkpoint of another island count (ckpt.check_islands allowed it) keeps the islands it has."""
+        ckpt.check_islands(self.cfg, path)
+        written = ckpt.islands_of(path)
+        # an island the checkpoint has reads its own state, a new one island 0's (docs/diloco.md, "Checkpoints")
+        state, shapes = self.pieces(self.island if self.island < written else 0, outer=written > 1)
         meta = ckpt.load(path, state, shapes)
+        if self.outer is not None and written == 1:  # DiLoCo from an ordinary checkpoint: θ_outer = its masters
+            self.outer.restart_from_masters()
+        elif self.outer is not None and self.island >= written:  # an island (re)joins from θ_outer
+            self.outer.rejoin()
         self.par.optimizer.loaded(meta["optimizer_step"])
         torch.set_rng_state(state["rng/cpu"].parts[0][1])
         self.sampler.load_state_dict(meta["sampler"])

@@ -20,6 +20,8 @@ from ..layout import Layout
 from ..model import build_model
 from ..model.from_config import model_args
 from ..parallel import Parallelized, parallelize, slices
+from ..parallel.dims.islands import outer_sync
+from ..parallel.plans.moe import model_plan_for
 from ..parallel.step import local_batch
 from ..plan.auto import resolve
 from . import checkpoint as ckpt
@@ -105,9 +107,12 @@ class Trainer:
         self.par: Parallelized = parallelize(model, ctx, layout, MasterOptimizer, **slices(cfg))
         self.model = self.par.model
         self.runner = self.par.runner
+        # parallel.islands > 1: DiLoCo's outer step across islands (docs/diloco.md); None otherwise
+        self.outer = outer_sync(self.par, ctx, layout, t.outer, model_plan_for(self.model), self.args.n_layers)
         # what checkpoints hold, and what keeps a run alive (watchdog, non-finite guard, preemption)
         self.state = TrainState(self.par, self.data.sampler, LossScaler(t.precision == "fp16", device=ctx.device),
-                                SpikeDetector(t.spike_zscore, t.spike_window, t.spike_action), cfg, layout, ctx.rank)
+                                SpikeDetector(t.spike_zscore, t.spike_window, t.spike_action), cfg, layout, ctx.rank,
+                                self.outer, ctx.coords["islands"])
         self.checkpointer = ckpt.Checkpointer(os.path.join(run_dir, "checkpoints"), ctx.comm("world"),
                                               cfg.checkpoint.keep, cfg.checkpoint.async_, cfg.checkpoint.on_error)
         self.watchdog = fault.watch(ctx, cfg.parallel.heartbeat_s, partial(record_error, run_dir))
@@ -187,7 +192,8 @@ class Trainer:
         t, par, state, scaler = self.cfg.training, self.par, self.state, self.state.scaler
         t0 = time.perf_counter()
         size = self.data.sampler.batch_size()  # this step's global batch (training.batch_rampup: while ramping, fewer)
-        batch = local_batch(self.data.next_batch(self.ctx.index("dp"), self.layout.dp, self.layout.dp_rows),
+        batch = local_batch(self.data.next_batch(self.ctx.data_index(), self.layout.dp * self.layout.islands,
+                                                 self.layout.dp_rows),
                             par.local_tokens, self.ctx.device)
         self.meter.data_s += time.perf_counter() - t0  # the data share of the step (train/observe/straggler.py)
         lr = lr_at(state.step, self.cfg.optim, t.steps)  # a function of the step, ramp or not (docs/training.md, "Batch-size ramp-up")
@@ -208,6 +214,8 @@ class Trainer:
             torch._foreach_mul_(grads, scaler.inv_scale())
         stop = self.preempt.flag()  # checkpoint.on_signal: summed over the world with the norm
         norm = grad_norm(par.norm_grads(), par.world, self.ctx.device, carry=stop)
+        if self.outer is not None:  # stopping is the job's decision, across islands too
+            self.outer.agree_stop(stop)
         self.guard.observe(state.step + 1, loss_sum, norm)  # device ops only; read on log steps
         found_inf = None
         if scaler.enabled:
@@ -225,6 +233,8 @@ class Trainer:
         if par.moe is not None:  # auxiliary-loss-free balancing: every step, from the step's global counts
             par.moe.update_biases(par.world, self.ctx.device, found_inf)
         state.step += 1
+        if self.outer is not None:  # every H inner steps (per fragment): the islands' outer step
+            self.outer.after_step(state.step)
         return {"loss_sum": loss_sum, "norm": norm, "lr": lr, "spike": spike, "global_batch": size,
                 "skipped": found_inf if found_inf is not None else False, "mem": mem, "stop": stop}
 

@@ -86,6 +86,14 @@ class LlamaModelPlan:
         modules (they embed the tokens ahead). Split over two pipeline ranks, it is a tied weight."""
         return bool(model.args.tie_embeddings or model.args.mtp_depth)
 
+    def fragment_of(self, name: str, n_layers: int, fragments: int) -> int:
+        """Streaming DiLoCo's fragment of a parameter (docs/diloco.md): contiguous runs of blocks; the
+        embedding (a tied head with it) goes with the first, the final norm, the head and MTP with the last."""
+        first, _, rest = name.partition(".")
+        if first == "layers":
+            return int(rest.split(".")[0]) * fragments // n_layers
+        return 0 if name == self.tied_name() else fragments - 1
+
     def block_parts(self, block: nn.Module) -> dict[nn.Module, str]:
         """A block's children by the part they belong to, for measuring tools (train/observe/saved.py):
         `norm` (they read the residual stream), `attention`, `feed_forward`, `other`."""

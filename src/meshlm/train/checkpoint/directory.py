@@ -46,6 +46,39 @@ def find_resume(root: str, resume: str, restarts: int = 0) -> str | None:
     return resume
 
 
+def _meta(path: str) -> dict:
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: cannot read meta.json ({e})") from None
+
+
+def islands_of(path: str) -> int:
+    """The DiLoCo island count that wrote the checkpoint at `path` (1: an ordinary run)."""
+    return int((_meta(path).get("layout") or {}).get("islands", 1))
+
+
+def check_islands(cfg, path: str) -> None:
+    """A checkpoint of N islands resumes with any number M > 1 of them (docs/diloco.md, "Checkpoints":
+    islands below N keep their own state, θ_outer and its momentum go on, islands from N up join from
+    θ_outer: an island dropped or rejoining), and from one island (θ_outer starts as its masters). Into
+    one island (no outer step left) only right after an outer sync of the whole model (fragments = 1,
+    step divisible by H), where every island holds θ_outer. Anything else: one line."""
+    meta = _meta(path)
+    written, now = islands_of(path), cfg.parallel.islands
+    if written == now or written == 1 or now > 1:
+        return
+    outer = (meta.get("config") or {}).get("training", {}).get("outer", {})
+    h, k, step = int(outer.get("sync_every", 1)), int(outer.get("fragments", 1)), int(meta.get("step", 0))
+    if k != 1 or step % h:
+        raise CheckpointError(f"parallel.islands: {path} was written by {written} islands at step {step}, inside "
+                              f"an outer round (training.outer.sync_every {h}, fragments {k}), where the islands' "
+                              f"models differ; resume it with parallel.islands > 1, or in one island from a "
+                              f"checkpoint right after a whole-model outer sync (fragments = 1, a step divisible "
+                              f"by {h})")
+
+
 def preflight(cfg, run_dir: str, restarts: int = 0) -> None:
     """Refuse the checkpoint a run would resume from before any worker starts: a `.tmp`, a missing or
     unreadable index, a truncated data file, or tensors whose shapes differ from the configured model
@@ -62,6 +95,7 @@ def preflight(cfg, run_dir: str, restarts: int = 0) -> None:
     if weights_only:  # `meshlm convert --from-hf` output: no optimizer state to resume
         raise CheckpointError(f"checkpoint.resume: {path} holds weights only (meshlm convert --from-hf); "
                               f"train from Hugging Face weights with --model.init_from hf:DIR")
+    check_islands(cfg, path)
     from ...model import build_model
     from ...model.from_config import model_args
     from ...model.init import canonical_name

@@ -413,7 +413,7 @@ class StepMeter:
             rec["z_loss"] = self.global_loss(total if total is not None else torch.zeros((), device=device),
                                              out["global_batch"])
         if self.par.moe is not None:
-            rec["moe"] = self.par.moe.record(self.ctx.comm("world"), device)
+            rec["moe"] = self.par.moe.record(self.ctx.comm("island"), device)
         if self.par.pipeline is not None:  # measured bubble; rank 0 writes the step's Chrome trace
             rec["bubble"] = self.par.pipeline.record(self.trace, state.step)
         if bool(out["skipped"]):  # a device flag with fp16: read here, where the step has synced anyway

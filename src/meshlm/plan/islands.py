@@ -1,0 +1,139 @@
+"""DiLoCo's cross-island traffic and when it hides behind compute (parallel.islands, docs/diloco.md).
+
+One formula for the bytes an outer sync books, shared by the runtime's tests (tests/test_islands.py
+compares it with what `Comm` counted) and by `meshlm plan` / `estimate --islands` (`outer_plan`).
+Pure Python: no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .spec import PlanError
+from .volume import QUANT_BLOCK
+
+WIRE_ELEM = {"none": 4, "bf16": 2}  # bytes per element of the outer gradient as sent; fp8/int8: 1 + scales
+
+
+def padded(n: int, quantize: str) -> int:
+    """Elements sent for n: the float8 and int8 rows are whole blocks of QUANT_BLOCK, each with its fp32 scale."""
+    return n if quantize in WIRE_ELEM else -(-n // QUANT_BLOCK) * QUANT_BLOCK
+
+
+def payload_bytes(n: int, quantize: str) -> int:
+    """Bytes of one island's outer gradient of n fp32 elements on the wire."""
+    if quantize in WIRE_ELEM:
+        return n * WIRE_ELEM[quantize]
+    m = padded(n, quantize)
+    return m + 4 * (m // QUANT_BLOCK)
+
+
+def outer_sync_bytes(n: int, islands: int, quantize: str) -> int:
+    """Bytes `Comm` books on one rank for one outer sync of its n elements: fp32 is one all-reduce
+    (booked as 2× the tensor, comm.py's unit); a quantised gradient is all-gathered (every island's
+    codes and scales, summed in fp32 in island order on every rank), booked as the gathered output."""
+    if islands <= 1 or n == 0:
+        return 0
+    if quantize == "none":
+        return 2 * 4 * n
+    return islands * payload_bytes(n, quantize)
+
+
+def bytes_per_step(fragment_sizes: list[int], islands: int, sync_every: int, quantize: str) -> float:
+    """Cross-island bytes per inner step on one rank: each fragment (its elements on this rank) is
+    synced once every `sync_every` inner steps."""
+    return sum(outer_sync_bytes(n, islands, quantize) for n in fragment_sizes) / sync_every
+
+
+def fragment_sizes(n: int, fragments: int) -> list[int]:
+    """A model of n elements cut into `fragments` near-equal parts (the planner's view of the blocks)."""
+    return [n // fragments + (k < n % fragments) for k in range(fragments)]
+
+
+@dataclass(frozen=True)
+class OuterPlan:
+    """The smallest H (and K) whose outer sync a link hides behind compute, with its traffic."""
+    sync_every: int
+    fragments: int
+    bytes_per_step: float   # cross-island bytes per inner step (one rank, as booked)
+    sync_s: float           # one fragment's outer sync on the link (latency + wire bytes / bandwidth)
+    hidden: bool            # the sync of one fragment fits in the H/K inner steps before the next one
+
+
+def sync_seconds(n: int, islands: int, quantize: str, link_gbps: float, latency_ms: float) -> float:
+    """One outer sync of n elements per rank over the inter-island link (GB/s per GPU and direction, as
+    --ib-gbps): latency plus the ring's wire bytes, (islands-1)/islands of what is booked."""
+    return latency_ms / 1e3 + outer_sync_bytes(n, islands, quantize) * (islands - 1) / islands / (link_gbps * 1e9)
+
+
+def outer_plan(n: int, islands: int, step_s: float, link_gbps: float, latency_ms: float = 0.0,
+               quantize: str = "none") -> OuterPlan:
+    """The smallest H (powers of two) and, for it, the fewest fragments K for which one fragment's sync
+    fits in the H/K inner steps before the next sync starts (what an overlapped sync needs)."""
+    for h in (2 ** i for i in range(21)):
+        for k in (2 ** j for j in range(h.bit_length())):
+            sizes = fragment_sizes(n, k)
+            sync = sync_seconds(max(sizes), islands, quantize, link_gbps, latency_ms)
+            if sync <= step_s * h / k:
+                return OuterPlan(h, k, bytes_per_step(sizes, islands, h, quantize), sync, True)
+    sizes = [n]
+    return OuterPlan(h, 1, bytes_per_step(sizes, islands, h, quantize),
+                     sync_seconds(n, islands, quantize, link_gbps, latency_ms), False)
+
+
+# -- the command line (`meshlm plan` / `estimate`): a few flags and lines of their own --------------------
+def add_flags(p) -> None:
+    g = p.add_argument_group("DiLoCo islands (docs/diloco.md)")
+    g.add_argument("--islands", type=int, help="islands the GPUs are split into (default: parallel.islands); "
+                                                "the layout is one island's, --gpus the whole job's")
+    g.add_argument("--link-gbps", type=float, help="inter-island bandwidth per GPU per direction, GB/s")
+    g.add_argument("--link-latency-ms", type=float, default=0.0, help="inter-island latency (default 0)")
+
+
+def islands_flag(args, cfg) -> int:
+    """--islands (or parallel.islands) written into the config; the island count, checked."""
+    n = args.islands if getattr(args, "islands", None) is not None else cfg.parallel.islands
+    if n < 1 or (getattr(args, "gpus", None) and args.gpus % n):
+        raise PlanError(f"--islands: must be >= 1 and divide --gpus {getattr(args, 'gpus', None)}, got {n}")
+    if getattr(args, "link_gbps", None) is not None and not args.link_gbps > 0:
+        raise PlanError(f"--link-gbps: must be > 0, got {args.link_gbps}")
+    cfg.parallel.islands = n
+    return n
+
+
+def report(est: dict, islands: int, outer, link_gbps: float | None, latency_ms: float = 0.0) -> dict:
+    """Cross-island traffic of an estimate's layout (one island's) under training.outer `outer`, and with a
+    link the step times: synchronous DP across the link, DiLoCo's blocking sync at the configured H and
+    K, and the smallest H that an overlapped sync would hide behind."""
+    lay = est["layout"]
+    n = est["params"] // (lay["tp"] * lay["pp"] * (lay["zero_group"] * lay["cp"] if lay["zero"] else 1))
+    sizes = fragment_sizes(n, outer.fragments)
+    out = {"islands": islands, "elements_per_gpu": n, "sync_every": outer.sync_every, "fragments": outer.fragments,
+           "quantize": outer.quantize, "dp_bytes_per_step": outer_sync_bytes(n, islands, "none"),
+           "bytes_per_step": bytes_per_step(sizes, islands, outer.sync_every, outer.quantize)}
+    if link_gbps and est.get("step_s"):
+        step = est["step_s"]
+        per_sync = sync_seconds(max(sizes), islands, outer.quantize, link_gbps, latency_ms)
+        best = outer_plan(n, islands, step, link_gbps, latency_ms, outer.quantize)
+        out.update(step_s=step, sync_dp_step_s=step + sync_seconds(n, islands, "none", link_gbps, latency_ms),
+                   blocking_step_s=step + per_sync * outer.fragments / outer.sync_every,
+                   hiding_sync_every=best.sync_every, hiding_fragments=best.fragments, hidden=best.hidden,
+                   hiding_bytes_per_step=best.bytes_per_step)
+    return out
+
+
+def describe(r: dict) -> str:
+    """`report` as the lines `meshlm plan` / `estimate` print."""
+    lines = [(f"islands: {r['islands']}; the outer sync moves {_size(r['bytes_per_step'])} per inner step per GPU "
+              f"(H {r['sync_every']}, {r['fragments']} fragment(s), {r['quantize']}) vs synchronous DP's "
+              f"{_size(r['dp_bytes_per_step'])}")]
+    if "step_s" in r:
+        lines.append(f"  step: {r['step_s']:.3f} s with the sync hidden, {r['blocking_step_s']:.3f} s with it blocking "
+                     f"(as meshlm runs it today), {r['sync_dp_step_s']:.3f} s as synchronous DP over the link")
+        how = "hides" if r["hidden"] else "does not hide even at"
+        lines.append(f"  the smallest H that {how} the sync behind compute: {r['hiding_sync_every']} "
+                     f"(fragments {r['hiding_fragments']}, {_size(r['hiding_bytes_per_step'])} per inner step)")
+    return "\n".join(lines)
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
