@@ -82,11 +82,22 @@ def test_one_island_ignores_the_outer_keys_bit_for_bit():
 
 # ---------------------------------------------------------------- a plain one-process reference
 
+class _Batch:
+    """The island's sampler as its Trainer reads it: its share of the (fixed) global batch."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def batch_size(self) -> int:
+        return self.size
+
+
 class _Share:
     """Island i's share of every global batch: the i-th of n contiguous slices (what dp = n reads)."""
 
     def __init__(self, data, i: int, n: int):
         self.data, self.i, self.n = data, i, n
+        self.sampler = _Batch(data.sampler.batch_size() // n)
 
     def next_batch(self, dp_rank: int, dp_size: int, rows=()):
         return self.data.next_batch(self.i, self.n)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..choices import DTYPE_BYTES
 from .spec import PlanError
 from .volume import QUANT_BLOCK
 
-WIRE_ELEM = {"none": 4, "bf16": 2}  # bytes per element of the outer gradient as sent; fp8/int8: 1 + scales
+# bytes per element of the outer gradient as sent (none: fp32); fp8 / int8: one byte and block scales
+WIRE_ELEM = {"none": DTYPE_BYTES["fp32"], "bf16": DTYPE_BYTES["bf16"]}
 
 
 def padded(n: int, quantize: str) -> int:
@@ -34,7 +36,7 @@ def outer_sync_bytes(n: int, islands: int, quantize: str) -> int:
     if islands <= 1 or n == 0:
         return 0
     if quantize == "none":
-        return 2 * 4 * n
+        return 2 * WIRE_ELEM["none"] * n
     return islands * payload_bytes(n, quantize)
 
 

@@ -4,7 +4,7 @@ A Spec is a `layout.Layout` (the degrees and the batch split, read from the conf
 `layout.from_config` the trainer uses) plus the planner's knobs. The planner does its own checks
 instead of calling `layout.resolve`, because resolve() also refuses dimensions whose runtime has not
 landed yet, and the planner must reason about all of them; the checks of degrees against the model
-they share are layout.py's. Nothing here imports torch.
+they share are layout/degrees.py's. Nothing here imports torch.
 """
 from __future__ import annotations
 

@@ -144,6 +144,6 @@ class PipelineStages:
 
 def stage_blocks(args, p, m: int) -> list[list[int]]:
     """The blocks of every stage for model `args` under the pipeline keys of `p` (the parallel section)
-    and `m` micro-batches (ValueError naming the key when they do not fit); layout.py checks with it,
+    and `m` micro-batches (ValueError naming the key when they do not fit); layout/checks.py checks with it,
     the runtime cuts by it."""
     return check_pipeline(args.n_layers, p.pp, p.pp_virtual, p.pp_schedule, m, list(p.pp_layers), estimate_costs(args))

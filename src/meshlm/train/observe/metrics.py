@@ -334,6 +334,7 @@ class StepMeter:
         self.ctx, self.par, self.comms = ctx, par, ctx.all_comms()
         self.loss_comms = (ctx.comm("dp_cp"), ctx.comm("pp"))  # pp > 1: only the last stage's is not 0
         self.loss_divisor = layout.step_microbatches * layout.cp  # micro-batches of equal token counts
+        self.layout = layout
         self.micro_batch, self.cp, self.seq_len = layout.micro_batch, layout.cp, cfg.data.seq_len
         self.global_batch, self.ramped = t.global_batch, bool(t.batch_rampup)
         self.flops_per_token = args.flops_per_token(cfg.data.seq_len)
@@ -368,7 +369,8 @@ class StepMeter:
         total = float(loss_sum)
         for comm in self.loss_comms:
             total = comm.all_reduce_scalars([total])[0]
-        divisor = self.loss_divisor if batch in (None, self.global_batch) else batch // self.micro_batch * self.cp
+        divisor = self.loss_divisor if batch in (None, self.global_batch) else \
+            self.layout.step_accum(batch) * self.layout.dp * self.cp  # one island's micro-batches of that step
         return total / divisor
 
     def line(self, state: "TrainState", out: dict, message) -> dict:
