@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from spawn import join_gloo, spawn_gloo  # bench/spawn.py
+from spawn import spawn_gloo, train_worker  # bench/spawn.py
 
 ROWS = {  # name: (sync_every, fragments, quantize[, outer lr, outer momentum]); "sync": synchronous DP
     "sync": None, "h8": (8, 1, "none"), "h32": (32, 1, "none"), "h128": (128, 1, "none"),
@@ -48,24 +48,11 @@ def make_cfg(a, row):
     return cfg
 
 
-def worker(rank: int, world: int, port: int, cfg_dict: dict, run_dir: str, q) -> None:
-    join_gloo(rank, world, port)
-    from meshlm import config as C
-    from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.layout import resolve
-    from meshlm.train.trainer import Trainer
-
-    cfg = C.from_dict(cfg_dict)
-    layout = resolve(cfg, world)
-    Trainer(cfg, run_dir, init_context(layout.shape(), pick_device("cpu")), layout).fit()
-    q.put((rank, None))
-
-
 def run_row(a, row: str) -> dict:
     from meshlm import config as C
     run_dir = tempfile.mkdtemp(prefix=f"meshlm-diloco-{row}-")
     t0 = time.time()
-    spawn_gloo(worker, a.islands, C.to_dict(make_cfg(a, row)), run_dir, timeout=3600)
+    spawn_gloo(train_worker, a.islands, C.to_dict(make_cfg(a, row)), run_dir, timeout=3600)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f]
     steps = [r for r in lines if "loss" in r]

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from spawn import join_gloo, spawn_gloo  # noqa: E402  (bench/spawn.py)
+from spawn import spawn_gloo, train_worker  # noqa: E402  (bench/spawn.py)
 
 VARIANTS = {"zero3": {}, "zero++": {"parallel.quantize_weights": True, "parallel.quantize_grads": True}}
 
@@ -38,19 +38,6 @@ def make_cfg(a, name: str):
     if a.n_layers is not None:
         C.apply(cfg, "model.n_layers", a.n_layers)
     return cfg
-
-
-def worker(rank: int, world: int, port: int, cfg_dict: dict, run_dir: str, q) -> None:
-    join_gloo(rank, world, port)
-    from meshlm import config as C
-    from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.layout import resolve
-    from meshlm.train.trainer import Trainer
-
-    cfg = C.from_dict(cfg_dict)
-    layout = resolve(cfg, world)
-    Trainer(cfg, run_dir, init_context(layout.shape(), pick_device("cpu")), layout).fit()
-    q.put((rank, None))
 
 
 def records(run_dir: str) -> list[dict]:
@@ -102,7 +89,7 @@ def main() -> int:
     for name in VARIANTS:
         run_dir = tempfile.mkdtemp(prefix=f"meshlm-zeropp-{name.strip('+')}-")
         t0 = time.time()
-        spawn_gloo(worker, a.world, C.to_dict(make_cfg(a, name)), run_dir, timeout=3600)
+        spawn_gloo(train_worker, a.world, C.to_dict(make_cfg(a, name)), run_dir, timeout=3600)
         recs = records(run_dir)
         curves[name] = recs
         comm = recs[-1]["comm"]

@@ -266,21 +266,6 @@ def test_cross_island_bytes_meet_the_formula_and_beat_sync_dp(pools, quantize, f
 
 # ---------------------------------------------------------------- checkpoints
 
-def _truncate(run_dir: str, keep_step: int) -> None:
-    """A finished run made to look as if it had stopped right after checkpoint `keep_step`."""
-    import json
-    import shutil
-    root = os.path.join(run_dir, "checkpoints")
-    for name in os.listdir(root):
-        if int(name.split("_")[1]) > keep_step:
-            shutil.rmtree(os.path.join(root, name))
-    path = os.path.join(run_dir, "metrics.jsonl")
-    with open(path) as f:
-        lines = [line for line in f if json.loads(line)["step"] <= keep_step]
-    with open(path, "w") as f:
-        f.writelines(lines)
-
-
 def test_checkpoints_resume_inside_a_round_and_move_between_island_counts_only_when_consistent(pools):
     """islands 2 × dp2 ZeRO-3, H = 4: resuming at step 2 (inside a round: each island's inner state and the
     sharded θ_outer and momentum come back) gives the same losses bit for bit; that checkpoint is refused in
@@ -291,7 +276,8 @@ def test_checkpoints_resume_inside_a_round_and_move_between_island_counts_only_w
             "checkpoint__every": 2, "checkpoint__keep": 5}
     run_dir = tempfile.mkdtemp(prefix="meshlm-isl-ckpt-")
     ref = train_in(pools, make_config(**over), 4, run_dir)
-    _truncate(run_dir, 2)
+    from test_train import truncate_run
+    truncate_run(run_dir, 2)
     resumed = train_in(pools, make_config(**over, checkpoint__resume="auto"), 4, run_dir)
     assert [r["step"] for r in resumed] == list(range(1, 9))
     assert [r["loss"] for r in resumed[2:]] == [r["loss"] for r in ref[2:]]  # exact
