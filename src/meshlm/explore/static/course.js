@@ -2,7 +2,7 @@
 // steps, sampled by the server from the trainer's own lr_at and BatchRamp; and the run's total time.
 "use strict";
 
-const CORNER_NAMES = { warmup_end: "warmup ends", decay_start: "decay starts", ramp_end: "full batch from" };
+const CORNER_NAMES = { warmup_end: "peak LR (warmup's end) at", decay_start: "decay from", ramp_end: "full batch from" };
 
 // plan/estimate.py `describe_run`, as `meshlm estimate` prints it
 function describeRun(run) {
@@ -29,7 +29,7 @@ function markCorners(svg, corners, xs) {  // dashed lines where the curves bend 
   for (const [k, step] of Object.entries(corners)) {
     const x = box.x + (step - lo) / (hi - lo || 1) * box.width;
     el("title", {}, el("line", { x1: x, x2: x, y1: 20, y2: 166, stroke: "#9aa5b1", "stroke-dasharray": "3 3",
-      class: "corner", "data-corner": k, "data-step": step }, svg), `${CORNER_NAMES[k]}: step ${step.toLocaleString()}`);
+      class: "corner", "data-corner": k, "data-step": step }, svg), `${CORNER_NAMES[k]} step ${step.toLocaleString()}`);
   }
 }
 
@@ -47,6 +47,6 @@ function renderCourse(res) {
     lineChart(batch, [{ name: "global batch (sequences)", cls: "batch", points: stairs(c.step, c.batch) }], { ymin: 0 });
     markCorners(batch, { ramp_end: c.corners.ramp_end }, c.step);
   } else clear(batch);
-  const parts = Object.entries(c.corners).map(([k, s]) => `${CORNER_NAMES[k]} at step ${s.toLocaleString()}`);
+  const parts = Object.entries(c.corners).map(([k, s]) => `${CORNER_NAMES[k]} step ${s.toLocaleString()}`);
   $("#course-caption").textContent = parts.join(" · ") + (c.batch ? "" : (parts.length ? " · " : "") + "fixed batch");
 }

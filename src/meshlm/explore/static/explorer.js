@@ -88,6 +88,7 @@ function renderComm(r) {
 function render(res, body) {
   renderCourse(res);
   if (res.mixed) { renderMixed(res, body); return; }
+  delete $("#mem-table").dataset.mixed;
   if (isMixed()) setValue("gpus", res.derived.gpus);  // a one-type cluster (h100:16) is the one-type estimate
   const r = res.estimate;
   renderMemory(r, body);

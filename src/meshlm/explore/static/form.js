@@ -96,10 +96,11 @@ function showError(message, key) {
   for (const e of form.querySelectorAll(".bad")) e.classList.remove("bad");
   if (!message) return;
   // next to the input that causes it: the key's input, or the one just changed if the message names it
-  let target = key && input(key === "gpu" && isMixed() ? "cluster" : key);
+  let target = key && input(key);
   const short = lastChanged && lastChanged.split(".").pop();
   if (lastChanged && lastChanged !== key && input(lastChanged) && short &&
       new RegExp(`\\b${short}\\b`).test(message.replace(/×/g, " "))) target = input(lastChanged);
+  if (target === input("gpu") && isMixed()) target = input("cluster");  // the cluster's own text is at fault
   if (!target || !target.closest("label")) { $("#form-error").textContent = message; return; }
   target.classList.add("bad");
   let span = target.closest("label").querySelector(".err");

@@ -88,6 +88,7 @@ function renderMixedPlan(res, body) {
     (res.ranked.map(mixedRow).join("") || "<tr><td colspan=16>no mixed layout fits</td></tr>") + "</tbody>";
   for (const tr of t.querySelectorAll("tbody tr[data-i]")) tr.onclick = () => loadRow(res.ranked[+tr.dataset.i], +tr.dataset.i);
   const best = res.ranked[0];
+  Object.assign($("#plan-compare").dataset, { pays: res.comparison.pays, alone: res.comparison.alone_step_s ?? "" });
   $("#plan-compare").innerHTML = comparisonHtml(res) +
     (best ? `<table class="nums"><caption>best mixed layout, per device type</caption>${perTypeRows(best)}</table>` : "");
 }
