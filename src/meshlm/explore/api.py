@@ -22,9 +22,9 @@ from ..plan.hetero import plan_mixed
 from ..plan.hetero_cli import comparison, estimate_mixed, mixed_config, row
 from ..plan.ops import KERNELS
 from ..plan.search import plan
-from .course import COURSE_KEYS, check_course, mixed_run_total, run_total, sample_course
 from ..plan.spec import AC_MODES, CP_IMPLS, OPTIMIZERS, PRECISIONS, SCHEDULES, PlanError, presets, priced_on, \
     search_knobs, shape_from_config, spec_from_config, spec_of_layout, to_config
+from .course import COURSE_KEYS, check_course, mixed_run_total, run_total, sample_course
 
 MAX_GPUS = 1 << 17           # a search over more is a typo, not a cluster
 MAX_TIMELINE_UNITS = 4096    # p·m·v above which the timeline is not simulated for drawing (~1 s)
