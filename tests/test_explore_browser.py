@@ -375,12 +375,17 @@ def test_schedule_chart_of_a_wsd_run_with_a_ramp_and_bad_values_by_their_fields(
     a dashed line at each corner), the run total beside the step time, errors next to their fields."""
     from meshlm.data.rampup import BatchRamp
     _fresh(page, explore[0])
+    _searched(page)
+    caption = page.inner_html("#plan-caption")
+    page.evaluate("window.planRuns = 0; const f = runPlan; runPlan = (...a) => { window.planRuns++; return f(...a); }; 0")
     page.select_option('select[name="optim.schedule"]', "wsd")
     page.fill('input[name="training.steps"]', "100000")
     page.fill('input[name="optim.warmup"]', "2000")
     page.fill('input[name="training.batch_rampup"]', "64, 64, 2000000")
     page.wait_for_selector("#batch-chart polyline.batch")
     page.wait_for_function("document.querySelector('#run-total').textContent.includes('100,000')")
+    page.wait_for_timeout(800)  # past the plan's debounce: no layout's price depends on the schedule
+    assert page.evaluate("window.planRuns") == 0 and page.inner_html("#plan-caption") == caption
     ramp_end = BatchRamp(512, [64, 64, 2_000_000]).ramp_steps  # 4 Mi tokens / 8192 = 512 sequences
     corners = {c.get_attribute("data-corner"): int(c.get_attribute("data-step"))
                for c in page.locator("#lr-chart line.corner").all()}
