@@ -318,3 +318,97 @@ def test_index_html_and_prediction_wording(page, explore):
     caption = page.inner_text("#pred-caption")
     assert caption.startswith("planner: rank 0 of 1 rank, no pipeline") and "only stage" not in caption
     page.click("#tab-explorer")
+
+
+# ------------------------------------------------------------------------- mixed clusters, the schedule
+
+def _fresh(page, url):
+    page.goto(url)
+    page.wait_for_selector("#mem-table[data-model]")
+
+
+def test_mixed_cluster_rows_per_type_facts_and_comparison(page, explore, shots):
+    """Issue #51 on the page: the GPU select's "mixed cluster" and its TYPE:COUNT text give the estimate
+    per device type, the mixed plan's rows and the verdict against the fastest type alone; a row loads
+    exactly; a bad cluster is named next to its input; an example brings the one-type form back."""
+    _fresh(page, explore[0])
+    assert page.is_hidden('input[name="cluster"]')
+    page.select_option('select[name="gpu"]', "mixed")
+    err = page.locator('label:has(input[name="cluster"]) .err')
+    err.wait_for()
+    assert err.inner_text().startswith("gpu: give the cluster as TYPE:COUNT")
+    page.fill('input[name="cluster"]', "h100:8,a100-80gb:8")
+    page.wait_for_selector('#mem-table[data-mixed][data-gpus="16"]')
+    assert page.input_value('input[name="gpus"]') == "16" and page.is_disabled('input[name="gpus"]')
+    types = page.locator("#mem-table tr[data-card] td:first-child").all_inner_texts()
+    assert types == ["H100-SXM-80GB", "A100-80GB"] and err.inner_text() == ""
+    page.wait_for_function("document.querySelector('#plan-caption').textContent.startsWith('meshlm plan (mixed)')")
+    rows = page.locator("#plan-table tbody tr[data-i]")
+    assert rows.count() == 10
+    compare = page.inner_text("#plan-compare")
+    alone = float(page.get_attribute("#plan-compare", "data-alone"))
+    pays = float(rows.nth(0).get_attribute("data-step")) < alone
+    assert page.get_attribute("#plan-compare", "data-pays") == str(pays).lower()
+    assert "fastest type alone: 8 × H100-SXM-80GB" in compare and "adding 8 × A100-80GB" in compare
+    assert ("(they pay)" in compare) == pays and ("does not pay" in compare) == (not pays)
+    assert page.locator("#plan-compare tr[data-card]").count() == 2  # the best row, per device type
+    rows.nth(1).click()
+    page.wait_for_selector('#plan-table[data-loaded="1"]')
+    assert page.get_attribute("#headline", "data-step") == rows.nth(1).get_attribute("data-step")
+    assert "fits" in page.inner_text("#mem-caption") and "does not fit" not in page.inner_text("#mem-caption")
+    page.screenshot(path=os.path.join(shots, "explore_mixed.png"), full_page=True)
+    page.fill('input[name="cluster"]', "h100:8,a100-80gb:x")
+    page.wait_for_function("document.querySelector('label:has(input[name=\"cluster\"]) .err').textContent"
+                           ".startsWith(\"gpu: 'a100-80gb:x' is not TYPE:COUNT\")")
+    assert page.locator("#outputs.stale").count() == 1
+    page.wait_for_timeout(800)  # the search answers the same line (and leaves the rows dimmed)
+    page.wait_for_selector("#plan-card.stale")
+    assert "is not TYPE:COUNT" in page.inner_text("#plan-caption")
+    page.click("text=7B on 8 GPUs")
+    page.wait_for_selector('#mem-table[data-model="llama3-8b"][data-gpus="8"]:not([data-mixed]) #mem-params')
+    assert page.is_hidden('input[name="cluster"]') and page.is_enabled('input[name="gpus"]')
+    _searched(page)
+
+
+def test_schedule_chart_of_a_wsd_run_with_a_ramp_and_bad_values_by_their_fields(page, explore, shots):
+    """Issue #53 item 5: the LR and the batch over the run (the server's samples of lr_at and BatchRamp,
+    a dashed line at each corner), the run total beside the step time, errors next to their fields."""
+    from meshlm.data.rampup import BatchRamp
+    _fresh(page, explore[0])
+    _searched(page)
+    caption = page.inner_html("#plan-caption")
+    page.evaluate("window.planRuns = 0; const f = runPlan; runPlan = (...a) => { window.planRuns++; return f(...a); }; 0")
+    page.select_option('select[name="optim.schedule"]', "wsd")
+    page.fill('input[name="training.steps"]', "100000")
+    page.fill('input[name="optim.warmup"]', "2000")
+    page.fill('input[name="training.batch_rampup"]', "64, 64, 2000000")
+    page.wait_for_selector("#batch-chart polyline.batch")
+    page.wait_for_function("document.querySelector('#run-total').textContent.includes('100,000')")
+    page.wait_for_timeout(800)  # past the plan's debounce: no layout's price depends on the schedule
+    assert page.evaluate("window.planRuns") == 0 and page.inner_html("#plan-caption") == caption
+    ramp_end = BatchRamp(512, [64, 64, 2_000_000]).ramp_steps  # 4 Mi tokens / 8192 = 512 sequences
+    corners = {c.get_attribute("data-corner"): int(c.get_attribute("data-step"))
+               for c in page.locator("#lr-chart line.corner").all()}
+    assert corners == {"warmup_end": 1999, "decay_start": 80_000, "ramp_end": ramp_end}
+    assert f"ramp: first {ramp_end:,} steps at smaller batches" in page.inner_text("#run-total")
+    n = int(page.get_attribute("#lr-chart", "data-points"))
+    levels = len(BatchRamp(512, [64, 64, 2_000_000]).levels)  # each batch size's first step, and the one before
+    assert 200 <= n <= 200 + 2 * (3 + levels) and page.eval_on_selector("#lr-chart polyline", "p => p.points.length") == n
+    for chart in ("#lr-chart", "#batch-chart"):  # drawn inside its box (not cut at the right edge)
+        inside = page.eval_on_selector(chart, "s => { const b = s.querySelector('polyline').getBBox(); "
+                                              "return b.x >= 0 && b.x + b.width <= s.getBoundingClientRect().width; }")
+        assert inside, chart
+    first, last = page.eval_on_selector("#batch-chart polyline", "p => [p.points[0].y, p.points[p.points.length - 1].y]")
+    assert last < first  # the batch grows: its line rises
+    page.locator("#course-card").screenshot(path=os.path.join(shots, "explore_schedule.png"))
+    for name, value, words in (("optim.decay_steps", "99000", "optim.decay_steps: the decay (99000 steps) is longer"),
+                               ("training.batch_rampup", "64, 60, 1000", "training.batch_rampup: the increment 60")):
+        page.fill(f'[name="{name}"]', value)
+        err = page.locator(f'label:has([name="{name}"]) .err')
+        page.wait_for_function(f"document.querySelector('label:has([name=\"{name}\"]) .err')?.textContent"
+                               f".startsWith({json.dumps(words)})")
+        assert page.locator("#outputs.stale").count() == 1
+        page.fill(f'[name="{name}"]', "0" if name == "optim.decay_steps" else "")
+        page.wait_for_selector("#outputs:not(.stale)")
+        assert err.inner_text() == ""
+    assert page.is_hidden("#batch-chart")  # no ramp: the batch chart goes

@@ -14,6 +14,7 @@ import os
 import re
 
 from .. import config as C
+from ..choices import DECAY_TYPES, LR_SCHEDULES
 from ..plan.cluster import Cluster, check_world, is_mixed_flag, parse_cluster
 from ..plan.estimate import SIMULATED, Options, estimate, schedule_timeline
 from ..plan.hardware import FLAG_FIELDS, PROFILES, HardwareError, get_gpu
@@ -23,6 +24,7 @@ from ..plan.ops import KERNELS
 from ..plan.search import plan
 from ..plan.spec import AC_MODES, CP_IMPLS, OPTIMIZERS, PRECISIONS, SCHEDULES, PlanError, presets, priced_on, \
     search_knobs, shape_from_config, spec_from_config, spec_of_layout, to_config
+from .course import COURSE_KEYS, check_course, mixed_run_total, run_total, sample_course
 
 MAX_GPUS = 1 << 17           # a search over more is a typo, not a cluster
 MAX_TIMELINE_UNITS = 4096    # p·m·v above which the timeline is not simulated for drawing (~1 s)
@@ -36,7 +38,9 @@ CONFIG_KEYS = {f"model.{k}" for k in ("preset", "dim", "n_layers", "n_heads", "n
     | {f"training.{k}" for k in ("precision", "compile", "micro_batch", "ac")} \
     | {f"parallel.{k}" for k in ("dp", "zero", "zero_group", "tp", "sp", "pp", "pp_schedule", "pp_virtual",
                                  "pp_layers", "microbatches", "cp", "cp_impl", "ep", "offload", "offload_buffer_mb",
-                                 "bucket_mb", "reduce_dtype", "quantize_weights", "hpz_group", "quantize_grads")}
+                                 "bucket_mb", "reduce_dtype", "quantize_weights", "hpz_group", "quantize_grads",
+                                 "dp_weights")} \
+    | set(COURSE_KEYS)
 SEARCHED = ("parallel.", "training.micro_batch", "training.ac")  # the keys a plan row sets (the search chooses)
 LAYOUT_INPUTS = sorted(k for k in CONFIG_KEYS if k.startswith(SEARCHED))
 REQUIRED_FLAGS = {"gpus", "global_batch_tokens", "top"}  # blank is an error; other blank flags keep the profile's
@@ -113,13 +117,16 @@ def options() -> dict:
                         "training.compile": ["auto", "true", "false"],
                         "parallel.pp_schedule": list(SCHEDULES), "parallel.cp_impl": list(CP_IMPLS),
                         "parallel.offload": ["none", "optimizer", "nvme"], "parallel.zero": [0, 1, 2, 3],
-                        "optim.name": list(OPTIMIZERS)},
+                        "optim.name": list(OPTIMIZERS), "optim.schedule": list(LR_SCHEDULES),
+                        "optim.decay_type": list(DECAY_TYPES)},
             "attn_kernels": list(KERNELS),
             "defaults": {"efficiency": Options.efficiency, "comm_efficiency": Options.comm_efficiency,
                          "attn_kernel": Options.attn_kernel,
                          "global_batch_tokens": 2 ** 22},
             # what a layout key is when no plan row set it; micro-batch 1, not the config's 8 (sized for the tiny model)
             "layout_defaults": dict(layout_inputs(C.Config()), **{"training.micro_batch": 1}),
+            # the schedule's inputs start at the config's defaults, as `meshlm estimate` without them
+            "course_defaults": {k: _get(C.Config(), k) for k in COURSE_KEYS},
             "examples": EXAMPLES}
 
 
@@ -260,21 +267,24 @@ def run_estimate(body, runs_root: str | None = None) -> dict:
     TOML that trains it."""
     try:
         cfg, gpu, n, opts, _ = parse(body, runs_root=runs_root)
+        check_course(cfg)
         shape = shape_from_config(cfg)
         if isinstance(gpu, Cluster):  # a mixed cluster: each stage or replica on its own card
             cfg.parallel.devices = gpu.items()
-            return {"mixed": _jsonable(estimate_mixed(shape, cfg, gpu, opts)), "pipeline": None,
-                    "toml": C.to_toml(cfg)}
+            mixed = _jsonable(estimate_mixed(shape, cfg, gpu, opts))
+            return {"mixed": mixed, "pipeline": None, "toml": C.to_toml(cfg), "course": sample_course(cfg),
+                    "run": mixed_run_total(cfg, mixed["step_s"])}
         spec = spec_from_config(cfg, n)
         out = estimate(shape, spec, gpu, opts)
+        run = run_total(cfg, shape, spec, gpu, opts, out["step_s"]) if "step_s" in out else None
     except BadRequest:
         raise
     except (C.ConfigError, PlanError, HardwareError) as e:
         raise BadRequest(str(e)) from None
     return {"estimate": _jsonable(out), "pipeline": simulated_timeline(out, spec),
             "derived": {"dp": spec.dp, "microbatches": spec.accum, "zero_group": spec.zero_group,
-                        "global_batch": spec.global_batch},
-            "toml": C.to_toml(to_config(shape, spec, cfg))}
+                        "global_batch": spec.global_batch, "gpus": n},
+            "toml": C.to_toml(to_config(shape, spec, cfg)), "course": sample_course(cfg), "run": _jsonable(run)}
 
 
 def run_plan(body, runs_root: str | None = None) -> dict:
@@ -306,8 +316,11 @@ def _plan_mixed(shape, cfg, cluster, opts, tokens: int, top: int) -> dict:
     TOML that trains it (parallel.devices and the planner's pp_layers or dp_weights)."""
     res = plan_mixed(shape, cluster, cfg.data.seq_len, tokens, cfg.training.precision, top, {}, opts,
                      cfg.optim.name, search_knobs(cfg))
-    rows = [dict(_jsonable(row(p, shape, cluster)), toml=C.to_toml(mixed_config(shape, p, cluster, cfg)))
-            for p in res.ranked]
+    rows = []
+    for p in res.ranked:  # `inputs`: the layout keys that load the row (dp_weights or pp_layers included)
+        row_cfg = mixed_config(shape, p, cluster, cfg)
+        rows.append(dict(_jsonable(row(p, shape, cluster)), toml=C.to_toml(row_cfg),
+                         inputs=layout_inputs(row_cfg)))
     return {"mixed": True, "ranked": rows, "comparison": _jsonable(comparison(res)), "counts": dict(res.counts),
             "elapsed_s": res.elapsed_s, "global_batch": res.global_batch}
 

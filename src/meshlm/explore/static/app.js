@@ -7,6 +7,7 @@
 function changed(name) {
   lastChanged = name;
   if (name === "model.preset") setPreset(input(name).value);
+  if (name === "gpu") syncCluster();
   showNote("");
   debounce("estimate", 120, update);
   if (PLAN_KEYS(name)) debounce("plan", 600, runPlan);
@@ -23,7 +24,8 @@ function showView(name) {
 function fillInputs() {
   fillSelect("model.preset", Object.keys(OPTIONS.presets));
   const gpus = Object.keys(OPTIONS.gpus);
-  fillSelect("gpu", gpus.concat(["custom"]), gpus.map((g) => OPTIONS.gpus[g].name).concat(["custom (give peak, HBM, links)"]));
+  fillSelect("gpu", gpus.concat(["custom", "mixed"]), gpus.map((g) => OPTIONS.gpus[g].name)
+    .concat(["custom (give peak, HBM, links)", "mixed cluster (types:counts)"]));
   for (const [k, vals] of Object.entries(OPTIONS.choices)) fillSelect(k, vals);
   setLayout({});
   setValue("model.preset", "llama3-8b");
@@ -32,6 +34,8 @@ function fillInputs() {
   setValue("training.precision", "bf16");
   setValue("training.compile", "auto");  // as `meshlm plan`: compiled on a GPU, eager for a CPU run's calibration
   setValue("global_batch_tokens", OPTIONS.defaults.global_batch_tokens);
+  for (const [k, v] of Object.entries(OPTIONS.course_defaults)) setValue(k, Array.isArray(v) ? v.join(", ") : v);
+  syncCluster();
   input("efficiency").placeholder = OPTIONS.defaults.efficiency ?? "per operation";  // null: plan/ops.py's model
   input("comm_efficiency").placeholder = OPTIONS.defaults.comm_efficiency;
   api("/api/runs").then((res) => {  // runs to calibrate from (docs/planner.md, "Calibration from a run")

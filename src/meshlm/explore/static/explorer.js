@@ -4,7 +4,9 @@
 let lastEstimate = null, seqEst = 0, seqPlan = 0;
 const timers = {};
 const MEM_LABELS = { cpu_optim: "host (offloaded optimizer)", disk_optim: "disk (nvme offload files)" };
-const PLAN_KEYS = (k) => !k.startsWith("parallel.") && k !== "training.micro_batch" && k !== "training.ac";
+// the search's inputs: not the layout it chooses, nor the schedule (no layout's price depends on it)
+const PLAN_KEYS = (k) => !k.startsWith("parallel.") && k !== "training.micro_batch" && k !== "training.ac" &&
+  !(k in OPTIONS.course_defaults);
 
 async function api(path, body) {
   const r = await fetch(path, body === undefined ? {} : { method: "POST", body: JSON.stringify(body),
@@ -63,6 +65,7 @@ function renderTime(r, res) {
     `MFU <b id="mfu">${(100 * r.mfu).toFixed(1)}%</b> · ${res.derived.global_batch} sequences × ${res.derived.microbatches} micro-batches per rank`;
   $("#time-caption").textContent = `bubble ${(100 * tm.bubble_fraction).toFixed(1)}% (${tm.bubble_source})` +
     (tm.offload_io_s ? ` · nvme offload disk I/O ${fmtNum(tm.offload_io_s, 3)} s of the optimizer's ${fmtNum(tm.offload_s, 3)} s` : "");
+  $("#time-bar").style.display = "";
   stackedBar($("#time-bar"), [
     { name: "forward", value: tm.forward_s }, { name: "backward", value: tm.backward_s }, { name: "recompute", value: tm.recompute_s },
     { name: "exposed comm", value: tm.exposed_comm_microbatch_s + tm.exposed_comm_step_s },
@@ -83,6 +86,10 @@ function renderComm(r) {
 }
 
 function render(res, body) {
+  renderCourse(res);
+  if (res.mixed) { renderMixed(res, body); return; }
+  delete $("#mem-table").dataset.mixed;
+  if (isMixed()) setValue("gpus", res.derived.gpus);  // a one-type cluster (h100:16) is the one-type estimate
   const r = res.estimate;
   renderMemory(r, body);
   $("#dp-derived").textContent = `= ${res.derived.dp}`;
@@ -126,8 +133,10 @@ async function runPlan() {
     const res = await api("/api/plan", body);
     if (my !== seqPlan) return;
     $("#plan-card").classList.remove("stale");
-    $("#plan-caption").innerHTML = planCaption(res);
     const t = $("#plan-table");
+    $("#plan-compare").innerHTML = "";
+    if (res.mixed) { renderMixedPlan(res, body); return; }
+    $("#plan-caption").innerHTML = planCaption(res);
     Object.assign(t.dataset, { model: body["model.preset"], gpus: body.gpus, loaded: "" });
     t.innerHTML = "<thead><tr><th>#</th><th>tok/s/GPU</th><th>MFU</th><th>step s</th><th>GiB</th><th>tp</th><th>pp</th><th>schedule</th><th>cp</th><th>dp</th><th>ep</th><th>zero</th><th>mb×m</th><th>ac</th><th>offload</th></tr></thead><tbody>" +
       (res.ranked.map(planRow).join("") || "<tr><td colspan=15>no layout fits</td></tr>") + "</tbody>";
@@ -157,8 +166,10 @@ function exportConfig() {
 
 function applyExample(ex) {
   setLayout({});
+  input("cluster").value = "";
   if (ex.inputs["model.preset"]) { setValue("model.preset", ex.inputs["model.preset"]); setPreset(ex.inputs["model.preset"]); }
   for (const [k, x] of Object.entries(ex.inputs)) setValue(k, x);
+  syncCluster();
   lastChanged = null;
   showNote(ex.note);
   update();

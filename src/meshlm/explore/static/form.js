@@ -54,10 +54,21 @@ function setLayout(values) {
   }
 }
 
+// A mixed cluster is the GPU select's "mixed" choice plus the cluster text (sent as `gpu`, as
+// `meshlm plan --gpu h100:8,a100-80gb:8`); the count is the cluster's, so the GPUs field only shows it.
+const isMixed = () => input("gpu").value === "mixed";
+
+function syncCluster() {
+  $("#cluster-label").hidden = !isMixed();
+  input("gpus").disabled = isMixed();
+}
+
 // The first input the browser cannot read as a number, or a required one left blank: [key, message].
 function invalidInput() {
+  if (isMixed() && !input("cluster").value.trim())
+    return ["cluster", "gpu: give the cluster as TYPE:COUNT,... (e.g. h100:8,a100-80gb:8)"];
   for (const e of form.elements) {
-    if (!e.name || e.type !== "number" || e.closest("[hidden]")) continue;
+    if (!e.name || e.type !== "number" || e.disabled || e.closest("[hidden]")) continue;
     if (e.validity.badInput) return [e.name, `${e.name}: not a number`];
     if (e.required && e.value.trim() === "") return [e.name, `${e.name}: required, got a blank value`];
   }
@@ -67,7 +78,7 @@ function invalidInput() {
 function collect() {
   const body = {};
   for (const e of form.elements) {
-    if (!e.name) continue;
+    if (!e.name || e.disabled || e.name === "cluster") continue;
     if (e.tagName === "OUTPUT") { body[e.name] = JSON.parse(e.dataset.value); continue; }
     let v = e.type === "checkbox" ? e.checked : e.value;
     if (e.type !== "checkbox" && v === "") continue;  // optional: blank keeps the preset's / profile's
@@ -75,6 +86,7 @@ function collect() {
     if (e.dataset.preset !== undefined && String(v) === e.dataset.preset) continue;
     body[e.name] = v;
   }
+  if (isMixed()) body.gpu = input("cluster").value.trim();
   return body;
 }
 
@@ -88,6 +100,7 @@ function showError(message, key) {
   const short = lastChanged && lastChanged.split(".").pop();
   if (lastChanged && lastChanged !== key && input(lastChanged) && short &&
       new RegExp(`\\b${short}\\b`).test(message.replace(/×/g, " "))) target = input(lastChanged);
+  if (target === input("gpu") && isMixed()) target = input("cluster");  // the cluster's own text is at fault
   if (!target || !target.closest("label")) { $("#form-error").textContent = message; return; }
   target.classList.add("bad");
   let span = target.closest("label").querySelector(".err");
