@@ -164,6 +164,10 @@ def test_emitted_mixed_config_estimates_to_the_plans_row(tmp_path):
     (["estimate", "--gpu", "h100:4/4,a100-80gb:4/4", "--model.preset", "llama3-8b", "--parallel.tp", "8"],
      "meshlm: parallel.tp: the TP group of ranks 0-7 spans h100 and a100-80gb"),
     (["plan", "--gpu", "h100", "--model", "llama3-8b"], "meshlm: --gpus: give the number of GPUs"),
+    (["plan", "--gpu", "h100:8,a100-80gb:8", "--model", "llama3-8b", "--islands", "2"],
+     "meshlm: --islands: not with a mixed cluster"),
+    (["estimate", "--gpu", "h100:8,a100-80gb:8", "--model.preset", "llama3-8b", "--parallel.islands", "2"],
+     "meshlm: --islands: not with a mixed cluster"),
 ])
 def test_bad_cluster_is_one_line_exit_2(argv, line):
     code, out, err = run(argv)
@@ -177,6 +181,7 @@ def test_bad_cluster_is_one_line_exit_2(argv, line):
     ("h100:4", "meshlm: parallel.devices: h100:4 adds up to 4 GPUs, the world size is 2"),
     ("h100:1,a100-80gb:1", "meshlm: parallel.tp: the TP group of ranks 0-1 spans h100 and a100-80gb"),
     ("h100:2 --parallel.auto true", "meshlm: parallel.devices: not with parallel.auto"),
+    ("h100:2 --parallel.islands 2", "meshlm: parallel.devices: not with parallel.islands > 1"),
 ])
 def test_bad_devices_refused_before_any_worker(devices, line, tmp_path):
     devices, *more = devices.split()

@@ -185,6 +185,9 @@ class ParallelConfig:
             device_groups(self.devices)
         except ValueError as e:
             raise ConfigError(f"parallel.devices: {e}") from None
+        if self.devices and self.islands > 1:
+            raise ConfigError("parallel.devices: not with parallel.islands > 1 (a mixed cluster is planned and "
+                              "checked as one island)")
         if self.devices and self.auto:
             raise ConfigError("parallel.devices: not with parallel.auto (the search prices one device type; "
                               "meshlm plan --gpu TYPE:COUNT,... plans a mixed cluster)")

@@ -150,6 +150,7 @@ def run_estimate(args, extra_argv: list[str] | None = None) -> int:
         cfg = C.load(args.config, pairs)
         cluster = cluster_of(args, cfg)
         if cluster is not None:
+            isl.refuse_mixed(args, cfg)
             return _estimate_mixed(args, cfg, cluster)
         args.gpus = 1 if args.gpus is None else args.gpus
         cfg, gpu, opts, cal = _device(args, cfg, args.gpus)
@@ -274,6 +275,7 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
             raise PlanError("--gpu: give a GPU profile (or --calibrate RUN_DIR)")
         cluster = cluster_of(args)
         if cluster is not None:  # more than one device type (plan/hetero.py)
+            isl.refuse_mixed(args, cfg)
             cfg = priced_on(cfg, gpu=True)
             return run_plan_mixed(args, cfg, shape, cluster, seq, tokens, _options(args, cfg), parse_fix(args.fix),
                                   search_knobs(cfg))

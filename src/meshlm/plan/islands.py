@@ -102,6 +102,15 @@ def islands_flag(args, cfg) -> int:
     return n
 
 
+def refuse_mixed(args, cfg) -> None:
+    """A mixed cluster's search prices one job of stages or replicas by card type, not islands: the two
+    are not combined (docs/diloco.md), so asking for both is one line, not a silent drop of --islands."""
+    n = args.islands if getattr(args, "islands", None) is not None else cfg.parallel.islands
+    if n > 1:
+        raise PlanError("--islands: not with a mixed cluster (--gpu TYPE:COUNT,...): the mixed search prices "
+                        "one island")
+
+
 def report(est: dict, islands: int, outer, link_gbps: float | None, latency_ms: float = 0.0) -> dict:
     """Cross-island traffic of an estimate's layout (one island's) under training.outer `outer`, and with a
     link the step times: synchronous DP across the link, DiLoCo's blocking sync at the configured H and
