@@ -206,6 +206,15 @@ def test_ramp_that_does_not_split_is_refused_before_any_worker(tmp_path, capsys)
                                "training.batch_rampup: a step of 2 sequences does not split into whole micro-batches "
                                "of micro_batch×dp = 1×4 (after an elastic resize to 4 ranks; parallel.elastic = "
                                "\"replan\" lets the planner pick a layout that fits)")
+    # DiLoCo islands split each step like dp: 2, 4, 6, 8 over 2 islands of one rank, each step's mean over its
+    # island's share (Layout.step_accum); a start of 3 is not whole micro-batches per island
+    islands = resolve(make_config(**RAMP, parallel__islands=2, parallel__dp=1), 2)
+    assert [islands.step_accum(b) for b in (2, 4, 8)] == [1, 2, 4]
+    assert_refused_in_one_line(
+        lambda: resolve(make_config(**{**RAMP, "training__batch_rampup": [3, 1, 10]}, parallel__islands=2,
+                                    parallel__dp=1), 2),
+        "training.batch_rampup: a step of 3 sequences does not split into whole micro-batches of "
+        "micro_batch×dp×islands = 1×1×2")
     interleaved = {**RAMP, "training__batch_rampup": [3, 1, 10], "parallel__pp": 2, "parallel__pp_virtual": 2,
                    "parallel__pp_schedule": "interleaved", "model__n_layers": 4}  # 3 micro-batches over pp 2
     assert_refused_in_one_line(lambda: resolve(make_config(**interleaved), 2),
