@@ -156,6 +156,8 @@ def spec_from_config(cfg: Config, world: int | None) -> Spec:
     the world its parallel.dp fixes, layout.from_config)."""
     p, t = cfg.parallel, cfg.training
     cfg.data.check(cfg)  # what the data section refuses (a document mask under a CP core without masks)
+    cfg.optim.check(cfg)  # the schedule the run total prices (optim.schedule, decay_steps: config/course.py)
+    cfg.training.check(cfg)  # its batch ramp and the rest of the section, as meshlm train checks them
     for key in ("tp", "pp", "cp", "ep", "pp_virtual"):
         if getattr(p, key) < 1:
             raise PlanError(f"parallel.{key}: must be >= 1, got {getattr(p, key)}")
