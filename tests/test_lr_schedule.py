@@ -95,6 +95,15 @@ def test_bad_schedule_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, ar
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("argv,needle", BAD[:3], ids=[b[1][:40] for b in BAD[:3]])
+def test_estimate_refuses_what_train_refuses(capsys, argv, needle):
+    """`meshlm estimate` prices the run's schedule (its run line): a bad one is refused there the same way."""
+    code = main(["estimate", "--gpu", "h100", "--gpus", "8", "--model.preset", "debug", "--training.steps", "20",
+                 "--optim.warmup", "2", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and needle in err, err
+
+
 # -- in training: the schedule survives a resume and every layout ------------------------------------
 # TINY's 10 steps, warmup 2, the last 4 decaying to 0 (updates at steps 7..10; a checkpoint after step 7
 # is in the middle of the decay)
