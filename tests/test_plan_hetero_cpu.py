@@ -5,7 +5,8 @@ planner plans the two ranks as two card profiles of those speeds, and dp2 runs w
 weights and with equal ones. The weighted step is shorter, and the waiting rank's idle time (its
 seconds in the step runner less its own compute: the wait for the other replica in the gradient
 all-reduce) is within 20% of the planner's prediction (step minus that rank's busy time). The CPU's own compute per micro-batch
-(measured on the rank that never waits) is part of both cards' profiles."""
+(measured on the rank that never waits) is part of both cards' profiles. pp2: the speed split of the
+blocks has the shorter step, and every rank's idle in both splits is within 20% of the planner's."""
 import dataclasses
 import json
 import os
@@ -106,7 +107,9 @@ def test_planner_weights_shorten_the_step_and_predict_idle_time(pools):
     assert w_step < e_step and w_planned < e_planned
 
 
-BLOCK_FWD_S = 0.02  # rank 0's forward delay per block and micro-batch (8 blocks of the debug model)
+# rank 0's forward delay per block and micro-batch (8 blocks of the debug model): large enough that the
+# fill and drain idles (about one second) dwarf what no profile holds (the CPU's compute, gloo's p2p)
+BLOCK_FWD_S = 0.1
 
 
 @pytest.mark.slowest
@@ -140,7 +143,9 @@ def test_speed_split_pipeline_shortens_the_step_and_predicts_idle_time(pools):
         assert step == pytest.approx(priced.step_s, rel=0.2), (name, results[name])
     (s_step, _, s_planned, _), (e_step, e_idle, e_planned, e_pred) = results["speed"], results["even"]
     assert s_step < e_step and s_planned < e_planned
-    # on the even split the fast first stage waits for the slow one most of the step; the fill and drain
-    # idles (a stage's one micro-batch, ~0.25-0.35 s) are not compared: the CPU's own compute and gloo's
-    # p2p (~30 ms per micro-batch here) are not in these card profiles and add to every rank's wait
-    assert e_pred[0] > 1.5 and e_idle[0] == pytest.approx(e_pred[0], rel=0.2), results
+    # every rank's idle (the even split's fast first stage waits most of the step; the speed split's ranks
+    # only in the fill and drain) within 20% of the planner's: the CPU's own compute and gloo's p2p (~0.1 s
+    # a step here, in no card profile) stay small beside idles of one second and more at this delay
+    assert e_pred[0] > 5 and min(min(r[3]) for r in results.values()) > 1.0, results
+    for step, idle, planned, pred in results.values():
+        assert idle == pytest.approx(pred, rel=0.2), results
