@@ -59,6 +59,8 @@ CASES = [
     ("pp2-zbv-tied-accum", 2, {"parallel__pp": 2, "parallel__pp_schedule": "zbv", "parallel__pp_virtual": 2,
                                "model__tie_embeddings": True, "training__micro_batch": 1}),
     ("pp2-tied", 2, {"parallel__pp": 2, "model__tie_embeddings": True}),
+    # uneven stages, as the mixed-cluster planner splits them by card speed (docs/heterogeneous.md)
+    ("pp2-uneven-3-1", 2, {"parallel__pp": 2, "parallel__pp_layers": [3, 1]}),
     # Tied embeddings across pipeline ends with ZeRO (issue #11: the copies' reduction sums over pp_ends).
     ("dp2-pp2-tied-zero1", 4, {"parallel__dp": 2, "parallel__pp": 2, "parallel__zero": 1, "model__tie_embeddings": True}),
     ("dp2-pp2-tied-zero3", 4, {"parallel__dp": 2, "parallel__pp": 2, "parallel__zero": 3, "model__tie_embeddings": True}),
