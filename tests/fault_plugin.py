@@ -10,6 +10,8 @@ MESHLM_TEST_CORRUPT_BATCH=N  global batch N (0-based data position) becomes rand
 MESHLM_TEST_HOLD_ALONE=N     a job on one rank waits after step N until it is ended (a shrunk
                              elastic job stays alive, at a known step, until the lost node is back)
 MESHLM_TEST_SIGNAL=R:N:NAME rank R sends itself signal NAME (e.g. SIGTERM) while it runs step N
+MESHLM_TEST_KILL_AT=R:N        rank R SIGKILLs itself as it starts step N, in its first launch (an island
+                             job started again by the launcher has MESHLM_LINK_EPOCH: it goes on)
 MESHLM_TEST_ABORT_AT_EXIT=R  rank R aborts (SIGABRT) at interpreter exit, after its run finished and
                              its teardown: the exit abort the launcher must tell from a failed run
 MESHLM_TEST_SECONDS_PER_FLOP=S0,S1,...  rank R is a slower card: before each step it sleeps S_R seconds
@@ -52,6 +54,9 @@ def install(trainer) -> None:
     state = trainer.state
     sig = env.get("MESHLM_TEST_SIGNAL", "").split(":")
     sig_step = int(sig[1]) if len(sig) == 3 and int(sig[0]) == rank else 0
+    kill_at = env.get("MESHLM_TEST_KILL_AT", "").split(":")
+    kill_step = int(kill_at[1]) if len(kill_at) == 2 and int(kill_at[0]) == rank and trainer.ctx.restarts == 0 \
+        and "MESHLM_LINK_EPOCH" not in env else 0
 
     def before() -> None:
         while hold and state.step >= hold:
@@ -59,11 +64,13 @@ def install(trainer) -> None:
         time.sleep(sleep)
         if state.step + 1 == sig_step:
             os.kill(os.getpid(), signal.Signals[sig[2]])
+        if state.step + 1 == kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def after(loss_sum: torch.Tensor) -> torch.Tensor:
         return loss_sum + float("nan") if state.step + 1 == nan_step else loss_sum
 
-    if sleep or hold or nan_step or sig_step:
+    if sleep or hold or nan_step or sig_step or kill_step:
         trainer.runner = Wrapped(trainer.runner, before, after)
     if kill and trainer.ctx.restarts == 0:
         at = tuple(int(x) for x in kill.split(":"))

@@ -30,7 +30,12 @@ def cmd_train(args, extra: list[str]) -> int:
               f"compile {'on' if t.compile else 'off'}{attention}, "
               f"run dir {run_dir}", file=sys.stderr)
     if not worker and (world > 1 or args.max_restarts):
-        code = spawn(world, os.path.join(run_dir, "config.toml"), run_dir, args.max_restarts)
+        config = os.path.join(run_dir, "config.toml")
+        if cfg.parallel.islands > 1 and cfg.training.outer.on_island_loss == "continue":  # docs/diloco.md
+            from .train.island_jobs import spawn_islands
+            code = spawn_islands(world, cfg.parallel.islands, config, run_dir, args.max_restarts, cfg.parallel.timeout_s)
+        else:
+            code = spawn(world, config, run_dir, args.max_restarts)
         for line in incidents(run_dir):  # stragglers, spikes, restarts: what the job lived through
             print(line, file=sys.stderr)
         if code and len(preempted(run_dir)) == world:  # saved on checkpoint.on_signal: spawn said so
@@ -56,7 +61,7 @@ def cmd_train(args, extra: list[str]) -> int:
             exit_status,  # meshlm's launcher gives the status (its torchrun would restart)
         )
         return 0 if args.worker else exit_status(last["preempted"]["signal"])
-    if last and int(os.environ.get("RANK", "0")) == 0:
+    if last and int(os.environ.get("RANK", "0")) == 0 and os.environ.get("MESHLM_ISLAND", "0") == "0":  # island jobs: island 0
         print(f"meshlm: done, step {last.get('step')} loss {last.get('loss', float('nan')):.4f}; "
               f"run dir {run_dir}", file=sys.stderr)
         if not worker:

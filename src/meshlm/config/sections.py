@@ -222,6 +222,9 @@ class OuterConfig:
     momentum: float = 0.9  # Nesterov
     fragments: int = 1  # streaming DiLoCo: K fragments of contiguous blocks, staggered by H/K steps
     quantize: str = "none"  # the outer gradients on the wire: none (fp32), bf16, fp8, int8 (with scales)
+    # stop: one job, a lost rank fails it (restart it with fewer islands); continue: each island its own
+    # job, the others go on without a lost one, which rejoins at their next sync (docs/diloco.md)
+    on_island_loss: str = "stop"
 
     def check(self, cfg: Config) -> None:
         if self.sync_every < 1:
@@ -234,6 +237,7 @@ class OuterConfig:
             raise ConfigError(f"training.outer.fragments: must be >= 1 and divide training.outer.sync_every "
                               f"{self.sync_every} (fragment k syncs at step k·H/K mod H), got {self.fragments}")
         _choice(self.quantize, OUTER_QUANTIZE, "training.outer.quantize")
+        _choice(self.on_island_loss, ("stop", "continue"), "training.outer.on_island_loss")
 
 
 @dataclass

@@ -200,7 +200,7 @@ class Comm:
         if self.size == 1:
             return
         self._run("broadcast", t.numel() * t.element_size(), 1.0,
-                  lambda **kw: dist.broadcast(t, src=self.ranks[src_index], **kw), False)
+                  lambda **kw: dist.broadcast(t, group_src=src_index, **kw), False)
 
     def barrier(self) -> None:
         if self.size > 1:

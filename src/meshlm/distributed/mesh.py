@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import Comm
+from .link import LinkComm, island_job
 
 DIMS = ("islands", "pp", "dp_replicate", "dp_shard", "cp", "tp")
 ISLAND = DIMS[1:]  # the dimensions inside one island
@@ -95,6 +96,17 @@ class ParallelContext:
     device: torch.device
     comms: dict[str, Comm] = field(default_factory=dict)
     restarts: int = 0  # the job's restart count, agreed by every rank (`join_world`)
+    base: int = 0  # island jobs (distributed/link.py): the mesh rank of this c10d job's rank 0
+    job_size: int | None = None  # the ranks of this c10d job (None: the world)
+
+    @property
+    def job_rank(self) -> int:
+        """This rank in its c10d job (the job's store and watchdog speak these numbers)."""
+        return self.rank - self.base
+
+    @property
+    def job_world(self) -> int:
+        return self.job_size or self.world_size
 
     @property
     def coords(self) -> dict[str, int]:
@@ -188,38 +200,48 @@ def init_context(shape: dict[str, int], device: torch.device, timeout_s: float =
                  restarts: int | None = None) -> ParallelContext:
     """Join the job described by the torchrun environment (or run alone) and build all groups.
     `restarts`: the count `join_world` agreed on (None: join and agree now)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    job = int(os.environ.get("WORLD_SIZE", "1"))  # this c10d job's ranks: the world, or one island job's
+    island = island_job()
+    base = island[0] * job if island else 0  # the mesh rank of this job's rank 0
+    world, rank = job * (island[1] if island else 1), base + int(os.environ.get("RANK", "0"))
     need = math.prod(shape.get(d, 1) for d in DIMS)
     if need != world:
         raise RuntimeError(f"layout needs {need} ranks but WORLD_SIZE is {world}")
     _init_world(device, timeout_s)
     if restarts is None:
         restarts = join_world(device, timeout_s)
-    ctx = ParallelContext(rank=rank, world_size=world, shape=dict(shape), device=device, restarts=restarts)
+    ctx = ParallelContext(rank=rank, world_size=world, shape=dict(shape), device=device, restarts=restarts,
+                          base=base, job_size=job)
+
+    def comm(name: str, groups: list[list[int]]) -> Comm:
+        """Every group lies inside one island; an island job makes only its own, in its own rank numbers."""
+        mine = [[r - base for r in g] for g in groups if base <= g[0] < base + job]
+        return _make_comm(name, mine, rank - base, job, timeout_s)
     for name in DIMS + tuple(COMPOSITES):
-        dims = COMPOSITES.get(name, (name,))
-        ctx.comms[name] = _make_comm(name, groups_along(dims, shape), rank, world, timeout_s)
+        if name != "islands" or not island:
+            ctx.comms[name] = comm(name, groups_along(COMPOSITES.get(name, (name,)), shape))
     # The two ends of each pipeline (first and last stage): the copies of a tied embedding. Middle
     # stages are alone in theirs.
     ends = []
     for g in groups_along(("pp",), shape):
         ends.append([g[0], g[-1]] if len(g) > 1 else g)
         ends += [[r] for r in g[1:-1]]
-    ctx.comms["pp_ends"] = _make_comm("pp_ends", ends, rank, world, timeout_s)
+    ctx.comms["pp_ends"] = comm("pp_ends", ends)
     # Expert parallelism: a second view of the dp×cp ranks (experts × expert-data), groups of its own.
     ep = shape.get("ep", 1)
     if ep > 1:
         for name, groups in expert_groups(shape, ep).items():
             if groups:
-                ctx.comms[name] = _make_comm(name, groups, rank, world, timeout_s)
+                ctx.comms[name] = comm(name, groups)
     if shape.get("zpp", 0):  # ZeRO++ (docs/zero.md): node-sized blocks of each shard group
         for name, groups in zpp_groups(shape, shape["zpp"]).items():
-            ctx.comms[name] = _make_comm(name, groups, rank, world, timeout_s)
-    ctx.comms["world"] = Comm("world", dist.group.WORLD if world > 1 else None, list(range(world)), rank)
+            ctx.comms[name] = comm(name, groups)
+    ctx.comms["world"] = Comm("world", dist.group.WORLD if job > 1 else None, list(range(job)), rank - base)
     # This rank's island: the training math's world (docs/architecture.md, "Islands"); at one island the
-    # world group itself (no new group), booked apart.
-    ctx.comms["island"] = _make_comm("island", groups_along(ISLAND, shape), rank, world, timeout_s)
+    # world group itself (no new group), booked apart. An island job's `islands` Comm is its link's.
+    ctx.comms["island"] = comm("island", groups_along(ISLAND, shape))
+    if island:
+        ctx.comms["islands"] = LinkComm("islands", [island[0]], island[0])
     return ctx
 
 

@@ -31,15 +31,8 @@ def spawn(nproc: int, config_path: str, run_dir: str, max_restarts: int = 0) -> 
     """Run `meshlm train` on `nproc` local workers through torchrun; returns its exit status.
     `max_restarts`: torchrun's elastic agent restarts all workers up to that many times after one fails
     (each restart resumes from the newest complete checkpoint, see train/resilience/fault.py)."""
-    logs = os.path.join(run_dir, "logs")
-    os.makedirs(logs, exist_ok=True)
-    for old in os.listdir(logs):  # one-line errors and outcomes of a previous launch would be misleading
-        if old.startswith((ERROR_PREFIX, DONE_PREFIX, PREEMPTED_PREFIX)):
-            os.remove(os.path.join(logs, old))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--max-restarts={max_restarts}", f"--log-dir={logs}", "--redirects=2", "--tee=2",
-           "-m", "meshlm.cli", "train", "--config", config_path, "--run-dir", run_dir, "--worker"]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc))))
+    logs = fresh_logs(run_dir)
+    cmd, env = torchrun(nproc, max_restarts, logs, config_path, run_dir)
     # torchrun's output passes through (the workers' stderr is teed into it); its last lines name
     # each failed rank's exit code, which is all that tells which rank ended how.
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
@@ -60,6 +53,28 @@ def spawn(nproc: int, config_path: str, run_dir: str, max_restarts: int = 0) -> 
             print(line, file=sys.stderr)
         return 0
     return code
+
+
+def fresh_logs(run_dir: str) -> str:
+    """RUN_DIR/logs, without the one-line errors and outcomes of a previous launch (they would mislead)."""
+    logs = os.path.join(run_dir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    for old in os.listdir(logs):
+        if old.startswith((ERROR_PREFIX, DONE_PREFIX, PREEMPTED_PREFIX)):
+            os.remove(os.path.join(logs, old))
+    return logs
+
+
+def torchrun(nproc: int, max_restarts: int, logs: str, config_path: str, run_dir: str,
+             threads_of: int | None = None) -> tuple[list[str], dict]:
+    """The command and environment of one torchrun of `nproc` meshlm workers (`threads_of`: the local
+    workers the cores are shared by, default nproc)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           f"--max-restarts={max_restarts}", f"--log-dir={logs}", "--redirects=2", "--tee=2",
+           "-m", "meshlm.cli", "train", "--config", config_path, "--run-dir", run_dir, "--worker"]
+    share = threads_of or nproc
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // share))))
+    return cmd, env
 
 
 ERROR_PREFIX = "error_rank"

@@ -31,6 +31,7 @@ def settle(config_path: str | None, extra: list[str], nproc: int | None, max_res
     """The resolved run, or a ValueError / RuntimeError whose message is the one line to print."""
     from ..model.from_config import pin_model_shape
     from ..plan.auto import resolve
+    from ..distributed.link import job_world
     from .launch import under_launcher
 
     pairs, rest = C.parse_overrides(extra)
@@ -42,13 +43,14 @@ def settle(config_path: str | None, extra: list[str], nproc: int | None, max_res
     device_defaults(cfg)  # training.precision / compile "auto": this machine's values, into config.toml
     pin_model_shape(cfg)  # model.init_from: the HF model's shape goes into config.toml
     worker = worker_flag or under_launcher()
-    world = int(os.environ["WORLD_SIZE"]) if worker else (nproc or 1)
+    world = job_world() if worker else (nproc or 1)  # island jobs: the islands' ranks together
     if worker and nproc:
         raise C.ConfigError("--nproc: leave it out under torchrun or Slurm (the launcher starts the workers)")
     if max_restarts < 0:
         raise C.ConfigError(f"--max-restarts: must be >= 0, got {max_restarts}")
     if worker and max_restarts and not worker_flag:
         raise C.ConfigError("--max-restarts: under torchrun pass torchrun's own --max-restarts")
+    _check_island_jobs(cfg, worker)
     restarts, gpu = None, None
     if worker or not (world > 1 or max_restarts):  # this process trains: its layout is final
         from ..distributed.mesh import join_world, pick_device
@@ -125,3 +127,17 @@ def write_config(start: Start, config_path: str | None) -> None:
             f.write(f"# parallel.auto chose {rec['auto_layout']} (predicted {rec['predicted_step_s']:.3g} s/step, "
                     f"MFU {rec['predicted_mfu']:.1%} on {rec['gpu']}); the trainer re-plans on its device\n")
         f.write(C.to_toml(start.cfg))
+
+
+
+def _check_island_jobs(cfg: C.Config, worker: bool) -> None:
+    """training.outer.on_island_loss = "continue" runs one job per island, which meshlm's launcher starts
+    (train/island_jobs.py): under an outside torchrun or Slurm job the islands would be one job."""
+    from ..distributed.link import island_job
+    if cfg.training.outer.on_island_loss != "continue":
+        return
+    if cfg.parallel.islands < 2:
+        raise C.ConfigError("training.outer.on_island_loss: continue needs parallel.islands > 1")
+    if worker and island_job() is None:
+        raise C.ConfigError("training.outer.on_island_loss: continue runs one job per island: start it with "
+                            "meshlm's launcher (meshlm train --nproc N), not under torchrun or Slurm")

@@ -23,6 +23,7 @@ class TrainState:
         self.par, self.sampler, self.scaler, self.spikes = par, sampler, scaler, spikes
         self.cfg, self.layout, self.rank = cfg, layout, rank
         self.outer, self.island = outer, island  # parallel.islands > 1: the OuterSync, this rank's island
+        self.island_job: int | None = None  # island jobs: this island; it saves its own state as island 0's
         self.step = 0  # optimizer steps taken
         self.saved_step: int | None = None  # newest checkpoint written or loaded (for messages)
 
@@ -62,9 +63,8 @@ class TrainState:
 
     def meta(self) -> dict:
         """What meta.json holds besides the tensors."""
-        return {"step": self.step, "sampler": self.sampler.state_dict(), "scaler": self.scaler.state_dict(),
-                "optimizer_step": self.par.optimizer.step_count(), "layout": self.layout.shape(),
-                "accum": self.layout.accum, "spikes": self.spikes.state_dict(), "config": to_dict(self.cfg)}
+        return {**self.position(), "layout": self.layout.shape(), "accum": self.layout.accum,
+                "config": to_dict(self.cfg), **({} if self.island_job is None else {"island_job": self.island_job})}
 
     def save(self, checkpointer: ckpt.Checkpointer, extra: dict | None = None) -> dict:
         """Write a checkpoint of this step (`extra`: more meta.json entries); what the save reports."""
@@ -77,21 +77,33 @@ class TrainState:
         """Every piece from the checkpoint at `path` (written by any layout); its meta.json. Islands: a
         checkpoint of another island count (ckpt.check_islands allowed it) keeps the islands it has."""
         ckpt.check_islands(self.cfg, path)
-        written = ckpt.islands_of(path)
+        # an island job's checkpoint holds one island's state under the plain keys, and θ_outer
+        by_job = ckpt.meta_of(path).get("island_job") is not None
+        written = 1 if by_job else ckpt.islands_of(path)
         # an island the checkpoint has reads its own state, a new one island 0's (docs/diloco.md, "Checkpoints")
-        state, shapes = self.pieces(self.island if self.island < written else 0, outer=written > 1)
+        state, shapes = self.pieces(self.island if self.island < written else 0, outer=written > 1 or by_job)
         meta = ckpt.load(path, state, shapes)
-        if self.outer is not None and written == 1:  # DiLoCo from an ordinary checkpoint: θ_outer = its masters
-            self.outer.restart_from_masters()
+        if self.outer is not None and written == 1 and not by_job:  # DiLoCo from an ordinary checkpoint:
+            self.outer.restart_from_masters()  # θ_outer = its masters
         elif self.outer is not None and self.island >= written:  # an island (re)joins from θ_outer
             self.outer.rejoin()
-        self.par.optimizer.loaded(meta["optimizer_step"])
         torch.set_rng_state(state["rng/cpu"].parts[0][1])
+        self.set_position(meta)
+        self.saved_step = self.step
+        return meta
+
+    def position(self) -> dict:
+        """Where training stands besides the tensors: what an island joining takes from its donor
+        (parallel/dims/island_link.py), and what meta.json holds of it."""
+        return {"step": self.step, "sampler": self.sampler.state_dict(), "scaler": self.scaler.state_dict(),
+                "optimizer_step": self.par.optimizer.step_count(), "spikes": self.spikes.state_dict()}
+
+    def set_position(self, meta: dict) -> None:
+        self.par.optimizer.loaded(meta["optimizer_step"])
         self.sampler.load_state_dict(meta["sampler"])
         self.scaler.load_state_dict(meta["scaler"])
         self.spikes.load_state_dict(meta.get("spikes"))
-        self.step = self.saved_step = int(meta["step"])
-        return meta
+        self.step = int(meta["step"])
 
     def rollback(self, path: str) -> tuple[int, int]:
         """Load the checkpoint at `path` but keep the data position: the global batches read since

@@ -7,6 +7,7 @@ step. What a checkpoint holds is `TrainState` (state.py); a logged step's metric
 from __future__ import annotations
 
 import os
+import sys
 import time
 from functools import partial
 
@@ -15,11 +16,13 @@ import torch
 from ..config import Config
 from ..data import default_data_dir
 from ..data.dataset import open_data
+from ..distributed.link import island_job, job_world
 from ..distributed.mesh import ParallelContext, init_context, join_world, pick_device, shutdown
 from ..layout import Layout
 from ..model import build_model
 from ..model.from_config import model_args
 from ..parallel import Parallelized, parallelize, slices
+from ..parallel.dims.island_link import linked
 from ..parallel.dims.islands import outer_sync
 from ..parallel.plans.moe import model_plan_for
 from ..parallel.step import local_batch
@@ -71,7 +74,7 @@ def start(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout
     if restarts is None:
         restarts = join_world(device, cfg.parallel.timeout_s)
     if layout is None:
-        layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")), device_profile(device), restarts)
+        layout = resolve(cfg, job_world(), device_profile(device), restarts)
     ctx = init_context(layout.shape(), device, cfg.parallel.timeout_s, restarts)
     try:
         trainer = Trainer(cfg, run_dir, ctx, layout)
@@ -110,11 +113,16 @@ class Trainer:
         # parallel.islands > 1: DiLoCo's outer step across islands (docs/diloco.md); None otherwise
         self.outer = outer_sync(self.par, ctx, layout, t.outer, model_plan_for(self.model), self.args.n_layers)
         # what checkpoints hold, and what keeps a run alive (watchdog, non-finite guard, preemption)
+        # island jobs (training.outer.on_island_loss = "continue"): this island's state is its job's own,
+        # saved as island 0's in checkpoints/island{k} (island 0: checkpoints/; docs/diloco.md)
+        island, job = ctx.coords["islands"], island_job() is not None
         self.state = TrainState(self.par, self.data.sampler, LossScaler(t.precision == "fp16", device=ctx.device),
-                                SpikeDetector(t.spike_zscore, t.spike_window, t.spike_action), cfg, layout, ctx.rank,
-                                self.outer, ctx.coords["islands"])
-        self.checkpointer = ckpt.Checkpointer(os.path.join(run_dir, "checkpoints"), ctx.comm("world"),
-                                              cfg.checkpoint.keep, cfg.checkpoint.async_, cfg.checkpoint.on_error)
+                                SpikeDetector(t.spike_zscore, t.spike_window, t.spike_action), cfg, layout, ctx.job_rank,
+                                self.outer, 0 if job else island)
+        self.state.island_job = island if job else None
+        root = os.path.join(run_dir, "checkpoints", *([f"island{island}"] if job and island else []))
+        self.checkpointer = ckpt.Checkpointer(root, ctx.comm("world"), cfg.checkpoint.keep, cfg.checkpoint.async_,
+                                              cfg.checkpoint.on_error)
         self.watchdog = fault.watch(ctx, cfg.parallel.heartbeat_s, partial(record_error, run_dir))
         self.guard = fault.FiniteGuard(t.precision, ctx.device, ctx.comm("world"), run_dir, ctx.restarts)
         self.preempt = preempt.Preemption(cfg.checkpoint.on_signal, ctx.device)
@@ -124,6 +132,8 @@ class Trainer:
         try:
             self.guard.replay()  # a restart after a non-finite stop stops at once
             self.resumed = self._resume()  # meta.json of the checkpoint resumed from, or None
+            if job:  # meet the other islands: a restarted island leaves with their state
+                self._meet_islands()
         except BaseException:
             self._release()
             raise
@@ -133,6 +143,16 @@ class Trainer:
                                 ctx.comm("world"), self.log)
         self.saving = Saving(cfg, self.checkpointer, self.guard, cadence, self.log, ctx.comm("world"), run_dir)
         self.spike_handler = SpikeHandler(self.checkpointer, self.log)
+
+    def _meet_islands(self) -> None:
+        """Island jobs (docs/diloco.md, "Losing an island"): the first round with the other islands, before
+        any step; an island that took a donor's state says so on its log."""
+        rounds = linked(self.outer, self.ctx, self.cfg.parallel.timeout_s, self.state)
+        before = self.state.step
+        members = rounds.start(before)
+        if rounds.healed and self.ctx.job_rank == 0:
+            print(f"meshlm: island {self.ctx.coords['islands']} rejoined at step {self.state.step} (it was at step "
+                  f"{before}) with the other islands' state", file=sys.stderr, flush=True)
 
     def _resume(self) -> dict | None:
         """Load the checkpoint `checkpoint.resume` (or a restart) asks for, then fix up metrics.jsonl."""
@@ -168,7 +188,7 @@ class Trainer:
                 if rec is not None:
                     last = rec
                     log.write(rec)
-                if exporting:
+                if exporting and not state.island_job:  # island jobs: island 0 exports
                     self.saving.export(state.step)
                 if rec is not None:  # the next window starts after this line (and its save, export)
                     self.meter.new_window()

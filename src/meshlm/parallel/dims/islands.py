@@ -37,6 +37,7 @@ class OuterSync:
                 self.fragments[fragment_of(name)].append((name, t))
         self.params = {name: t.detach().float().clone() for frag in self.fragments for name, t in frag}
         self.momentum = {name: torch.zeros_like(t) for name, t in self.params.items()}
+        self.rounds = None  # island jobs: the rounds over the link (island_link.LinkedRounds)
 
     def storage(self) -> list[tuple[str, dict[str, torch.Tensor]]]:
         """What checkpoints hold (train/state.py): θ_outer and the momentum, by parameter name."""
@@ -65,7 +66,7 @@ class OuterSync:
     def agree_stop(self, flag: torch.Tensor) -> None:
         """The preemption flag, already summed over this island with the gradient norm, summed over the
         islands too: stopping (and the checkpoint it writes) is the job's decision."""
-        if self.comm.size > 1:
+        if self.comm.size > 1 and self.rounds is None:  # island jobs stop each on its own (docs/diloco.md)
             self.comm.all_reduce(flag, kind="outer_flag")
 
     @torch.no_grad()
@@ -73,19 +74,34 @@ class OuterSync:
         """The outer step of every fragment due after inner step `step`; the fragments synced."""
         due = self.due(step)
         for f in due:
-            self.sync(f)
+            self.sync(f, step)
         if due:
             self.optimizer.loaded(self.optimizer.step_count())  # the new masters reach the parameters
         return due
 
-    def sync(self, f: int) -> None:
-        """Δ averaged over the islands, one Nesterov step on θ_outer, the masters set to it."""
-        frag = self.fragments[f]
-        if not frag:
+    def sync(self, f: int, step: int = 0) -> None:
+        """Δ averaged over the islands, one Nesterov step on θ_outer, the masters set to it (island jobs:
+        as a round over the link, parallel/dims/island_link.py)."""
+        if not self.fragments[f]:
             return
-        # on the compute device for the collective (offload = "optimizer" keeps masters in host memory)
-        delta = torch.cat([(self.params[name] - t.float()).reshape(-1) for name, t in frag]).to(self.device)
-        mean = self.average(delta).to(frag[0][1].device)
+        if self.rounds is not None:
+            self.rounds.sync(f, step)
+            return
+        self.apply(f, self.average(self.comm, self.delta(f)))
+
+    def delta(self, f: int) -> torch.Tensor:
+        """Fragment f's Δ = θ_outer − θ_inner over this rank's masters, flat, on the compute device
+        (offload = "optimizer" keeps masters in host memory)."""
+        return torch.cat([(self.params[name] - t.float()).reshape(-1) for name, t in self.fragments[f]]).to(self.device)
+
+    def size(self, f: int) -> int:
+        return sum(t.numel() for _, t in self.fragments[f])
+
+    @torch.no_grad()
+    def apply(self, f: int, mean: torch.Tensor) -> None:
+        """The outer Nesterov step of fragment f with the islands' mean Δ; the masters set to θ_outer."""
+        frag = self.fragments[f]
+        mean = mean.to(frag[0][1].device)
         lr, mu, at = self.cfg.lr, self.cfg.momentum, 0
         for name, t in frag:
             g = mean[at:at + t.numel()].view(t.shape)
@@ -94,23 +110,25 @@ class OuterSync:
             self.params[name].sub_(g.add(buf, alpha=mu), alpha=lr)
             t.copy_(self.params[name])
 
-    def average(self, delta: torch.Tensor) -> torch.Tensor:
-        """The mean of every island's `delta` (fp32), as the outer gradient travels (training.outer.quantize)."""
-        n, islands, q = delta.numel(), self.comm.size, self.cfg.quantize
+    def average(self, comm, delta: torch.Tensor, count: int | None = None) -> torch.Tensor:
+        """The mean of every island's `delta` (fp32), as the outer gradient travels (training.outer.quantize);
+        `count`: how many islands sent one (the others sent zeros: an island joining), default all."""
+        n, islands, q = delta.numel(), comm.size, self.cfg.quantize
+        count = islands if count is None else count
         if q == "none":
-            self.comm.all_reduce(delta, kind=KIND)
-            return delta.div_(islands)
+            comm.all_reduce(delta, kind=KIND)
+            return delta.div_(count)
         if q == "bf16":
             sent = delta.to(torch.bfloat16)
             got = torch.empty(islands * n, dtype=torch.bfloat16, device=delta.device)
-            self.comm.all_gather(got, sent, kind=KIND)
-            return _island_mean(got.view(islands, n).float())
+            comm.all_gather(got, sent, kind=KIND)
+            return _island_sum(got.view(islands, n).float()).div_(count)
         rows = padded(n, q) // QUANT_BLOCK
         x = F.pad(delta, (0, rows * QUANT_BLOCK - n)).view(rows, QUANT_BLOCK)
         packed = _pack(x, q)
         got = torch.empty((islands,) + tuple(packed.shape), dtype=torch.uint8, device=delta.device)
-        self.comm.all_gather(got.view(-1), packed.view(-1), kind=KIND)
-        return _island_mean(torch.stack([_unpack(p, q) for p in got]).view(islands, -1)[:, :n])
+        comm.all_gather(got.view(-1), packed.view(-1), kind=KIND)
+        return _island_sum(torch.stack([_unpack(p, q) for p in got]).view(islands, -1)[:, :n]).div_(count)
 
 
 def _pack(x: torch.Tensor, q: str) -> torch.Tensor:
@@ -130,12 +148,12 @@ def _unpack(p: torch.Tensor, q: str) -> torch.Tensor:
     return codes.float() / scale
 
 
-def _island_mean(values: torch.Tensor) -> torch.Tensor:
-    """(islands, n) -> their mean, summed in island order (the same bits on every rank)."""
+def _island_sum(values: torch.Tensor) -> torch.Tensor:
+    """(islands, n) -> their sum, in island order (the same bits on every rank)."""
     out = values[0].clone()
     for v in values[1:]:
         out.add_(v)
-    return out.div_(values.shape[0])
+    return out
 
 
 def outer_sync(par, ctx, layout, outer, plan, n_layers: int) -> OuterSync | None:

@@ -18,11 +18,11 @@ saver.py (sync and async saves, commit, failures). Callers import from the packa
 """
 from __future__ import annotations
 
-from .directory import check_islands, check_room, find_resume, islands_of, list_checkpoints, preflight
+from .directory import check_islands, check_room, find_resume, islands_of, list_checkpoints, meta_of, preflight
 from .index import CheckpointError, check_files, check_shapes, read_full, read_metadata
 from .pieces import Pieces, load, save_streaming
 from .saver import Checkpointer, SaveError, write_failure
 
 __all__ = ["CheckpointError", "Checkpointer", "Pieces", "SaveError", "check_files", "check_islands", "check_room",
-           "check_shapes", "find_resume", "islands_of", "list_checkpoints", "load", "preflight", "read_full", "read_metadata", "save_streaming",
+           "check_shapes", "find_resume", "islands_of", "list_checkpoints", "load", "meta_of", "preflight", "read_full", "read_metadata", "save_streaming",
            "write_failure"]

@@ -46,7 +46,8 @@ def find_resume(root: str, resume: str, restarts: int = 0) -> str | None:
     return resume
 
 
-def _meta(path: str) -> dict:
+def meta_of(path: str) -> dict:
+    """The checkpoint's meta.json, or a CheckpointError naming it."""
     try:
         with open(os.path.join(path, "meta.json")) as f:
             return json.load(f)
@@ -56,7 +57,7 @@ def _meta(path: str) -> dict:
 
 def islands_of(path: str) -> int:
     """The DiLoCo island count that wrote the checkpoint at `path` (1: an ordinary run)."""
-    return int((_meta(path).get("layout") or {}).get("islands", 1))
+    return int((meta_of(path).get("layout") or {}).get("islands", 1))
 
 
 def check_islands(cfg, path: str) -> None:
@@ -65,7 +66,7 @@ def check_islands(cfg, path: str) -> None:
     θ_outer: an island dropped or rejoining), and from one island (θ_outer starts as its masters). Into
     one island (no outer step left) only right after an outer sync of the whole model (fragments = 1,
     step divisible by H), where every island holds θ_outer. Anything else: one line."""
-    meta = _meta(path)
+    meta = meta_of(path)
     written, now = islands_of(path), cfg.parallel.islands
     if written == now or written == 1 or now > 1:
         return

@@ -345,7 +345,7 @@ class StepMeter:
         self.data_s = 0.0  # seconds reading batches since the last line (the step's time split)
         self.window_start, self.window_steps, self.window_seqs = time.perf_counter(), 0, 0
         self.sched = sched_seconds()
-        self.stragglers = StragglerWatch(store, ctx.rank, ctx.world_size, m.straggler_factor, m.straggler_steps)
+        self.stragglers = StragglerWatch(store, ctx.job_rank, ctx.job_world, m.straggler_factor, m.straggler_steps)
 
     def count_step(self, sequences: int) -> None:
         """One more step, of `sequences` (its global batch), in this window (a step undone by a

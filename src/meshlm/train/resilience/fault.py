@@ -72,7 +72,7 @@ def watch(ctx, heartbeat_s: float, record: Callable[[int, str], None]) -> Watchd
     def peer_lost(line: str) -> None:
         record(ctx.rank, f"meshlm: {line}")
         exit_silent(line)
-    watchdog = Watchdog.for_job(ctx.rank, ctx.world_size, heartbeat_s, peer_lost)
+    watchdog = Watchdog.for_job(ctx.job_rank, ctx.job_world, heartbeat_s, peer_lost)
     for c in ctx.all_comms():
         c.watchdog = watchdog
     return watchdog

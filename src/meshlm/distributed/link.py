@@ -1,0 +1,236 @@
+"""The cross-island link of island jobs (training.outer.on_island_loss = "continue"; docs/diloco.md,
+"Losing an island"): each island is a c10d job of its own, and the ranks at the same place in every island
+meet over this link only at DiLoCo's outer syncs. An island that dies does not take the others with it.
+
+Who is in: the launcher (train/island_jobs.py) is the only writer of the *membership*: epoch e and the
+islands in it, in a store it hosts (the store outlives every worker). It starts a new epoch when an island's
+job ends (lost) and when it starts one again (rejoining).
+
+Each round (one outer sync, or an island's first meeting) runs in a *slot* of this place's sequence: the
+first rank to reach slot n fixes its epoch (compare-and-set), every member of that epoch meets on a gloo
+group built for it over the store, runs the round's collectives, and records whether they went through.
+One decision per slot, also by compare-and-set: *commit* once every member recorded success, *abort* once
+one failed or the launcher named a newer epoch first. Nothing changes before the commit (a round returns
+the function that applies it), so an aborted round is run again, whole, in the next slot with the members
+left. Each place keeps its own sequence: a round may commit with a peer at one place and without it at
+another (every island computes the same θ_outer at each place all the same).
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .comm import CollectiveError, Comm
+
+POLL_S = 0.01
+ENV_STORE, ENV_ISLAND, ENV_ISLANDS, ENV_ADMITTED = ("MESHLM_LINK", "MESHLM_ISLAND", "MESHLM_ISLANDS",
+                                                    "MESHLM_LINK_EPOCH")
+
+
+class LinkError(RuntimeError):
+    """The link gave up: no peer answered in time, or this island is no longer a member."""
+
+
+def island_job() -> tuple[int, int] | None:
+    """(this island, the island count) when this process is a rank of one island job, else None."""
+    if ENV_ISLAND not in os.environ:
+        return None
+    return int(os.environ[ENV_ISLAND]), int(os.environ[ENV_ISLANDS])
+
+
+def job_world() -> int:
+    """The mesh's world size as this process sees it: WORLD_SIZE, times the islands in an island job."""
+    job = island_job()
+    return int(os.environ.get("WORLD_SIZE", "1")) * (job[1] if job else 1)
+
+
+def connect(timeout_s: float, is_master: bool = False, port: int = 0) -> dist.TCPStore:
+    """The launcher's store (is_master: host it, on `port`, 0 = a free one), or a worker's client of it."""
+    if is_master:
+        return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout_s))
+    host, port = os.environ[ENV_STORE].rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+class Membership:
+    """The launcher's side: epochs of member islands, in the store."""
+
+    def __init__(self, store, islands: int):
+        self.store, self.epoch, self.members = store, 0, list(range(islands))
+        self._publish()
+
+    def change(self, members: list[int]) -> int:
+        """A new epoch with these members (an island lost or starting again); its number."""
+        self.epoch, self.members = self.epoch + 1, sorted(members)
+        self._publish()
+        return self.epoch
+
+    def _publish(self) -> None:
+        self.store.set(f"members/{self.epoch}", ",".join(map(str, self.members)))
+        self.store.set("epoch", str(self.epoch))  # after its members: a reader of e finds them
+
+
+def members_of(store, epoch: int) -> list[int]:
+    text = store.get(f"members/{epoch}").decode()
+    return [int(x) for x in text.split(",")] if text else []
+
+
+def gloo_group(store, rank: int, size: int, timeout_s: float):
+    """A gloo process group over `store` outside the job's own (every dist.* collective takes it)."""
+    pg = dist.ProcessGroup(store, rank, size)
+    backend = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return pg
+
+
+class LinkComm(Comm):
+    """The `islands` Comm of an island job: each collective is waited for while watching the membership, so
+    that a round a member left is given up at once. (gloo fails a collective fast only on the ranks that
+    talk to the lost one; the others would wait for their timeout.)"""
+
+    def __init__(self, name: str, ranks: list[int], rank: int):
+        super().__init__(name, None, ranks, rank)
+        self.given_up: Callable[[], bool] = lambda: False  # set by the Link for the epoch in use
+
+    def _run(self, kind, nbytes, wire_factor, fn, async_op, after=None, **kw):
+        handle = super()._run(kind, nbytes, wire_factor, fn, True, after, **kw)
+        while not handle.done():
+            if self.given_up():
+                raise CollectiveError(f"rank {self.global_rank}: {kind} on group '{self.name}' given up: "
+                                      f"a member left (a new membership epoch)")
+            time.sleep(POLL_S)
+        handle.wait()
+        return handle if async_op else None
+
+
+class Link:
+    """This rank's side: the ranks at place `place` (its rank inside its island) of every member island.
+    `comm` is the `islands` Comm everything books through; its group is this epoch's."""
+
+    def __init__(self, store, island: int, place: int, timeout_s: float, comm: LinkComm):
+        self.store, self.island, self.timeout_s, self.comm = store, island, timeout_s, comm
+        self.prefix = f"p{place}/"
+        self.slot: int | None = 0 if ENV_ADMITTED not in os.environ else None  # a rejoining island looks for it
+        self.admitted = int(os.environ.get(ENV_ADMITTED, "0"))  # the first epoch this island may meet in
+        self.groups: dict[int, object] = {}  # epoch -> its gloo group (made once, when every member came)
+        self.left: list = []  # groups of past epochs: a collective given up may still run in one
+        comm.given_up = lambda: self.epoch() > self.using
+        self.members: list[int] = []
+        self.using = 0  # the epoch of the group in use
+
+    # -- the store ----------------------------------------------------------------------------
+    def _key(self, *parts) -> str:
+        return self.prefix + "/".join(map(str, parts))
+
+    def _get(self, key: str) -> str | None:
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
+    def _agree(self, key: str, value: str) -> str:
+        """The value every rank reads at `key`: the first one proposed."""
+        return self.store.compare_set(key, "", value).decode()
+
+    def epoch(self) -> int:
+        return int(self.store.get("epoch").decode())
+
+    def _wait(self, ready: Callable[[], object], what: str):
+        """Poll `ready` until it returns something other than None, or give up after timeout_s."""
+        end = time.monotonic() + self.timeout_s
+        while (out := ready()) is None:
+            if time.monotonic() > end:
+                raise LinkError(f"island {self.island}: no answer over the island link within "
+                                f"{self.timeout_s:.0f} s ({what}; parallel.timeout_s)")
+            time.sleep(POLL_S)
+        return out
+
+    # -- rounds -------------------------------------------------------------------------------
+    def run(self, round_fn: Callable[[Comm], Callable[[], None]]) -> list[int]:
+        """One round, run again in later slots until a slot commits it; the members it committed with.
+        `round_fn(comm)` runs the collectives and returns what applies their result."""
+        while True:
+            n, epoch = self._next_slot()
+            ok, commit = False, None
+            if self._gather(epoch):
+                try:
+                    commit, ok = round_fn(self.comm), True
+                except CollectiveError:
+                    pass  # a member went away mid-round: decided below, like everyone
+            self.store.set(self._key("s", n, "ok", self.island), "1" if ok else "0")
+            if self._decide(n, epoch) == "commit":
+                commit()
+                return list(self.members)
+            self._wait(lambda e=epoch: True if self.epoch() > e else None, "a new membership after a lost island")
+
+    def _next_slot(self) -> tuple[int, int]:
+        """This rank's next slot and its epoch (fixed by the first rank there). A rejoining island takes
+        the first slot fixed at or after the epoch that admitted it."""
+        if self.slot is None:
+            self.slot = int(self._get(self._key("latest")) or 0)
+        while True:
+            n = self.slot
+            self.slot += 1
+            if self.admitted == 0 or self._get(self._key("s", n, "epoch")) is not None:
+                epoch = int(self._agree(self._key("s", n, "epoch"), str(self.epoch())))
+            else:  # a rejoining island waits for the members to open the slot
+                epoch = int(self._wait(lambda n=n: self._get(self._key("s", n, "epoch")), "the next outer sync"))
+            self.store.set(self._key("latest"), str(n))
+            if epoch >= self.admitted:
+                if self.island not in members_of(self.store, epoch):
+                    raise LinkError(f"island {self.island}: dropped from the islands' membership (epoch {epoch})")
+                self.admitted = 0
+                return n, epoch
+
+    def _gather(self, epoch: int) -> bool:
+        """Every member of `epoch` is here and this place's group for it exists (False: the launcher named
+        a newer epoch before all came: a member is gone)."""
+        if epoch in self.groups:
+            self._use(epoch)
+            return True
+        members = members_of(self.store, epoch)
+        self.store.set(self._key("e", epoch, "here", self.island), "1")
+        here = [self._key("e", epoch, "here", i) for i in members]
+        came = self._wait(lambda: True if self.store.check(here) else (False if self.epoch() > epoch else None),
+                          f"the members {members} of epoch {epoch}")
+        if not came:
+            return False
+        if len(members) > 1:
+            store = dist.PrefixStore(self._key("e", epoch, "pg"), self.store)
+            self.groups[epoch] = gloo_group(store, members.index(self.island), len(members), self.timeout_s)
+        else:
+            self.groups[epoch] = None
+        self._use(epoch)
+        return True
+
+    def _use(self, epoch: int) -> None:
+        self.members, self.using = members_of(self.store, epoch), epoch
+        c = self.comm
+        c.group, c.ranks, c.size, c.rank = self.groups[epoch], list(self.members), len(self.members), \
+            self.members.index(self.island)
+        c._gloo = True  # CUDA tensors go through host memory (comm._staged): the link is gloo
+        for old in [e for e in self.groups if e < epoch]:
+            self.left.append(self.groups.pop(old))  # never used again; kept, not destroyed under a running op
+
+    def _decide(self, n: int, epoch: int) -> str:
+        """commit or abort for slot n: the first proposal wins, so every member reads the same."""
+        members = members_of(self.store, epoch)
+        keys = [self._key("s", n, "ok", i) for i in members]
+
+        def outcome():
+            decided = self._get(self._key("s", n, "decision"))
+            if decided is not None:
+                return decided
+            if self.store.check(keys):
+                values = [self.store.get(k).decode() for k in keys]
+                proposed = "commit" if all(v == "1" for v in values) else "abort"
+            elif self.epoch() > epoch:  # the launcher saw a member go before it recorded
+                proposed = "abort"
+            else:
+                return None
+            return self._agree(self._key("s", n, "decision"), proposed)
+        return self._wait(outcome, f"slot {n}'s outcome")

@@ -1,0 +1,112 @@
+"""DiLoCo's outer step between island jobs (training.outer.on_island_loss = "continue"; docs/diloco.md,
+"Losing an island"): the same outer step as `OuterSync` (islands.py), run as rounds over the link
+(distributed/link.py), so that the islands that are there average without the ones that are not, and an
+island that (re)starts is brought up to the others' state before it trains.
+
+A round opens with a header from every member (island, step, whether it is in an outer sync or starting,
+the fragment due). The *donor* is the member in a sync (else the one furthest on), at the highest step,
+lowest island first. Members in the same sync at the donor's step send their Δ; the others send zeros and
+are not counted in the mean. Members that are starting, or behind the donor, are *healed*: they receive
+the donor's whole state (θ_outer and its momentum, the masters and the inner optimizer's moments, model
+buffers, the step and data position), then take the same outer step, so they leave the round equal to the
+donor. Everything is applied when the link commits the round; nothing before.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import torch
+
+from ...distributed.link import Link
+
+HEADER = 4  # island, step, in a sync (1) or starting (0), fragment due (-1: none)
+
+
+class LinkedRounds:
+    """`position()` / `set_position(meta)`: the trainer's step, data position and the like, as JSON-able
+    values (train/state.py); `buffers()`: model state outside the optimizer (the MoE balancing bias)."""
+
+    def __init__(self, outer, link: Link, island: int, position: Callable[[], dict],
+                 set_position: Callable[[dict], None], buffers: Callable[[], dict[str, torch.Tensor]]):
+        self.outer, self.link, self.island = outer, link, island
+        self.position, self.set_position, self.buffers = position, set_position, buffers
+        self.healed = 0  # rounds in which this island received a donor's state
+        outer.rounds = self
+
+    def start(self, step: int) -> list[int]:
+        """Meet the other islands before training: a restarted island waits for their next sync and
+        leaves it with their state; at a launch, islands resumed from different steps agree."""
+        return self.link.run(lambda comm: self._round(comm, step, None))
+
+    def sync(self, f: int, step: int) -> list[int]:
+        return self.link.run(lambda comm: self._round(comm, step, f))
+
+    def _round(self, comm, step: int, f: int | None) -> Callable[[], None]:
+        dev = self.outer.device
+        head = torch.tensor([self.island, step, int(f is not None), -1 if f is None else f], dtype=torch.int64)
+        heads = torch.empty(comm.size * HEADER, dtype=torch.int64)
+        comm.all_gather(heads, head, kind="outer_header")
+        rows = heads.view(comm.size, HEADER).tolist()
+        donor = max(range(len(rows)), key=lambda i: (rows[i][2], rows[i][1], -rows[i][0]))
+        _, d_step, d_live, d_frag = rows[donor]
+        sends = [r[2] == 1 and r[1] == d_step and d_live == 1 for r in rows]
+        heal = [i != donor and not sends[i] and (d_live == 1 or r[1] < d_step) for i, r in enumerate(rows)]
+        me = comm.rank
+        mean = None
+        if d_live:
+            delta = self.outer.delta(d_frag) if sends[me] else torch.zeros(self.outer.size(d_frag), device=dev)
+            mean = self.outer.average(comm, delta, count=sum(sends))
+        state = self._receive(comm, donor) if any(heal) else None
+
+        def commit() -> None:
+            if heal[me]:
+                self._install(*state)
+                self.healed += 1
+            if mean is not None:
+                self.outer.apply(d_frag, mean)
+            if heal[me] or mean is not None:
+                opt = self.outer.optimizer
+                opt.loaded(opt.step_count())  # the new masters reach the parameters
+        return commit
+
+    # -- healing ------------------------------------------------------------------------------
+    def _tensors(self) -> list[torch.Tensor]:
+        """Everything a healed island takes from the donor, in one order on every member."""
+        out = [t for _, _, t in self.outer.optimizer.state_storage()]
+        out += list(self.buffers().values())
+        out += [d[name] for d in (self.outer.params, self.outer.momentum) for name in sorted(d)]
+        return out
+
+    def _receive(self, comm, donor: int) -> tuple[torch.Tensor, dict]:
+        """The donor's state, broadcast flat (fp32) with its position as JSON."""
+        tensors, dev = self._tensors(), self.outer.device
+        if comm.rank == donor:
+            flat = torch.cat([t.detach().float().reshape(-1).to(dev) for t in tensors])
+            text = torch.tensor(list(json.dumps(self.position()).encode()), dtype=torch.uint8)
+        else:
+            flat = torch.empty(sum(t.numel() for t in tensors), device=dev)
+            text = None
+        size = torch.tensor([0 if text is None else text.numel()], dtype=torch.int64)
+        comm.broadcast(size, donor)
+        text = text if text is not None else torch.empty(int(size), dtype=torch.uint8)
+        comm.broadcast(text, donor)
+        comm.broadcast(flat, donor)
+        return flat, json.loads(bytes(text.tolist()).decode())
+
+    @torch.no_grad()
+    def _install(self, flat: torch.Tensor, meta: dict) -> None:
+        at = 0
+        for t in self._tensors():
+            t.copy_(flat[at:at + t.numel()].view(t.shape).to(t.device, t.dtype))
+            at += t.numel()
+        self.set_position(meta)
+
+
+def linked(outer, ctx, timeout_s: float, state) -> LinkedRounds:
+    """The rounds of this rank's island job over the launcher's store (train/island_jobs.py); `state`:
+    the trainer's TrainState (position and model buffers)."""
+    from ...distributed.link import connect
+    island = ctx.coords["islands"]
+    link = Link(connect(timeout_s), island, ctx.job_rank, timeout_s, ctx.comm("islands"))
+    return LinkedRounds(outer, link, island, state.position, state.set_position, state.par.model_state)
