@@ -55,3 +55,17 @@ def test_sigterm_to_one_worker_of_a_launch(tmp_path):
     ours = [x for x in err.splitlines() if x.startswith("meshlm: ")]
     assert ours[-1] == f"meshlm: preempted by SIGTERM at step {stop['step']}, checkpoint saved", ours
     assert not [x for x in ours if "restart" in x], ours  # the launcher's torchrun did not restart it
+
+
+def test_a_signal_to_one_island_stops_every_island_a_step_later(tmp_path, pools):
+    """With DiLoCo islands the stop flag crosses them without waiting (parallel/dims/islands.py
+    `agree_stop`): a signal to island 1's rank at step 3 stops both islands after step 4, with a
+    checkpoint of step 4, and the resume gives the uninterrupted run's losses."""
+    cfg = make_config(**CASE, parallel__islands=2, training__outer__sync_every=2)
+    ref = [r for r in train_in(pools, cfg, 2, str(tmp_path / "ref")) if "loss" in r]
+    run = str(tmp_path / "run")
+    got = train_hooked(pools, cfg, 2, run, {"MESHLM_TEST_SIGNAL": "1:3:SIGTERM"})
+    assert [(r["step"], r["preempted"]) for r in got if "preempted" in r] == [(4, "SIGTERM")], got
+    assert [s for s, _ in list_checkpoints(os.path.join(run, "checkpoints"))] == [4]
+    train_hooked(pools, cfg, 2, run, {})
+    assert_same_as(ref, run)

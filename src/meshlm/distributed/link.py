@@ -121,9 +121,10 @@ class Link:
         self.admitted = int(os.environ.get(ENV_ADMITTED, "0"))  # the first epoch this island may meet in
         self.groups: dict[int, object] = {}  # epoch -> its gloo group (made once, when every member came)
         self.left: list = []  # groups of past epochs: a collective given up may still run in one
-        comm.given_up = lambda: self.epoch() > self.using
+        comm.given_up = lambda: self._lost(self.using)
         self.members: list[int] = []
         self.using = 0  # the epoch of the group in use
+        self._complete: dict[int, int] = {}  # epoch -> the newest later epoch known to hold all its members
 
     # -- the store ----------------------------------------------------------------------------
     def _key(self, *parts) -> str:
@@ -138,6 +139,19 @@ class Link:
 
     def epoch(self) -> int:
         return int(self.store.get("epoch").decode())
+
+    def _lost(self, epoch: int) -> bool:
+        """A member of `epoch` left since (it is missing from a later epoch): a round in `epoch` cannot
+        finish. An island that only joined does not end a round (it meets the others at the next one)."""
+        newest = self.epoch()
+        if newest == epoch:
+            return False
+        members = set(members_of(self.store, epoch))
+        for e in range(max(epoch, self._complete.get(epoch, epoch)) + 1, newest + 1):
+            if not members <= set(members_of(self.store, e)):
+                return True
+            self._complete[epoch] = e  # checked up to here: epochs do not change once written
+        return False
 
     def _wait(self, ready: Callable[[], object], what: str):
         """Poll `ready` until it returns something other than None, or give up after timeout_s."""
@@ -165,7 +179,7 @@ class Link:
             if self._decide(n, epoch) == "commit":
                 commit()
                 return list(self.members)
-            self._wait(lambda e=epoch: True if self.epoch() > e else None, "a new membership after a lost island")
+            self._wait(lambda e=epoch: True if self._lost(e) else None, "a new membership after a lost island")
 
     def _next_slot(self) -> tuple[int, int]:
         """This rank's next slot and its epoch (fixed by the first rank there). A rejoining island takes
@@ -195,7 +209,7 @@ class Link:
         members = members_of(self.store, epoch)
         self.store.set(self._key("e", epoch, "here", self.island), "1")
         here = [self._key("e", epoch, "here", i) for i in members]
-        came = self._wait(lambda: True if self.store.check(here) else (False if self.epoch() > epoch else None),
+        came = self._wait(lambda: True if self.store.check(here) else (False if self._lost(epoch) else None),
                           f"the members {members} of epoch {epoch}")
         if not came:
             return False
@@ -228,7 +242,7 @@ class Link:
             if self.store.check(keys):
                 values = [self.store.get(k).decode() for k in keys]
                 proposed = "commit" if all(v == "1" for v in values) else "abort"
-            elif self.epoch() > epoch:  # the launcher saw a member go before it recorded
+            elif self._lost(epoch):  # the launcher saw a member go before it recorded
                 proposed = "abort"
             else:
                 return None

@@ -199,6 +199,8 @@ class Trainer:
                 if t.eval_every and (state.step % t.eval_every == 0 or state.step == t.steps):
                     last = dict(last, eval_loss=self._evaluate())
             self.saving.finish()
+            if self.outer is not None:
+                self.outer.drain()
         finally:
             self.close()
         return last
@@ -234,8 +236,8 @@ class Trainer:
             torch._foreach_mul_(grads, scaler.inv_scale())
         stop = self.preempt.flag()  # checkpoint.on_signal: summed over the world with the norm
         norm = grad_norm(par.norm_grads(), par.world, self.ctx.device, carry=stop)
-        if self.outer is not None:  # stopping is the job's decision, across islands too
-            self.outer.agree_stop(stop)
+        if self.outer is not None:  # stopping is the job's decision, across islands too (a step late)
+            stop = self.outer.agree_stop(stop)
         self.guard.observe(state.step + 1, loss_sum, norm)  # device ops only; read on log steps
         found_inf = None
         if scaler.enabled:

@@ -38,6 +38,7 @@ class OuterSync:
         self.params = {name: t.detach().float().clone() for frag in self.fragments for name, t in frag}
         self.momentum = {name: torch.zeros_like(t) for name, t in self.params.items()}
         self.rounds = None  # island jobs: the rounds over the link (island_link.LinkedRounds)
+        self.pending_flag = None  # the previous step's stop flag, on its way across the islands
 
     def storage(self) -> list[tuple[str, dict[str, torch.Tensor]]]:
         """What checkpoints hold (train/state.py): θ_outer and the momentum, by parameter name."""
@@ -63,11 +64,26 @@ class OuterSync:
         h, k = self.cfg.sync_every, self.cfg.fragments
         return [f for f in range(k) if step % h == f * h // k % h]
 
-    def agree_stop(self, flag: torch.Tensor) -> None:
-        """The preemption flag, already summed over this island with the gradient norm, summed over the
-        islands too: stopping (and the checkpoint it writes) is the job's decision."""
-        if self.comm.size > 1 and self.rounds is None:  # island jobs stop each on its own (docs/diloco.md)
-            self.comm.all_reduce(flag, kind="outer_flag")
+    def agree_stop(self, flag: torch.Tensor) -> torch.Tensor:
+        """The stop decision of this step: the preemption flags of the step before, summed over every
+        island. This step's flag (already summed over this island with the gradient norm) is sent without
+        waiting, so the link's latency hides behind the next step instead of adding to each; every island
+        then stops one step after a signal reached any of them, all at the same step. Island jobs stop
+        each on its own (docs/diloco.md, "Losing an island"): their own flag, at once."""
+        if self.comm.size == 1 or self.rounds is not None:
+            return flag
+        sent = flag.clone()
+        pending, self.pending_flag = self.pending_flag, (self.comm.all_reduce(sent, kind="outer_flag", async_op=True), sent)
+        if pending is None:
+            return torch.zeros_like(flag)
+        pending[0].wait()
+        return pending[1]
+
+    def drain(self) -> None:
+        """Wait for the last step's flag (the run ended): no collective is left running at the teardown."""
+        if self.pending_flag is not None:
+            self.pending_flag[0].wait()
+            self.pending_flag = None
 
     @torch.no_grad()
     def after_step(self, step: int) -> list[int]:
