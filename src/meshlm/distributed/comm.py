@@ -87,6 +87,10 @@ class Comm:
         self._native_rs: bool | None = None  # gloo: does this torch build have reduce_scatter?
         self._gloo: bool | None = None  # is the group gloo (CUDA tensors then go through host memory)?
 
+    def release(self) -> None:
+        """Let go of the group (ParallelContext.close): its C++ object ends with the last reference."""
+        self.group, self.watchdog = None, None
+
     # -- accounting ---------------------------------------------------------------------------
     def _book(self, kind: str, nbytes: int, wire_factor: float) -> None:
         s = self.stats[kind]

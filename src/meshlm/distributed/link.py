@@ -98,6 +98,19 @@ class LinkComm(Comm):
     def __init__(self, name: str, ranks: list[int], rank: int):
         super().__init__(name, None, ranks, rank)
         self.given_up: Callable[[], bool] = lambda: False  # set by the Link for the epoch in use
+        self.groups: dict[int, object] = {}  # epoch -> its gloo group (made once, when every member came)
+
+    def drop_before(self, epoch: int) -> None:
+        """Abort the groups of older epochs: one may still wait in a collective given up, which only an
+        abort ends (deleting it would wait for gloo's timeout)."""
+        for old in [e for e in self.groups if e < epoch]:
+            pg = self.groups.pop(old)
+            if pg is not None:
+                pg._get_backend(torch.device("cpu")).abort()
+
+    def release(self) -> None:
+        self.drop_before(float("inf"))
+        super().release()
 
     def _run(self, kind, nbytes, wire_factor, fn, async_op, after=None, **kw):
         handle = super()._run(kind, nbytes, wire_factor, fn, True, after, **kw)
@@ -119,8 +132,7 @@ class Link:
         self.prefix = f"p{place}/"
         self.slot: int | None = 0 if ENV_ADMITTED not in os.environ else None  # a rejoining island looks for it
         self.admitted = int(os.environ.get(ENV_ADMITTED, "0"))  # the first epoch this island may meet in
-        self.groups: dict[int, object] = {}  # epoch -> its gloo group (made once, when every member came)
-        self.left: list = []  # groups of past epochs: a collective given up may still run in one
+        self.groups = comm.groups
         comm.given_up = lambda: self._lost(self.using)
         self.members: list[int] = []
         self.using = 0  # the epoch of the group in use
@@ -227,8 +239,7 @@ class Link:
         c.group, c.ranks, c.size, c.rank = self.groups[epoch], list(self.members), len(self.members), \
             self.members.index(self.island)
         c._gloo = True  # CUDA tensors go through host memory (comm._staged): the link is gloo
-        for old in [e for e in self.groups if e < epoch]:
-            self.left.append(self.groups.pop(old))  # never used again; kept, not destroyed under a running op
+        c.drop_before(epoch)  # never used again
 
     def _decide(self, n: int, epoch: int) -> str:
         """commit or abort for slot n: the first proposal wins, so every member reads the same."""

@@ -142,7 +142,7 @@ class ParallelContext:
         """Let go of every process group: autograd graphs and optimizers keep Comms alive past the
         trainer, and a group's C++ object (its gloo threads) lives as long as a Comm points at it."""
         for c in self.comms.values():
-            c.group, c.watchdog = None, None
+            c.release()
 
 
 def ranks_share_gpus() -> bool:
