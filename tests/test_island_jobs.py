@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 from fault_plugin import plugin_env
-from harness import TINY, assert_refused_in_one_line, make_config
+from harness import TINY, assert_refused_in_one_line, assert_same_losses, make_config, read_metrics, train_in
 
 from meshlm.distributed import link
 
@@ -111,13 +111,14 @@ def _losses(run_dir) -> list[tuple[int, float]]:
         return [(r["step"], r["loss"]) for r in map(json.loads, f) if "loss" in r]
 
 
-def _train(run_dir, kill: str | None) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "meshlm.cli", "train", "--nproc", "2", "--max-restarts", "1",
+JOB = {"training.steps": 12, "training.device": "cpu", "parallel.islands": 2, "training.outer.sync_every": 2,
+       "checkpoint.every": 2, "checkpoint.resume": "auto"}
+
+
+def _train(run_dir, nproc: int, inside: dict, kill: str | None) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "meshlm.cli", "train", "--nproc", str(nproc), "--max-restarts", "1",
             "--run-dir", str(run_dir)]
-    over = {**TINY, "training.steps": 12, "training.device": "cpu", "parallel.islands": 2,
-            "training.outer.sync_every": 2, "training.outer.on_island_loss": "continue", "checkpoint.every": 2,
-            "checkpoint.resume": "auto"}
-    for k, v in over.items():
+    for k, v in {**TINY, **JOB, "training.outer.on_island_loss": "continue", **inside}.items():
         args += [f"--{k}", str(v)]
     env = dict(os.environ, OMP_NUM_THREADS="1", **plugin_env(**({"MESHLM_TEST_KILL_AT": kill} if kill else {})))
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, check=False)
@@ -130,21 +131,26 @@ def _outer(path: str) -> dict[str, torch.Tensor]:
     return {k: ckpt.read_full(path, md, k) for k in names}
 
 
-@pytest.mark.slowest  # two launches of two island jobs (~45 s)
-def test_an_island_killed_mid_run_is_dropped_and_rejoins_without_a_restart(tmp_path):
-    """Island 1's only rank SIGKILLs itself at step 5. Island 0 never restarts: it logs every step once,
-    equal to the run without a fault up to step 6 (its outer step at 4 had island 1's Δ), and finishes. Island
-    1 is started again, resumes from its own checkpoint (step 4), takes island 0's state at a later outer
-    sync and finishes too: at step 12 (an outer sync) both islands hold the same θ_outer and masters."""
-    ref = _train(tmp_path / "ref", None)
+@pytest.mark.slowest  # two launches of two island jobs (~45 s, ~70 s with dp2 ZeRO-3 inside)
+@pytest.mark.parametrize("nproc,inside", [(2, {}), (4, {"parallel.zero": 3})], ids=["one-rank", "dp2-zero3"])
+def test_an_island_killed_mid_run_is_dropped_and_rejoins_without_a_restart(tmp_path, pools, nproc, inside):
+    """Without a fault, island jobs give the one-job run's losses. Island 1's last rank SIGKILLs itself at
+    step 5: island 0 never restarts, logs every step once, equal to the run without a fault up to step 6
+    (its outer step at 4 had island 1's Δ), and finishes. Island 1 is started again, resumes from its own
+    checkpoint (step 4), takes island 0's state at a later outer sync and finishes too: at step 12 (an outer
+    sync) both islands hold the same θ_outer and masters."""
+    ref = _train(tmp_path / "ref", nproc, inside, None)
     assert ref.returncode == 0, ref.stderr[-3000:]
+    one_job = make_config(**{k.replace(".", "__"): v for k, v in {**JOB, **inside}.items()})
+    assert_same_losses(train_in(pools, one_job, nproc, str(tmp_path / "one-job")), read_metrics(tmp_path / "ref"), 1e-6)
     run = tmp_path / "run"
-    got = _train(run, "1:5")
+    got = _train(run, nproc, inside, f"{nproc - 1}:5")
     assert got.returncode == 0, got.stderr[-3000:]
     err = got.stderr
     assert "meshlm: island 1 lost (its torchrun exited" in err
     assert "meshlm: island 1 restarting (1 of 1)" in err
     assert "meshlm: island 1 rejoined at step " in err and "(it was at step 4)" in err, err[-3000:]
+    assert "threads alive after the teardown" not in err
     steps = _losses(run)
     assert [s for s, _ in steps] == list(range(1, 13)), "island 0 restarted or lost a step"
     assert steps[:6] == _losses(tmp_path / "ref")[:6]
