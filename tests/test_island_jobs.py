@@ -12,7 +12,14 @@ import time
 import pytest
 import torch
 from fault_plugin import plugin_env
-from harness import TINY, assert_refused_in_one_line, assert_same_losses, make_config, read_metrics, train_in
+from harness import (
+    TINY,
+    assert_refused_in_one_line,
+    assert_same_losses,
+    make_config,
+    read_metrics,
+    train_in,
+)
 
 from meshlm.distributed import link
 
