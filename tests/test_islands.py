@@ -36,6 +36,13 @@ ISLANDS = {"parallel__islands": 2, "training__steps": STEPS, "training__outer__s
     ({"training__outer__quantize": "int4"}, 1,
      "training.outer.quantize: 'int4' is not one of none, bf16, fp8, int8"),
     ({"training__outer__sync_every": 0}, 1, "training.outer.sync_every: must be >= 1, got 0"),
+    ({"training__outer__sync_every": 4, "training__outer__delay": 4}, 1,
+     ("training.outer.delay: must be in [0, sync_every 4) (a fragment's average lands before its next sync "
+      "starts), got 4")),
+    ({"training__outer__alpha": 1.0}, 1, "training.outer.alpha: must be in [0, 1), got 1.0"),
+    ({"training__outer__delay": 1, "training__outer__on_island_loss": "continue"}, 1,
+     ("training.outer.delay: not with on_island_loss = continue (a round over the island link applies when "
+      "it commits)")),
     ({"parallel__islands": 2, "training__global_batch": 6}, 2,
      "training.global_batch: 6 is not divisible by micro_batch×dp×islands = 2×1×2"),
 ])
@@ -130,21 +137,33 @@ def islands_reference(islands: int = 2, **overrides) -> list[list[float]]:
     outer = [t.detach().clone().requires_grad_(True) for t in masters[0]]
     sgd = torch.optim.SGD(outer, lr=o.lr, momentum=o.momentum, nesterov=o.momentum > 0)
     losses: list[list[float]] = [[] for _ in range(islands)]
+
+    def land(grads: dict[int, torch.Tensor], alpha: float) -> None:
+        """One outer step on the fragments in `grads`; their masters = alpha·masters + (1 − alpha)·θ_outer."""
+        with torch.no_grad():
+            for k, p in enumerate(outer):
+                p.grad = grads.get(k)
+        sgd.step()
+        with torch.no_grad():
+            for tr, ms in zip(trainers, masters):
+                for k in grads:
+                    ms[k].mul_(alpha).add_(outer[k], alpha=1 - alpha)
+                tr.par.optimizer.loaded(tr.par.optimizer.step_count())
+    flying: list[tuple[int, dict]] = []  # training.outer.delay: (the step it lands after, its mean Δ)
     for step in range(1, full.training.steps + 1):
         for i, tr in enumerate(trainers):
             losses[i].append(tr.meter.global_loss(tr.train_step()["loss_sum"]))
+        for at, grads in [x for x in flying if x[0] == step]:
+            land(grads, o.alpha)
+        flying = [x for x in flying if x[0] != step]
         due = {k for k in range(o.fragments) if step % o.sync_every == k * o.sync_every // o.fragments}
         if due:
             with torch.no_grad():
-                for k, p in enumerate(outer):
-                    p.grad = sum(p - m[k] for m in masters) / islands if fragment[k] in due else None
-            sgd.step()
-            with torch.no_grad():
-                for tr, ms in zip(trainers, masters):
-                    for k, (p, m) in enumerate(zip(outer, ms)):
-                        if fragment[k] in due:
-                            m.copy_(p)
-                    tr.par.optimizer.loaded(tr.par.optimizer.step_count())
+                grads = {k: sum(p - m[k] for m in masters) / islands for k, p in enumerate(outer) if fragment[k] in due}
+            if o.delay:
+                flying.append((step + o.delay, grads))
+            else:
+                land(grads, 0.0)
     for tr in trainers:
         tr.close()
     return losses
@@ -174,15 +193,20 @@ def cached_reference(**overrides) -> list[list[float]]:
     ({"optim__name": "muon"}, 2),
     ({"parallel__zero": 1, "parallel__offload": "optimizer"}, 2),
     ({"model__preset": "dsv3-debug", "parallel__ep": 2}, 4),
-], ids=["one-rank", "dp2-zero3", "tp2-sp", "pp2", "streaming", "streaming-zero2-tp2", "muon", "zero1-offload", "dsv3-ep2"])
+    ({"training__outer__fragments": 2, "training__outer__delay": 1, "training__outer__alpha": 0.5, "parallel__zero": 3}, 4),
+], ids=["one-rank", "dp2-zero3", "tp2-sp", "pp2", "streaming", "streaming-zero2-tp2", "muon", "zero1-offload", "dsv3-ep2",
+        "overlap-zero3"])
 def test_layout_inside_an_island_changes_nothing(pools, inside, world):
     """islands 2 with the layout `inside` each island and the plain reference: island 0's per-step losses
     (rank 0 logs its island's) agree within 1e-5 through three outer syncs (streaming: six, one fragment
     each); island 1's part shows in island 0's losses after each sync. Muon's matrices sync like AdamW's;
     DeepSeek-V3's selection biases (model state, not masters) stay each island's own."""
-    same = {k: v for k, v in inside.items() if k in ("training__outer__fragments", "optim__name", "model__preset")}
+    same = {k: v for k, v in inside.items() if k in ("training__outer__fragments", "optim__name", "model__preset",
+                                                     "training__outer__delay", "training__outer__alpha")}
     ref = cached_reference(**same)
     assert ref[0] != ref[1]  # the islands read different data
+    if "training__outer__delay" in inside:  # the delayed landing is not the immediate one
+        assert ref[0] != cached_reference(training__outer__fragments=2)[0]
     got = train_in(pools, make_config(**ISLANDS, **inside), world, tempfile.mkdtemp(prefix="meshlm-isl-"))
     assert_same_losses(_as_records(ref[0]), got, FP32)
 
@@ -307,6 +331,29 @@ def test_checkpoints_resume_inside_a_round_and_move_between_island_counts_only_w
     assert abs(again[0]["loss"] - moved[2]["loss"]) / moved[2]["loss"] < 0.05  # the same model, half the batch
 
 
+def test_a_delayed_sync_in_flight_is_checkpointed_and_resumes_exactly(pools):
+    """training.outer.delay 2, alpha 0.5, H = 4: the checkpoint of step 5 holds the mean of step 4's sync, still
+    in flight (it lands after step 6); resuming there gives the same losses bit for bit, and moving that
+    checkpoint into one island is refused in one line (the islands' models differ)."""
+    from test_train import truncate_run
+
+    from meshlm.train import checkpoint as ckpt
+    over = {**ISLANDS, "training__outer__sync_every": 4, "training__outer__delay": 2, "training__outer__alpha": 0.5,
+            "training__steps": 8, "checkpoint__every": 1, "checkpoint__keep": 10}
+    run_dir = tempfile.mkdtemp(prefix="meshlm-isl-delay-")
+    ref = train_in(pools, make_config(**over), 2, run_dir)
+    step5 = os.path.join(run_dir, "checkpoints", "step_00000005")
+    assert ckpt.meta_of(step5)["outer_pending"] == {"0": 6}
+    md = ckpt.read_metadata(step5)
+    assert any(k.startswith("outer/pending/") for k in md.state_dict_metadata)
+    with pytest.raises(ckpt.CheckpointError, match="^parallel.islands: .* inside an outer round"):
+        ckpt.check_islands(make_config(**{**over, "parallel__islands": 1}), step5)
+    truncate_run(run_dir, 5)
+    resumed = train_in(pools, make_config(**over, checkpoint__resume="auto"), 2, run_dir)
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    assert [r["loss"] for r in resumed[5:]] == [r["loss"] for r in ref[5:]]  # exact
+
+
 # ---------------------------------------------------------------- the planner
 
 def test_planner_traffic_and_the_smallest_hiding_h():
@@ -325,6 +372,11 @@ def test_planner_traffic_and_the_smallest_hiding_h():
     smaller = p.sync_every // 2
     assert all(sync_seconds(max(fragment_sizes(n, k)), 2, "none", 0.1, 30) > 0.5 * smaller / k
                for k in (1, 2, 4, 8, 16) if k <= smaller)
+    # training.outer.delay: the τ that covers a sync, and the step then (compute alone when the link keeps up)
+    from meshlm.plan.islands import overlapped
+    assert overlapped(1.0, 0.5, 8, 1) == {"delay": 2, "delayed_step_s": 0.5}
+    assert overlapped(1.0, 0.5, 8, 8) == {"delay": 2, "delayed_step_s": 1.0}  # a sync every step: the link's pace
+    assert overlapped(10.0, 0.5, 8, 1) == {"delay": 7, "delayed_step_s": 0.5 + 6.5 / 8}  # τ ≤ H − 1: it waits
 
 
 def test_meshlm_estimate_prints_the_islands_lines(capsys):
@@ -335,6 +387,7 @@ def test_meshlm_estimate_prints_the_islands_lines(capsys):
     out = capsys.readouterr().out
     assert code == 0 and "islands: 2; the outer sync moves" in out and "(H 32, 1 fragment(s), none)" in out
     assert "as synchronous DP over the link" in out and "the smallest H that" in out
+    assert "with training.outer.delay = " in out and "(each sync overlapped with the next inner steps)" in out
     assert main(["estimate", "--gpu", "h100", "--gpus", "16", "--islands", "3"]) == 2
     assert capsys.readouterr().err.strip() == "meshlm: --islands: must be >= 1 and divide --gpus 16, got 3"
 

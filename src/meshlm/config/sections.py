@@ -225,6 +225,10 @@ class OuterConfig:
     # stop: one job, a lost rank fails it (restart it with fewer islands); continue: each island its own
     # job, the others go on without a lost one, which rejoins at their next sync (docs/diloco.md)
     on_island_loss: str = "stop"
+    # streaming DiLoCo's overlap (torchft's fragment_sync_delay / fragment_update_alpha): a fragment's average
+    # travels during the next `delay` inner steps, then lands as masters = alpha·masters + (1 − alpha)·θ_outer
+    delay: int = 0
+    alpha: float = 0.0
 
     def check(self, cfg: Config) -> None:
         if self.sync_every < 1:
@@ -238,6 +242,14 @@ class OuterConfig:
                               f"{self.sync_every} (fragment k syncs at step k·H/K mod H), got {self.fragments}")
         _choice(self.quantize, OUTER_QUANTIZE, "training.outer.quantize")
         _choice(self.on_island_loss, ("stop", "continue"), "training.outer.on_island_loss")
+        if not 0 <= self.delay < self.sync_every:
+            raise ConfigError(f"training.outer.delay: must be in [0, sync_every {self.sync_every}) (a fragment's "
+                              f"average lands before its next sync starts), got {self.delay}")
+        if not 0 <= self.alpha < 1:
+            raise ConfigError(f"training.outer.alpha: must be in [0, 1), got {self.alpha}")
+        if self.delay and self.on_island_loss == "continue":
+            raise ConfigError("training.outer.delay: not with on_island_loss = continue (a round over the island "
+                              "link applies when it commits)")
 
 
 @dataclass

@@ -6,6 +6,8 @@ Pure Python: no torch.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from ..choices import DTYPE_BYTES
@@ -127,9 +129,21 @@ def report(est: dict, islands: int, outer, link_gbps: float | None, latency_ms: 
         best = outer_plan(n, islands, step, link_gbps, latency_ms, outer.quantize)
         out.update(step_s=step, sync_dp_step_s=step + sync_seconds(n, islands, "none", link_gbps, latency_ms),
                    blocking_step_s=step + per_sync * outer.fragments / outer.sync_every,
+                   **overlapped(per_sync, step, outer.sync_every, outer.fragments),
                    hiding_sync_every=best.sync_every, hiding_fragments=best.fragments, hidden=best.hidden,
                    hiding_bytes_per_step=best.bytes_per_step)
     return out
+
+
+def overlapped(per_sync: float, step: float, h: int, k: int) -> dict:
+    """training.outer.delay τ (the runtime's overlap, parallel/dims/islands.py): the τ that covers one sync
+    with inner steps (at most H − 1), and the step time then. A fragment syncs every H/K steps, so the link
+    keeps up only if one sync fits in H/K steps; the step is then the compute alone, else the link's."""
+    tau = min(max(1, math.ceil(per_sync / step)), h - 1) if h > 1 else 0
+    if tau == 0:
+        return {"delay": 0, "delayed_step_s": step + per_sync * k / h}
+    late = max(0.0, per_sync - tau * step)  # what the landing still waits for, once per sync
+    return {"delay": tau, "delayed_step_s": max(step + late * k / h, per_sync * k / h)}
 
 
 def describe(r: dict) -> str:
@@ -139,7 +153,10 @@ def describe(r: dict) -> str:
               f"{_size(r['dp_bytes_per_step'])}")]
     if "step_s" in r:
         lines.append(f"  step: {r['step_s']:.3f} s with the sync hidden, {r['blocking_step_s']:.3f} s with it blocking "
-                     f"(as meshlm runs it today), {r['sync_dp_step_s']:.3f} s as synchronous DP over the link")
+                     f"(training.outer.delay = 0), {r['sync_dp_step_s']:.3f} s as synchronous DP over the link")
+        lines.append(f"  with training.outer.delay = {r['delay']} (each sync overlapped with the next inner steps): "
+                     f"{r['delayed_step_s']:.3f} s per step" if r["delay"] else
+                     "  training.outer.delay needs sync_every > 1: the sync blocks")
         how = "hides" if r["hidden"] else "does not hide even at"
         lines.append(f"  the smallest H that {how} the sync behind compute: {r['hiding_sync_every']} "
                      f"(fragments {r['hiding_fragments']}, {_size(r['hiding_bytes_per_step'])} per inner step)")

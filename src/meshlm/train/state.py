@@ -64,10 +64,13 @@ class TrainState:
     def meta(self) -> dict:
         """What meta.json holds besides the tensors."""
         return {**self.position(), "layout": self.layout.shape(), "accum": self.layout.accum,
-                "config": to_dict(self.cfg), **({} if self.island_job is None else {"island_job": self.island_job})}
+                "config": to_dict(self.cfg), **({} if self.island_job is None else {"island_job": self.island_job}),
+                **({"outer_pending": self.outer.pending_meta()} if self.outer is not None and self.outer.pending else {})}
 
     def save(self, checkpointer: ckpt.Checkpointer, extra: dict | None = None) -> dict:
         """Write a checkpoint of this step (`extra`: more meta.json entries); what the save reports."""
+        if self.outer is not None:
+            self.outer.settle()  # delayed outer syncs in flight: their means go into the checkpoint
         out = checkpointer.save(self.step, self.pieces()[0], {**self.meta(), **(extra or {})})
         if "error" not in out:  # checkpoint.on_error = "continue": the next due step tries again
             self.saved_step = self.step
@@ -78,7 +81,10 @@ class TrainState:
         checkpoint of another island count (ckpt.check_islands allowed it) keeps the islands it has."""
         ckpt.check_islands(self.cfg, path)
         # an island job's checkpoint holds one island's state under the plain keys, and θ_outer
-        by_job = ckpt.meta_of(path).get("island_job") is not None
+        written_meta = ckpt.meta_of(path)
+        by_job = written_meta.get("island_job") is not None
+        if self.outer is not None:  # training.outer.delay: the means that were in flight
+            self.outer.expect_pending(written_meta.get("outer_pending", {}))
         written = 1 if by_job else ckpt.islands_of(path)
         # an island the checkpoint has reads its own state, a new one island 0's (docs/diloco.md, "Checkpoints")
         state, shapes = self.pieces(self.island if self.island < written else 0, outer=written > 1 or by_job)

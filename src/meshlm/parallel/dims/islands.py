@@ -39,10 +39,20 @@ class OuterSync:
         self.momentum = {name: torch.zeros_like(t) for name, t in self.params.items()}
         self.rounds = None  # island jobs: the rounds over the link (island_link.LinkedRounds)
         self.pending_flag = None  # the previous step's stop flag, on its way across the islands
+        # training.outer.delay: fragment -> (the step after which it lands, its mean: a tensor, or the
+        # function that waits for it)
+        self.pending: dict[int, tuple[int, object]] = {}
 
     def storage(self) -> list[tuple[str, dict[str, torch.Tensor]]]:
-        """What checkpoints hold (train/state.py): θ_outer and the momentum, by parameter name."""
-        return [("param", self.params), ("momentum", self.momentum)]
+        """What checkpoints hold (train/state.py): θ_outer and the momentum, by parameter name, and the means
+        of delayed syncs in flight (`settle` first), laid out like the masters."""
+        pending = {}
+        for f, (_, mean) in sorted(self.pending.items()):
+            at = 0
+            for name, t in self.fragments[f]:
+                pending[name] = mean[at:at + t.numel()].view(t.shape)
+                at += t.numel()
+        return [("param", self.params), ("momentum", self.momentum)] + ([("pending", pending)] if pending else [])
 
     @torch.no_grad()
     def restart_from_masters(self) -> None:
@@ -80,20 +90,47 @@ class OuterSync:
         return pending[1]
 
     def drain(self) -> None:
-        """Wait for the last step's flag (the run ended): no collective is left running at the teardown."""
+        """Wait for the last step's flag and the delayed averages (the run ended): no collective is left
+        running at the teardown. A delayed sync that had not landed by the last step is not applied."""
+        self.settle()
         if self.pending_flag is not None:
             self.pending_flag[0].wait()
             self.pending_flag = None
 
     @torch.no_grad()
     def after_step(self, step: int) -> list[int]:
-        """The outer step of every fragment due after inner step `step`; the fragments synced."""
+        """The outer step of every fragment due after inner step `step` (with training.outer.delay τ: its
+        average starts now and lands after step + τ); the fragments synced."""
+        landed = self._land(step)
         due = self.due(step)
         for f in due:
             self.sync(f, step)
-        if due:
+        if landed or (due and not self.cfg.delay):
             self.optimizer.loaded(self.optimizer.step_count())  # the new masters reach the parameters
         return due
+
+    def _land(self, step: int) -> list[int]:
+        """Delayed syncs whose τ steps are over: the outer step with the mean that travelled meanwhile,
+        the masters mixed with θ_outer (training.outer.alpha: the local share kept)."""
+        landed = [f for f, (at, _) in self.pending.items() if at == step]
+        for f in landed:
+            _, mean = self.pending.pop(f)
+            self.apply(f, mean() if callable(mean) else mean, self.cfg.alpha)
+        return landed
+
+    def settle(self) -> None:
+        """Wait for every delayed average in flight (a checkpoint holds the means, `storage`)."""
+        for f, (at, mean) in self.pending.items():
+            if callable(mean):
+                self.pending[f] = (at, mean())
+
+    def pending_meta(self) -> dict[str, int]:
+        """meta.json's record of the delayed syncs: fragment -> the step after which it lands."""
+        return {str(f): at for f, (at, _) in sorted(self.pending.items())}
+
+    def expect_pending(self, meta: dict[str, int]) -> None:
+        """A checkpoint taken with delayed syncs in flight: buffers its means load into (`storage`)."""
+        self.pending = {int(f): (int(at), torch.zeros(self.size(int(f)), device=self.device)) for f, at in meta.items()}
 
     def sync(self, f: int, step: int = 0) -> None:
         """Δ averaged over the islands, one Nesterov step on θ_outer, the masters set to it (island jobs:
@@ -102,6 +139,9 @@ class OuterSync:
             return
         if self.rounds is not None:
             self.rounds.sync(f, step)
+            return
+        if self.cfg.delay:  # overlapped with the next τ inner steps (streaming DiLoCo; torchft's sync delay)
+            self.pending[f] = (step + self.cfg.delay, self.start_average(self.comm, self.delta(f)))
             return
         self.apply(f, self.average(self.comm, self.delta(f)))
 
@@ -114,8 +154,9 @@ class OuterSync:
         return sum(t.numel() for _, t in self.fragments[f])
 
     @torch.no_grad()
-    def apply(self, f: int, mean: torch.Tensor) -> None:
-        """The outer Nesterov step of fragment f with the islands' mean Δ; the masters set to θ_outer."""
+    def apply(self, f: int, mean: torch.Tensor, alpha: float = 0.0) -> None:
+        """The outer Nesterov step of fragment f with the islands' mean Δ; the masters set to θ_outer, or
+        to alpha·masters + (1 − alpha)·θ_outer (a delayed sync: the inner steps taken meanwhile)."""
         frag = self.fragments[f]
         mean = mean.to(frag[0][1].device)
         lr, mu, at = self.cfg.lr, self.cfg.momentum, 0
@@ -124,27 +165,38 @@ class OuterSync:
             at += t.numel()
             buf = self.momentum[name].mul_(mu).add_(g)  # torch.optim.SGD(nesterov=True), dampening 0
             self.params[name].sub_(g.add(buf, alpha=mu), alpha=lr)
-            t.copy_(self.params[name])
+            if alpha:
+                t.mul_(alpha).add_(self.params[name], alpha=1 - alpha)
+            else:
+                t.copy_(self.params[name])
 
     def average(self, comm, delta: torch.Tensor, count: int | None = None) -> torch.Tensor:
         """The mean of every island's `delta` (fp32), as the outer gradient travels (training.outer.quantize);
         `count`: how many islands sent one (the others sent zeros: an island joining), default all."""
+        return self.start_average(comm, delta, count)()
+
+    def start_average(self, comm, delta: torch.Tensor, count: int | None = None) -> Callable[[], torch.Tensor]:
+        """`average` started without waiting: the function that waits and returns the mean."""
         n, islands, q = delta.numel(), comm.size, self.cfg.quantize
         count = islands if count is None else count
         if q == "none":
-            comm.all_reduce(delta, kind=KIND)
-            return delta.div_(count)
+            handle = comm.all_reduce(delta, kind=KIND, async_op=True)
+            return lambda: _after(handle, lambda: delta.div_(count))
         if q == "bf16":
-            sent = delta.to(torch.bfloat16)
             got = torch.empty(islands * n, dtype=torch.bfloat16, device=delta.device)
-            comm.all_gather(got, sent, kind=KIND)
-            return _island_sum(got.view(islands, n).float()).div_(count)
+            handle = comm.all_gather(got, delta.to(torch.bfloat16), kind=KIND, async_op=True)
+            return lambda: _after(handle, lambda: _island_sum(got.view(islands, n).float()).div_(count))
         rows = padded(n, q) // QUANT_BLOCK
-        x = F.pad(delta, (0, rows * QUANT_BLOCK - n)).view(rows, QUANT_BLOCK)
-        packed = _pack(x, q)
+        packed = _pack(F.pad(delta, (0, rows * QUANT_BLOCK - n)).view(rows, QUANT_BLOCK), q)
         got = torch.empty((islands,) + tuple(packed.shape), dtype=torch.uint8, device=delta.device)
-        comm.all_gather(got.view(-1), packed.view(-1), kind=KIND)
-        return _island_sum(torch.stack([_unpack(p, q) for p in got]).view(islands, -1)[:, :n]).div_(count)
+        handle = comm.all_gather(got.view(-1), packed.view(-1), kind=KIND, async_op=True)
+        return lambda: _after(handle, lambda: _island_sum(
+            torch.stack([_unpack(p, q) for p in got]).view(islands, -1)[:, :n]).div_(count))
+
+
+def _after(handle, then: Callable[[], torch.Tensor]) -> torch.Tensor:
+    handle.wait()
+    return then()
 
 
 def _pack(x: torch.Tensor, q: str) -> torch.Tensor:

@@ -65,14 +65,17 @@ def check_islands(cfg, path: str) -> None:
     islands below N keep their own state, θ_outer and its momentum go on, islands from N up join from
     θ_outer: an island dropped or rejoining), and from one island (θ_outer starts as its masters). Into
     one island (no outer step left) only right after an outer sync of the whole model (fragments = 1,
-    step divisible by H), where every island holds θ_outer. Anything else: one line."""
+    step divisible by H; with training.outer.delay τ, τ steps after it and alpha 0), where every island
+    holds θ_outer. Anything else: one line."""
     meta = meta_of(path)
     written, now = islands_of(path), cfg.parallel.islands
     if written == now or written == 1 or now > 1:
         return
     outer = (meta.get("config") or {}).get("training", {}).get("outer", {})
     h, k, step = int(outer.get("sync_every", 1)), int(outer.get("fragments", 1)), int(meta.get("step", 0))
-    if k != 1 or step % h:
+    delay, alpha = int(outer.get("delay", 0)), float(outer.get("alpha", 0.0))  # a delayed sync lands τ steps late
+    landed = step - delay  # the step whose sync landed last, if one landed at `step`
+    if k != 1 or landed % h or (delay and landed < h) or alpha or meta.get("outer_pending"):
         raise CheckpointError(f"parallel.islands: {path} was written by {written} islands at step {step}, inside "
                               f"an outer round (training.outer.sync_every {h}, fragments {k}), where the islands' "
                               f"models differ; resume it with parallel.islands > 1, or in one island from a "
