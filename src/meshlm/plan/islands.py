@@ -31,15 +31,28 @@ def payload_bytes(n: int, quantize: str) -> int:
     return m + 4 * (m // QUANT_BLOCK)
 
 
+TWO_STEP_FROM = 3  # islands from which fp8 / int8 outer gradients are reduced in two steps (fewer bytes)
+
+
+def two_step_rows(n: int, islands: int) -> int:
+    """Blocks of QUANT_BLOCK the two-step reduce sends for n elements: a multiple of the islands."""
+    return -(-(-(-n // QUANT_BLOCK)) // islands) * islands
+
+
 def outer_sync_bytes(n: int, islands: int, quantize: str) -> int:
     """Bytes `Comm` books on one rank for one outer sync of its n elements: fp32 is one all-reduce
-    (booked as 2× the tensor, comm.py's unit); a quantised gradient is all-gathered (every island's
-    codes and scales, summed in fp32 in island order on every rank), booked as the gathered output."""
+    (booked as 2× the tensor, comm.py's unit); bf16, and fp8 / int8 between two islands, are all-gathered
+    (every island's values, summed in fp32 in island order on every rank), booked as the gathered output;
+    fp8 / int8 from TWO_STEP_FROM islands are reduced in two steps, as ZeRO++'s qgZ: an all-to-all of
+    1/N chunks (booked as sent), each island sums its chunk and quantises it again, an all-gather of the
+    sums (booked as gathered): 2·payload instead of N·payload."""
     if islands <= 1 or n == 0:
         return 0
     if quantize == "none":
         return 2 * WIRE_ELEM["none"] * n
-    return islands * payload_bytes(n, quantize)
+    if quantize in WIRE_ELEM or islands < TWO_STEP_FROM:
+        return islands * payload_bytes(n, quantize)
+    return 2 * islands * payload_bytes(two_step_rows(n, islands) // islands * QUANT_BLOCK, quantize)
 
 
 def bytes_per_step(fragment_sizes: list[int], islands: int, sync_every: int, quantize: str) -> float:

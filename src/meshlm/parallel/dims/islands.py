@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ...distributed import float8_comm as f8
-from ...plan.islands import padded
+from ...plan.islands import TWO_STEP_FROM, padded, two_step_rows
 from ...plan.volume import QUANT_BLOCK
 from .zero.quantize import dequantize_rows, quantize_rows
 
@@ -186,6 +186,8 @@ class OuterSync:
             got = torch.empty(islands * n, dtype=torch.bfloat16, device=delta.device)
             handle = comm.all_gather(got, delta.to(torch.bfloat16), kind=KIND, async_op=True)
             return lambda: _after(handle, lambda: _island_sum(got.view(islands, n).float()).div_(count))
+        if islands >= TWO_STEP_FROM:
+            return _two_step(comm, delta, q, count)
         rows = padded(n, q) // QUANT_BLOCK
         packed = _pack(F.pad(delta, (0, rows * QUANT_BLOCK - n)).view(rows, QUANT_BLOCK), q)
         got = torch.empty((islands,) + tuple(packed.shape), dtype=torch.uint8, device=delta.device)
@@ -197,6 +199,29 @@ class OuterSync:
 def _after(handle, then: Callable[[], torch.Tensor]) -> torch.Tensor:
     handle.wait()
     return then()
+
+
+def _two_step(comm, delta: torch.Tensor, q: str, count: int) -> Callable[[], torch.Tensor]:
+    """fp8 / int8 from TWO_STEP_FROM islands (plan/islands.py `outer_sync_bytes`): island j receives every
+    island's j-th 1/N chunk (all-to-all), sums them in fp32 in island order, sends the sum quantised again
+    (all-gather); every rank decodes the same bits. Started without waiting: the all-to-all; the rest runs
+    in the function returned."""
+    n, islands = delta.numel(), comm.size
+    rows = two_step_rows(n, islands)
+    chunks = F.pad(delta, (0, rows * QUANT_BLOCK - n)).view(islands, rows // islands, QUANT_BLOCK)
+    sent = torch.stack([_pack(c, q).reshape(-1) for c in chunks])
+    got = torch.empty_like(sent)
+    handle = comm.all_to_all(got.view(-1), sent.view(-1), kind=KIND, async_op=True)
+
+    def finish() -> torch.Tensor:
+        handle.wait()
+        shape = _pack(chunks[0], q).shape
+        mine = _island_sum(torch.stack([_unpack(p.view(shape), q).reshape(-1) for p in got])).div_(count)
+        packed = _pack(mine.view(rows // islands, QUANT_BLOCK), q).reshape(-1)
+        every = torch.empty(islands * packed.numel(), dtype=torch.uint8, device=delta.device)
+        comm.all_gather(every, packed, kind=KIND)
+        return torch.cat([_unpack(p.view(shape), q).reshape(-1) for p in every.view(islands, -1)])[:n]
+    return finish
 
 
 def _pack(x: torch.Tensor, q: str) -> torch.Tensor:
