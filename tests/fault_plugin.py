@@ -11,7 +11,9 @@ MESHLM_TEST_HOLD_ALONE=N     a job on one rank waits after step N until it is en
                              elastic job stays alive, at a known step, until the lost node is back)
 MESHLM_TEST_SIGNAL=R:N:NAME rank R sends itself signal NAME (e.g. SIGTERM) while it runs step N
 MESHLM_TEST_KILL_AT=R:N        rank R SIGKILLs itself as it starts step N, in its first launch (an island
-                             job started again by the launcher has MESHLM_LINK_EPOCH: it goes on)
+                             job started again is a later incarnation on the island link: it goes on)
+MESHLM_TEST_HOLD_FOR_ISLAND=K:N   island jobs: a rank waits before step N until island K's second start is
+                             taken in (a restarted island then rejoins before the others finish)
 MESHLM_TEST_ABORT_AT_EXIT=R  rank R aborts (SIGABRT) at interpreter exit, after its run finished and
                              its teardown: the exit abort the launcher must tell from a failed run
 MESHLM_TEST_SECONDS_PER_FLOP=S0,S1,...  rank R is a slower card: before each step it sleeps S_R seconds
@@ -55,8 +57,11 @@ def install(trainer) -> None:
     sig = env.get("MESHLM_TEST_SIGNAL", "").split(":")
     sig_step = int(sig[1]) if len(sig) == 3 and int(sig[0]) == rank else 0
     kill_at = env.get("MESHLM_TEST_KILL_AT", "").split(":")
+    rounds = getattr(trainer, "rounds", None)  # island jobs: a restarted island is a later incarnation
+    hold_for = env.get("MESHLM_TEST_HOLD_FOR_ISLAND", "").split(":")
+    hold_step = int(hold_for[1]) if len(hold_for) == 2 and rounds is not None and rounds.link.incarnation == 1 else 0
     kill_step = int(kill_at[1]) if len(kill_at) == 2 and int(kill_at[0]) == rank and trainer.ctx.restarts == 0 \
-        and "MESHLM_LINK_EPOCH" not in env else 0
+        and (rounds is None or rounds.link.incarnation == 1) else 0
 
     def before() -> None:
         while hold and state.step >= hold:
@@ -66,11 +71,13 @@ def install(trainer) -> None:
             os.kill(os.getpid(), signal.Signals[sig[2]])
         if state.step + 1 == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
+        while state.step + 1 == hold_step and not rounds.link.store.check([f"admitted/{hold_for[0]}/2"]):
+            time.sleep(0.05)
 
     def after(loss_sum: torch.Tensor) -> torch.Tensor:
         return loss_sum + float("nan") if state.step + 1 == nan_step else loss_sum
 
-    if sleep or hold or nan_step or sig_step or kill_step:
+    if sleep or hold or nan_step or sig_step or kill_step or hold_step:
         trainer.runner = Wrapped(trainer.runner, before, after)
     if kill and trainer.ctx.restarts == 0:
         at = tuple(int(x) for x in kill.split(":"))

@@ -22,24 +22,22 @@ from harness import (
 )
 
 from meshlm.distributed import link
+from meshlm.distributed.membership import Coordinator
 
 ROUNDS = 4
 
 
-def _member(island: int, port: int, admitted: int | None, die: dict, out: str) -> None:
+def _member(island: int, port: int, die: dict, out: str) -> None:
     """One island's rank at place 0: ROUNDS rounds; each all-reduces (island + 1, 1) over the members and
-    writes the members and the sum it committed with to `out`. `die`: round -> "before" | "inside". Before
-    the last round the members wait for the launcher to take island 2 back (epoch 2)."""
+    writes the members and the sum it committed with to `out`. `die`: round -> "before" | "inside". A later
+    start of the island (incarnation 2) meets the others in their last round, which they hold until the
+    coordinator took it back in (epoch 2)."""
     os.environ.update({link.ENV_STORE: f"127.0.0.1:{port}", link.ENV_ISLAND: str(island), link.ENV_ISLANDS: "3"})
-    if admitted is not None:
-        os.environ[link.ENV_ADMITTED] = str(admitted)
-    store = link.connect(30)
-    lk = link.Link(store, island, 0, 30.0, link.LinkComm("islands", [island], island))
-    first = 0 if admitted is None else ROUNDS - 1  # a rejoining island meets the others in their last round
-    for r in range(first, ROUNDS):
+    lk = link.Link(link.connect(30), island, 0, 30.0, link.LinkComm("islands", [island], island))
+    for r in range(0 if lk.incarnation == 1 else ROUNDS - 1, ROUNDS):
         if die.get(r) == "before":
             os._exit(3)
-        while r == ROUNDS - 1 and admitted is None and lk.epoch() < 2:
+        while r == ROUNDS - 1 and lk.incarnation == 1 and lk.epoch() < 2:
             time.sleep(0.01)
         got = {}
 
@@ -55,17 +53,18 @@ def _member(island: int, port: int, admitted: int | None, die: dict, out: str) -
         members = lk.run(round_fn)
         with open(out, "a") as f:
             f.write(json.dumps([island, r, members, got["sum"]]) + "\n")
+    lk.finish()
+    lk.comm.release()
 
 
 def _launcher(tmp_path, die: dict) -> list[list]:
-    """The launcher's part (train/island_jobs.py, in small): a new epoch without island 2 when it dies; once
-    islands 0 and 1 committed round 2, island 2 started again, admitted from epoch 2."""
+    """The launcher's part (train/island_jobs.py, in small): island 2 out when its process ends; once
+    islands 0 and 1 committed round 2, island 2 started again: it asks to join and the coordinator takes it in."""
     ctx = mp.get_context("spawn")
     store = link.connect(30, is_master=True)
-    members = link.Membership(store, 3)
+    coordinator = Coordinator(store, 3, lost_after_s=60)
     out = [str(tmp_path / f"island{k}.jsonl") for k in range(3)]
-    procs = {k: ctx.Process(target=_member, args=(k, store.port, None, die if k == 2 else {}, out[k]))
-             for k in range(3)}
+    procs = {k: ctx.Process(target=_member, args=(k, store.port, die if k == 2 else {}, out[k])) for k in range(3)}
     for p in procs.values():
         p.start()
 
@@ -73,16 +72,18 @@ def _launcher(tmp_path, die: dict) -> list[list]:
         return [json.loads(x) for x in open(out[k])] if os.path.exists(out[k]) else []
     deadline, restarted = time.time() + 120, False
     while procs and time.time() < deadline:
+        coordinator.poll()
         for k, p in list(procs.items()):
             if p.exitcode is not None:
                 del procs[k]
-                members.change(sorted(procs))
+                coordinator.out(k)
         if not restarted and 2 not in procs and all(len(rounds(k)) == 3 for k in (0, 1)):
-            procs[2] = ctx.Process(target=_member, args=(2, store.port, members.change([0, 1, 2]), {}, out[2]))
+            procs[2] = ctx.Process(target=_member, args=(2, store.port, {}, out[2]))
             procs[2].start()
             restarted = True
         time.sleep(0.02)
     assert not procs, "a member did not finish in time"
+    assert all(store.check([f"finished/{k}"]) for k in range(3))  # each said it finished (out, not lost)
     return sorted(x for k in range(3) for x in rounds(k))
 
 
@@ -99,7 +100,7 @@ def test_rounds_go_on_without_a_lost_island_and_take_it_back(tmp_path, when):
     assert len(got) == 3 + 2 + 2 + 3
 
 
-def test_bad_island_job_input_is_one_line(tmp_path):
+def test_bad_island_job_input_is_one_line(tmp_path, capsys):
     from meshlm.layout import resolve
     from meshlm.train import preflight
     assert_refused_in_one_line(lambda: resolve(make_config(training__outer__on_island_loss="sometimes"), 1),
@@ -111,6 +112,10 @@ def test_bad_island_job_input_is_one_line(tmp_path):
     with pytest.raises(ValueError, match="^training.outer.on_island_loss: continue runs one job per island: start "
                                          "it with meshlm's launcher"):
         preflight._check_island_jobs(cfg, worker=True)
+    from meshlm.cli import main
+    assert main(["train", "--link-server", "0", "--parallel.islands", "2"]) == 2
+    assert capsys.readouterr().err.strip() == ("meshlm: --link-server: serves island jobs: set parallel.islands > 1 "
+                                               "and training.outer.on_island_loss = continue")
 
 
 def _losses(run_dir) -> list[tuple[int, float]]:
@@ -127,7 +132,8 @@ def _train(run_dir, nproc: int, inside: dict, kill: str | None) -> subprocess.Co
             "--run-dir", str(run_dir)]
     for k, v in {**TINY, **JOB, "training.outer.on_island_loss": "continue", **inside}.items():
         args += [f"--{k}", str(v)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", **plugin_env(**({"MESHLM_TEST_KILL_AT": kill} if kill else {})))
+    faults = {"MESHLM_TEST_KILL_AT": kill, "MESHLM_TEST_HOLD_FOR_ISLAND": "1:8"} if kill else {}
+    env = dict(os.environ, OMP_NUM_THREADS="1", **plugin_env(**faults))
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, check=False)
 
 
@@ -142,7 +148,8 @@ def _outer(path: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("nproc,inside", [(2, {}), (4, {"parallel.zero": 3})], ids=["one-rank", "dp2-zero3"])
 def test_an_island_killed_mid_run_is_dropped_and_rejoins_without_a_restart(tmp_path, pools, nproc, inside):
     """Without a fault, island jobs give the one-job run's losses. Island 1's last rank SIGKILLs itself at
-    step 5: island 0 never restarts, logs every step once, equal to the run without a fault up to step 6
+    step 5 (island 0 holds before step 8 until the launcher started island 1 again, so that the run does not
+    end first on a fast machine): island 0 never restarts, logs every step once, equal to the run without a fault up to step 6
     (its outer step at 4 had island 1's Δ), and finishes. Island 1 is started again, resumes from its own
     checkpoint (step 4), takes island 0's state at a later outer sync and finishes too: at step 12 (an outer
     sync) both islands hold the same θ_outer and masters."""
@@ -169,3 +176,54 @@ def test_an_island_killed_mid_run_is_dropped_and_rejoins_without_a_restart(tmp_p
         assert torch.equal(mine[k], theirs[k]), k
     with open(run / "metrics.jsonl") as f:
         assert not [r for r in map(json.loads, f) if "restart" in r]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slowest  # a link server and three island launches by hand (~60 s)
+def test_islands_started_by_other_schedulers_meet_over_a_link_server(tmp_path):
+    """Islands that meshlm's launcher does not start (one scheduler per data centre, here the test): `meshlm
+    train --link-server PORT` coordinates; each island is a torchrun with MESHLM_ISLAND / MESHLM_ISLANDS /
+    MESHLM_LINK. Island 1 SIGKILLs itself at step 5 and its scheduler starts it again: it asks to join, is
+    taken in (its old start counted out then), and rejoins; both finish with the same θ_outer."""
+    port = _free_port()
+    over = {**TINY, **JOB, "training.outer.on_island_loss": "continue", "parallel.timeout_s": 60}
+    flags = [x for k, v in over.items() for x in (f"--{k}", str(v))]
+    base = dict(os.environ, OMP_NUM_THREADS="1")
+    logs = {}
+
+    def start(name: str, args: list[str], env: dict) -> subprocess.Popen:
+        logs[name] = tmp_path / f"{name}.log"  # a file, not a pipe: nobody blocks on a full one
+        with open(logs[name], "a") as f:
+            return subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=f)
+
+    server = start("server", [sys.executable, "-m", "meshlm.cli", "train", "--link-server", str(port), *flags], base)
+
+    def island(k: int, faults: dict) -> subprocess.Popen:
+        env = dict(base, **plugin_env(**faults), MESHLM_ISLAND=str(k), MESHLM_ISLANDS="2",
+                   MESHLM_LINK=f"127.0.0.1:{port}")
+        return start(f"island{k}", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                                    "-m", "meshlm.cli", "train", "--run-dir", str(tmp_path / "run"), "--worker", *flags],
+                     env)
+    first = island(0, {"MESHLM_TEST_HOLD_FOR_ISLAND": "1:8"})
+    lost = island(1, {"MESHLM_TEST_KILL_AT": "1:5"})
+    assert lost.wait(timeout=300) != 0
+    again = island(1, {})
+    codes = {name: p.wait(timeout=300) for name, p in (("island0", first), ("island1", again), ("server", server))}
+    outs = {name: (codes[name], logs[name].read_text()) for name in codes}
+    assert all(code == 0 for code, _ in outs.values()), {k: [x for x in v[1].splitlines() if "meshlm" in x][-8:]
+                                                         for k, v in outs.items()}
+    assert "meshlm: island 1 is back (start 2): it rejoins at the other islands' next outer sync" in outs["server"][1]
+    assert "islands that finished: [0, 1]" in outs["server"][1]
+    assert "meshlm: island 1 rejoined at step " in outs["island1"][1]
+    run = tmp_path / "run"
+    assert [s for s, _ in _losses(run)] == list(range(1, 13))
+    mine, theirs = _outer(str(run / "checkpoints" / "step_00000012")), \
+        _outer(str(run / "checkpoints" / "island1" / "step_00000012"))
+    for k in mine:
+        assert torch.equal(mine[k], theirs[k]), k

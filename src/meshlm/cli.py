@@ -15,6 +15,13 @@ def cmd_train(args, extra: list[str]) -> int:
     from .train import preflight
     from .train.launch import incidents, preempted, record_error, spawn, worker_errors
 
+    if args.link_server is not None:  # the islands' coordinator alone (docs/diloco.md, "Losing an island")
+        from .train.island_jobs import serve_link
+        try:
+            cfg = preflight.link_server_config(args.config, extra)
+        except ValueError as e:
+            return _fail(str(e))
+        return serve_link(args.link_server, cfg.parallel.islands, cfg.parallel.timeout_s)
     try:
         start = preflight.settle(args.config, extra, args.nproc, args.max_restarts, args.worker, args.run_dir)
     except (ValueError, RuntimeError) as e:  # ConfigErrors; training.device unknown; the world not formed
@@ -134,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-restarts", type=int, default=0,
                    help="restart all workers up to R times after one fails, resuming from the newest "
                         "checkpoint (torchrun's elastic agent; also with one worker)")
+    t.add_argument("--link-server", type=int, metavar="PORT",
+                   help="host the island link of island jobs that other schedulers start (training.outer."
+                        "on_island_loss = continue; docs/diloco.md): start no worker")
     t.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     t.set_defaults(func=cmd_train)
     pr = sub.add_parser("prepare", help="tokenise a corpus (text, JSON Lines, Parquet, save_to_disk) into "

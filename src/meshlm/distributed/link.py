@@ -2,9 +2,9 @@
 "Losing an island"): each island is a c10d job of its own, and the ranks at the same place in every island
 meet over this link only at DiLoCo's outer syncs. An island that dies does not take the others with it.
 
-Who is in: the launcher (train/island_jobs.py) is the only writer of the *membership*: epoch e and the
-islands in it, in a store it hosts (the store outlives every worker). It starts a new epoch when an island's
-job ends (lost) and when it starts one again (rejoining).
+Who is in: one coordinator (distributed/membership.py) is the only writer of the *membership*: epoch e and
+the islands in it, in a store it hosts (the store outlives every worker). It starts a new epoch when an
+island is lost or finished, and when a new start of one asks to join.
 
 Each round (one outer sync, or an island's first meeting) runs in a *slot* of this place's sequence: the
 first rank to reach slot n fixes its epoch (compare-and-set), every member of that epoch meets on a gloo
@@ -26,14 +26,18 @@ import torch
 import torch.distributed as dist
 
 from .comm import CollectiveError, Comm
+from .membership import Heartbeat, current_epoch, members_of, register
 
 POLL_S = 0.01
-ENV_STORE, ENV_ISLAND, ENV_ISLANDS, ENV_ADMITTED = ("MESHLM_LINK", "MESHLM_ISLAND", "MESHLM_ISLANDS",
-                                                    "MESHLM_LINK_EPOCH")
+ENV_STORE, ENV_ISLAND, ENV_ISLANDS = "MESHLM_LINK", "MESHLM_ISLAND", "MESHLM_ISLANDS"
 
 
 class LinkError(RuntimeError):
     """The link gave up: no peer answered in time, or this island is no longer a member."""
+
+
+class RunOver(LinkError):
+    """A rejoining island found every other island finished: nothing left to join."""
 
 
 def island_job() -> tuple[int, int] | None:
@@ -50,35 +54,13 @@ def job_world() -> int:
 
 
 def connect(timeout_s: float, is_master: bool = False, port: int = 0) -> dist.TCPStore:
-    """The launcher's store (is_master: host it, on `port`, 0 = a free one), or a worker's client of it."""
+    """The coordinator's store (is_master: host it, on `port` of every interface, 0 = a free one), or a
+    worker's client of it (MESHLM_LINK = host:port)."""
     if is_master:
-        return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+        return dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
                              timeout=timedelta(seconds=timeout_s))
     host, port = os.environ[ENV_STORE].rsplit(":", 1)
     return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
-
-
-class Membership:
-    """The launcher's side: epochs of member islands, in the store."""
-
-    def __init__(self, store, islands: int):
-        self.store, self.epoch, self.members = store, 0, list(range(islands))
-        self._publish()
-
-    def change(self, members: list[int]) -> int:
-        """A new epoch with these members (an island lost or starting again); its number."""
-        self.epoch, self.members = self.epoch + 1, sorted(members)
-        self._publish()
-        return self.epoch
-
-    def _publish(self) -> None:
-        self.store.set(f"members/{self.epoch}", ",".join(map(str, self.members)))
-        self.store.set("epoch", str(self.epoch))  # after its members: a reader of e finds them
-
-
-def members_of(store, epoch: int) -> list[int]:
-    text = store.get(f"members/{epoch}").decode()
-    return [int(x) for x in text.split(",")] if text else []
 
 
 def gloo_group(store, rank: int, size: int, timeout_s: float):
@@ -98,6 +80,7 @@ class LinkComm(Comm):
     def __init__(self, name: str, ranks: list[int], rank: int):
         super().__init__(name, None, ranks, rank)
         self.given_up: Callable[[], bool] = lambda: False  # set by the Link for the epoch in use
+        self.on_release: list[Callable[[], None]] = []  # the Link's heartbeat ends with the groups
         self.groups: dict[int, object] = {}  # epoch -> its gloo group (made once, when every member came)
 
     def drop_before(self, epoch: int) -> None:
@@ -109,6 +92,8 @@ class LinkComm(Comm):
                 pg._get_backend(torch.device("cpu")).abort()
 
     def release(self) -> None:
+        for end in self.on_release:
+            end()
         self.drop_before(float("inf"))
         super().release()
 
@@ -129,14 +114,24 @@ class Link:
 
     def __init__(self, store, island: int, place: int, timeout_s: float, comm: LinkComm):
         self.store, self.island, self.timeout_s, self.comm = store, island, timeout_s, comm
+        self.islands = int(os.environ.get(ENV_ISLANDS, str(island + 1)))
         self.prefix = f"p{place}/"
-        self.slot: int | None = 0 if ENV_ADMITTED not in os.environ else None  # a rejoining island looks for it
-        self.admitted = int(os.environ.get(ENV_ADMITTED, "0"))  # the first epoch this island may meet in
+        # this start of the island, and the first epoch it may meet in (0: a first start, in from the outset)
+        self.incarnation, self.admitted = register(store, island, place, self._wait)
+        self.slot: int | None = 0 if self.admitted == 0 else None  # a rejoining island looks for it
+        self.heart = Heartbeat(lambda: connect(timeout_s), island) if place == 0 else None  # its island's beat
+        if self.heart is not None:
+            comm.on_release.append(self.heart.close)
         self.groups = comm.groups
         comm.given_up = lambda: self._lost(self.using)
         self.members: list[int] = []
         self.using = 0  # the epoch of the group in use
         self._complete: dict[int, int] = {}  # epoch -> the newest later epoch known to hold all its members
+
+    def finish(self) -> None:
+        """The run ended (or stopped on a signal): the coordinator counts this island out, not lost."""
+        if self.heart is not None:
+            self.heart.close(finished=True)
 
     # -- the store ----------------------------------------------------------------------------
     def _key(self, *parts) -> str:
@@ -150,7 +145,7 @@ class Link:
         return self.store.compare_set(key, "", value).decode()
 
     def epoch(self) -> int:
-        return int(self.store.get("epoch").decode())
+        return current_epoch(self.store)
 
     def _lost(self, epoch: int) -> bool:
         """A member of `epoch` left since (it is missing from a later epoch): a round in `epoch` cannot
@@ -204,13 +199,26 @@ class Link:
             if self.admitted == 0 or self._get(self._key("s", n, "epoch")) is not None:
                 epoch = int(self._agree(self._key("s", n, "epoch"), str(self.epoch())))
             else:  # a rejoining island waits for the members to open the slot
-                epoch = int(self._wait(lambda n=n: self._get(self._key("s", n, "epoch")), "the next outer sync"))
+                epoch = int(self._wait(lambda n=n: self._opened(n), "the next outer sync"))
             self.store.set(self._key("latest"), str(n))
             if epoch >= self.admitted:
                 if self.island not in members_of(self.store, epoch):
                     raise LinkError(f"island {self.island}: dropped from the islands' membership (epoch {epoch})")
                 self.admitted = 0
                 return n, epoch
+
+    def _opened(self, n: int) -> str | None:
+        """Slot n's epoch once the members opened it; a rejoining island that is alone opens it itself, and
+        one whose every peer finished the run has nothing to join (RunOver)."""
+        opened = self._get(self._key("s", n, "epoch"))
+        if opened is not None:
+            return opened
+        others = [i for i in range(self.islands) if i != self.island]
+        if all(self.store.check([f"finished/{i}"]) for i in others):
+            raise RunOver(f"island {self.island}: the other islands finished the run; nothing left to rejoin")
+        if members_of(self.store, self.epoch()) == [self.island]:
+            return self._agree(self._key("s", n, "epoch"), str(self.epoch()))
+        return None
 
     def _gather(self, epoch: int) -> bool:
         """Every member of `epoch` is here and this place's group for it exists (False: the launcher named

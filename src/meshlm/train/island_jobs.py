@@ -1,10 +1,11 @@
 """Island jobs (training.outer.on_island_loss = "continue"; docs/diloco.md, "Losing an island"): one
 torchrun per island, so that a lost rank ends its island's job and no other. This launcher hosts the
-islands' store (distributed/link.py) and is the only writer of who is in: an island whose torchrun ends is
-out (a new membership epoch, which releases the others from a sync waiting for it); an island restarted
-(`--max-restarts R`, per island) is in again from the epoch its workers are told, and they take the
-others' state at their next outer sync. Inside an island nothing changes: its torchrun, its checkpoints
-(RUN_DIR/checkpoints for island 0, RUN_DIR/checkpoints/island{k} for the others), its watchdog."""
+islands' store (distributed/link.py) and runs their coordinator (distributed/membership.py): an island
+whose torchrun ends is out at once (a new membership epoch, which releases the others from a sync waiting
+for it); an island restarted (`--max-restarts R`, per island) asks to join and takes the others' state at
+their next outer sync. Inside an island nothing changes: its torchrun, its checkpoints (RUN_DIR/checkpoints
+for island 0, RUN_DIR/checkpoints/island{k} for the others), its watchdog. `serve_link` is the coordinator
+alone, for islands that other schedulers start (one per data centre)."""
 from __future__ import annotations
 
 import os
@@ -13,6 +14,7 @@ import sys
 import time
 
 from ..distributed import link
+from ..distributed.membership import Coordinator
 from .launch import DONE_PREFIX, PREEMPTED_PREFIX, fresh_logs, preempted, torchrun
 
 POLL_S = 0.05
@@ -27,19 +29,16 @@ class IslandJobs:
         self.config_path, self.run_dir, self.max_restarts = config_path, run_dir, max_restarts
         self.logs = fresh_logs(run_dir)
         self.store = link.connect(timeout_s, is_master=True)
-        self.members = link.Membership(self.store, islands)
+        self.coordinator = Coordinator(self.store, islands, lost_after_s=timeout_s)
         self.restarts = {k: 0 for k in range(islands)}
-        self.procs = {k: self._start(k, None) for k in range(islands)}
+        self.procs = {k: self._start(k) for k in range(islands)}
         self.ended: dict[int, int | str] = {}  # island -> "finished" or the exit status it was lost with
 
-    def _start(self, k: int, admitted: int | None) -> subprocess.Popen:
+    def _start(self, k: int) -> subprocess.Popen:
         logs = os.path.join(self.logs, f"island{k}" + (f"_restart{self.restarts[k]}" if self.restarts[k] else ""))
         cmd, env = torchrun(self.size, 0, logs, self.config_path, self.run_dir, threads_of=self.nproc)
         env.update({link.ENV_ISLAND: str(k), link.ENV_ISLANDS: str(self.islands),
                     link.ENV_STORE: f"127.0.0.1:{self.store.port}"})
-        env.pop(link.ENV_ADMITTED, None)
-        if admitted is not None:  # a restarted island: it meets the others from this epoch on
-            env[link.ENV_ADMITTED] = str(admitted)
         return subprocess.Popen(cmd, env=env)
 
     def _finished(self, k: int) -> bool:
@@ -49,16 +48,18 @@ class IslandJobs:
                    for r in range(k * self.size, (k + 1) * self.size))
 
     def watch(self) -> None:
-        """Until every island's job ended: each that ends leaves the membership; a lost one restarts while
-        it has restarts left."""
+        """Until every island's job ended: each that ends is out; a lost one restarts while it has restarts
+        left (it asks to join, and the coordinator takes it in)."""
         while self.procs:
             time.sleep(POLL_S)
+            for line in self.coordinator.poll():
+                print(f"meshlm: {line}", file=sys.stderr, flush=True)
             for k, proc in list(self.procs.items()):
                 code = proc.poll()
                 if code is None:
                     continue
                 del self.procs[k]
-                self.members.change(sorted(self.procs))
+                self.coordinator.out(k)
                 if code == 0 or self._finished(k):
                     self.ended[k] = "finished"
                     continue
@@ -66,8 +67,8 @@ class IslandJobs:
                       file=sys.stderr, flush=True)
                 if self.restarts[k] < self.max_restarts:
                     self.restarts[k] += 1
-                    epoch = self.members.change(sorted(self.procs) + [k])
-                    self.procs[k] = self._start(k, epoch)
+                    self.coordinator.expect(k)  # the others wait for it at their next outer sync
+                    self.procs[k] = self._start(k)
                     print(f"meshlm: island {k} restarting ({self.restarts[k]} of {self.max_restarts}): it rejoins "
                           f"at the other islands' next outer sync", file=sys.stderr, flush=True)
                 else:
@@ -101,3 +102,19 @@ def spawn_islands(nproc: int, islands: int, config_path: str, run_dir: str, max_
         for proc in jobs.procs.values():  # the launcher stopped early (Ctrl-C): no island left behind
             proc.terminate()
     return jobs.outcome()
+
+
+def serve_link(port: int, islands: int, timeout_s: float) -> int:
+    """`meshlm train --link-server PORT`: the islands' store and coordinator, for island jobs that other
+    schedulers start (MESHLM_ISLAND, MESHLM_ISLANDS and MESHLM_LINK = this host:PORT in their environment),
+    until every island finished, or none is left. An island silent for parallel.timeout_s is lost."""
+    store = link.connect(timeout_s, is_master=True, port=port)
+    coordinator = Coordinator(store, islands, lost_after_s=timeout_s)
+    print(f"meshlm: island link on port {store.port} for {islands} islands", file=sys.stderr, flush=True)
+    while not coordinator.done():
+        for line in coordinator.poll():
+            print(f"meshlm: {line}", file=sys.stderr, flush=True)
+        time.sleep(POLL_S)
+    left = sorted(coordinator.finished)
+    print(f"meshlm: island link closed; islands that finished: {left}", file=sys.stderr, flush=True)
+    return 0 if left else 1

@@ -141,3 +141,15 @@ def _check_island_jobs(cfg: C.Config, worker: bool) -> None:
     if worker and island_job() is None:
         raise C.ConfigError("training.outer.on_island_loss: continue runs one job per island: start it with "
                             "meshlm's launcher (meshlm train --nproc N), not under torchrun or Slurm")
+
+
+def link_server_config(config_path: str | None, extra: list[str]) -> C.Config:
+    """The config `meshlm train --link-server` serves: island jobs (on_island_loss = continue), checked."""
+    pairs, rest = C.parse_overrides(extra)
+    if rest:
+        raise C.ConfigError(f"unrecognised argument: {rest[0]}")
+    cfg = C.load(config_path, pairs)
+    if cfg.training.outer.on_island_loss != "continue" or cfg.parallel.islands < 2:
+        raise C.ConfigError("--link-server: serves island jobs: set parallel.islands > 1 and "
+                            "training.outer.on_island_loss = continue")
+    return cfg

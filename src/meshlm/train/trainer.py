@@ -16,7 +16,7 @@ import torch
 from ..config import Config
 from ..data import default_data_dir
 from ..data.dataset import open_data
-from ..distributed.link import island_job, job_world
+from ..distributed.link import RunOver, island_job, job_world
 from ..distributed.mesh import ParallelContext, init_context, join_world, pick_device, shutdown
 from ..layout import Layout
 from ..model import build_model
@@ -116,6 +116,7 @@ class Trainer:
         # island jobs (training.outer.on_island_loss = "continue"): this island's state is its job's own,
         # saved as island 0's in checkpoints/island{k} (island 0: checkpoints/; docs/diloco.md)
         island, job = ctx.coords["islands"], island_job() is not None
+        self.rounds = None  # island jobs: the rounds over the island link (_meet_islands)
         self.state = TrainState(self.par, self.data.sampler, LossScaler(t.precision == "fp16", device=ctx.device),
                                 SpikeDetector(t.spike_zscore, t.spike_window, t.spike_action), cfg, layout, ctx.job_rank,
                                 self.outer, 0 if job else island)
@@ -147,9 +148,14 @@ class Trainer:
     def _meet_islands(self) -> None:
         """Island jobs (docs/diloco.md, "Losing an island"): the first round with the other islands, before
         any step; an island that took a donor's state says so on its log."""
-        rounds = linked(self.outer, self.ctx, self.cfg.parallel.timeout_s, self.state)
+        rounds = self.rounds = linked(self.outer, self.ctx, self.cfg.parallel.timeout_s, self.state)
         before = self.state.step
-        members = rounds.start(before)
+        try:
+            members = rounds.start(before)
+        except RunOver as e:  # it came back after the others finished: its run is over too
+            print(f"meshlm: {e}", file=sys.stderr, flush=True)
+            self.state.step = self.cfg.training.steps  # fit has nothing left to run
+            return
         if rounds.healed and self.ctx.job_rank == 0:
             print(f"meshlm: island {self.ctx.coords['islands']} rejoined at step {self.state.step} (it was at step "
                   f"{before}) with the other islands' state", file=sys.stderr, flush=True)
@@ -201,6 +207,8 @@ class Trainer:
             self.saving.finish()
             if self.outer is not None:
                 self.outer.drain()
+            if self.rounds is not None:  # island jobs: this island is done (out, not lost)
+                self.rounds.link.finish()
         finally:
             self.close()
         return last
