@@ -163,9 +163,11 @@ def compute_times(shape: Shape, t: int, seq_len: int, layers: int, head: bool, t
     return t_f, 2 * t_f, t_rc, tokens * attn / rate * (3 + (1 if ac != "none" else 0))
 
 
+@lru_cache(maxsize=65536)
 def micro_times(shape: Shape, tp: int, sp: bool, ep: int, cp: int, seq_len: int, layers: int, head: bool,
                 micro_batch: int, ac: str, precision: str, gpu: GPU, o: Options) -> dict:
-    """t_f, t_b, t_rc, t_attn (and `ops`, the per-operation breakdown) of one micro-batch on one rank."""
+    """t_f, t_b, t_rc, t_attn (and `ops`, the per-operation breakdown) of one micro-batch on one rank.
+    Cached (the search's bound and its time model ask for the same stages): callers must not change it."""
     tokens = micro_batch * seq_len / cp
     if o.efficiency is None:
         from .ops import StageWork, stage_compute
