@@ -30,17 +30,20 @@ def _act_side(shape: Shape, s: Spec, stage: str, eps_on: list[bool], mbs: list[i
               o: Options) -> tuple:
     """Per (ep on/off, micro-batch): the activations and working set per AC mode, and the loss, mask and
     dimension buffers, as arrays [E, M, ...] (`_activation_terms` of every size)."""
-    acts, work, loss, mask, dims = [], [], [], [], []
-    for on in eps_on:
-        for mb, m in zip(mbs, accums):
-            _, block, act, lo, ma, di = _activation_terms(
-                shape, stage, s.tp, on, s.pp, s.pp_virtual, s.pp_schedule, s.pp_layers, s.sp_enabled, s.cp,
-                s.cp_impl, mb, m, s.seq_len, s.precision, o)
-            acts.append(act)
-            work.append([block[_NONE] * (1.0 if ac == "full" else 0.5) for ac in AC_MODES])
-            loss.append([v for _, v in lo])
-            mask.append([v for _, v in ma])
-            dims.append([v for _, v in di])
+    rows: list = [([], [], [], [], []) for _ in eps_on]  # acts, work, loss, mask, dims per ep on/off
+    for mb, m in zip(mbs, accums):  # with ep on, the terms add only the all-to-all's buffer: priced once
+        _, block, act, lo, ma, di = _activation_terms(
+            shape, stage, s.tp, eps_on[-1], s.pp, s.pp_virtual, s.pp_schedule, s.pp_layers, s.sp_enabled, s.cp,
+            s.cp_impl, mb, m, s.seq_len, s.precision, o)
+        work = [block[_NONE] * (1.0 if ac == "full" else 0.5) for ac in AC_MODES]
+        loss, mask = [v for _, v in lo], [v for _, v in ma]
+        for on, (acts_, work_, loss_, mask_, dims_) in zip(eps_on, rows):
+            acts_.append(act)
+            work_.append(work)
+            loss_.append(loss)
+            mask_.append(mask)
+            dims_.append([v for k, v in di if on or k != "ep_all_to_all"])
+    acts, work, loss, mask, dims = ([r for e in rows for r in e[k]] for k in range(5))
     E, M = len(eps_on), len(mbs)
 
     def grid(rows):

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..choices import AC_MODES, HELD
 from .comm import ep_collectives, link
-from .estimate import bubble_formula, micro_times, time_model
+from .estimate import bubble_formula, micro_seconds, time_model
 from .hardware import GIB
 from .memory import state_floor
 from .memory_grid import worst_grid
@@ -179,15 +179,20 @@ def _rank_all(ctx, live: list, mbs: list[int], accums: list[int], o: Options, fu
 
 def _bounds(ctx, live: list, mbs: list[int], accums: list[int], o: Options, full: list, v_i, m_i, c_i) -> np.ndarray:
     """Each pick's lower bound: it depends on the expert degree, the size and the AC mode, not on ZeRO,
-    so each of those is bounded once."""
+    so each of those is bounded once (on one Spec per degree and size: building one costs more than
+    the bound's cached parts)."""
     got: dict = {}
+    specs: dict = {}
     out = np.empty(len(v_i))
     for k, (v, i, c) in enumerate(zip(v_i.tolist(), m_i.tolist(), c_i.tolist())):
         base, ac = live[v][1], full[c][0]
         key = (base["ep"], i, ac)
         lb = got.get(key)
         if lb is None:
-            lb = got[key] = _lower_bound(ctx, o, Spec(**base, micro_batch=mbs[i], accum=accums[i]), ac)
+            spec = specs.get(key[:2])
+            if spec is None:
+                spec = specs[key[:2]] = Spec(**base, micro_batch=mbs[i], accum=accums[i])
+            lb = got[key] = _lower_bound(ctx, o, spec, ac)
         out[k] = lb
     return out
 
@@ -205,12 +210,8 @@ def _lower_bound(ctx, o: Options, s: Spec, ac: str) -> float:
     for st in pipeline_roles(s.pp):  # the real worst stage is unknown here: bound with the least of the per-stage bounds
         sp = stage_params(shape, s, st)
         run_ac = "none" if ac == "selective" and s.cp_enabled else ac
-        key = (s.tp, s.sp, s.ep, s.cp, sp.layers, sp.head, s.micro_batch, run_ac, o)
-        mt = ctx.micro.get(key)
-        if mt is None:  # the search's shape, GPU, sequence and precision are fixed: the rest is the key
-            mt = ctx.micro[key] = micro_times(shape, s.tp, s.sp, s.ep, s.cp, s.seq_len, sp.layers, sp.head,
-                                              s.micro_batch, run_ac, s.precision, gpu, o)
-        t_f, t_b, t_rc = mt["t_f"], mt["t_b"], mt["t_rc"]
+        t_f, t_b, t_rc = micro_seconds(shape, s.tp, s.sp, s.ep, s.cp, s.seq_len, sp.layers, sp.head, s.micro_batch,
+                                       run_ac, s.precision, gpu, o)
         x = sp.layers * 2 * (3 if ac == "full" else 2) * tp_s + _ep_seconds(ctx, o, s, sp.layers, ac)
         f, b = t_f + x / 2, t_b + t_rc + x / 2
         busy.append(m * (f + b))
