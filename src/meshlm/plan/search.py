@@ -21,7 +21,7 @@ from .hardware import GPU
 from .options import Options
 from .spec import AC_MODES, PlanError, Shape, allgather_mask, check
 from .search_group import _lower_bound, search_group  # noqa: F401 (_lower_bound: the tests' bound)
-from .workers import search_all
+from .workers import map_ordered, search_all
 
 FIXABLE = {"dp": int, "tp": int, "pp": int, "cp": int, "ep": int, "zero": int, "zero_group": int,
            "sp": lambda v: str(v).lower() in ("1", "true", "yes", "on"), "pp_schedule": str,
@@ -145,11 +145,12 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
                   dict(precision=precision, seq_len=seq_len, optim=optim, **(knobs or {})), reasons=reasons,
                   examples=examples)
     processes = search_all(ctx, list(enumerate(_degrees(ctx, n_gpus))), _search_part_local)
-    rows = []
-    for neg_step, _, spec, total in sorted(ctx.heap, key=lambda x: -x[0]):
-        check(shape, spec)  # the search's own checks must agree with the estimator's
-        r = estimate(shape, spec, gpu, cp_core(o, spec, fx)[1], validate=False)
-        rows.append((r, (spec, total, -neg_step)))
+    kept = sorted(ctx.heap, key=lambda x: -x[0])
+    for item in kept:
+        check(shape, item[2])  # the search's own checks must agree with the estimator's
+    found = map_ordered(lambda spec: estimate(shape, spec, gpu, cp_core(o, spec, fx)[1], validate=False),
+                        [spec for _, _, spec, _ in kept])
+    rows = [(r, (spec, total, -neg_step)) for r, (neg_step, _, spec, total) in zip(found, kept)]
     rows.sort(key=lambda x: (x[0]["step_s"], x[0]["per_gpu"]["total"]))
     counts["ranked_in_detail"] = len(rows)
     return PlanResult([r for r, _ in rows[:top]], counts, reasons, examples, time.perf_counter() - t0, ctx.G,
