@@ -210,8 +210,12 @@ def _lower_bound(ctx, o: Options, s: Spec, ac: str) -> float:
     for st in pipeline_roles(s.pp):  # the real worst stage is unknown here: bound with the least of the per-stage bounds
         sp = stage_params(shape, s, st)
         run_ac = "none" if ac == "selective" and s.cp_enabled else ac
-        t_f, t_b, t_rc = micro_seconds(shape, s.tp, s.sp, s.ep, s.cp, s.seq_len, sp.layers, sp.head, s.micro_batch,
-                                       run_ac, s.precision, gpu, o)
+        key = (s.tp, s.sp, s.ep, s.cp, sp.layers, sp.head, s.micro_batch, run_ac, o)
+        mt = ctx.micro.get(key)
+        if mt is None:  # the search's shape, GPU, sequence and precision are fixed: the rest is the key
+            mt = ctx.micro[key] = micro_seconds(shape, s.tp, s.sp, s.ep, s.cp, s.seq_len, sp.layers, sp.head,
+                                                s.micro_batch, run_ac, s.precision, gpu, o)
+        t_f, t_b, t_rc = mt
         x = sp.layers * 2 * (3 if ac == "full" else 2) * tp_s + _ep_seconds(ctx, o, s, sp.layers, ac)
         f, b = t_f + x / 2, t_b + t_rc + x / 2
         busy.append(m * (f + b))
