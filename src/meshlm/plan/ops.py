@@ -318,7 +318,9 @@ def stage_of_blocks(parts: tuple, layers: int, head: bool, ac: str) -> dict:
 
 
 def stage_times(parts: tuple, layers: int, head: bool, ac: str) -> tuple[float, float, float]:
-    """(forward, backward, recompute) seconds of `layers` blocks (`block_compute`'s `parts`) and the head."""
+    """(forward, backward, recompute) seconds of `layers` blocks (`block_compute`'s `parts`) and the head.
+    Recompute: full AC runs each block's forward again, selective the attention core, op the element-wise
+    forward (matmul and attention outputs kept) and the matmuls a policy does not keep (recompute_gemms)."""
     _, _, a_f, _, _, _, _, _, e_f, block_f, block_b, g_rc, head_parts = parts
     t_f, t_b = layers * block_f, layers * block_b
     if head:
@@ -326,7 +328,8 @@ def stage_times(parts: tuple, layers: int, head: bool, ac: str) -> tuple[float, 
         loss = lx + ll
         t_f += hf + loss / 3
         t_b += hb + 2 * loss / 3
-    return t_f, t_b, _recompute_seconds(layers, ac, block_f, a_f, e_f, g_rc)
+    per_block = {"full": block_f, "selective": a_f, "op": e_f + g_rc}.get(ac)
+    return t_f, t_b, layers * per_block if per_block is not None else 0.0
 
 
 @lru_cache(maxsize=16384)
@@ -445,16 +448,3 @@ def _head_and_loss(w: StageWork, gemm3, e: int, bw: float, launch: float,
     lb, lk = _loss(e, w.compiled and t == 1)
     lx, ll = _parts(heads * T * rows * lb / bw, heads * lk * max(1, w.loss_chunks), launch, cpu)
     return hf, hb, lx, ll
-
-
-def _recompute_seconds(layers: int, ac: str, block_f: float, a_f: float, e_f: float, g_rc: float) -> float:
-    """Recompute seconds of the stage's blocks: full AC runs each block's forward again, selective the
-    attention core, op the element-wise forward (matmul and attention outputs kept) and the matmuls a
-    policy does not keep (Options.recompute_gemms)."""
-    if ac == "full":
-        return layers * block_f
-    if ac == "selective":
-        return layers * a_f
-    if ac == "op":
-        return layers * (e_f + g_rc)
-    return 0.0
