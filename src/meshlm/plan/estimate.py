@@ -163,18 +163,41 @@ def compute_times(shape: Shape, t: int, seq_len: int, layers: int, head: bool, t
     return t_f, 2 * t_f, t_rc, tokens * attn / rate * (3 + (1 if ac != "none" else 0))
 
 
+@lru_cache(maxsize=65536)
 def micro_times(shape: Shape, tp: int, sp: bool, ep: int, cp: int, seq_len: int, layers: int, head: bool,
                 micro_batch: int, ac: str, precision: str, gpu: GPU, o: Options) -> dict:
-    """t_f, t_b, t_rc, t_attn (and `ops`, the per-operation breakdown) of one micro-batch on one rank."""
+    """t_f, t_b, t_rc, t_attn (and `ops`, the per-operation breakdown) of one micro-batch on one rank.
+    Cached (the search's bound and its time model ask for the same stages): callers must not change it."""
     tokens = micro_batch * seq_len / cp
     if o.efficiency is None:
-        from .ops import StageWork, stage_compute
-        return stage_compute(StageWork(shape, tp, sp, ep, seq_len, cp, layers, head, tokens, ac, precision,
-                                       o.compiled, o.flash, o.attn_kernel, o.attn_dropout, o.recompute_gemms,
-                                       o.attn_mask, o.doc_tokens, o.loss_chunks), gpu, o.rates)
+        from .ops import stage_of_blocks
+        return stage_of_blocks(_one_block(shape, tp, sp, ep, cp, seq_len, head, micro_batch, precision, gpu, o),
+                               layers, head, ac)
     t_f, t_b, t_rc, t_attn = compute_times(shape, tp, seq_len, layers, head, tokens, ac,
                                            gpu.peak(precision) * o.efficiency, o.block_overhead_s)
     return {"t_f": t_f, "t_b": t_b, "t_rc": t_rc, "t_attn": t_attn, "ops": None}
+
+
+def micro_seconds(shape: Shape, tp: int, sp: bool, ep: int, cp: int, seq_len: int, layers: int, head: bool,
+                  micro_batch: int, ac: str, precision: str, gpu: GPU, o: Options) -> tuple[float, float, float]:
+    """micro_times' (t_f, t_b, t_rc) without its breakdown: the search's bound asks for many stage lengths."""
+    if o.efficiency is None:
+        from .ops import stage_times
+        return stage_times(_one_block(shape, tp, sp, ep, cp, seq_len, head, micro_batch, precision, gpu, o),
+                           layers, head, ac)
+    mt = micro_times(shape, tp, sp, ep, cp, seq_len, layers, head, micro_batch, ac, precision, gpu, o)
+    return mt["t_f"], mt["t_b"], mt["t_rc"]
+
+
+@lru_cache(maxsize=16384)
+def _one_block(shape: Shape, tp: int, sp: bool, ep: int, cp: int, seq_len: int, head: bool, micro_batch: int,
+               precision: str, gpu: GPU, o: Options) -> tuple:
+    """ops.block_compute of one block (and the head, if `head`) of these degrees: every stage length and AC
+    mode the search prices is a multiple of it (ops.stage_of_blocks)."""
+    from .ops import StageWork, block_compute
+    return block_compute(StageWork(shape, tp, sp, ep, seq_len, cp, 1, head, micro_batch * seq_len / cp, "none",
+                                   precision, o.compiled, o.flash, o.attn_kernel, o.attn_dropout, o.recompute_gemms,
+                                   o.attn_mask, o.doc_tokens, o.loss_chunks), gpu, o.rates)
 
 
 def _stage_time(shape: Shape, s: Spec, stage: str, gpu: GPU, o: Options) -> dict:

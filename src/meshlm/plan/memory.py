@@ -110,26 +110,40 @@ def stage_memory(shape: Shape, s: Spec, stage: str, o: Options = DEFAULT_OPTIONS
     """Bytes on the rank of `stage` ('first', 'last', 'middle' or 'only': stages.pipeline_roles) for
     every AC mode and offload choice of the layout `s`; `o` says how the code runs (fused attention,
     compile, the chunked loss, the attention mask, another framework's recomputed GEMMs)."""
-    sp, params, grads, adam, step_buffers = _rank_states(
-        shape, stage, s.tp, s.ep, s.pp, s.pp_virtual, s.pp_schedule, s.pp_layers, s.zero, s.shard_group, s.precision,
-        s.dp_cp_enabled, s.bucket_mb, s.hpz_group, s.quantize_weights)
+    sp, params, grads, adam, step_buffers, muon, muon_buf = state_terms(shape, s, stage)
     m = StageMemory(s, stage, sp, params, grads, adam)
-    units, block, acts, loss, mask, dims = _activation_terms(
-        shape, stage, s.tp, s.ep, s.pp, s.pp_virtual, s.pp_schedule, s.pp_layers, s.sp_enabled, s.cp, s.cp_impl,
-        s.micro_batch, s.accum, s.seq_len, s.precision, o)
+    units, block, acts, loss, mask, dims = activation_terms(shape, s, stage, o)
     m.units, m.block, m.acts = units, dict(zip(AC_MODES, block)), dict(zip(AC_MODES, acts))
     b = m.buffers
     b.update(loss)
     b.update(step_buffers)
     b.update(mask)
     if s.optim == "muon":  # optim.name = "muon" (plan/muon.py)
-        m.muon, b["muon"] = muon_memory(shape, s, sp.layers)
+        m.muon, b["muon"] = muon, muon_buf
     b.update(dims)
     rest = tuple(b.values())
     for ac in AC_MODES:
         m.working[ac] = m.block["none"] * (1.0 if ac == "full" else 0.5)
         m.bufs[ac] = sum((m.working[ac], *rest))
     return m
+
+
+def state_terms(shape: Shape, s: Spec, stage: str) -> tuple:
+    """What no micro-batch size, AC mode or offload changes on `stage`'s rank: (stages.StageParams,
+    params, grads and optimizer-state bytes, the step's ZeRO / DP buffers as (name, bytes) pairs, Muon's
+    change to the optimizer state and its buffer: 0 under AdamW). stage_memory and the search's
+    grid (plan/memory_grid.py) both add these up."""
+    sp, params, grads, adam, step = _rank_states(
+        shape, stage, s.tp, s.ep, s.pp, s.pp_virtual, s.pp_schedule, s.pp_layers, s.zero, s.shard_group, s.precision,
+        s.dp_cp_enabled, s.bucket_mb, s.hpz_group, s.quantize_weights)
+    muon, muon_buf = muon_memory(shape, s, sp.layers) if s.optim == "muon" else (0.0, 0.0)
+    return sp, params, grads, adam, step, muon, muon_buf
+
+
+def activation_terms(shape: Shape, s: Spec, stage: str, o: Options) -> tuple:
+    """What the micro-batch sets on `stage`'s rank, not the ZeRO stage (`_activation_terms`)."""
+    return _activation_terms(shape, stage, s.tp, s.ep_enabled, s.pp, s.pp_virtual, s.pp_schedule, s.pp_layers,
+                             s.sp_enabled, s.cp, s.cp_impl, s.micro_batch, s.accum, s.seq_len, s.precision, o)
 
 
 def state_floor(shape: Shape, s: Spec, stage: str, choices: list[tuple[str, str]]) -> float:
@@ -170,15 +184,17 @@ def _rank_states(shape: Shape, stage: str, tp: int, ep: int, pp: int, v: int, sc
 
 
 @lru_cache(maxsize=65536)
-def _activation_terms(shape: Shape, stage: str, tp: int, ep: int, pp: int, v: int, schedule: str, pp_layers: tuple,
+def _activation_terms(shape: Shape, stage: str, tp: int, ep_on: bool, pp: int, v: int, schedule: str, pp_layers: tuple,
                       sp_on: bool, cp: int, impl: str, mb: int, accum: int, seq: int, precision: str,
                       o: Options) -> tuple:
     """What the micro-batch, not the ZeRO stage, sets (cached: the search asks once per ZeRO choice):
     the micro-batches in flight, per AC mode one block's saved bytes and all the rank holds at its peak
     (its blocks × the micro-batches in flight, the embedding's token ids, the head's saved set), and the
     transient buffers no AC mode changes, apart from ZeRO's and Muon's (stage_memory adds those in order:
-    the loss, the step's ZeRO / DP buffers, the attention mask, Muon's, each dimension's exchange)."""
-    sp = stage_params_of(shape, tp, ep, pp, v, schedule, pp_layers, stage)
+    the loss, the step's ZeRO / DP buffers, the attention mask, Muon's, each dimension's exchange). The
+    expert degree matters only as on or off (its all-to-all buffer): the blocks a rank holds do not
+    depend on it, so ep = 1 stands for every degree here."""
+    sp = stage_params_of(shape, tp, 1, pp, v, schedule, pp_layers, stage)
     a, e, tokens = shape.args, HELD[precision].act, mb * seq / cp
     dsp = a.dim / tp if sp_on else a.dim
     head = head_bytes(a, tp, dsp, e, o.compiled, o.loss_chunks) if sp.head else (0.0, 0.0)
@@ -209,7 +225,7 @@ def _activation_terms(shape: Shape, stage: str, tp: int, ep: int, pp: int, v: in
         dims.append(("pp_p2p", 4 * e * dsp * tokens))
     if cp > 1:
         dims.append(("cp", cp_buffer_bytes(a, tp, cp, impl, e) * tokens))
-    if ep > 1:
+    if ep_on:
         dims.append(("ep_all_to_all", 2 * shape.top_k * shape.capacity_factor * e * a.dim * tokens))
     return units, tuple(block), tuple(acts), loss, mask, tuple(dims)
 

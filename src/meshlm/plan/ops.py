@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -291,8 +292,54 @@ def _fp8_cast_bytes(e: int) -> float:
 @lru_cache(maxsize=65536)
 def stage_compute(w: StageWork, gpu: GPU, rates: Rates | None = None) -> dict:
     """Seconds of one micro-batch on one rank of a stage: forward, backward, recompute and the
-    attention kernels alone (the window ring-CP transfers hide behind), plus the per-op breakdown."""
-    a, t, T = w.shape.args, w.tp, w.tokens
+    attention kernels alone (the window ring-CP transfers hide behind), plus the per-op breakdown.
+    A stage is `layers` times one block (`block_compute`, the same for every stage length and AC mode)
+    plus the head."""
+    one = w if (w.layers, w.ac) == (1, "none") else dataclasses.replace(w, layers=1, ac="none")
+    return stage_of_blocks(block_compute(one, gpu, rates), w.layers, w.head, w.ac)
+
+
+def stage_of_blocks(parts: tuple, layers: int, head: bool, ac: str) -> dict:
+    """stage_compute's answer for `layers` blocks (`block_compute`'s `parts`) under AC mode `ac`."""
+    g_f, g_b, a_f, a_b, x_f, x_b, l_f, l_b, e_f, block_f, block_b, g_rc, head_parts = parts
+    t_f, t_b, t_rc = stage_times(parts, layers, head, ac)
+    # element-wise work and its launches apart (`launch_s`: kernels × launch where that is longer on a
+    # GPU, every dispatch on a CPU); the loss's launches are in launch_s too
+    out = {"gemm_s": layers * (g_f + g_b), "attention_s": layers * (a_f + a_b),
+           "elementwise_s": layers * (x_f + x_b), "launch_s": layers * (l_f + l_b), "grad_accum_s": 0.0,
+           "head_s": 0.0, "loss_s": 0.0}
+    if head:
+        hf, hb, lx, ll = head_parts
+        out["head_s"], out["loss_s"] = hf + hb, lx
+        out["launch_s"] += ll
+    out["recompute_s"] = t_rc
+    attn = layers * (a_f + a_b + (a_f if ac in ("full", "selective") else 0.0))
+    return {"t_f": t_f, "t_b": t_b, "t_rc": t_rc, "t_attn": attn, "ops": out}
+
+
+def stage_times(parts: tuple, layers: int, head: bool, ac: str) -> tuple[float, float, float]:
+    """(forward, backward, recompute) seconds of `layers` blocks (`block_compute`'s `parts`) and the head.
+    Recompute: full AC runs each block's forward again, selective the attention core, op the element-wise
+    forward (matmul and attention outputs kept) and the matmuls a policy does not keep (recompute_gemms)."""
+    _, _, a_f, _, _, _, _, _, e_f, block_f, block_b, g_rc, head_parts = parts
+    t_f, t_b = layers * block_f, layers * block_b
+    if head:
+        hf, hb, lx, ll = head_parts
+        loss = lx + ll
+        t_f += hf + loss / 3
+        t_b += hb + 2 * loss / 3
+    per_block = {"full": block_f, "selective": a_f, "op": e_f + g_rc}.get(ac)
+    return t_f, t_b, layers * per_block if per_block is not None else 0.0
+
+
+@lru_cache(maxsize=16384)
+def block_compute(w: StageWork, gpu: GPU, rates: Rates | None) -> tuple:
+    """One block's seconds of `w` (its `layers` 1, its `ac` "none") in parts: GEMMs, attention core, element-wise
+    data and launches (forward, backward), the forward's element-wise total, the block's forward and
+    backward, the GEMMs another framework recomputes, and (head, head backward, loss data, loss
+    launches) when `w.head`, else None. Cached apart from the stage's length and AC mode: the search
+    prices every split and AC mode of the same block."""
+    a, t = w.shape.args, w.tp
     fp8 = w.precision == "fp8" and rates is None
     e = HELD[w.precision].act
     peak = gpu.peak(w.precision)
@@ -322,31 +369,14 @@ def stage_compute(w: StageWork, gpu: GPU, rates: Rates | None = None) -> dict:
     cpu = rates is not None
     if cpu:
         launch = rates.dispatch_s
-    x_f, l_f = _parts(T * ew_f / bw, k_f, launch, cpu)  # GEMM launches overlap their own math: not counted
-    x_b, l_b = _parts(T * ew_b / bw, k_b, launch, cpu)
+    x_f, l_f = _parts(w.tokens * ew_f / bw, k_f, launch, cpu)  # GEMM launches overlap their own math: not counted
+    x_b, l_b = _parts(w.tokens * ew_b / bw, k_b, launch, cpu)
     if fp8:  # every block weight cast to fp8 once forward, once backward (its transpose)
         wcast = 2 * (2 + 2 + 1) * (sum(n * k for _, n, k in aw.gemms) + (1 - moe_frac) * 3 * d * ffn) / bw
         x_f, x_b = x_f + wcast / 2, x_b + wcast / 2
     e_f, e_b = x_f + l_f, x_b + l_b
-    block_f = g_f + a_f + e_f
-    block_b = g_b + a_b + e_b
-    t_f, t_b = w.layers * block_f, w.layers * block_b
-    # element-wise work and its launches apart (`launch_s`: kernels × launch where that is longer on a
-    # GPU, every dispatch on a CPU); the loss's launches are in launch_s too
-    out = {"gemm_s": w.layers * (g_f + g_b), "attention_s": w.layers * (a_f + a_b),
-           "elementwise_s": w.layers * (x_f + x_b), "launch_s": w.layers * (l_f + l_b), "grad_accum_s": 0.0,
-           "head_s": 0.0, "loss_s": 0.0}
-    if w.head:
-        hf, hb, lx, ll = _head_and_loss(w, gemm3, e, bw, launch, cpu)
-        loss = lx + ll
-        out["head_s"], out["loss_s"] = hf + hb, lx
-        out["launch_s"] += ll
-        t_f += hf + loss / 3
-        t_b += hb + 2 * loss / 3
-    t_rc = _recompute_seconds(w, block_f, a_f, e_f, g_rc)
-    out["recompute_s"] = t_rc
-    attn = w.layers * (a_f + a_b + (a_f if w.ac in ("full", "selective") else 0.0))
-    return {"t_f": t_f, "t_b": t_b, "t_rc": t_rc, "t_attn": attn, "ops": out}
+    head = _head_and_loss(w, gemm3, e, bw, launch, cpu) if w.head else None
+    return g_f, g_b, a_f, a_b, x_f, x_b, l_f, l_b, e_f, g_f + a_f + e_f, g_b + a_b + e_b, g_rc, head
 
 
 def _block_gemms(w: StageWork, gemm3, attn_gemms: tuple, ffn: float,
@@ -418,16 +448,3 @@ def _head_and_loss(w: StageWork, gemm3, e: int, bw: float, launch: float,
     lb, lk = _loss(e, w.compiled and t == 1)
     lx, ll = _parts(heads * T * rows * lb / bw, heads * lk * max(1, w.loss_chunks), launch, cpu)
     return hf, hb, lx, ll
-
-
-def _recompute_seconds(w: StageWork, block_f: float, a_f: float, e_f: float, g_rc: float) -> float:
-    """Recompute seconds of the stage's blocks: full AC runs each block's forward again, selective the
-    attention core, op the element-wise forward (matmul and attention outputs kept) and the matmuls a
-    policy does not keep (Options.recompute_gemms)."""
-    if w.ac == "full":
-        return w.layers * block_f
-    if w.ac == "selective":
-        return w.layers * a_f
-    if w.ac == "op":
-        return w.layers * (e_f + g_rc)
-    return 0.0

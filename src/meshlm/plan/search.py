@@ -9,23 +9,19 @@ so the fastest variant that fits is ranked and the others count as dominated.
 """
 from __future__ import annotations
 
-import heapq
 import time
 from collections import Counter
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..choices import HELD
 from ..layout import Layout
-from .comm import ep_collectives, link
-from .estimate import bubble_formula, estimate, micro_times, time_model
-from .hardware import GIB, GPU
-from .memory import stage_memory, state_floor
+from .estimate import estimate
+from .hardware import GPU
 from .options import Options
-from .spec import AC_MODES, PlanError, Shape, Spec, allgather_mask, check
-from .stages import pipeline_roles, stage_params
-from .workers import search_all
+from .spec import AC_MODES, PlanError, Shape, allgather_mask, check
+from .search_group import _lower_bound, search_group  # noqa: F401 (_lower_bound: the tests' bound)
+from .workers import map_ordered, search_all
 
 FIXABLE = {"dp": int, "tp": int, "pp": int, "cp": int, "ep": int, "zero": int, "zero_group": int,
            "sp": lambda v: str(v).lower() in ("1", "true", "yes", "on"), "pp_schedule": str,
@@ -149,11 +145,12 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
                   dict(precision=precision, seq_len=seq_len, optim=optim, **(knobs or {})), reasons=reasons,
                   examples=examples)
     processes = search_all(ctx, list(enumerate(_degrees(ctx, n_gpus))), _search_part_local)
-    rows = []
-    for neg_step, _, spec, total in sorted(ctx.heap, key=lambda x: -x[0]):
-        check(shape, spec)  # the search's own checks must agree with the estimator's
-        r = estimate(shape, spec, gpu, cp_core(o, spec, fx)[1], validate=False)
-        rows.append((r, (spec, total, -neg_step)))
+    kept = sorted(ctx.heap, key=lambda x: -x[0])
+    for item in kept:
+        check(shape, item[2])  # the search's own checks must agree with the estimator's
+    found = map_ordered(lambda spec: estimate(shape, spec, gpu, cp_core(o, spec, fx)[1], validate=False),
+                        [spec for _, _, spec, _ in kept])
+    rows = [(r, (spec, total, -neg_step)) for r, (neg_step, _, spec, total) in zip(found, kept)]
     rows.sort(key=lambda x: (x[0]["step_s"], x[0]["per_gpu"]["total"]))
     counts["ranked_in_detail"] = len(rows)
     return PlanResult([r for r, _ in rows[:top]], counts, reasons, examples, time.perf_counter() - t0, ctx.G,
@@ -270,7 +267,8 @@ def _zero_options(deg: Layout, gpn: int) -> list[tuple[int, int]]:
 
 
 def _layouts(ctx: _Search, deg: Layout) -> None:
-    """All layouts with these degrees: schedules × sp × ZeRO × ep, then `_micro_batches` of each."""
+    """All layouts with these degrees: schedules × sp, each a group of ZeRO × ep variants that
+    plan/search_group.py sizes, prices and ranks."""
     shape, fx, want = ctx.shape, ctx.fx, ctx.want
     sps = [s for s in ((False, True) if deg.tp_enabled else (False,)) if want("sp", s)]
     zeros = [(z, g) for z, g in _zero_options(deg, ctx.gpu.gpus_per_node) if want("zero", z) and want("zero_group", g)]
@@ -282,134 +280,18 @@ def _layouts(ctx: _Search, deg: Layout) -> None:
     if cp_impl is None:
         ctx.reject("a document mask under cp needs cp_impl = allgather or ulysses")
         return
+    b_local = ctx.G // deg.dp
+    mbs = [mb for mb in _divisors(b_local) if want("micro_batch", mb)]
     for sched, v, split in _pipelines(deg, shape.args.n_layers, fx):
         for sp in sps:
+            bases = []  # one group: its variants in the loop's order (plan/search_group.py)
             for zero, g in zeros:
                 for ep in eps:
                     if ep > 1 and ((g if zero else 1) * deg.cp) % ep:
-                        ctx.reject("ep does not divide dp_shard×cp")
+                        bases.append(None)
                         continue
-                    base = dict(dp=deg.dp, tp=deg.tp, pp=deg.pp, cp=deg.cp, ep=ep, zero=zero, zero_group=g, sp=sp,
-                                pp_schedule=sched, pp_virtual=v, pp_layers=split, cp_impl=cp_impl, **ctx.knobs,
-                                **_zeropp(fx, zero, g * deg.cp))
-                    _micro_batches(ctx, base, o, [(ac, off) for off in offs if off == "none" or zero for ac in ctx.acs])
-
-
-def _micro_batches(ctx: _Search, base: dict, o: Options, choices: list[tuple[str, str]]) -> None:
-    """Each micro-batch size of one layout: its memory on every pipeline role (stage_memory, as
-    estimate) under each (AC, offload) choice, the fastest choices that fit timed. Memory only grows
-    with the micro-batch, so the first size where nothing fits ends the loop."""
-    b_local = ctx.G // base["dp"]
-    mbs = [mb for mb in _divisors(b_local) if ctx.want("micro_batch", mb)]
-    if not choices:  # offload fixed, but nothing to offload: zero = 0
-        ctx.reject("offload needs a ZeRO stage that shards the optimizer (zero >= 1)", len(mbs))
-        return
-    floor = Spec(**base, micro_batch=1, accum=b_local)
-    if mbs and floor.optim != "muon" and max(state_floor(ctx.shape, floor, st, choices) for st in pipeline_roles(floor.pp)) > ctx.usable:
-        ctx.reject("out of memory even with the most memory-saving AC / offload", len(mbs) * len(choices),
-                   f"tp{floor.tp} cp{floor.cp} pp{floor.pp} dp{floor.dp} zero{floor.zero} g{floor.zero_group} "
-                   f"{floor.pp_schedule}: its weights, gradients and optimizer state alone exceed usable "
-                   f"{ctx.usable / GIB:.1f} GiB")
-        return
-    for i, mb in enumerate(mbs):
-        m = b_local // mb
-        if base["pp_schedule"] == "interleaved" and m % base["pp"]:
-            ctx.reject("interleaved needs microbatches divisible by pp")
-            continue
-        spec = Spec(**base, micro_batch=mb, accum=m)
-        worst = _worst_totals(ctx, spec, o, choices)
-        variants = [(total <= ctx.usable, ac, off, total) for (ac, off), total in zip(choices, worst)]
-        fits = [x for x in variants if x[0]]
-        if not fits:
-            need = min(x[3] for x in variants)
-            ctx.reject("out of memory even with the most memory-saving AC / offload", (len(mbs) - i) * len(variants),
-                       f"tp{spec.tp} cp{spec.cp} pp{spec.pp} dp{spec.dp} zero{spec.zero} g{spec.zero_group} "
-                       f"{spec.pp_schedule} mb{mb}: needs {need / GIB:.1f} GiB > usable {ctx.usable / GIB:.1f} GiB")
-            break  # larger micro-batches need even more memory
-        ctx.counts["candidates"] += len(fits)
-        ctx.counts["fit"] += len(fits)
-        if len(fits) < len(variants):
-            ctx.reject("out of memory with this AC / offload (a more memory-saving one fits)", len(variants) - len(fits))
-        chosen = _fastest(fits)
-        ctx.counts["dominated"] += len(fits) - len(chosen)
-        for _, ac, off, total in chosen:
-            _rank(ctx, spec, ac, off, total, o)
-
-
-def _worst_totals(ctx: _Search, spec: Spec, o: Options, choices: list[tuple[str, str]]) -> list[float]:
-    """Each choice's bytes on the fullest pipeline role; the roles after one on which no choice fits
-    are not priced (the answer, nothing fits, is already known)."""
-    worst = None
-    for st in pipeline_roles(spec.pp):
-        totals = stage_memory(ctx.shape, spec, st, o).totals(choices)
-        worst = totals if worst is None else [max(a, b) for a, b in zip(worst, totals)]
-        if min(worst) > ctx.usable:
-            break
-    return worst
-
-
-def _fastest(fits: list[tuple]) -> list[tuple]:
-    """The (fits, ac, offload, bytes) worth timing: the fastest AC without offload, and with offload
-    only an AC cheaper than that one (AC modes go fastest first, and offload only adds time)."""
-    order = {x: j for j, x in enumerate(AC_MODES)}
-    plain = [x for x in fits if x[2] == "none"]
-    limit = order[plain[0][1]] if plain else len(AC_MODES)
-    return plain[:1] + [x for x in fits if x[2] != "none" and order[x[1]] < limit][:1]
-
-
-def _rank(ctx: _Search, spec: Spec, ac: str, off: str, total: float, o: Options) -> None:
-    """Time one fitting layout unless its lower bound cannot reach the heap, and keep the fastest."""
-    ctx.tie += 1
-    heap = ctx.heap
-    lb = _lower_bound(ctx, o, spec, ac)
-    if len(heap) >= ctx.keep and lb >= -heap[0][0]:
-        ctx.counts["bounded"] += 1
-        return
-    if (ac, off) != (spec.ac, spec.offload):
-        spec = dataclasses.replace(spec, ac=ac, offload=off)
-    step = time_model(ctx.shape, spec, ctx.gpu, o, simulate=False)["step_s"]
-    ctx.counts["timed"] += 1
-    item = (-step, ctx.tie, spec, total)
-    if len(heap) < ctx.keep:
-        heapq.heappush(heap, item)
-    elif step < -heap[0][0]:
-        heapq.heapreplace(heap, item)
-
-
-def _lower_bound(ctx: _Search, o: Options, s: Spec, ac: str) -> float:
-    """Compute time plus the bandwidth term of the (never hidden) TP reductions of `s` under AC mode
-    `ac`; no other communication, optimizer or offload: never above the full time model's step time."""
-    shape, gpu = ctx.shape, ctx.gpu
-    tokens = s.micro_batch * s.seq_len / s.cp
-    tp_s = 0.0
-    if s.tp_enabled:
-        e = HELD[s.precision].act
-        tp_s = 2 * (s.tp - 1) / s.tp * e * shape.args.dim * tokens / (link(gpu, s.tp, 1)[1] * o.comm_efficiency)
-    m, full, busy = s.accum, [], []
-    for st in pipeline_roles(s.pp):  # the real worst stage is unknown here: bound with the least of the per-stage bounds
-        sp = stage_params(shape, s, st)
-        run_ac = "none" if ac == "selective" and s.cp_enabled else ac
-        key = (s.tp, s.sp, s.ep, s.cp, sp.layers, sp.head, s.micro_batch, run_ac, o)
-        mt = ctx.micro.get(key)
-        if mt is None:  # the search's shape, GPU, sequence and precision are fixed: the rest is the key
-            mt = ctx.micro[key] = micro_times(shape, s.tp, s.sp, s.ep, s.cp, s.seq_len, sp.layers, sp.head,
-                                              s.micro_batch, run_ac, s.precision, gpu, o)
-        t_f, t_b, t_rc = mt["t_f"], mt["t_b"], mt["t_rc"]
-        x = sp.layers * 2 * (3 if ac == "full" else 2) * tp_s + _ep_seconds(ctx, o, s, sp.layers, ac)
-        f, b = t_f + x / 2, t_b + t_rc + x / 2
-        busy.append(m * (f + b))
-        full.append(m * (f + b) * (1 + bubble_formula(s.pp_schedule, s.pp, m, s.pp_virtual, f, b, t_b / 2)))
-    return max(min(full), max(busy))
-
-
-def _ep_seconds(ctx: _Search, o: Options, s: Spec, layers: int, ac: str) -> float:
-    """One micro-batch's expert-parallel all-to-alls on a stage of `layers` blocks: never hidden
-    (plan/estimate.py), so they belong in the bound; for a MoE model they are often the largest term."""
-    if not s.ep_enabled:
-        return 0.0
-    key = ("ep", s.ep, s.tp, s.cp, s.micro_batch, layers, ac, s.precision, s.fp8_comm)
-    got = ctx.micro.get(key)
-    if got is None:
-        step = ep_collectives(ctx.shape, s, layers, ac, ctx.gpu, o.comm_efficiency)  # linear in the accumulation
-        got = ctx.micro[key] = sum(c.seconds for c in step) / s.accum
-    return got
+                    bases.append(dict(dp=deg.dp, tp=deg.tp, pp=deg.pp, cp=deg.cp, ep=ep, zero=zero, zero_group=g,
+                                      sp=sp, pp_schedule=sched, pp_virtual=v, pp_layers=split, cp_impl=cp_impl,
+                                      **ctx.knobs, **_zeropp(fx, zero, g * deg.cp)))
+            if bases:
+                search_group(ctx, bases, o, offs, b_local, mbs)

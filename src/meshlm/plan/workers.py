@@ -9,7 +9,7 @@ import multiprocessing as mp
 import os
 import threading
 
-_FORKED: tuple | None = None  # (search, run) a forked worker inherits (`search_all`)
+_FORKED: tuple | None = None  # (search, run) a forked worker inherits (`search_all`); (fn, items): `map_ordered`
 
 
 def _part(items: list) -> tuple:
@@ -58,3 +58,24 @@ def search_all(ctx, items: list, run) -> int:
     ctx.heap[:] = heapq.nlargest(ctx.keep, ctx.heap, key=lambda x: (x[0], -x[1]))
     heapq.heapify(ctx.heap)
     return n
+
+
+def _one(k: int):
+    fn, items = _FORKED
+    return fn(items[k])
+
+
+def map_ordered(fn, items: list) -> list:
+    """[fn(x) for x in items], dealt to forked workers on the same terms as the search (`_workers`): the
+    ranked layouts' full estimates, whose pipeline simulations would otherwise run on one core after
+    the search has used them all."""
+    global _FORKED
+    n = _workers(len(items))
+    if n == 1:
+        return [fn(x) for x in items]
+    _FORKED = (fn, items)
+    try:
+        with mp.get_context("fork").Pool(n) as pool:
+            return pool.map(_one, range(len(items)), chunksize=1)
+    finally:
+        _FORKED = None
