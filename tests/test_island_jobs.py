@@ -14,6 +14,7 @@ import torch
 from fault_plugin import plugin_env
 from harness import (
     TINY,
+    _free_port,
     assert_refused_in_one_line,
     assert_same_losses,
     make_config,
@@ -119,8 +120,7 @@ def test_bad_island_job_input_is_one_line(tmp_path, capsys):
 
 
 def _losses(run_dir) -> list[tuple[int, float]]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [(r["step"], r["loss"]) for r in map(json.loads, f) if "loss" in r]
+    return [(r["step"], r["loss"]) for r in read_metrics(run_dir)]
 
 
 JOB = {"training.steps": 12, "training.device": "cpu", "parallel.islands": 2, "training.outer.sync_every": 2,
@@ -176,13 +176,6 @@ def test_an_island_killed_mid_run_is_dropped_and_rejoins_without_a_restart(tmp_p
         assert torch.equal(mine[k], theirs[k]), k
     with open(run / "metrics.jsonl") as f:
         assert not [r for r in map(json.loads, f) if "restart" in r]
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slowest  # a link server and three island launches by hand (~60 s)
