@@ -1,6 +1,7 @@
-# Commands: `make train`; `make test` (the suite less its `slowest` tier, <= 15 min on two cores), `make test-slow`
-# (that tier), `make test-isa` (the precision-sensitive tests under each CPU instruction set) and `make test-fast`
-# (the edit loop); all create the virtual environment when missing. CI (.ci/run) runs test, test-slow and test-isa.
+# Commands: `make train`; `make test` (the suite less its `slowest` tier), `make test-slow` (that tier),
+# `make test-isa` (the precision-sensitive tests under each CPU instruction set), `make test-all` (the three)
+# and `make test-fast` (the edit loop); all create the virtual environment when missing. CI (.ci/run) runs
+# test, test-slow and test-isa without its native row (the two tiers before it ran those tests natively).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # CPU machines get the CPU build on disk; GPU users install their CUDA torch into the venv first
@@ -8,7 +9,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.meshlm-installed
 
-.PHONY: train test test-slow test-isa test-fast setup clean recipes
+.PHONY: train test test-slow test-isa test-all test-fast setup clean recipes
 
 setup: $(STAMP)
 
@@ -29,9 +30,13 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slowest $(PYTEST_ARGS)
 
 # the tests marked `isa` (bf16, fp16, fp8, int8 trajectories) once per CPU instruction set torch offers here:
-# the machine's defaults, AVX-512 without AMX, AVX2 (tests/isa_matrix.py; rows the CPU lacks are skipped, saying so)
+# the machine's defaults, AVX-512 without AMX, AVX2 (tests/isa_matrix.py; rows the CPU lacks are skipped, saying so;
+# ISA_ARGS="--skip native" leaves out the defaults' row, as CI does after test and test-slow)
 test-isa: $(STAMP)
-	$(PY) tests/isa_matrix.py $(PYTEST_ARGS)
+	$(PY) tests/isa_matrix.py $(ISA_ARGS) $(PYTEST_ARGS)
+
+# every tier, as CI runs them (and the native isa row too)
+test-all: test test-slow test-isa
 
 # the edit loop: no worker pools but one equivalence row per dimension, no compile, no launches (marker
 # `slow` in pyproject.toml, tests/conftest.py); `make test` before pushing

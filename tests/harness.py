@@ -36,7 +36,7 @@ TINY = {
     "data.seq_len": 32,
     "training.global_batch": 8,
     "training.micro_batch": 2,
-    "training.steps": 10,
+    "training.steps": 6,
     "training.eval_every": 0,
     "training.seed": 1,
     "optim.warmup": 2,

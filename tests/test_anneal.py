@@ -13,8 +13,10 @@ from meshlm.cli import main
 from meshlm.data import default_data_dir
 
 # The debug model on the default corpus at a high constant rate (3e-2): at step 100 the loss is limited by
-# the rate's noise, which a decay removes. Measured: held-out loss at step 130 stable 2.477, annealed 2.358.
-S, N = 100, 30
+# the rate's noise, which a decay removes. Measured: held-out loss at step 130 stable 2.477, annealed 2.358
+# (AMX Xeon); stable 2.367, annealed 2.325 (AMD EPYC, AVX-512): the gap follows the trajectory, which
+# follows the CPU's kernels, so the test judges the anneal against the stable run's own plateau (E).
+S, N, E = 100, 30, 10
 COMMON = ["--model.preset", "debug", "--data.seq_len", "64", "--training.global_batch", "8",
           "--training.micro_batch", "8", "--training.precision", "fp32", "--training.compile", "false",
           "--training.peak_tflops", "1", "--metrics.progress", "false", "--training.eval_batches", "4",
@@ -46,7 +48,7 @@ def test_anneal_from_a_stable_checkpoint_ends_below_the_stable_run(tmp_path, cap
     stable, anneal = tmp_path / "stable", tmp_path / "anneal"
     assert main(["train", "--run-dir", str(stable), *COMMON, "--optim.lr", "3e-2", "--optim.schedule", "constant",
                  "--training.steps", str(S + N), "--checkpoint.every", str(S), "--checkpoint.keep", "0",
-                 "--training.eval_every", str(S + N), "--checkpoint.resume", "never"]) == 0
+                 "--training.eval_every", str(E), "--checkpoint.resume", "never"]) == 0
     before = tree_hash(stable)
     ck = stable / "checkpoints" / f"step_{S:08d}"
     assert main(["train", "--config", str(stable / "config.toml"), "--run-dir", str(anneal),
@@ -60,9 +62,15 @@ def test_anneal_from_a_stable_checkpoint_ends_below_the_stable_run(tmp_path, cap
     assert [r["step"] for r in steps] == list(range(S + 1, S + N + 1))  # goes on from the checkpoint
     assert steps[0]["lr"] < 3e-2 and steps[-1]["lr"] == 0.0  # decays from its first step to the floor
     st, an = eval_at(stable, S + N), eval_at(anneal, S + N)
+    # The constant rate's plateau: its held-out losses over the steps the anneal covers. Its noise (how far
+    # those evaluations spread) is the scale: the anneal ends below the plateau's best by at least that
+    # spread, a loss the constant rate never reached on the same held-out batches.
+    plateau = [eval_at(stable, k) for k in range(S, S + N + 1, E)]
+    spread = max(plateau) - min(plateau)
     with capsys.disabled():
-        print(f"\nheld-out loss at step {S + N}: stable {st:.4f}, annealed from step {S} {an:.4f}")
-    assert an < st - 0.05, (an, st)  # measured gap 0.12
+        print(f"\nheld-out loss at step {S + N}: stable {st:.4f} (plateau {min(plateau):.4f}..{max(plateau):.4f}), "
+              f"annealed from step {S} {an:.4f}")
+    assert an < min(plateau) - spread, (an, plateau)
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,10 @@ from harness import assert_refused_in_one_line, assert_same_losses, make_config,
 from meshlm.data.rampup import BatchRamp
 from meshlm.data.sampler import GlobalBatchSampler, MixtureSampler, apportion
 
-# TINY (global_batch 8, 10 steps) with micro-batches of 1 and the ramp 2 -> 8 in steps of 2 over 24
+# TINY (global_batch 8) for 10 steps with micro-batches of 1 and the ramp 2 -> 8 in steps of 2 over 24
 # samples: 4 steps of 2, 2 of 4, 2 of 6, then 8 (by hand: the level of c consumed samples is c·3 // 24)
 # and WSD (warmup 2, flat, then a 6-step linear decay from step 4): step 5's checkpoint is mid-ramp and mid-decay
-WSD = {"optim__schedule": "wsd", "optim__decay_steps": 6}
+WSD = {"optim__schedule": "wsd", "optim__decay_steps": 6, "training__steps": 10}
 RAMP = {"training__micro_batch": 1, "training__batch_rampup": [2, 2, 24], **WSD}
 SIZES = [2, 2, 2, 2, 4, 4, 6, 6, 8, 8]
 

@@ -134,7 +134,7 @@ def test_document_mask_changes_the_loss_and_isolates_documents(corpora):
 
 def test_mixture_resumes_across_layouts(pools, corpora, tmp_path):
     """Checkpoint a dp2 mixture run at step 5, resume it as tp2: steps 6-10 equal one process's."""
-    o = _cfg(corpora, MIX)
+    o = {**_cfg(corpora, MIX), "training__steps": 10}
     ref = _reference(corpora, o)
     first = make_config(**o, parallel__dp=2, checkpoint__every=5)
     pools(2).run(train_case, C.to_dict(first), str(tmp_path / "a"), 5)  # stop after step 5, the one resumed

@@ -9,6 +9,8 @@ import tempfile
 import pytest
 import torch
 
+from meshlm.model.args import PRESETS
+
 from harness import assert_layout_losses, assert_same_losses, make_config, reference, rows, run_layout
 from test_checkpoint import _layout, _train
 from test_moe_layouts import assert_same_routing
@@ -88,8 +90,15 @@ def test_dsv3_checkpoint_reshards_with_its_bias(pools, name, a, b):
     assert_same_losses(list(ref)[4:], got, 1e-5)
     want, have = _bias(ref_dir, 8), _bias(dir_b, 8)
     assert want.keys() == have.keys() and len(want) == 4
+    # Each step moves an expert's bias by ±γ from integer loads, so the biases agree bit for bit as long as
+    # both layouts route every token alike; they score tokens through other kernels (rounding ~1e-6), so
+    # a token at a near-tie may flip and move one sign: at most 2γ per entry and step after the resume.
+    # A bias lost or reset at the resume moves every entry by several γ.
+    gamma, steps = PRESETS["dsv3-debug"].bias_update_rate, 4
     for k in want:
-        assert torch.equal(want[k], have[k]), (k, want[k], have[k])
+        diff = (want[k] - have[k]).abs()
+        assert float(diff.max()) <= 2 * gamma * steps + 1e-6 and float((diff == 0).float().mean()) >= 0.75, \
+            (k, want[k], have[k])
 
 
 def test_bias_update_is_one_all_reduce_a_step_in_the_comm_books(pools):

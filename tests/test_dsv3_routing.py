@@ -185,7 +185,10 @@ def test_mtp_loss_is_deepseeks_formula():
     with torch.no_grad():
         a = m.mtp["0"](h, m.tok_embeddings(y), cos, sin)
         b = m.mtp["0"](h, m.tok_embeddings(y2), cos, sin)
-    assert torch.equal(a[:, :8], b[:, :8]) and not torch.equal(a[:, 8:], b[:, 8:])
+    # exact in arithmetic, equal up to float64 rounding in kernels whose blocking spans the sequence (two
+    # different calls; see tests/test_mla.py); a leak moves them by what the later positions moved
+    torch.testing.assert_close(a[:, :8], b[:, :8], rtol=1e-12, atol=1e-12)
+    assert (a[:, 8:] - b[:, 8:]).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("overrides,key", [

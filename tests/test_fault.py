@@ -117,7 +117,7 @@ def test_nan_loss_stops_bf16_with_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MESHLM_TEST_NAN_STEP", "7")
     run = tmp_path / "run"
     argv = ["train", "--run-dir", str(run)]
-    for k, v in {**TINY, "checkpoint.every": 2, "checkpoint.keep": 10, "metrics.every": 3,
+    for k, v in {**TINY, "training.steps": 10, "checkpoint.every": 2, "checkpoint.keep": 10, "metrics.every": 3,
                  "training.precision": "bf16"}.items():
         argv += [f"--{k}", str(v)]
     assert main(argv) == 1

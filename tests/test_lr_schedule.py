@@ -105,9 +105,10 @@ def test_estimate_refuses_what_train_refuses(capsys, argv, needle):
 
 
 # -- in training: the schedule survives a resume and every layout ------------------------------------
-# TINY's 10 steps, warmup 2, the last 4 decaying to 0 (updates at steps 7..10; a checkpoint after step 7
+# TINY for 10 steps, warmup 2, the last 4 decaying to 0 (updates at steps 7..10; a checkpoint after step 7
 # is in the middle of the decay)
-WSD = dict(optim__schedule="wsd", optim__decay_steps=4, optim__decay_type="sqrt", optim__min_lr_ratio=0.0)
+WSD = dict(optim__schedule="wsd", optim__decay_steps=4, optim__decay_type="sqrt", optim__min_lr_ratio=0.0,
+           training__steps=10)
 
 
 def test_resume_in_the_middle_of_the_decay_is_identical(tmp_path):

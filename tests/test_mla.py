@@ -131,7 +131,12 @@ def test_mla_is_causal_and_keeps_documents_apart():
     y[:, 16:] = (y[:, 16:] + 7) % 256
     with torch.no_grad():
         a, b = m(x), m(y)
-        assert torch.equal(a[:, :16], b[:, :16]) and not torch.allclose(a[:, 16:], b[:, 16:])
+        # Causality makes the first 16 outputs independent of the later tokens in exact arithmetic, but
+        # not bitwise: the two calls are different computations whose kernels (SDPA's key blocks, BLAS
+        # blocking over all 24 rows) may round in another order. The bound is fp32 rounding over these
+        # reductions (8.3e-7 measured on an AMD EPYC); a leak moves them by what the later outputs moved.
+        torch.testing.assert_close(a[:, :16], b[:, :16], rtol=1e-5, atol=1e-5)
+        assert (a[:, 16:] - b[:, 16:]).abs().max() > 1e-2
         docs = (torch.arange(24) >= 10).long().expand(2, -1)
         sep = m(x, docs=docs)
         alone = m(x[:, 10:])  # document 2 alone: positions restart, RoPE is relative

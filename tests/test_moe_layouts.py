@@ -39,7 +39,10 @@ CASES = [
 
 
 def assert_same_routing(ref: list[dict], got: list[dict]) -> None:
-    """fp32: the routing metrics are global, the same in every layout (aux_loss to 1e-5, counts exactly)."""
+    """fp32: the routing metrics are global, the same in every layout (aux_loss to 1e-5, counts exactly).
+    The counts are integers from top-k choices, not sums: they agree as long as no router score pair is
+    within the layouts' fp32 rounding (~1e-6 relative) of a tie, which the bf16 rows below show is not
+    guaranteed in general; for these seeded fp32 rows it holds on AMX, AVX-512 and AVX2 kernels alike."""
     for a, b in zip(ref, got):
         assert set(b["moe"]) == {"aux_loss", "tokens_per_expert_min", "tokens_per_expert_max", "dropped"}
         for k in ("tokens_per_expert_min", "tokens_per_expert_max", "dropped"):

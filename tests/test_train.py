@@ -31,12 +31,12 @@ def truncate_run(run_dir: str, keep_step: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_resume_gives_identical_losses(tmp_path, precision):
-    cfg = make_config(checkpoint__every=5, checkpoint__keep=5, training__precision=precision)
+    cfg = make_config(checkpoint__every=5, checkpoint__keep=5, training__precision=precision, training__steps=10)
     ref = run_local(cfg, str(tmp_path / "a"))
     run_local(cfg, str(tmp_path / "b"))
     truncate_run(str(tmp_path / "b"), 5)
     resumed = run_local(make_config(checkpoint__every=5, checkpoint__keep=5, checkpoint__resume="auto",
-                                    training__precision=precision), str(tmp_path / "b"))
+                                    training__precision=precision, training__steps=10), str(tmp_path / "b"))
     assert [r["step"] for r in resumed] == list(range(1, 11))
     for a, b in zip(ref[5:], resumed[5:]):
         assert a["loss"] == b["loss"], (a["step"], a["loss"], b["loss"])  # exact
@@ -45,14 +45,14 @@ def test_resume_gives_identical_losses(tmp_path, precision):
 def test_checkpoint_from_dp2_resumes_in_one_process(pools):
     """docs/architecture.md invariant 3 for data parallelism, through an atomic rename with pruning of old ones."""
     from harness import train_case
-    cfg = make_config(parallel__dp=2, checkpoint__every=3, checkpoint__keep=2, training__micro_batch=1)
+    cfg = make_config(parallel__dp=2, checkpoint__every=3, checkpoint__keep=2, training__micro_batch=1, training__steps=10)
     run_dir = tempfile.mkdtemp(prefix="meshlm-ckpt-")
     pools(2).run(train_case, C.to_dict(cfg), run_dir)
     ref = read_metrics(run_dir)
     ckpts = sorted(os.listdir(os.path.join(run_dir, "checkpoints")))
     assert ckpts == ["step_00000006", "step_00000009"]  # keep=2 pruned step 3; no .tmp left behind
     truncate_run(run_dir, 6)
-    resumed = run_local(make_config(checkpoint__resume="auto", training__micro_batch=1), run_dir)
+    resumed = run_local(make_config(checkpoint__resume="auto", training__micro_batch=1, training__steps=10), run_dir)
     assert [r["step"] for r in resumed] == list(range(1, 11))
     assert_same_losses(ref[6:], resumed[6:], 1e-5)
 
@@ -211,7 +211,7 @@ def test_two_torchrun_agents_as_two_nodes(tmp_path):
 
 @pytest.mark.slow
 def test_tensorboard_and_eval_are_written(tmp_path):
-    recs = run_local(make_config(metrics__tensorboard=True, training__eval_every=5), str(tmp_path))
+    recs = run_local(make_config(metrics__tensorboard=True, training__eval_every=5, training__steps=10), str(tmp_path))
     events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 200
     evals = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "eval_loss" in line]
@@ -229,12 +229,12 @@ def test_compiled_blocks_give_the_same_losses(tmp_path, ac):
 
 def test_async_checkpoint_resumes_exactly(pools):
     from harness import train_case
-    cfg = make_config(parallel__dp=2, checkpoint__every=4, checkpoint__keep=3, checkpoint__async=True)
+    cfg = make_config(parallel__dp=2, checkpoint__every=4, checkpoint__keep=3, checkpoint__async=True, training__steps=10)
     run_dir = tempfile.mkdtemp(prefix="meshlm-async-")
     pools(2).run(train_case, C.to_dict(cfg), run_dir)
     ref = read_metrics(run_dir)
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_00000004", "step_00000008"]
     truncate_run(run_dir, 4)
-    resumed_cfg = make_config(parallel__dp=2, checkpoint__resume="auto")
+    resumed_cfg = make_config(parallel__dp=2, checkpoint__resume="auto", training__steps=10)
     pools(2).run(train_case, C.to_dict(resumed_cfg), run_dir)
     assert_same_losses(ref[4:], read_metrics(run_dir)[4:], 1e-5)
