@@ -25,7 +25,7 @@ train: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slowest" $(PYTEST_ARGS)
 
-# the longest tests (marker `slowest` in pyproject.toml), left out of `make test` to keep it within 15 minutes
+# the longest tests (marker `slowest` in pyproject.toml, tests/conftest.py SLOWEST), left out of `make test`
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slowest $(PYTEST_ARGS)
 

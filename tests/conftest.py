@@ -10,24 +10,14 @@ from harness import Pool
 def pytest_configure(config):
     """One temporary root for the session, removed at its end: tests and their spawned ranks make run
     directories with `tempfile` (TMPDIR is inherited), and thousands of checkpoints must not pile up in
-    /tmp run after run."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()  # before TMPDIR moves: kept across sessions
+    /tmp run after run. Inductor's cache is meshlm's own per-capability directory
+    (meshlm/parallel/compile_cache.py), kept across sessions (compiling is most of a compiled test's
+    time), set before TMPDIR moves and before any compile."""
+    from meshlm.parallel.compile_cache import capability_dir
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = capability_dir()
     root = tempfile.mkdtemp(prefix="meshlm-tests-")
     config.meshlm_tmp = (root, os.environ.get("TMPDIR"), tempfile.tempdir)
     os.environ["TMPDIR"] = tempfile.tempdir = root
-
-
-def inductor_cache_dir(base: str | None = None) -> str:
-    """Inductor's kernel cache, one per CPU capability. Its cache key leaves out the vector ISA: a graph
-    compiled under one ATEN_CPU_CAPABILITY (16-lane AVX-512 loops) and reloaded under another (8-lane
-    AVX2 vectors) runs garbage, non-finite from the first step (torch 2.13; found running the suite
-    under avx2 after a default run: tests/test_isa_cache.py). Kept across sessions (compiling is most of a compiled
-    test's time), in the directory torch would choose with the capability appended. Set before any
-    compile; an import has already set TORCHINDUCTOR_CACHE_DIR to torch's default by now."""
-    import torch
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    return f"{base or default_cache_dir()}-{torch.backends.cpu.get_cpu_capability().lower()}"
 
 
 def pytest_unconfigure(config):

@@ -1,12 +1,19 @@
-"""Inductor's cache is keyed by CPU capability in the suite (tests/conftest.py `inductor_cache_dir`): a
-kernel compiled under the machine's default capability and reloaded under ATEN_CPU_CAPABILITY=avx2 from one
-shared cache runs AVX-512-wide loops on 8-lane vectors (torch 2.13), and every compiled test then fails
-non-finite at step 1 under `make test-isa`-style runs. Each process here compiles the RMSNorm of the
-model (a custom autograd Function, the graph that showed it) with its input needing a gradient, in
-the cache directory the suite gives its capability, and compares with eager."""
+"""Inductor's kernel cache, one directory per CPU capability (meshlm/parallel/compile_cache.py): torch 2.13's
+FX-graph cache key leaves out the vector instruction set, so a graph compiled under one ATEN_CPU_CAPABILITY
+and reloaded under another from one directory is wrong (AVX-512 loops on AVX2 vectors ran non-finite; on a
+host whose own capability is AVX2, AVX2 code rebuilt without vector support does not compile).
+
+Independent of how the directory name is built: each process below compiles the model's RMSNorm (a custom
+autograd Function, the graph that showed it) in a fresh interpreter and reports inductor's own cache
+counters. The two capabilities are the machine's own and `default` (no vector ISA), which every x86 host
+has, so the test runs everywhere. The control shares one directory between them and must show the hazard
+(the other capability's graph is served, or fails); keyed, each capability misses its own cache once,
+computes what eager computes, and hits it the next time. Removing the key makes the keyed run the control,
+which fails the test."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -14,37 +21,77 @@ import pytest
 
 PROBE = """
 import os, sys, torch
-sys.path.insert(0, sys.argv[2])
-from conftest import inductor_cache_dir
-os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir(sys.argv[1])
+from meshlm.parallel.compile_cache import capability_dir
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = capability_dir(sys.argv[1]) if sys.argv[2] == "keyed" else sys.argv[1]
+from torch._dynamo.utils import counters
 from meshlm.model.ops import rms_norm
 torch.manual_seed(0)
 x = torch.randn(2, 32, 64, requires_grad=True)
 w = torch.nn.Parameter(torch.randn(64))
 f = lambda a, b: rms_norm(a, b, 1e-5)
 err = float((torch.compile(f, dynamic=False)(x, w) - f(x, w)).abs().max())
-print("capability", torch.backends.cpu.get_cpu_capability(), "err", err)
+c = counters["inductor"]
+print("capability", torch.backends.cpu.get_cpu_capability(), "hit", c["fxgraph_cache_hit"], "miss",
+      c["fxgraph_cache_miss"], "err", err)
 sys.exit(0 if err < 1e-5 else 1)
 """
 
 
-def _compile_in(cache_base: str, capability: str | None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+def _compile_in(base: str, mode: str, capability: str | None) -> tuple[int, dict]:
+    """(exit status, the probe's report) of one compile in a fresh interpreter."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR")}
     if capability:
         env["ATEN_CPU_CAPABILITY"] = capability
-    return subprocess.run([sys.executable, "-c", PROBE, cache_base, os.path.dirname(__file__)], env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", PROBE, base, mode], env=env, capture_output=True, text=True)
+    m = re.search(r"capability (\S+) hit (\d+) miss (\d+) err (\S+)", proc.stdout)
+    said = {"cap": m.group(1), "hit": int(m.group(2)), "miss": int(m.group(3))} if m else {}
+    return proc.returncode, {**said, "log": proc.stdout + proc.stderr[-1500:]}
 
 
-@pytest.mark.slowest  # two compiles in fresh interpreters: a minute on two cores
-def test_suite_cache_is_per_capability(tmp_path):
+@pytest.mark.slowest  # five compiles in fresh interpreters: a minute on two cores
+def test_cache_is_per_capability_and_sharing_one_is_the_hazard(tmp_path):
     import torch
-    if torch.backends.cpu.get_cpu_capability() == "AVX2":
-        pytest.skip("this CPU's default capability is avx2 already: there is no second kernel family to mix")
-    base = str(tmp_path / "inductor")
-    first = _compile_in(base, None)  # the machine's own kernels fill their cache
-    assert first.returncode == 0, first.stdout + first.stderr[-2000:]
-    second = _compile_in(base, "avx2")  # then AVX2 compiles in a directory of its own
-    assert second.returncode == 0, second.stdout + second.stderr[-2000:]
-    assert "AVX2" in second.stdout, second.stdout
-    assert os.listdir(base + "-avx2") and os.listdir(base + "-" + torch.backends.cpu.get_cpu_capability().lower())
+    own = torch.backends.cpu.get_cpu_capability()
+    assert own != "DEFAULT", "run the suite without ATEN_CPU_CAPABILITY=default: the test needs a second family"
+    shared = str(tmp_path / "shared")
+    rc, first = _compile_in(shared, "shared", None)
+    assert rc == 0 and first["miss"] == 1, first["log"]
+    rc, other = _compile_in(shared, "shared", "default")
+    assert rc != 0 or other.get("hit", 0) > 0, \
+        f"one shared cache no longer serves {own}'s graph to `default`: torch keys the ISA now, and " \
+        f"compile_cache.py may go\n{other['log']}"
+    keyed = str(tmp_path / "keyed")
+    for capability, want in ((None, own), ("default", "DEFAULT")):
+        rc, said = _compile_in(keyed, "keyed", capability)
+        assert rc == 0 and said["cap"] == want and said["miss"] == 1 and said["hit"] == 0, said["log"]
+    rc, again = _compile_in(keyed, "keyed", None)  # the cache works: the own family's graph is found
+    assert rc == 0 and again["hit"] == 1 and again["miss"] == 0, again["log"]
+
+
+def test_a_compiled_run_keys_the_cache_and_keeps_a_chosen_one(monkeypatch, tmp_path):
+    """parallelize() keys the cache before its first compile (torch.compile is lazy: building the Trainer
+    compiles nothing); a directory the user chose is kept; torch's own unkeyed default is keyed."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from harness import make_config
+    from meshlm.distributed.mesh import init_context, pick_device
+    from meshlm.layout import resolve
+    from meshlm.parallel.compile_cache import ENV, capability_dir, key_inductor_cache
+    from meshlm.train.trainer import Trainer
+
+    for before, after in ((None, capability_dir()), (default_cache_dir(), capability_dir()),
+                          (str(tmp_path / "mine"), str(tmp_path / "mine"))):
+        if before is None:
+            monkeypatch.delenv(ENV, raising=False)
+        else:
+            monkeypatch.setenv(ENV, before)
+        assert key_inductor_cache() == after and os.environ[ENV] == after
+    monkeypatch.delenv(ENV)
+    cfg = make_config(training__compile=True, training__steps=1)
+    layout = resolve(cfg, 1)
+    Trainer(cfg, str(tmp_path / "run"), init_context(layout.shape(), pick_device("cpu")), layout)
+    assert os.environ[ENV] == capability_dir()
+    monkeypatch.delenv(ENV)
+    Trainer(make_config(training__steps=1), str(tmp_path / "eager"), init_context(layout.shape(), pick_device("cpu")),
+            layout)
+    assert ENV not in os.environ  # an eager run leaves inductor alone

@@ -26,6 +26,7 @@ from ..config import OptimConfig, ParallelConfig, TrainingConfig
 from ..distributed.mesh import ParallelContext
 from ..layout import Layout
 from ..model.init import canonical_name, init_source, materialize
+from .compile_cache import key_inductor_cache
 from .dims.context_parallel import ContextParallel, apply_context_parallel
 from .dims.data_parallel import GradBuckets
 from .dims.expert_parallel import MoEStats, apply_expert_parallel, dispatch_in_float8, share_tokens_over_cp
@@ -158,6 +159,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, layout: Layout, make_opt
     the config keys it reads: the parallel section, the training section's precision / AC / loss /
     compile knobs, the optimizer section; `init_from`: model.init_from ("hf:DIR" or empty)."""
     plan = plan or model_plan_for(model)
+    if training.compile:
+        key_inductor_cache()  # before the first compile: one kernel cache per CPU capability
     pipe = split_model(model, ctx, layout, plan, parallel) if layout.pp_enabled else None  # this rank's stages
     table = PlacementTable()
     for name, p in named_params(model):
