@@ -132,3 +132,34 @@ def test_readme_config_block_is_a_valid_config(tmp_path):
         for key, value in values.items():
             if not isinstance(value, dict) and section != "model":
                 assert f"\n{key} = " in block, f"{section}.{key} missing from the README"
+
+
+def test_a_broken_command_module_fails_loudly(monkeypatch):
+    """A command module that cannot be imported is an error, not a command that silently vanishes from the
+    CLI; only torch missing (an install for `meshlm plan` / `estimate` alone) leaves its commands out."""
+    import sys
+
+    from meshlm.cli import build_parser
+
+    class Broken:
+        def __getattr__(self, name):
+            raise ImportError("cannot import name 'gone' from 'meshlm.plan.nowhere'", name="meshlm.plan.nowhere")
+
+    monkeypatch.setitem(sys.modules, "meshlm.schedule.command", None)  # import of it raises ImportError
+    with pytest.raises(ImportError):
+        build_parser()
+    monkeypatch.setitem(sys.modules, "meshlm.schedule.command", Broken())
+    with pytest.raises(ImportError, match="meshlm.plan.nowhere"):
+        build_parser()
+    real = __import__
+
+    def no_torch(name, *args, **kw):
+        if name == "meshlm.schedule.command":
+            raise ModuleNotFoundError("No module named 'torch'", name="torch")
+        return real(name, *args, **kw)
+
+    monkeypatch.delitem(sys.modules, "meshlm.schedule.command")
+    monkeypatch.setattr("builtins.__import__", no_torch)
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    assert "schedule" not in commands and "plan" in commands and "train" in commands

@@ -168,8 +168,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             break
         try:
             module = __import__(mod, fromlist=[fn])
-        except ImportError:
-            continue
+        except ImportError as e:
+            if (e.name or "").split(".")[0] != "torch":  # a broken command module is an error, not a gap
+                raise
+            continue  # an install without torch keeps the commands that need none (plan, estimate)
         getattr(module, fn)(sub)
     return p
 
