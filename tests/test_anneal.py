@@ -62,9 +62,9 @@ def test_anneal_from_a_stable_checkpoint_ends_below_the_stable_run(tmp_path, cap
     assert [r["step"] for r in steps] == list(range(S + 1, S + N + 1))  # goes on from the checkpoint
     assert steps[0]["lr"] < 3e-2 and steps[-1]["lr"] == 0.0  # decays from its first step to the floor
     st, an = eval_at(stable, S + N), eval_at(anneal, S + N)
-    # The constant rate's plateau: its held-out losses over the steps the anneal covers. Its noise (how far
-    # those evaluations spread) is the scale: the anneal ends below the plateau's best by at least that
-    # spread, a loss the constant rate never reached on the same held-out batches.
+    # The constant rate's plateau: its held-out losses over the steps the anneal covers. How far those
+    # evaluations move (noise and what is left of the trend) is the scale: the anneal ends below the
+    # plateau's best by at least that spread, a loss the constant rate never reached on the same batches.
     plateau = [eval_at(stable, k) for k in range(S, S + N + 1, E)]
     spread = max(plateau) - min(plateau)
     with capsys.disabled():

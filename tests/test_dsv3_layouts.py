@@ -93,7 +93,8 @@ def test_dsv3_checkpoint_reshards_with_its_bias(pools, name, a, b):
     # Each step moves an expert's bias by ±γ from integer loads, so the biases agree bit for bit as long as
     # both layouts route every token alike; they score tokens through other kernels (rounding ~1e-6), so
     # a token at a near-tie may flip and move one sign: at most 2γ per entry and step after the resume.
-    # A bias lost or reset at the resume moves every entry by several γ.
+    # A bias lost or reset at the resume leaves most entries off by the 2γ-4γ it had gathered by step 4
+    # (an expert's load stays on one side of the mean for steps at a time).
     gamma, steps = PRESETS["dsv3-debug"].bias_update_rate, 4
     for k in want:
         diff = (want[k] - have[k]).abs()
