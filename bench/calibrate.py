@@ -5,7 +5,7 @@
 Each round trains the calibration run (2 ranks, dp 2) and then the target run (4 ranks, tp 2 × dp 2)
 with `meshlm train --nproc` (one thread per rank), back to back so that the machine's load hits both
 alike, both with `metrics.profile_step` (rank 0's profiler trace of one step). It fits the machine on
-the first (`plan/calibrate.py`, per-category rates from its trace: nothing of the target run is used)
+the first (`plan/calibrate/fit.py`, per-category rates from its trace: nothing of the target run is used)
 and prints the target's predicted step against its measured one; the summary is the median ratio. On
 a 2-core machine the target's 4 ranks oversubscribe the cores. Beside the model's prediction the table
 prints what other assumptions predict (docs/planner.md, "Calibration from a run"): `flat` (one fitted
@@ -31,8 +31,8 @@ import time
 SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
 sys.path.insert(0, SRC)
 
-from meshlm.plan import calibrate as K  # noqa: E402
-from meshlm.plan.estimate import estimate, step_categories  # noqa: E402
+from meshlm.plan.calibrate import fit as K  # noqa: E402
+from meshlm.plan.cost.estimate import estimate, step_categories  # noqa: E402
 from meshlm.plan.spec import shape_from_config, spec_from_config  # noqa: E402
 
 

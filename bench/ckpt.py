@@ -25,7 +25,7 @@ VARIANTS = ("none", "sync", "async")
 
 
 def make_cfg(a, variant: str):
-    from meshlm import config as C
+    from meshlm.core import config as C
     cfg = C.Config()
     for k, v in {"model.preset": "small", "model.dim": a.dim, "model.n_layers": a.n_layers, "model.n_heads": 8,
                  "model.n_kv_heads": 8, "model.ffn_dim": a.ffn_dim, "data.seq_len": a.seq_len,
@@ -43,12 +43,12 @@ def worker(rank: int, world: int, port: int, variant: str, a, out) -> None:
     import torch.distributed as dist
 
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.layout import resolve
+    from meshlm.core.layout import build_layout
     from meshlm.train.trainer import Trainer
 
     base = _rss()
     cfg = make_cfg(a, variant)
-    layout = resolve(cfg, world)
+    layout = build_layout(cfg, world)
     run_dir = os.path.join(a.out, variant)
     tr = Trainer(cfg, run_dir, init_context(layout.shape(), pick_device("cpu")), layout)
     tr.fit()  # step 1 warms up; every line after it is a measured step
@@ -88,7 +88,7 @@ def main() -> None:
         res = {v: run_variant(v, a) for v in VARIANTS}
     finally:
         shutil.rmtree(a.out, ignore_errors=True)
-    from meshlm.model.from_config import model_args
+    from meshlm.core.config.model import model_args
     n = model_args(make_cfg(a, "none")).num_params()
     for v in VARIANTS:
         res[v]["peak_growth_x_state"] = (res[v]["peak_rank0"] - res["none"]["peak_rank0"]) / (12 * n)

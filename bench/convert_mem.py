@@ -57,9 +57,9 @@ def make_hf(path: str, dim: int, n_layers: int, ffn_dim: int, vocab: int, heads:
     import torch
 
     from meshlm.model import safetensors_io as st
-    from meshlm.model.args import ModelArgs
+    from meshlm.core.model_args import ModelArgs
     from meshlm.model.hf import hf_tensors
-    from meshlm.model.hf_config import config_for, param_shapes
+    from meshlm.core.hf_config import config_for, param_shapes
     args = ModelArgs(dim=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=kv_heads, ffn_dim=ffn_dim,
                      vocab_size=vocab, max_seq_len=256)
     os.makedirs(path, exist_ok=True)

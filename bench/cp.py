@@ -9,7 +9,7 @@ For cp = 1, 2, 4 and each of ring / Ulysses this trains a few steps on gloo work
   attention + block activations that CP divides), next to the planner's prediction;
 - peak RSS of the worker (CPU: includes the model, optimizer, allocator slack);
 - step time (CPU, 2 shared cores: relative only);
-- bytes per step the cp group's `Comm` booked next to `plan/volume.py` (`cp_step_bytes`).
+- bytes per step the cp group's `Comm` booked next to `plan/cost/volume.py` (`cp_step_bytes`).
 Output is markdown (docs/benchmarks.md).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from spawn import spawn  # noqa: E402  (bench/spawn.py)
 
 
 def _config(overrides: dict):
-    from meshlm import config as C
+    from meshlm.core import config as C
     cfg = C.Config()
     for k, v in overrides.items():
         C.apply(cfg, k, v)
@@ -40,13 +40,13 @@ def _worker(rank: int, world: int, port: int, overrides: dict, steps: int, out) 
 
     from meshlm.distributed.comm import reset_stats
     from meshlm.distributed.mesh import init_context, pick_device, shutdown
-    from meshlm.layout import resolve
+    from meshlm.core.layout import build_layout
     from meshlm.train.observe.saved import saved_bytes
     from meshlm.train.trainer import Trainer
 
     torch.set_num_threads(max(1, 2 // world))
     cfg = _config(overrides)
-    layout = resolve(cfg, world)
+    layout = build_layout(cfg, world)
     ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=600)
     try:
         trainer = Trainer(cfg, tempfile.mkdtemp(prefix="meshlm-bench-cp-"), ctx, layout)
@@ -91,10 +91,10 @@ def main() -> None:
                     help="model.attn_impl of the all-gather rows (auto is sdpa on a CPU, flex on CUDA)")
     a = ap.parse_args()
 
-    from meshlm.model.from_config import model_args
-    from meshlm.plan.estimate import Options, estimate
+    from meshlm.core.config.model import model_args
+    from meshlm.plan.cost.estimate import Options, estimate
     from meshlm.plan.spec import code_options, priced_on, shape_from_config, spec_from_config
-    from meshlm.plan.volume import cp_step_bytes as expected_bytes
+    from meshlm.plan.cost.volume import cp_step_bytes as expected_bytes
 
     base = {"model.preset": a.preset, "model.max_seq_len": a.seq_len, "data.seq_len": a.seq_len,
             "training.micro_batch": 1, "training.global_batch": 1, "training.precision": a.precision,

@@ -35,10 +35,10 @@ K = _bench_kernels()
 
 import torch  # noqa: E402
 
-from meshlm.model.args import PRESETS  # noqa: E402
+from meshlm.core.model_args import PRESETS  # noqa: E402
 from meshlm.model.flex import flex_attend, flex_block_mask  # noqa: E402
 from meshlm.parallel.dims.context_parallel import CPSplit  # noqa: E402
-from meshlm.plan import ops  # noqa: E402
+from meshlm.plan.cost import ops  # noqa: E402
 from meshlm.plan.spec import Shape  # noqa: E402
 
 # (model, tp, sequence, cp, document length or 0): Llama 3 405B's Table-4 row (TP 8, CP 16 at 131K),

@@ -29,7 +29,7 @@ ROWS = {  # name: (sync_every, fragments, quantize[, outer lr, outer momentum]);
 
 
 def make_cfg(a, row):
-    from meshlm import config as C
+    from meshlm.core import config as C
     cfg = C.Config()
     over = {"model.preset": a.preset, "data.seq_len": a.seq_len, "training.global_batch": a.batch,
             "training.micro_batch": a.batch // a.islands, "training.steps": a.steps, "training.seed": 1,
@@ -49,7 +49,7 @@ def make_cfg(a, row):
 
 
 def run_row(a, row: str) -> dict:
-    from meshlm import config as C
+    from meshlm.core import config as C
     run_dir = tempfile.mkdtemp(prefix=f"meshlm-diloco-{row}-")
     t0 = time.time()
     spawn_gloo(train_worker, a.islands, C.to_dict(make_cfg(a, row)), run_dir, timeout=3600)

@@ -24,10 +24,10 @@ import tempfile
 
 import torch
 
-from meshlm import config as C
-from meshlm.choices import ATTN_IMPLS
+from meshlm.core import config as C
+from meshlm.core.choices import ATTN_IMPLS
 from meshlm.distributed.mesh import init_context, pick_device
-from meshlm.layout import resolve
+from meshlm.core.layout import build_layout
 from meshlm.train.trainer import Trainer
 
 
@@ -41,7 +41,7 @@ def build(preset: str, seq: int, mb: int, steps: int, a, **extra) -> tuple[Train
     for k, v in values.items():
         C.apply(cfg, k, v)
     run_dir = tempfile.mkdtemp(prefix=f"meshlm-gpu-{preset}-")
-    layout = resolve(cfg, 1)
+    layout = build_layout(cfg, 1)
     ctx = init_context(layout.shape(), pick_device(a.device))
     return Trainer(cfg, run_dir, ctx, layout), run_dir
 

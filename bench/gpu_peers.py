@@ -36,9 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu  # noqa: E402  (bench/gpu.py: the fresh-process measurement, largest micro-batch first)
 import torch  # noqa: E402
 
-from meshlm import config as C  # noqa: E402
+from meshlm.core import config as C  # noqa: E402
 from meshlm.distributed.mesh import pick_device  # noqa: E402
-from meshlm.model.args import PRESETS  # noqa: E402
+from meshlm.core.model_args import PRESETS  # noqa: E402
 
 # peer: (parameter dtype, autocast, compile on CUDA, liger-kernel, torchao float8)
 PEERS = {"bf16": ("bf16", False, True, False, False), "autocast": ("fp32", True, True, False, False),
@@ -64,7 +64,7 @@ def hf_model(preset: str, peer: str, device: torch.device):
     """transformers' LlamaForCausalLM for meshlm's preset (meshlm's own config.json export)."""
     import transformers
 
-    from meshlm.model.hf_config import config_for
+    from meshlm.core.hf_config import config_for
     dtype, _, _, liger, float8 = PEERS[peer]
     if liger:
         from liger_kernel.transformers import apply_liger_kernel_to_llama

@@ -117,7 +117,7 @@ def run_row(name: str, a, done: dict, deadline: float) -> dict:
             r["meshlm_over_peer"] = mine["tokens_per_s"] / r["tokens_per_s"]
         return r
     preset = s["mla"] if name == "mla-step" else s["moe"]
-    from meshlm.model.args import PRESETS
+    from meshlm.core.model_args import PRESETS
     if preset not in PRESETS:
         return {"status": "not built", "reason": f"no preset {preset!r} in this meshlm"}
     one = dict(a.__dict__, warmup=0, steps=1)

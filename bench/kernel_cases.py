@@ -1,7 +1,7 @@
 """bench/kernels.py's cases and the planner's predictions for them: pure Python, no device.
 
 Which shapes are measured (the validation rows' models, the FlashAttention-3 figure's grid, the block
-GEMMs, the element-wise ops) and what meshlm.plan.ops predicts for each, so that the tests can check the
+GEMMs, the element-wise ops) and what meshlm.plan.cost.ops predicts for each, so that the tests can check the
 shape lists and the predictions without a GPU, and kernels.py keeps to the timing."""
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from meshlm.model.args import PRESETS, ModelArgs  # noqa: E402
-from meshlm.plan import ops  # noqa: E402
-from meshlm.plan.activations import vocab_rows  # noqa: E402
-from meshlm.plan.estimate import Options  # noqa: E402
+from meshlm.core.model_args import PRESETS, ModelArgs  # noqa: E402
+from meshlm.plan.cost import ops  # noqa: E402
+from meshlm.plan.cost.activations import vocab_rows  # noqa: E402
+from meshlm.plan.cost.estimate import Options  # noqa: E402
 from meshlm.plan.hardware import GPU  # noqa: E402
 
 # backend -> the ops.KERNELS entry that prices it. flex: the planner prices it at FlashAttention-2's

@@ -1,4 +1,4 @@
-"""Kernel rates on the current device next to the planner's rates for them (plan/ops.py).
+"""Kernel rates on the current device next to the planner's rates for them (plan/cost/ops.py).
 
 The planner prices attention from the FlashAttention-3 paper's Fig. 5 (`ops._FA3_FIG5`, `BWD_RATIO`),
 GEMMs from one 8192³ ceiling and a wave-quantization model (`ops.gemm_seconds`) and element-wise work

@@ -56,7 +56,7 @@ def environment(device: str = "cuda") -> dict:
     (the rows' processes get the whole card). `card`: the planner profile of the card, or None."""
     import torch
 
-    from meshlm.cards import card as card_of
+    from meshlm.core.cards import card as card_of
     s = smi() if device == "cuda" else {}
     name = s.get("name", "cpu")
     card = card_of(name)

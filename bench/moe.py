@@ -12,7 +12,7 @@ the mean over the ep group is fixed), and prints them next to
 
 (dropless: each of the T·k assignments of a micro-batch goes out and comes back in forward, and both
 again in backward; E int64 split sizes go first in forward) and next to the planner's all-to-all bytes
-for the same layout (plan/comm.py, which leaves the split sizes out). Output is a markdown table for
+for the same layout (plan/cost/comm.py, which leaves the split sizes out). Output is a markdown table for
 docs/benchmarks.md.
 """
 from __future__ import annotations
@@ -56,8 +56,8 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--accum", type=int, default=2)
     a = ap.parse_args()
-    from meshlm import config as C
-    from meshlm.plan.comm import collectives
+    from meshlm.core import config as C
+    from meshlm.plan.cost.comm import collectives
     from meshlm.plan.spec import priced_on, shape_from_config, spec_from_config
 
     base = {"model.preset": "moe-debug", "model.dim": a.dim, "model.n_layers": a.layers,

@@ -40,7 +40,7 @@ from zero import _hwm, _reset_hwm, _rss, release_freed  # noqa: E402  (bench/zer
 
 
 def make_cfg(a, offload: str, regime: str):
-    from meshlm import config as C
+    from meshlm.core import config as C
     cfg = C.Config()
     over = {"model.preset": "small", "model.dim": a.dim, "model.n_layers": a.n_layers, "model.n_heads": a.n_heads,
             "model.n_kv_heads": a.n_heads, "model.ffn_dim": a.ffn_dim, "data.seq_len": a.seq_len,
@@ -127,15 +127,15 @@ def worker(rank: int, world: int, port: int, variant: tuple, a, out) -> None:
     import torch.distributed as dist
 
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.layout import resolve
-    from meshlm.model.from_config import model_args
+    from meshlm.core.layout import build_layout
+    from meshlm.core.config.model import model_args
     from meshlm.train.trainer import Trainer
 
     offload, regime = variant
     rec: dict = {}
     instrument(rec, regime == "cold" and offload == "nvme")
     cfg = make_cfg(a, offload, regime)
-    layout = resolve(cfg, world)
+    layout = build_layout(cfg, world)
     ctx = init_context(layout.shape(), pick_device("cpu"))
     tr = Trainer(cfg, tempfile.mkdtemp(prefix="meshlm-bench-offload-"), ctx, layout)
     opt = rec["opt"]

@@ -86,7 +86,7 @@ def _median(fn, reps: int) -> float:
 def run_row(name: str, shapes, reps: int) -> dict:
     import torch
 
-    from meshlm.config import OptimConfig
+    from meshlm.core.config import OptimConfig
     from meshlm.parallel.dims.grad_sync import accumulate_into_view
     from meshlm.train.optim import MasterOptimizer
     cfg = OptimConfig()

@@ -33,9 +33,9 @@ MODELS = {
 def run(model: dict, optim: str, lr: float, args) -> dict:
     """Train in this process; per step its wall seconds, and the held-out losses by step."""
     import torch
-    from meshlm import config as C
+    from meshlm.core import config as C
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.layout import resolve
+    from meshlm.core.layout import build_layout
     from meshlm.train.trainer import Trainer
 
     torch.manual_seed(0)
@@ -48,7 +48,7 @@ def run(model: dict, optim: str, lr: float, args) -> dict:
         C.apply(cfg, k, v)
     cfg.check()
     run_dir = tempfile.mkdtemp(prefix="meshlm-muon-bench-")
-    layout = resolve(cfg, 1)
+    layout = build_layout(cfg, 1)
     trainer = Trainer(cfg, run_dir, init_context(layout.shape(), pick_device("cpu")), layout)
     step_s: dict[int, float] = {}
     real = trainer.train_step

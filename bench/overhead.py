@@ -20,13 +20,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from meshlm import config as C
+from meshlm.core import config as C
 from meshlm.data import GlobalBatchSampler, TokenShards, default_data_dir
 from meshlm.distributed.mesh import init_context, pick_device
-from meshlm.layout import resolve
-from meshlm.model.from_config import model_args
+from meshlm.core.layout import build_layout
+from meshlm.core.config.model import model_args
 from meshlm.model import Llama, materialize
-from meshlm.train.optim import lr_at
+from meshlm.core.facts.course import lr_at
 from meshlm.train.trainer import Trainer
 
 
@@ -72,7 +72,7 @@ def bare_loop(cfg: C.Config, steps: int) -> list[float]:
 def meshlm_loop(cfg: C.Config, steps: int) -> list[float]:
     """meshlm's trainer through fit(), logging every step: per-step wall times from metrics.jsonl."""
     run_dir = tempfile.mkdtemp(prefix="meshlm-overhead-")
-    layout = resolve(cfg, 1)
+    layout = build_layout(cfg, 1)
     trainer = Trainer(cfg, run_dir, init_context(layout.shape(), pick_device("cpu")), layout)
     trainer.fit()
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:

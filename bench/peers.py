@@ -164,12 +164,12 @@ def pp_peer(cfg, rank: int, world: int):
     from torch.distributed import pipelining
 
     from meshlm.model import Llama, materialize
-    from meshlm.model.from_config import model_args
+    from meshlm.core.config.model import model_args
     from meshlm.parallel import cross_entropy
     from meshlm.parallel.plans.llama import LLAMA_PLAN
-    from meshlm.schedule.actions import stage_index
-    from meshlm.schedule.schedules import V_SHAPED
-    from meshlm.schedule.stage import stage_blocks
+    from meshlm.core.schedule.actions import stage_index
+    from meshlm.core.schedule.schedules import V_SHAPED
+    from meshlm.core.schedule.stage import stage_blocks
 
     p, name = cfg.parallel, cfg.parallel.pp_schedule
     v, m = p.pp_virtual, cfg.training.global_batch // cfg.training.micro_batch

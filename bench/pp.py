@@ -3,7 +3,7 @@
     .venv/bin/python bench/pp.py [--pp 4] [--microbatches 8] [--steps 3] [--rounds 3] [--schedules gpipe 1f1b ...]
 
 For each schedule this trains a few steps of an 8-block model on `pp` gloo workers (one thread each),
-times every step on rank 0, and gathers every step's measured timeline (parallel/dims/pipeline/trace.py).
+times every step on rank 0, and gathers every step's measured timeline (core/schedule/trace.py).
 Schedules alternate over several rounds on the same workers; the table reports medians over all.
 It prints a markdown table (docs/benchmarks.md): median step time and its ratio to gpipe, next to
 the simulator's ratio twice: with the textbook costs (F=1, B=2, W=B/2) and with the per-action
@@ -34,11 +34,11 @@ def _worker(rank: int, world: int, port: int, tasks, out) -> None:
     import torch
     import torch.distributed as dist
 
-    from meshlm import config as C
+    from meshlm.core import config as C
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.layout import resolve
-    from meshlm.parallel.dims.pipeline.trace import gather_spans, measured_bubble
-    from meshlm.schedule.replay import p2p_batches
+    from meshlm.core.layout import build_layout
+    from meshlm.core.schedule.trace import gather_spans, measured_bubble
+    from meshlm.core.schedule.replay import p2p_batches
     from meshlm.train.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -48,7 +48,7 @@ def _worker(rank: int, world: int, port: int, tasks, out) -> None:
         cfg = C.Config()
         for k, v in overrides.items():
             C.apply(cfg, k, v)
-        layout = resolve(cfg, world)
+        layout = build_layout(cfg, world)
         ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=600)
         trainer = Trainer(cfg, tempfile.mkdtemp(prefix="meshlm-bench-pp-"), ctx, layout)
         rt = trainer.par.pipeline
@@ -97,7 +97,7 @@ class Workers:
 
 
 def simulated(name: str, p: int, m: int, v: int, costs: dict | None = None):
-    from meshlm.schedule import build_schedule, simulate
+    from meshlm.core.schedule import build_schedule, simulate
 
     c = costs or {"cost_f": 1.0, "cost_b": 2.0}
     return simulate(build_schedule(name, p, m, v), p, m, v, **c)

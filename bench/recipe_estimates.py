@@ -68,7 +68,7 @@ def estimate(path: str) -> dict:
     if code:
         raise RuntimeError(f"{path}: meshlm estimate exited {code}")
     e = json.loads(out.getvalue())
-    from meshlm.plan.estimate import describe_run
+    from meshlm.plan.cost.estimate import describe_run
     return {"gib": e["per_gpu"]["total"] / 2 ** 30, "tokens": e["tokens_per_s_per_gpu"], "step": e["step_s"],
             "mfu": 100 * e["mfu"], "run": describe_run(e["run"]) if "run" in e else None}
 

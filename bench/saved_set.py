@@ -77,7 +77,7 @@ def unfused_entry():
 # ---------------------------------------------------------------------------------- building, measuring
 
 def make_cfg(a, precision: str, ac: str = "none"):
-    from meshlm import config as C
+    from meshlm.core import config as C
     cfg = C.Config()
     total = a.warmup + a.rounds * a.steps + 1
     over = {"model.preset": a.preset, "data.seq_len": a.seq_len, "training.global_batch": a.batch,
@@ -153,11 +153,11 @@ def alternate(trainers: dict, a) -> dict:
 
 def ab_run(a, ctx=None) -> list[dict]:
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.layout import resolve
+    from meshlm.core.layout import build_layout
     out = []
     for precision in a.precision.split(","):
         cfg = make_cfg(a, precision)
-        layout = resolve(cfg, a.tp)
+        layout = build_layout(cfg, a.tp)
         ctx = ctx or init_context(layout.shape(), pick_device("cpu"))
         trainers = {"A": build(cfg, ctx, layout, True), "B": build(cfg, ctx, layout, False)}
         saved = {name: saved_by_part(tr) for name, tr in trainers.items()}
@@ -171,16 +171,16 @@ def ab_run(a, ctx=None) -> list[dict]:
 
 def ac_table(a) -> list[dict]:
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.layout import resolve
-    from meshlm.plan.activations import block_activation_bytes
-    from meshlm.plan.memory import stage_memory
+    from meshlm.core.layout import build_layout
+    from meshlm.plan.cost.activations import block_activation_bytes
+    from meshlm.plan.cost.memory import stage_memory
     from meshlm.plan.spec import shape_from_config, spec_from_config
     out = []
     for precision in a.precision.split(","):
         trainers, pred = {}, {}
         for ac in AC_ORDER:
             cfg = make_cfg(a, precision, ac)
-            layout = resolve(cfg, 1)
+            layout = build_layout(cfg, 1)
             trainers[ac] = build(cfg, init_context(layout.shape(), pick_device("cpu")), layout, False)
             shape, spec = shape_from_config(cfg), spec_from_config(cfg, 1)
             e = 4 if precision == "fp32" else 2

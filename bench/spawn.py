@@ -27,13 +27,13 @@ def join_gloo(rank: int, world: int, port: int) -> None:
 def train_worker(rank: int, world: int, port: int, cfg_dict: dict, run_dir: str, q) -> None:
     """A worker that trains the config `cfg_dict` (config.to_dict) into `run_dir`: one rank of the job."""
     join_gloo(rank, world, port)
-    from meshlm import config as C
+    from meshlm.core import config as C
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.layout import resolve
+    from meshlm.core.layout import build_layout
     from meshlm.train.trainer import Trainer
 
     cfg = C.from_dict(cfg_dict)
-    layout = resolve(cfg, world)
+    layout = build_layout(cfg, world)
     Trainer(cfg, run_dir, init_context(layout.shape(), pick_device("cpu")), layout).fit()
     q.put((rank, None))
 

@@ -5,7 +5,7 @@
 For each TP degree, with and without sequence parallelism, this trains a few steps on gloo workers,
 reads the bytes the tp group's `Comm` booked (logical payload per rank: all-reduce 2× its buffer,
 all-gather its output, reduce-scatter its input) and prints them next to
-`plan/volume.py` (`tp_step_bytes`) for the same shape. It also prints the saved-activation bytes of one
+`plan/cost/volume.py` (`tp_step_bytes`) for the same shape. It also prints the saved-activation bytes of one
 block by part, to show what SP buys. Output is a markdown table (docs/benchmarks.md).
 """
 from __future__ import annotations
@@ -29,17 +29,17 @@ def start_trainer(rank: int, world: int, port: int, overrides: dict, steps: int)
 
     import torch
 
-    from meshlm import config as C
+    from meshlm.core import config as C
     from meshlm.distributed.comm import reset_stats
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.layout import resolve
+    from meshlm.core.layout import build_layout
     from meshlm.train.trainer import Trainer
 
     torch.set_num_threads(1)
     cfg = C.Config()
     for k, v in overrides.items():
         C.apply(cfg, k, v)
-    layout = resolve(cfg, world)
+    layout = build_layout(cfg, world)
     ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=300)
     trainer = Trainer(cfg, tempfile.mkdtemp(prefix="meshlm-bench-"), ctx, layout)
     trainer.train_step()  # warm-up, not counted
@@ -87,10 +87,10 @@ def main() -> None:
     ap.add_argument("--ac", default="none")
     a = ap.parse_args()
 
-    from meshlm import config as C
-    from meshlm.layout import resolve
-    from meshlm.model.from_config import model_args
-    from meshlm.plan.volume import tp_step_bytes as expected_bytes
+    from meshlm.core import config as C
+    from meshlm.core.layout import build_layout
+    from meshlm.core.config.model import model_args
+    from meshlm.plan.cost.volume import tp_step_bytes as expected_bytes
 
     base = {"model.preset": a.preset, "data.seq_len": a.seq_len, "training.micro_batch": a.micro_batch,
             "training.global_batch": a.global_batch, "training.precision": a.precision, "training.ac": a.ac,
@@ -113,7 +113,7 @@ def main() -> None:
             c2 = C.Config()
             for k, v in ov.items():
                 C.apply(c2, k, v)
-            layout = resolve(c2, t)
+            layout = build_layout(c2, t)
             want = expected_bytes(args, layout.micro_batch, a.seq_len, layout.accum, t, sp, a.ac, e, e)
             got, acts = measure(ov, t, a.steps)
             name = f"tp{t}{'+sp' if sp else ''}"

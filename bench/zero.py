@@ -49,7 +49,7 @@ def _reset_hwm() -> None:
 
 def make_cfg(a, overrides: dict):
     """The bench's model, batch and step count from the command line, plus `overrides` (the layout)."""
-    from meshlm import config as C
+    from meshlm.core import config as C
     cfg = C.Config()
     for k, v in {"model.preset": a.preset, "data.seq_len": a.seq_len, "training.global_batch": a.batch,
                  "training.steps": a.warmup + a.steps, "training.eval_every": 0, "metrics.progress": False,
@@ -69,10 +69,10 @@ def dp_layout(a, zero: int) -> dict:
 
 def meshlm_runner(cfg, world: int):
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.layout import resolve
+    from meshlm.core.layout import build_layout
     from meshlm.train.trainer import Trainer
 
-    layout = resolve(cfg, world)
+    layout = build_layout(cfg, world)
     ctx = init_context(layout.shape(), pick_device("cpu"))
     tr = Trainer(cfg, tempfile.mkdtemp(prefix="meshlm-bench-"), ctx, layout)
     return lambda: float(tr.train_step()["loss_sum"]) / layout.accum  # this rank's mean micro-batch loss
@@ -107,7 +107,7 @@ def plain_model(cfg):
     """meshlm's Llama as one process builds it (same name-seeded init), as a plain nn.Module."""
     import torch
 
-    from meshlm.model.from_config import model_args
+    from meshlm.core.config.model import model_args
     from meshlm.model import Llama, materialize
 
     torch.manual_seed(cfg.training.seed)
@@ -125,7 +125,7 @@ def torch_step(cfg, params: list, fwd_bwd, dp_rank: int = 0, dp: int = 1, clip=N
 
     from meshlm.data import default_data_dir
     from meshlm.data.dataset import open_data
-    from meshlm.train.optim import lr_at
+    from meshlm.core.facts.course import lr_at
 
     o = cfg.optim
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
@@ -251,7 +251,7 @@ def main() -> None:
     if a.json:
         print(json.dumps(report, indent=1))
         return
-    from meshlm.model.from_config import model_args
+    from meshlm.core.config.model import model_args
     psi = model_args(make_cfg(a, dp_layout(a, 0))).num_params()
     custom = ", ".join(f"{k} {getattr(a, k)}" for k in ("dim", "n_layers", "n_heads", "ffn_dim")
                        if getattr(a, k) is not None)

@@ -3,7 +3,7 @@ schedule, dp ranks on gloo, fp32. Both runs train `--steps` steps; the losses go
 (docs/img/zeropp_loss.png) and the final-loss ratio is printed (the issue's bar: within 1%, over the
 mean of the last 10 steps as well as the last step itself). Also printed: the bytes each collective kind
 booked per step (the last step's metrics record), the cross-group volume (kinds on groups that span the
-hpZ groups, plan/volume.py CROSS_GROUP) and the median step time of each (wall clock: noise on a shared
+hpZ groups, plan/cost/volume.py CROSS_GROUP) and the median step time of each (wall clock: noise on a shared
 machine; read it with the load average printed beside it).
 
     python bench/zeropp.py [--preset small] [--n-layers L] [--world 4] [--hpz 2] [--steps 200]
@@ -25,7 +25,7 @@ VARIANTS = {"zero3": {}, "zero++": {"parallel.quantize_weights": True, "parallel
 
 
 def make_cfg(a, name: str):
-    from meshlm import config as C
+    from meshlm.core import config as C
     cfg = C.Config()
     over = {"model.preset": a.preset, "data.seq_len": a.seq_len, "training.global_batch": a.batch,
             "training.micro_batch": a.batch // a.world, "training.steps": a.steps, "training.eval_every": 0,
@@ -69,7 +69,7 @@ def plot(curves: dict, path: str, title: str) -> None:
 
 def main() -> int:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-    from meshlm.plan.volume import CROSS_GROUP
+    from meshlm.plan.cost.volume import CROSS_GROUP
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="small")
@@ -82,7 +82,7 @@ def main() -> int:
     ap.add_argument("--plot", default=os.path.join(os.path.dirname(__file__), "..", "docs", "img", "zeropp_loss.png"))
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    from meshlm import config as C
+    from meshlm.core import config as C
 
     load0 = os.getloadavg()
     curves, out = {}, {}

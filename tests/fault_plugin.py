@@ -139,7 +139,7 @@ class SlowCard:
     def __init__(self, trainer, seconds_per_flop: float):
         import json
 
-        from meshlm.plan.estimate import _fwd_flops
+        from meshlm.plan.cost.estimate import _fwd_flops
         from meshlm.plan.spec import Shape
         t, a = trainer.cfg.training, trainer.args
         accum = trainer.layout.accum_of(trainer.ctx.index("dp"))
@@ -171,7 +171,7 @@ class SlowBlocks(SlowCard):
         import json
 
         from meshlm.model.llama import Block
-        from meshlm.plan.estimate import _fwd_flops
+        from meshlm.plan.cost.estimate import _fwd_flops
         from meshlm.plan.spec import Shape
         a, seq = trainer.args, trainer.cfg.data.seq_len
         tokens, shape = trainer.cfg.training.micro_batch * seq, Shape(trainer.args)

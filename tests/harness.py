@@ -12,13 +12,14 @@ import gc
 import getpass
 import json
 import os
+from functools import partial
 import socket
 import sys
 import tempfile
 import traceback
 from multiprocessing import util as mp_util
 
-from meshlm import config as C
+from meshlm.core import config as C
 
 sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import spawn  # noqa: E402  (bench/spawn.py: fork_context)
@@ -95,11 +96,11 @@ def read_metrics(run_dir: str) -> list[dict]:
 def run_local(cfg: C.Config, run_dir: str | None = None, stop: int = 0) -> list[dict]:
     """Train `cfg` in this process, world size 1 (`stop`: end after that step, Trainer.fit's `stop_at`)."""
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.plan.auto import resolve  # the trainer's entry: parallel.auto chooses first
+    from meshlm.preflight import pick_layout  # the entry's: parallel.auto chooses first
     from meshlm.train.trainer import Trainer
 
     run_dir = run_dir or tempfile.mkdtemp(prefix="meshlm-ref-")
-    layout = resolve(cfg, 1)
+    layout = pick_layout(cfg, 1, pick_device("cpu"), 0, run_dir)
     ctx = init_context(layout.shape(), pick_device("cpu"))
     Trainer(cfg, run_dir, ctx, layout).fit(stop or None)
     return read_metrics(run_dir)
@@ -170,11 +171,11 @@ def train_case(cfg_dict: dict, run_dir: str, stop: int = 0, probe=None):
     `stop_at`); returns nothing (metrics are on disk), or what `probe(trainer)` (a module-level
     function) said before training."""
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.plan.auto import resolve  # the trainer's entry: parallel.auto chooses first
+    from meshlm.preflight import pick_layout  # the entry's: parallel.auto chooses first
     from meshlm.train.trainer import Trainer
 
     cfg = C.from_dict(cfg_dict)
-    layout = resolve(cfg, int(os.environ["WORLD_SIZE"]))
+    layout = pick_layout(cfg, int(os.environ["WORLD_SIZE"]), pick_device("cpu"), 0, run_dir)
     ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=120)
     trainer = Trainer(cfg, run_dir, ctx, layout)
     seen = probe(trainer) if probe is not None else None
@@ -183,7 +184,7 @@ def train_case(cfg_dict: dict, run_dir: str, stop: int = 0, probe=None):
 
 
 # The pool's workers also run the harness's own functions.
-PRELOAD = [*spawn.PRELOAD, "meshlm.plan.auto", "harness", "fault_plugin"]
+PRELOAD = [*spawn.PRELOAD, "meshlm.preflight", "meshlm.plan.search.auto", "harness", "fault_plugin"]
 
 
 class Pool:
@@ -319,6 +320,7 @@ def hooked_case(cfg_dict: dict, run_dir: str, env: dict | list[dict]) -> dict:
     set (MESHLM_TEST_*, TORCHELASTIC_*; a list: one dict per rank), in a pool worker or in this
     process; the variables are removed again. This rank's layout shape, accumulation count, agreed
     restart count and the step it resumed from."""
+    from meshlm.preflight import pick_layout
     from meshlm.train.trainer import start
 
     env = env[int(os.environ.get("RANK", "0"))] if isinstance(env, list) else env
@@ -328,7 +330,7 @@ def hooked_case(cfg_dict: dict, run_dir: str, env: dict | list[dict]) -> dict:
         cfg = C.from_dict(cfg_dict)
         C.apply(cfg, "training.device", "cpu")  # the pools are gloo
         C.apply(cfg, "parallel.timeout_s", 120)
-        trainer = start(cfg, run_dir)
+        trainer = start(cfg, run_dir, pick=partial(pick_layout, run_dir=run_dir))
         trainer.fit()
         return {"layout": trainer.layout.shape(), "accum": trainer.layout.accum, "restarts": trainer.ctx.restarts,
                 "resumed_from": (trainer.resumed or {}).get("step")}

@@ -7,7 +7,7 @@ import tempfile
 from unittest import mock
 
 from meshlm.cli import main
-from meshlm.plan import cli_cmds
+from meshlm.plan import cli as cli_cmds
 
 
 def emitted_rows(argv: list[str], rows: int) -> list[str]:

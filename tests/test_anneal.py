@@ -1,5 +1,5 @@
 """Annealing a stable checkpoint (`meshlm train --checkpoint.resume PATH --optim.anneal_steps N`,
-train/preflight.py settle_anneal; docs/training.md, "Annealing"): a run directory of its own that ends N
+preflight.py settle_anneal; docs/training.md, "Annealing"): a run directory of its own that ends N
 steps after the checkpoint with the rate decayed to the floor, below the stable run's held-out loss at the
 same step, the source run untouched; a new data.mix accepted; bad anneals refused in one line."""
 import hashlib

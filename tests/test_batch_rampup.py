@@ -14,7 +14,7 @@ import pytest
 
 from harness import assert_refused_in_one_line, assert_same_losses, make_config, run_local, train_in
 
-from meshlm.data.rampup import BatchRamp
+from meshlm.core.facts.ramp import BatchRamp
 from meshlm.data.sampler import GlobalBatchSampler, MixtureSampler, apportion
 
 # TINY (global_batch 8) for 10 steps with micro-batches of 1 and the ramp 2 -> 8 in steps of 2 over 24
@@ -191,7 +191,10 @@ def test_ramp_that_does_not_split_is_refused_before_any_worker(tmp_path, capsys)
     """The first batch size that is not whole micro-batches per replica is named, exit 2, nothing written;
     an elastic resize whose dp the ramp's sizes do not divide is refused the same way."""
     from meshlm.cli import main
-    from meshlm.plan.auto import resolve
+    from meshlm.plan.search.auto import layout_for_run
+
+    def resolve(cfg, world, restarts=0):  # the entry's layout
+        return layout_for_run(cfg, world, restarts=restarts)[0]
 
     run_dir = tmp_path / "run"
     code = main(["train", "--run-dir", str(run_dir), "--model.preset", "debug", "--nproc", "2",
@@ -223,7 +226,7 @@ def test_ramp_that_does_not_split_is_refused_before_any_worker(tmp_path, capsys)
 
 
 def _estimate(capsys, tmp_path, *argv) -> tuple[int, str]:
-    from meshlm.plan import cli_cmds
+    from meshlm.plan import cli as cli_cmds
     p = argparse.ArgumentParser(prog="meshlm")
     cli_cmds.add_parsers(p.add_subparsers(dest="command", required=True))
     args, extra = p.parse_known_args(["estimate", "--gpu", "h100", "--gpus", "2", "--model.preset", "debug",
@@ -263,7 +266,7 @@ def test_estimate_prices_the_ramp_steps_at_their_batch(capsys, tmp_path):
 def test_calibration_reads_the_full_batch_steps_of_a_ramped_run(tmp_path):
     """--calibrate prices the run's layout at the full batch: a ramped run's smaller steps are left out
     (warm-up is counted from the first full-batch line)."""
-    from meshlm.plan.calibrate import PlanError, measured
+    from meshlm.plan.calibrate.fit import PlanError, measured
 
     lines = [{"step": s + 1, "step_s": 0.1 * b / 8 + 0.01 * s, "global_batch": b, "comm": {}}
              for s, b in enumerate(SIZES + [8, 8, 8])]

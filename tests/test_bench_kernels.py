@@ -1,5 +1,5 @@
 """bench/kernels.py: its CPU plumbing run (--device cpu --tiny) writes every section with positive
-rates, its predictions are the planner's own (recomputed here from meshlm.plan.ops), an unavailable
+rates, its predictions are the planner's own (recomputed here from meshlm.plan.cost.ops), an unavailable
 backend is skipped with its reason, and its shape lists are the validation rows' shapes."""
 import importlib.util
 import json
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from meshlm.plan import ops
-from meshlm.plan.estimate import Options
+from meshlm.plan.cost import ops
+from meshlm.plan.cost.estimate import Options
 from meshlm.plan.hardware import get_gpu
 from test_plan_validation import _megatron_shape
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harness import Pool, assert_same_losses, make_config, read_metrics
-from meshlm import config as C
+from meshlm.core import config as C
 
 RESHARD = 1e-6
 # Every case shares one model (kv heads < tp at tp 4), batch and 8-step schedule; A trains with a
@@ -54,12 +54,12 @@ def traced_case(cfg_dict: dict, run_dir: str, stop: int = 0) -> dict:
     """Train in a pool worker (or here) and count all-gathers inside save and resume; `stop`: end after
     that step (Trainer.fit's `stop_at`)."""
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.layout import resolve
+    from meshlm.core.layout import build_layout
     from meshlm.train import checkpoint as ck
     from meshlm.train.trainer import Trainer
 
     cfg = C.from_dict(cfg_dict)
-    layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    layout = build_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=120)
     counts = {"save": 0, "load": 0, "save_growth": 0}
 

@@ -11,8 +11,8 @@ from harness import assert_same_losses, make_config, reference, rows, run_layout
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshlm.config import ConfigError
-from meshlm.layout import resolve
+from meshlm.core.config import ConfigError
+from meshlm.core.layout import build_layout
 from meshlm.parallel.features.chunked_loss import _FNS, LossHead
 from meshlm.parallel.swap import swap_in
 
@@ -152,5 +152,5 @@ def test_eval_loss_through_the_loss_head(pools, tmp_path):
 
 def test_negative_loss_chunks_are_refused_in_one_line():
     with pytest.raises(ConfigError, match="training.loss_chunks: must be >= 0") as e:
-        resolve(make_config(training__loss_chunks=-1), 1)
+        build_layout(make_config(training__loss_chunks=-1), 1)
     assert "\n" not in str(e.value)

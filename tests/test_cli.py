@@ -85,9 +85,9 @@ def test_config_file_and_overrides(tmp_path, capsys):
 
 
 def test_one_process_resolves_the_layout_once(tmp_path, capsys, monkeypatch):
-    import meshlm.plan.auto as auto
-    calls, real = [], auto.resolve_layout
-    monkeypatch.setattr(auto, "resolve_layout", lambda cfg, world: calls.append(world) or real(cfg, world))
+    import meshlm.plan.search.auto as auto
+    calls, real = [], auto.build_layout
+    monkeypatch.setattr(auto, "build_layout", lambda cfg, world: calls.append(world) or real(cfg, world))
     code, err = run(capsys, "train", "--run-dir", str(tmp_path / "run"), "--model.preset", "debug",
                     "--training.steps", "1", "--training.global_batch", "2", "--training.micro_batch", "2",
                     "--data.seq_len", "16", "--training.eval_every", "0", "--metrics.progress", "false")
@@ -119,7 +119,7 @@ def test_readme_config_block_is_a_valid_config(tmp_path):
     """The README's example config lists every section and loads as it is (keeps the docs honest)."""
     import pathlib
 
-    from meshlm import config as C
+    from meshlm.core import config as C
     readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
     block = readme.split("```toml")[1].split("```")[0]
     path = tmp_path / "readme.toml"
@@ -145,20 +145,20 @@ def test_a_broken_command_module_fails_loudly(monkeypatch):
         def __getattr__(self, name):
             raise ImportError("cannot import name 'gone' from 'meshlm.plan.nowhere'", name="meshlm.plan.nowhere")
 
-    monkeypatch.setitem(sys.modules, "meshlm.schedule.command", None)  # import of it raises ImportError
+    monkeypatch.setitem(sys.modules, "meshlm.core.schedule.command", None)  # import of it raises ImportError
     with pytest.raises(ImportError):
         build_parser()
-    monkeypatch.setitem(sys.modules, "meshlm.schedule.command", Broken())
+    monkeypatch.setitem(sys.modules, "meshlm.core.schedule.command", Broken())
     with pytest.raises(ImportError, match="meshlm.plan.nowhere"):
         build_parser()
     real = __import__
 
     def no_torch(name, *args, **kw):
-        if name == "meshlm.schedule.command":
+        if name == "meshlm.core.schedule.command":
             raise ModuleNotFoundError("No module named 'torch'", name="torch")
         return real(name, *args, **kw)
 
-    monkeypatch.delitem(sys.modules, "meshlm.schedule.command")
+    monkeypatch.delitem(sys.modules, "meshlm.core.schedule.command")
     monkeypatch.setattr("builtins.__import__", no_torch)
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices

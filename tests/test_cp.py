@@ -13,12 +13,12 @@ import torch.nn.functional as F
 from harness import assert_layout_losses, make_config, rows, run_layout, run_local
 from test_tp import comm_task
 
-from meshlm import config as C
-from meshlm.config import ConfigError
-from meshlm.layout import resolve
-from meshlm.model.from_config import model_args
+from meshlm.core import config as C
+from meshlm.core.config import ConfigError
+from meshlm.core.layout import build_layout
+from meshlm.core.config.model import model_args
 from meshlm.parallel.dims.context_parallel import CPSplit, PlainKernel, RingCounter
-from meshlm.plan.volume import cp_step_bytes as expected_bytes
+from meshlm.plan.cost.volume import cp_step_bytes as expected_bytes
 
 FP32 = 1e-5
 COMPILED = 1e-4  # inductor fuses the block's element-wise ops differently from eager: measured ~1e-6
@@ -26,7 +26,7 @@ COMPILED = 1e-4  # inductor fuses the block's element-wise ops differently from 
 
 def _context(cfg):
     from meshlm.distributed.mesh import init_context, pick_device
-    layout = resolve(cfg, int(os.environ["WORLD_SIZE"]))
+    layout = build_layout(cfg, int(os.environ["WORLD_SIZE"]))
     return layout, init_context(layout.shape(), pick_device("cpu"), timeout_s=120)
 
 
@@ -146,7 +146,7 @@ BYTES_CASES = [
 @pytest.mark.parametrize("world,overrides", BYTES_CASES, ids=[str(i) for i in range(len(BYTES_CASES))])
 def test_cp_bytes_match_theory(pools, world, overrides):
     cfg = make_config(**overrides)
-    layout = resolve(cfg, world)
+    layout = build_layout(cfg, world)
     e = 4 if cfg.training.precision == "fp32" else 2
     want = expected_bytes(model_args(cfg), layout.micro_batch, cfg.data.seq_len, layout.accum, layout.cp,
                           cfg.parallel.cp_impl, layout.tp, cfg.training.ac, act_bytes=e)
@@ -259,10 +259,10 @@ def test_eval_loss_is_the_full_sequence_mean(pools, impl):
 def test_bad_cp_input_is_refused_in_one_line(world, overrides, msg):
     cfg = make_config(**overrides)
     if msg is None:
-        resolve(cfg, world)  # valid
+        build_layout(cfg, world)  # valid
         return
     with pytest.raises(ConfigError) as e:
-        resolve(cfg, world)
+        build_layout(cfg, world)
     assert str(e.value).startswith(msg) and "\n" not in str(e.value), str(e.value)
 
 

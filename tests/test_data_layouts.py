@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harness import assert_same_losses, make_config, read_metrics, reference, run_layout, run_local, train_case
-from meshlm import config as C
+from meshlm.core import config as C
 from meshlm.data import prepare, stdlib_files
 
 
@@ -118,7 +118,7 @@ def test_document_mask_changes_the_loss_and_isolates_documents(corpora):
     plain = run_local(make_config(data__path=corpora["docs"], training__steps=2))
     masked = run_local(make_config(data__path=corpora["docs"], data__document_mask=True, training__steps=2))
     assert abs(plain[0]["loss"] - masked[0]["loss"]) > 1e-4
-    from meshlm.model.from_config import model_args
+    from meshlm.core.config.model import model_args
     from meshlm.model import Llama
     torch.manual_seed(0)
     model = Llama(model_args(make_config())).eval()
@@ -151,8 +151,8 @@ def test_mixture_resumes_across_layouts(pools, corpora, tmp_path):
 def test_attn_impl_resolves_and_refuses():
     """auto is flex under a document mask (not under the ring) and under all-gather CP (whose causal
     rows SDPA would get as a dense mask), sdpa otherwise; the ring refuses flex."""
-    from meshlm.layout import resolve
-    from meshlm.model.from_config import model_args
+    from meshlm.core.layout import build_layout
+    from meshlm.core.config.model import model_args
     assert model_args(make_config(data__document_mask=True)).attn_kernel == "flex"
     assert model_args(make_config()).attn_kernel == "sdpa"
     assert model_args(make_config(model__attn_impl="flex")).attn_kernel == "flex"
@@ -162,28 +162,28 @@ def test_attn_impl_resolves_and_refuses():
     assert model_args(make_config(parallel__cp=2, parallel__cp_impl="allgather",
                                   model__attn_impl="sdpa")).attn_kernel == "sdpa"
     with pytest.raises(C.ConfigError, match="model.attn_impl: flex is not available with parallel.cp_impl = ring"):
-        resolve(make_config(model__attn_impl="flex", parallel__cp=2), 2)
+        build_layout(make_config(model__attn_impl="flex", parallel__cp=2), 2)
     ulysses = model_args(make_config(parallel__cp=2, parallel__cp_impl="ulysses", data__document_mask=True))
     assert ulysses.attn_kernel == "flex" and ulysses.mask_rows == "all"  # its core attends every query
     assert model_args(make_config(parallel__cp=2, parallel__cp_impl="ulysses")).attn_kernel == "sdpa"
     assert model_args(make_config(parallel__cp=2, parallel__cp_impl="allgather")).mask_rows == "local"
     assert model_args(make_config(parallel__tp=2)).mask_rows == "own"
     with pytest.raises(C.ConfigError, match="model.attn_impl: 'xformers' is not one of auto, sdpa, flex"):
-        resolve(make_config(model__attn_impl="xformers"), 1)
+        build_layout(make_config(model__attn_impl="xformers"), 1)
 
 
 def test_mixture_and_mask_refusals(corpora):
-    from meshlm.layout import resolve
+    from meshlm.core.layout import build_layout
     cfg = make_config(**_cfg(corpora, {**MASK, "parallel__cp": 2}))
     with pytest.raises(C.ConfigError, match="data.document_mask: not available with context parallelism") as e:
-        resolve(cfg, 2)
+        build_layout(cfg, 2)
     assert "parallel.cp_impl = ring: its core takes no mask" in str(e.value) and "\n" not in str(e.value)
     assert "use parallel.cp_impl = allgather or ulysses" in str(e.value)
     for impl in ("allgather", "ulysses"):
-        resolve(make_config(**_cfg(corpora, {**MASK, "parallel__cp": 2, "parallel__cp_impl": impl})), 2)
+        build_layout(make_config(**_cfg(corpora, {**MASK, "parallel__cp": 2, "parallel__cp_impl": impl})), 2)
     cfg = make_config(**_cfg(corpora, {**MIX, "data__path": "$docs"}))
     with pytest.raises(C.ConfigError, match="give data.path or data.mix, not both"):
-        resolve(cfg, 1)
+        build_layout(cfg, 1)
     with pytest.raises(ValueError, match="gets 0 of 8 sequences"):
         run_local(make_config(**_cfg(corpora, {"data__mix": [("$docs", 0.99), ("$code", 0.01)]})))
     for bad in ('[["a", 0]]', '[["a"]]', "a=x"):

@@ -1,10 +1,10 @@
 """training.precision / training.compile / model.attn_impl = "auto": each device's defaults, resolved
-before any worker starts (layout.device_defaults), written into config.toml; explicit values win."""
+before any worker starts (distributed/mesh.py device_defaults), written into config.toml; explicit values win."""
 import pytest
 import torch
 
-from meshlm import config as C
-from meshlm.layout import device_defaults
+from meshlm.core import config as C
+from meshlm.distributed.mesh import device_defaults
 
 
 def _gpu(monkeypatch, bf16: bool = True) -> None:
@@ -99,8 +99,8 @@ def test_estimate_on_a_gpu_profile_prices_bf16_compiled(capsys):
 
 
 def test_planner_prices_a_cpu_fp32_eager_and_a_gpu_bf16_compiled():
-    from meshlm.plan.auto import choose
-    from meshlm.plan.calibrate import Calibration, predict
+    from meshlm.plan.search.auto import choose_layout as choose
+    from meshlm.plan.calibrate.fit import Calibration, predict
     from meshlm.plan.hardware import get_gpu
     cfg = C.load(None, SMALL + [("parallel.auto", "true")])
     new, rec = choose(cfg, 2)  # no profile: this CPU
@@ -130,7 +130,7 @@ def test_attention_auto_is_sdpa_on_a_cpu_and_stays_auto_on_cuda(monkeypatch):
     """model.attn_impl = "auto" per device (issue 47; docs/benchmarks.md, "Attention kernels by device"):
     on a CPU the config gets sdpa (flex fuses only its forward there), on CUDA it stays auto and the
     model runs flex under a document mask (measured 1.11x SDPA's dense mask on an H200); explicit wins."""
-    from meshlm.model.from_config import model_args
+    from meshlm.core.config.model import model_args
     mask = [("data.document_mask", "true")]
     cpu = device_defaults(C.load(None, mask + [("training.device", "cpu")]))
     assert cpu.model.attn_impl == "sdpa" and model_args(cpu).attn_kernel == "sdpa"

@@ -9,10 +9,10 @@ import pytest
 from harness import (assert_refused_in_one_line, assert_same_losses, make_config, read_metrics, reference, rows,
                      train_case, train_in)
 
-from meshlm import config as C
+from meshlm.core import config as C
 from meshlm.data.sampler import GlobalBatchSampler
-from meshlm.layout import resolve
-from meshlm.plan.auto import resolve as auto_resolve
+from meshlm.core.layout import build_layout
+from meshlm.plan.search.auto import layout_for_run
 
 FP32 = 1e-5
 STEPS = 6  # enough updates for a wrong average or a wrong slice to show in the loss
@@ -38,18 +38,18 @@ STEPS = 6  # enough updates for a wrong average or a wrong slice to show in the 
      "parallel.dp_weights: not with parallel.elastic = replan (the planner chooses equal replicas)"),
 ])
 def test_bad_dp_weights_is_one_clear_line(overrides, world, message):
-    """Through the trainer's entry (plan.auto.resolve: parallel.auto chooses before layout.resolve)."""
-    assert_refused_in_one_line(lambda: auto_resolve(make_config(**overrides), world), message)
+    """Through the trainer's entry (plan.auto.resolve: parallel.auto chooses before layout.build_layout)."""
+    assert_refused_in_one_line(lambda: layout_for_run(make_config(**overrides), world), message)
 
 
 def test_weights_split_the_batch_and_equal_weights_change_nothing():
-    lay = resolve(make_config(parallel__dp_weights=[3, 1]), 2)
+    lay = build_layout(make_config(parallel__dp_weights=[3, 1]), 2)
     assert (lay.dp_accums, lay.dp_rows, lay.accum, lay.step_microbatches, lay.global_batch) == ((3, 1), (6, 2), 3, 4, 8)
     assert [lay.accum_of(r) for r in range(2)] == [3, 1] and lay.mean_accum == 2.0
-    even = resolve(make_config(parallel__dp=2), 2)
+    even = build_layout(make_config(parallel__dp=2), 2)
     assert (even.dp_accums, even.dp_rows, even.accum, even.mean_accum) == ((), (), 2, 2.0)
     # 6 sequences, micro-batches of 2, dp 2: 2:1 gives 4 + 2 (the even split needs 6 divisible by 4)
-    assert resolve(make_config(parallel__dp_weights=[2, 1], training__global_batch=6), 2).dp_accums == (2, 1)
+    assert build_layout(make_config(parallel__dp_weights=[2, 1], training__global_batch=6), 2).dp_accums == (2, 1)
 
 
 def test_uneven_slices_are_one_process_batch_in_order():
@@ -121,7 +121,7 @@ def check_uneven_row(pools, world: int, layout: dict, single: dict) -> None:
             assert b.get(key, {}) == pytest.approx(a.get(key, {}), rel=FP32), (key, a["step"], a.get(key), b.get(key))
     seqs = single.get("training__global_batch", 8)
     assert [r["tokens"] for r in got] == [r["step"] * seqs * 32 for r in got]
-    lay = resolve(cfg, world)
+    lay = build_layout(cfg, world)
     assert seen == [(d, lay.accum_of(d), max(lay.accum_of(d), lay.dp_pad_to)) for d, _, _ in seen]
     assert {d for d, _, _ in seen} == set(range(lay.dp))
 

@@ -7,8 +7,8 @@ from harness import rows
 from test_dp_weights import check_resume, check_uneven_row
 
 from meshlm.parallel.dims.pipeline.runtime import sync_points
-from meshlm.schedule.replay import p2p_batches
-from meshlm.schedule.schedules import SCHEDULES, TAKES_VIRTUAL, V_SHAPED, build_schedule
+from meshlm.core.schedule.replay import p2p_batches
+from meshlm.core.schedule.schedules import SCHEDULES, TAKES_VIRTUAL, V_SHAPED, build_schedule
 
 CASES = [
     # a cp group lies inside one replica: its ranks run the replica's count; gradients meet over dp × cp

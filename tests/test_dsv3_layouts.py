@@ -9,7 +9,7 @@ import tempfile
 import pytest
 import torch
 
-from meshlm.model.args import PRESETS
+from meshlm.core.model_args import PRESETS
 
 from harness import assert_layout_losses, assert_same_losses, make_config, reference, rows, run_layout
 from test_checkpoint import _layout, _train
@@ -58,7 +58,7 @@ def test_dsv3_layout_matches_one_process(pools, name, world, overrides):
         assert abs(a["mtp_loss"] - b["mtp_loss"]) <= 1e-5 * a["mtp_loss"], (a["step"], a["mtp_loss"], b["mtp_loss"])
 
 
-def _bias(run_dir: str, step: int) -> dict[str, torch.Tensor]:
+def linear_bias(run_dir: str, step: int) -> dict[str, torch.Tensor]:
     from meshlm.train.convert import load_model
     model, *_ = load_model(os.path.join(run_dir, "checkpoints", f"step_{step:08d}"))
     return {n: b for n, b in model.named_buffers() if n.endswith("expert_bias")}
@@ -88,7 +88,7 @@ def test_dsv3_checkpoint_reshards_with_its_bias(pools, name, a, b):
     got = _train(pools, _layout(b), dir_b, checkpoint__resume=step4, checkpoint__every=8, **CKPT)
     assert [r["step"] for r in got] == [5, 6, 7, 8]
     assert_same_losses(list(ref)[4:], got, 1e-5)
-    want, have = _bias(ref_dir, 8), _bias(dir_b, 8)
+    want, have = linear_bias(ref_dir, 8), linear_bias(dir_b, 8)
     assert want.keys() == have.keys() and len(want) == 4
     # Each step moves an expert's bias by ±γ from integer loads, so the biases agree bit for bit as long as
     # both layouts route every token alike; they score tokens through other kernels (rounding ~1e-6), so

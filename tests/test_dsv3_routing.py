@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from harness import make_config
-from meshlm.config import ConfigError
+from meshlm.core.config import ConfigError
 from meshlm.model import Llama, materialize
-from meshlm.model.args import PRESETS
-from meshlm.model.from_config import model_args
+from meshlm.core.model_args import PRESETS
+from meshlm.core.config.model import model_args
 from meshlm.model.moe import MoE, balanced_moes, expert_loads, update_expert_biases
 
 DSV3 = PRESETS["dsv3-debug"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness import make_config, run_local
-from meshlm.model.args import PRESETS
+from meshlm.core.model_args import PRESETS
 
 DSV3 = {"model__preset": "dsv3-debug", "training__steps": 3}
 
@@ -47,7 +47,7 @@ def test_mtp_loss_in_training_is_the_models_formula():
         torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-7, msg=n)
 
 
-def _bias(run_dir: str, step: int) -> dict[str, torch.Tensor]:
+def linear_bias(run_dir: str, step: int) -> dict[str, torch.Tensor]:
     from meshlm.train.convert import load_model
     model, *_ = load_model(os.path.join(run_dir, "checkpoints", f"step_{step:08d}"))
     return {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
@@ -60,7 +60,7 @@ def test_one_process_trains_with_mtp_balancing_and_a_checkpointed_bias():
     d = tempfile.mkdtemp(prefix="meshlm-dsv3-")
     full = run_local(make_config(**DSV3, checkpoint__every=2), d)
     assert all("mtp_loss" in r and r["mtp_loss"] > 0 for r in full)
-    bias = _bias(d, 2)
+    bias = linear_bias(d, 2)
     assert set(bias) == {"layers.1.feed_forward.expert_bias", "layers.2.feed_forward.expert_bias",
                          "layers.3.feed_forward.expert_bias", "mtp.0.block.feed_forward.expert_bias"}
     for b in bias.values():  # two updates of ±γ (or 0) each: in {0, ±γ, ±2γ} and not all zero
@@ -85,7 +85,7 @@ def test_one_process_trains_with_mtp_balancing_and_a_checkpointed_bias():
 def test_no_balancing_leaves_the_bias_at_zero():
     d = tempfile.mkdtemp(prefix="meshlm-dsv3-")
     run_local(make_config(**{**DSV3, "training__steps": 1}, checkpoint__every=1, model__moe__bias_update_rate=0.0), d)
-    assert all(float(b.abs().sum()) == 0.0 for b in _bias(d, 1).values())
+    assert all(float(b.abs().sum()) == 0.0 for b in linear_bias(d, 1).values())
 
 
 def _max_over_mean(rows: list[dict]) -> list[float]:
@@ -112,7 +112,7 @@ def test_balancing_lowers_the_max_over_mean_load_in_300_steps():
             d = tempfile.mkdtemp(prefix="meshlm-balance-")
             rows = run_local(make_config(**{**DSV3, "training__steps": 300}, metrics__every=10, checkpoint__every=300,
                                          model__moe__bias_update_rate=rate), d)
-            ends[rate] = (_max_over_mean(rows), _bias(d, 300))
+            ends[rate] = (_max_over_mean(rows), linear_bias(d, 300))
     finally:
         torch.set_num_threads(threads)
     (on, bias_on), (off, bias_off) = ends[1e-3], ends[0.0]
@@ -147,8 +147,8 @@ def test_bad_dsv3_layout_is_one_line_exit_2(tmp_path, capsys, argv, key):
 
 def test_every_pipeline_schedule_places_mtp():
     """No schedule is refused for MTP: its modules go with the head on the last stage (V-shaped: rank 0)."""
-    from meshlm.layout import resolve
+    from meshlm.core.layout import build_layout
     for sched, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2)):
         cfg = make_config(**DSV3, parallel__pp=2, parallel__pp_schedule=sched, parallel__pp_virtual=v,
                           parallel__dp=1, training__micro_batch=2)
-        assert resolve(cfg, 2).pp == 2
+        assert build_layout(cfg, 2).pp == 2

@@ -15,8 +15,8 @@ import pytest
 
 from fault_plugin import plugin_env
 from harness import hooked_case, make_config, run_local, train_hooked
-from meshlm import config as C
-from meshlm.config import ConfigError
+from meshlm.core import config as C
+from meshlm.core.config import ConfigError
 
 CASE = dict(training__steps=12, checkpoint__every=4, checkpoint__keep=10, checkpoint__resume="auto",
             parallel__elastic="replan")
@@ -80,19 +80,19 @@ def test_grown_job_agrees_on_one_restart_count(pools, tmp_path):
 
 
 def test_layout_that_no_longer_fits():
-    from meshlm.plan.auto import resolve
+    from meshlm.plan.search.auto import layout_for_run
     cfg = make_config(parallel__tp=2, parallel__elastic="fail")
     with pytest.raises(ConfigError) as e:
-        resolve(cfg, 3)  # a first launch: the usual line
+        layout_for_run(cfg, 3)  # a first launch: the usual line
     assert "elastic" not in str(e.value), e.value
     with pytest.raises(ConfigError) as e:
-        resolve(cfg, 3, restarts=1)  # the job's agreed restart count (distributed/mesh.py join_world)
+        layout_for_run(cfg, 3, restarts=1)  # the job's agreed restart count (distributed/mesh.py join_world)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("parallel") and 'parallel.elastic = "replan"' in msg, msg
     cfg = make_config(parallel__tp=2, parallel__elastic="replan")
-    layout = resolve(cfg, 3)
+    layout, record = layout_for_run(cfg, 3)
     assert layout.tp * layout.dp * layout.pp * layout.cp == 3
-    assert cfg.auto_record["replanned_from"] == "tp 2" and not cfg.parallel.auto
+    assert record["replanned_from"] == "tp 2" and not cfg.parallel.auto
     assert layout.micro_batch * layout.accum * layout.dp == 8  # the global batch is kept
 
 

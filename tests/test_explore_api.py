@@ -12,8 +12,8 @@ import pytest
 import torch
 from plan_rows import emitted_rows
 
-from meshlm import cards
-from meshlm import config as C
+from meshlm.core import cards
+from meshlm.core import config as C
 from meshlm.cli import main
 from meshlm.distributed.mesh import pick_device
 from meshlm.explore.api import LAYOUT_INPUTS
@@ -183,7 +183,7 @@ def test_plan_prices_the_chosen_optimizer_as_the_cli_does(served, capsys, tmp_pa
     assert status == 200, res
     assert [r["layout"] for r in res["ranked"]] == [r["layout"] for r in muon]
     assert [r["per_gpu_total"] for r in res["ranked"]] == [r["per_gpu"]["total"] for r in muon]
-    from meshlm.plan.estimate import Options, estimate
+    from meshlm.plan.cost.estimate import Options, estimate
     from meshlm.plan.hardware import get_gpu
     from meshlm.plan.spec import Shape, presets, spec_of_layout
     spec = spec_of_layout(muon[0]["layout"])
@@ -352,8 +352,8 @@ def test_peak_override_measurement_and_label():
 
 
 def _resolve_negative_peak():
-    from meshlm.layout import resolve
-    resolve(C.load(None, [("training.peak_tflops", "-1")]), 1)
+    from meshlm.core.layout import build_layout
+    build_layout(C.load(None, [("training.peak_tflops", "-1")]), 1)
 
 
 def test_mfu_over_100_percent_is_impossible(tmp_path):

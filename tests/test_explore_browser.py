@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from meshlm.model.args import PRESETS
+from meshlm.core.model_args import PRESETS
 from plan_rows import emitted_rows
 
 CHROMIUM = next((p for p in ("/usr/bin/chromium", shutil.which("chromium") or "") if p and os.path.exists(p)), None)
@@ -373,7 +373,7 @@ def test_mixed_cluster_rows_per_type_facts_and_comparison(page, explore, shots):
 def test_schedule_chart_of_a_wsd_run_with_a_ramp_and_bad_values_by_their_fields(page, explore, shots):
     """Issue #53 item 5: the LR and the batch over the run (the server's samples of lr_at and BatchRamp,
     a dashed line at each corner), the run total beside the step time, errors next to their fields."""
-    from meshlm.data.rampup import BatchRamp
+    from meshlm.core.facts.ramp import BatchRamp
     _fresh(page, explore[0])
     _searched(page)
     caption = page.inner_html("#plan-caption")

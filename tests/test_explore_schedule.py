@@ -7,12 +7,12 @@ import tracemalloc
 
 import pytest
 
-from meshlm import config as C
+from meshlm.core import config as C
 from meshlm.cli import main
-from meshlm.data.rampup import BatchRamp
+from meshlm.core.facts.ramp import BatchRamp
 from meshlm.explore import api
 from meshlm.explore.course import MAX_POINTS, sample_course
-from meshlm.train.optim import lr_at
+from meshlm.core.facts.course import lr_at
 
 BASE = {"model.preset": "llama3-8b", "gpu": "h100-sxm-80gb", "gpus": 8, "data.seq_len": 4096,
         "global_batch_tokens": 4096 * 512, "training.micro_batch": 1, "parallel.zero": 3}
@@ -77,7 +77,7 @@ def test_a_million_steps_give_as_few_points_as_a_thousand():
 
 
 def test_run_total_is_meshlm_estimates(capsys):
-    """The run beside the step time is `meshlm estimate`'s (plan/estimate.py run_time): its --json `run`
+    """The run beside the step time is `meshlm estimate`'s (plan/cost/estimate.py run_time): its --json `run`
     under a ramp, steps × step without one."""
     keys = {"training.steps": 20_000, "training.batch_rampup": "64, 64, 1000000", "optim.schedule": "wsd"}
     res = api.run_estimate(dict(BASE, **keys))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harness import make_config, run_local, train_case
-from meshlm import config as C
+from meshlm.core import config as C
 from meshlm.cli import main
 
 transformers = pytest.importorskip("transformers")  # a dev dependency (pyproject [dev])
@@ -34,7 +34,7 @@ def check_export(run: str, step: int) -> None:
 
 
 def model_at_init():
-    from meshlm.model.from_config import model_args
+    from meshlm.core.config.model import model_args
     from meshlm.model import Llama, materialize
     cfg = make_config()
     with torch.device("meta"):

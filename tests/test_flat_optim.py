@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from meshlm.config import OptimConfig
+from meshlm.core.config import OptimConfig
 from meshlm.parallel.dims.data_parallel import GradBuckets
 from meshlm.parallel.dims.grad_sync import Reduction, decays, flat_groups
 from meshlm.train.optim import MasterOptimizer

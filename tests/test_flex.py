@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import meshlm.model.llama as llama
-from meshlm.model.args import PRESETS
+from meshlm.core.model_args import PRESETS
 
 ARGS = dataclasses.replace(PRESETS["debug"], n_kv_heads=2)  # grouped-query: 2 q heads per kv head
 # On a CUDA machine the same rows run flex's own compiled backward (a CPU has none: model/flex.py).
@@ -71,7 +71,7 @@ def test_block_mask_from_bounds_equals_torchs_and_the_planners_count(seq, cp, do
     from torch.nn.attention.flex_attention import create_block_mask
 
     from meshlm.parallel.dims.context_parallel import CPSplit
-    from meshlm.plan.ops import causal_blocks
+    from meshlm.plan.cost.ops import causal_blocks
     docs = (torch.arange(seq) // doc)[None].expand(2, seq).contiguous() if doc else None
     kept = 0
     for rank in range(cp):

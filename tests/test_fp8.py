@@ -9,8 +9,8 @@ import pytest
 import torch
 from harness import make_config, read_metrics, reference, run_local, sources_corpus, train_case, twin
 
-from meshlm import config as C
-from meshlm.layout import resolve
+from meshlm.core import config as C
+from meshlm.core.layout import build_layout
 
 FP8 = {"training__precision": "fp8", "training__fp8_emulate": True}
 # Where fp8 against bf16 means something (issue #45). The comparison used to run 30 steps; from about step 9
@@ -60,7 +60,7 @@ def assert_near_bf16(ref: list[dict], got: list[dict]) -> None:
 def test_block_linears_convert_and_state_dict_keys_stay():
     from torchao.float8.float8_linear import Float8Linear
 
-    from meshlm.layout import model_args
+    from meshlm.core.layout import model_args
     from meshlm.model import build_model
     from meshlm.model.init import materialize
     from meshlm.parallel.features.float8 import convert_to_float8
@@ -173,7 +173,7 @@ REFUSALS = [
 @pytest.mark.parametrize("overrides,message", REFUSALS, ids=["cpu", "recipe", "moe-cpu", "comm"])
 def test_fp8_refusals_are_one_line(overrides, message):
     with pytest.raises(C.ConfigError, match=message) as e:
-        resolve(make_config(**overrides), 1)
+        build_layout(make_config(**overrides), 1)
     assert "\n" not in str(e.value)
 
 
@@ -183,17 +183,17 @@ def test_gpu_without_float8_is_refused_and_one_with_it_passes(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     cfg = make_config(training__precision="fp8")
     with pytest.raises(C.ConfigError, match=r"compute capability >= 8.9 .*A100-SXM4-80GB has 8.0") as e:
-        resolve(cfg, 1)
+        build_layout(cfg, 1)
     assert "\n" not in str(e.value)
-    resolve(make_config(**FP8), 1)  # emulation runs anywhere
+    build_layout(make_config(**FP8), 1)  # emulation runs anywhere
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    assert resolve(cfg, 1).tp == 1
+    assert build_layout(cfg, 1).tp == 1
 
 
 def test_missing_torchao_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)  # importlib.util.find_spec then answers None
     with pytest.raises(C.ConfigError, match=r"pip install meshlm\[gpu\]"):
-        resolve(make_config(**FP8), 1)
+        build_layout(make_config(**FP8), 1)
 
 
 def test_cli_refuses_fp8_on_cpu_before_any_worker(tmp_path, capsys):

@@ -11,7 +11,7 @@ import torch
 from harness import make_config, read_metrics, train_case
 from test_fp8 import FP8, STEPS, WITHIN, assert_near_bf16, bf16_reference
 
-from meshlm import config as C
+from meshlm.core import config as C
 
 ZERO3 = {"parallel__dp": 2, "parallel__zero": 3}
 TP_SP = {"parallel__tp": 2, "parallel__sp": True}
@@ -178,9 +178,9 @@ def test_start_up_line_names_the_float8_collectives():
     """An fp8_comm entry the layout does not have is left out, not refused: the start-up line says which
     entries move float8 and which do not apply."""
     from meshlm.cli import _fp8_comm
-    from meshlm.layout import resolve
+    from meshlm.core.layout import build_layout
     moe = make_config(**FP8, model__preset="moe-debug", parallel__dp=2, parallel__ep=2, parallel__zero=3)
-    assert _fp8_comm(moe, resolve(moe, 2)) == " (float8 collectives: zero, ep; not applying here: sp)"
+    assert _fp8_comm(moe, build_layout(moe, 2)) == " (float8 collectives: zero, ep; not applying here: sp)"
     rowwise = make_config(**FP8, **TP_SP, training__fp8_recipe="rowwise", training__fp8_comm=["sp"])
-    assert _fp8_comm(rowwise, resolve(rowwise, 2)) == " (float8 collectives: none; not applying here: sp)"
+    assert _fp8_comm(rowwise, build_layout(rowwise, 2)) == " (float8 collectives: none; not applying here: sp)"
     assert _fp8_comm(make_config(**TP_SP), 2) == ""  # not fp8: nothing to say

@@ -9,8 +9,8 @@ import torch
 from harness import make_config, read_metrics, rows, run_local, train_case, twin
 from test_fp8 import FP8, STEPS, WITHIN, assert_near_bf16, bf16_reference
 
-from meshlm import config as C
-from meshlm.layout import resolve
+from meshlm.core import config as C
+from meshlm.core.layout import build_layout
 from meshlm.model import fp8_grouped
 from meshlm.model.fp8_grouped import Float8Gemms, Float8Rows, quantize
 from meshlm.model.moe import PLAIN, GroupedLinear
@@ -114,7 +114,7 @@ def test_cuda_path_runs_scaled_grouped_mm_with_its_layouts(monkeypatch):
 
 
 def test_experts_convert_and_state_dict_keys_stay():
-    from meshlm.layout import model_args
+    from meshlm.core.layout import model_args
     from meshlm.model import build_model
     from meshlm.model.init import materialize
     from meshlm.parallel.features.float8 import convert_to_float8
@@ -222,18 +222,18 @@ def test_cuda_without_scaled_grouped_mm_refuses_moe_in_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     moe, dense = make_config(training__precision="fp8", **MOE), make_config(training__precision="fp8")
-    assert resolve(moe, 1).ep == 1  # torch has it: MoE in fp8 passes
+    assert build_layout(moe, 1).ep == 1  # torch has it: MoE in fp8 passes
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 9))
     with pytest.raises(C.ConfigError, match=r"compute capability >= 9.0 .*H100 80GB HBM3 has 8.9") as e:
-        resolve(moe, 1)
+        build_layout(moe, 1)
     assert "\n" not in str(e.value)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.delattr(torch, "_scaled_grouped_mm")
     with pytest.raises(C.ConfigError, match=r"needs torch._scaled_grouped_mm .* has none") as e:
-        resolve(moe, 1)
+        build_layout(moe, 1)
     assert "\n" not in str(e.value)
-    assert resolve(dense, 1).ep == 1  # a dense model does not need it
-    assert resolve(make_config(**FP8, **MOE), 1).ep == 1  # emulation runs anywhere
+    assert build_layout(dense, 1).ep == 1  # a dense model does not need it
+    assert build_layout(make_config(**FP8, **MOE), 1).ep == 1  # emulation runs anywhere
 
 
 @pytest.mark.slowest

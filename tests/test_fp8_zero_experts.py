@@ -11,7 +11,7 @@ from harness import make_config, read_metrics, train_case
 from test_fp8 import FP8, STEPS, assert_near_bf16, bf16_reference
 from test_fp8_comm import ZERO3, comm_of
 
-from meshlm import config as C
+from meshlm.core import config as C
 
 MOE = {"model__preset": "moe-debug"}
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from harness import TINY, assert_same_losses, make_config, read_metrics, reference, rows, run_local, train_case
-from meshlm import config as C
+from meshlm.core import config as C
 from meshlm.cli import main
 from meshlm.train.checkpoint import CheckpointError, SaveError, check_files, check_room, list_checkpoints, read_metadata
 from meshlm.train.convert import ExportError, to_hf

@@ -1,10 +1,10 @@
-"""Checkpoint cost and goodput in the planner (plan/goodput.py): the Young/Daly interval and the
+"""Checkpoint cost and goodput in the planner (plan/cost/goodput.py): the Young/Daly interval and the
 Llama 3 failure rate as the documented example."""
 import json
 import math
 
 from meshlm.cli import main
-from meshlm.plan.goodput import LLAMA3_FAILURES_PER_GPU_HOUR, Resilience, goodput, save_seconds
+from meshlm.plan.cost.goodput import LLAMA3_FAILURES_PER_GPU_HOUR, Resilience, goodput, save_seconds
 
 
 def test_llama3_rate_gives_a_failure_every_three_hours():

@@ -134,7 +134,7 @@ def test_sharded_checkpoint_loads_whole_and_exports(tmp_path, pools):
     """A checkpoint written in pieces (ZeRO-3 flat ranges over 2 ranks) is read whole into one process
     by generate/export: the loaded weights give the loss the run logged for the next step."""
     from harness import train_case
-    from meshlm import config as C
+    from meshlm.core import config as C
     from meshlm.train.convert import load_model
     cfg = make_config(training__steps=2, checkpoint__every=1, checkpoint__keep=5, metrics__every=1,
                       parallel__dp=2, parallel__zero=3, training__micro_batch=1)

@@ -1,4 +1,4 @@
-"""Hugging Face DeepSeek-V2 / V3 in and out (model/hf_deepseek.py, hf_config.py, hf.py): tiny random
+"""Hugging Face DeepSeek-V2 / V3 in and out (core/hf_deepseek.py, hf_config.py, hf.py): tiny random
 DeepseekV3ForCausalLM / DeepseekV2ForCausalLM (with and without q LoRA, group-limited routing, dense
 first blocks, YaRN, a random e_score_correction_bias) give transformers' fp32 logits after
 `convert --from-hf`; export and import round trip bit-exact, the bias and an MTP layer included; the
@@ -176,9 +176,9 @@ def test_mtp_layer_imports_equals_transformers_and_round_trips(hf_models, tmp_pa
 
 def _save_checkpoint(model, path: str) -> None:
     """A weights-only meshlm checkpoint of `model` (what `convert --from-hf` writes)."""
-    from meshlm import config as C
-    from meshlm.model.from_config import set_model_shape
-    from meshlm.model.hf_config import param_shapes
+    from meshlm.core import config as C
+    from meshlm.core.config.model import set_model_shape
+    from meshlm.core.hf_config import param_shapes
     from meshlm.train.checkpoint import save_streaming
     state = model.state_dict()
     save_streaming(path, {f"master/{n}": s for n, s in param_shapes(model.args).items()},
@@ -193,7 +193,7 @@ def test_dsv3_debug_exports_to_transformers_and_back(tmp_path):
     """meshlm's own weights (MTP module, a trained-looking bias) → DeepseekV3ForCausalLM with meshlm's
     logits → back to meshlm, every tensor and buffer bit-exact."""
     from meshlm.model import Llama, materialize
-    from meshlm.model.args import PRESETS
+    from meshlm.core.model_args import PRESETS
     from meshlm.train.convert import load_model
     with torch.device("meta"):
         model = Llama(PRESETS["dsv3-debug"])
@@ -254,8 +254,8 @@ def test_unsupported_config_is_one_line_naming_the_key(hf_models, tmp_path, caps
 
 def test_init_from_takes_the_shape_and_frees_the_training_keys(hf_models):
     from harness import make_config
-    from meshlm.config import ConfigError
-    from meshlm.model.from_config import model_args
+    from meshlm.core.config import ConfigError
+    from meshlm.core.config.model import model_args
     hf_dir, _ = hf_models["v3"]
     a = model_args(make_config(model__init_from=f"hf:{hf_dir}", model__moe__bias_update_rate=1e-3,
                                model__moe__seq_aux_loss_coef=1e-4))
@@ -273,8 +273,8 @@ def test_preset_config_json_round_trips_and_counts_as_transformers(tmp_path, nam
     parameter count."""
     import dataclasses
 
-    from meshlm.model.args import PRESETS
-    from meshlm.model.hf_config import args_from_hf, config_for
+    from meshlm.core.model_args import PRESETS
+    from meshlm.core.hf_config import args_from_hf, config_for
     a = PRESETS[name]
     c = config_for(a, "bfloat16")
     (tmp_path / "config.json").write_text(json.dumps(c))
@@ -289,8 +289,8 @@ def test_preset_config_json_round_trips_and_counts_as_transformers(tmp_path, nam
 def test_export_refusals_name_the_key():
     import dataclasses
 
-    from meshlm.model.args import PRESETS
-    from meshlm.model.hf_config import family_for
+    from meshlm.core.model_args import PRESETS
+    from meshlm.core.hf_config import family_for
     a = PRESETS["dsv3-debug"]
     for changes, key in (({"moe_every": 2}, "model.moe.every"), ({"moe_score": "softmax"}, "model.moe.n_group"),
                          ({"kv_lora_rank": 0, "q_lora_rank": 0, "qk_rope_head_dim": 0, "qk_nope_head_dim": 0,

@@ -84,8 +84,8 @@ PUBLISHED = {"llama3-1b": (1_235_814_400, 32.0), "llama3-3b": (3_212_749_824, 32
 def test_llama3_presets_are_the_published_models(name):
     """Parameter counts of Meta's Llama 3.2 1B/3B and 3.1 8B/70B/405B (1.24B ... 405.9B), equal to
     transformers' LlamaForCausalLM of the config.json meshlm would export (built on the meta device)."""
-    from meshlm.model.args import PRESETS
-    from meshlm.model.hf_config import config_for
+    from meshlm.core.model_args import PRESETS
+    from meshlm.core.hf_config import config_for
     a = PRESETS[name]
     count, factor = PUBLISHED[name]
     assert a.num_params() == count
@@ -103,8 +103,8 @@ def test_llama3_presets_are_the_published_models(name):
 @pytest.mark.parametrize("first_dense,every", [(0, 1), (1, 1), (1, 2), (0, 3), (2, 2)])
 def test_qwen3_moe_block_pattern_round_trips(tmp_path, first_dense, every):
     """Which blocks are MoE survives export (mlp_only_layers) and import (first_dense / every)."""
-    from meshlm.model.args import ModelArgs
-    from meshlm.model.hf_config import args_from_hf, config_for
+    from meshlm.core.model_args import ModelArgs
+    from meshlm.core.hf_config import args_from_hf, config_for
     a = ModelArgs(dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=256, qk_norm=True,
                   num_experts=4, top_k=2, moe_ffn_dim=48, moe_first_dense=first_dense, moe_every=every,
                   explicit_head_dim=32, aux_loss_coef=0.01)
@@ -136,8 +136,8 @@ META["llama3-1b"] = dict(META["llama3-8b"], hidden_size=2048, intermediate_size=
 
 @pytest.mark.parametrize("name", list(META))
 def test_meta_config_json_is_the_preset(tmp_path, name):
-    from meshlm.model.args import PRESETS
-    from meshlm.model.hf_config import args_from_hf
+    from meshlm.core.model_args import PRESETS
+    from meshlm.core.hf_config import args_from_hf
     (tmp_path / "config.json").write_text(json.dumps(META[name]))
     assert args_from_hf(str(tmp_path)) == PRESETS[name]
 
@@ -146,8 +146,8 @@ def test_meta_config_json_is_the_preset(tmp_path, name):
 def test_preset_config_json_round_trips(tmp_path, name):
     """`init_from` a directory with the config.json meshlm exports for a preset gives the preset back:
     plan, explore and init_from mean the same model by "llama3-8b"."""
-    from meshlm.model.args import PRESETS
-    from meshlm.model.hf_config import args_from_hf, config_for
+    from meshlm.core.model_args import PRESETS
+    from meshlm.core.hf_config import args_from_hf, config_for
     (tmp_path / "config.json").write_text(json.dumps(config_for(PRESETS[name], "bfloat16")))
     assert args_from_hf(str(tmp_path)) == PRESETS[name]
 
@@ -156,8 +156,8 @@ def test_rope_frequencies_equal_transformers():
     """llama3 and linear scaling: meshlm's frequency table is transformers' (the 8B preset's shape)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from meshlm.model.args import PRESETS
-    from meshlm.model.hf_config import config_for
+    from meshlm.core.model_args import PRESETS
+    from meshlm.core.hf_config import config_for
     from meshlm.model.llama import rope_frequencies
     a = PRESETS["llama3-8b"]
     linear = type(a)(**{**a.to_dict(), "rope_type": "linear", "rope_factor": 4.0})
@@ -274,9 +274,9 @@ def test_init_from_hf_trains_like_one_process(hf_models, pools, family, name, wo
 def test_init_from_pins_the_shape_in_the_run_config(hf_models, tmp_path, family):
     """The run's config.toml alone (model.rope_scaling.*, head_dim, qk_norm, model.moe.*) describes the
     imported model: a checkpoint's config rebuilds it without the Hugging Face directory."""
-    from meshlm import config as C
-    from meshlm.model.from_config import model_args, pin_model_shape
-    from meshlm.model.hf_config import args_from_hf
+    from meshlm.core import config as C
+    from meshlm.core.config.model import model_args, pin_model_shape
+    from meshlm.core.hf_config import args_from_hf
     hf_dir, _ = hf_models[family]
     cfg = make_config(model__init_from=f"hf:{hf_dir}")
     pin_model_shape(cfg)
@@ -332,9 +332,9 @@ def test_trained_in_a_layout_exports_to_transformers(hf_models, pools, tmp_path,
     import os
 
     from harness import train_case
-    from meshlm import config as C
+    from meshlm.core import config as C
     from meshlm.train.convert import load_model
-    from meshlm.model.from_config import pin_model_shape
+    from meshlm.core.config.model import pin_model_shape
     hf_dir, hf = hf_models[family]
     cfg = make_config(model__init_from=f"hf:{hf_dir}", training__steps=2, data__seq_len=64,
                       checkpoint__export_hf="end", checkpoint__export_dtype="fp32", **layout)

@@ -75,7 +75,7 @@ def test_a_compiled_run_keys_the_cache_and_keeps_a_chosen_one(monkeypatch, tmp_p
 
     from harness import make_config
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.layout import resolve
+    from meshlm.core.layout import build_layout
     from meshlm.parallel.compile_cache import ENV, capability_dir, key_inductor_cache
     from meshlm.train.trainer import Trainer
 
@@ -88,7 +88,7 @@ def test_a_compiled_run_keys_the_cache_and_keeps_a_chosen_one(monkeypatch, tmp_p
         assert key_inductor_cache() == after and os.environ[ENV] == after
     monkeypatch.delenv(ENV)
     cfg = make_config(training__compile=True, training__steps=1)
-    layout = resolve(cfg, 1)
+    layout = build_layout(cfg, 1)
     Trainer(cfg, str(tmp_path / "run"), init_context(layout.shape(), pick_device("cpu")), layout)
     assert os.environ[ENV] == capability_dir()
     monkeypatch.delenv(ENV)

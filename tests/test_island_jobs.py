@@ -102,9 +102,9 @@ def test_rounds_go_on_without_a_lost_island_and_take_it_back(tmp_path, when):
 
 
 def test_bad_island_job_input_is_one_line(tmp_path, capsys):
-    from meshlm.layout import resolve
-    from meshlm.train import preflight
-    assert_refused_in_one_line(lambda: resolve(make_config(training__outer__on_island_loss="sometimes"), 1),
+    from meshlm.core.layout import build_layout
+    from meshlm import preflight
+    assert_refused_in_one_line(lambda: build_layout(make_config(training__outer__on_island_loss="sometimes"), 1),
                                "training.outer.on_island_loss: 'sometimes' is not one of stop, continue")
     cfg = make_config(training__outer__on_island_loss="continue")
     with pytest.raises(ValueError, match="^training.outer.on_island_loss: continue needs parallel.islands > 1$"):

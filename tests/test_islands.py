@@ -1,7 +1,7 @@
 """DiLoCo islands (issue #52, docs/diloco.md): bad input in one line before any worker; the layout inside an
 island changes nothing (fp32, 1e-5 per step) and equals a plain one-process reference that runs the islands one
 after another; with H = 1, outer lr 1 and no momentum the parameters after a step are the islands' mean; the
-cross-island bytes equal plan/islands.py's formula and are at most 1/H (int8: 1/(2H)) of synchronous DP's."""
+cross-island bytes equal plan/cost/islands.py's formula and are at most 1/H (int8: 1/(2H)) of synchronous DP's."""
 import os
 import tempfile
 
@@ -15,9 +15,9 @@ from harness import (
     train_in,
 )
 
-from meshlm import config as C
-from meshlm.layout import resolve
-from meshlm.plan.islands import bytes_per_step
+from meshlm.core import config as C
+from meshlm.core.layout import build_layout
+from meshlm.plan.cost.islands import bytes_per_step
 
 FP32 = 1e-5
 STEPS = 6
@@ -53,7 +53,7 @@ ISLANDS = {"parallel__islands": 2, "training__steps": STEPS, "training__outer__s
      "training.global_batch: 6 is not divisible by micro_batch×dp×islands = 2×1×2"),
 ])
 def test_bad_islands_input_is_one_clear_line(overrides, world, message):
-    assert_refused_in_one_line(lambda: resolve(make_config(**overrides), world), message)
+    assert_refused_in_one_line(lambda: build_layout(make_config(**overrides), world), message)
 
 
 @pytest.mark.parametrize("argv,line", [
@@ -68,16 +68,16 @@ def test_the_command_line_refuses_before_any_worker(tmp_path, capsys, argv, line
 
 
 def test_islands_split_the_world_and_the_batch_like_dp():
-    lay = resolve(make_config(parallel__islands=2, parallel__zero=3), 4)
+    lay = build_layout(make_config(parallel__islands=2, parallel__zero=3), 4)
     assert (lay.islands, lay.dp, lay.accum, lay.global_batch, lay.world_size) == (2, 2, 1, 8, 4)
-    assert lay.shape()["islands"] == 2 and "islands" not in resolve(make_config(), 4).shape()
+    assert lay.shape()["islands"] == 2 and "islands" not in build_layout(make_config(), 4).shape()
 
 
 def test_one_island_makes_no_group_and_trains_on_the_world_group():
     """islands = 1 (the default): the island's group is the world's own and the cross-island one is empty,
     so no collective and no process group is added (the losses are the suite's references)."""
     from meshlm.distributed.mesh import ISLAND, groups_along
-    shape = resolve(make_config(parallel__tp=2), 4).shape()
+    shape = build_layout(make_config(parallel__tp=2), 4).shape()
     assert groups_along(ISLAND, shape) == [[0, 1, 2, 3]] and groups_along(("islands",), shape) == [[r] for r in range(4)]
     two = dict(shape, islands=2, dp_replicate=1)
     assert groups_along(ISLAND, two) == [[0, 1], [2, 3]] and groups_along(("tp",), two) == [[0, 1], [2, 3]]
@@ -130,7 +130,7 @@ def islands_reference(islands: int = 2, **overrides) -> list[list[float]]:
     trainers = []
     for i in range(islands):
         cfg = make_config(**{**ISLANDS, **overrides, "parallel__islands": 1, "training__global_batch": g // islands})
-        layout = resolve(cfg, 1)
+        layout = build_layout(cfg, 1)
         tr = Trainer(cfg, tempfile.mkdtemp(prefix="meshlm-island-"), init_context(layout.shape(), pick_device("cpu")),
                      layout)
         tr.data = _Share(open_data(default_data_dir(), [], cfg.data.seq_len, g, cfg.training.seed), i, islands)
@@ -226,7 +226,7 @@ def mean_case(cfg_dict: dict, run_dir: str) -> list[float]:
     from meshlm.train.trainer import Trainer
 
     cfg = C.from_dict(cfg_dict)
-    layout = resolve(cfg, int(os.environ["WORLD_SIZE"]))
+    layout = build_layout(cfg, int(os.environ["WORLD_SIZE"]))
     trainer = Trainer(cfg, run_dir, init_context(layout.shape(), pick_device("cpu"), timeout_s=120), layout)
     outer, worst = trainer.outer, []
     inner_step = outer.after_step
@@ -265,7 +265,7 @@ _SYNC: dict[str, float] = {}
 @pytest.mark.parametrize("quantize,fragments", [("none", 1), ("int8", 2), ("fp8", 1), ("bf16", 4)])
 def test_cross_island_bytes_meet_the_formula_and_beat_sync_dp(pools, quantize, fragments):
     """Same seed twice: bit-identical (H > 1); rank 0's booked outer bytes per inner step over the run
-    equal plan/islands.py's formula and are <= 1/H (quantised: 1/(2H)) of dp2's reduce bytes per step."""
+    equal plan/cost/islands.py's formula and are <= 1/H (quantised: 1/(2H)) of dp2's reduce bytes per step."""
     h = 4
     cfg = make_config(**{**ISLANDS, "training__outer__sync_every": h, "training__outer__quantize": quantize,
                          "training__outer__fragments": fragments, "training__steps": 8})
@@ -278,7 +278,7 @@ def test_cross_island_bytes_meet_the_formula_and_beat_sync_dp(pools, quantize, f
     sync_bytes = _SYNC["dp2"]
     outer = sum(_outer_bytes(r) for r in a) / len(a)
     from meshlm.model import build_model
-    from meshlm.model.from_config import model_args
+    from meshlm.core.config.model import model_args
     from meshlm.parallel.plans.moe import model_plan_for
     with torch.device("meta"):
         model = build_model(model_args(cfg))
@@ -297,10 +297,10 @@ def test_cross_island_bytes_meet_the_formula_and_beat_sync_dp(pools, quantize, f
 @pytest.mark.parametrize("quantize", ["int8", "fp8"])
 def test_quantised_outer_gradients_of_four_islands_reduce_in_two_steps(pools, quantize):
     """Four islands (one rank each): fp8 / int8 outer gradients go as an all-to-all of quarters and an
-    all-gather of the re-quantised sums (ZeRO++'s qgZ). Booked bytes equal plan/islands.py's formula, half of
+    all-gather of the re-quantised sums (ZeRO++'s qgZ). Booked bytes equal plan/cost/islands.py's formula, half of
     what all-gathering every island's gradient would move; the same seed twice is bit-identical; the loss
     stays within 1% of fp32's."""
-    from meshlm.plan.islands import outer_sync_bytes, payload_bytes
+    from meshlm.plan.cost.islands import outer_sync_bytes, payload_bytes
     h = 2
     over = {**ISLANDS, "parallel__islands": 4, "training__outer__sync_every": h, "training__steps": 4}
     cfg = make_config(**over, training__outer__quantize=quantize)
@@ -308,7 +308,7 @@ def test_quantised_outer_gradients_of_four_islands_reduce_in_two_steps(pools, qu
     b = train_in(pools, cfg, 4, tempfile.mkdtemp(prefix="meshlm-isl4-"))
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     from meshlm.model import build_model
-    from meshlm.model.from_config import model_args
+    from meshlm.core.config.model import model_args
     with torch.device("meta"):
         n = sum(p.numel() for p in build_model(model_args(cfg)).parameters())
     outer = sum(_outer_bytes(r) for r in a) / len(a)

@@ -1,4 +1,4 @@
-"""DiLoCo islands in the planner (plan/islands.py, docs/diloco.md "The planner"): the cross-island bytes, the
+"""DiLoCo islands in the planner (plan/cost/islands.py, docs/diloco.md "The planner"): the cross-island bytes, the
 smallest H that hides the outer sync, the delay that covers one; `meshlm estimate` / `plan` with `--islands`;
 the payoff bench's smoke run."""
 import os
@@ -6,13 +6,13 @@ import tempfile
 
 import pytest
 
-from meshlm import config as C
-from meshlm.layout import resolve
-from meshlm.plan.islands import bytes_per_step
+from meshlm.core import config as C
+from meshlm.core.layout import build_layout
+from meshlm.plan.cost.islands import bytes_per_step
 
 
 def test_planner_traffic_and_the_smallest_hiding_h():
-    from meshlm.plan.islands import (
+    from meshlm.plan.cost.islands import (
         fragment_sizes,
         outer_plan,
         outer_sync_bytes,
@@ -28,7 +28,7 @@ def test_planner_traffic_and_the_smallest_hiding_h():
     assert all(sync_seconds(max(fragment_sizes(n, k)), 2, "none", 0.1, 30) > 0.5 * smaller / k
                for k in (1, 2, 4, 8, 16) if k <= smaller)
     # training.outer.delay: the τ that covers a sync, and the step then (compute alone when the link keeps up)
-    from meshlm.plan.islands import overlapped
+    from meshlm.plan.cost.islands import overlapped
     assert overlapped(1.0, 0.5, 8, 1) == {"delay": 2, "delayed_step_s": 0.5}
     assert overlapped(1.0, 0.5, 8, 8) == {"delay": 2, "delayed_step_s": 1.0}  # a sync every step: the link's pace
     assert overlapped(10.0, 0.5, 8, 1) == {"delay": 7, "delayed_step_s": 0.5 + 6.5 / 8}  # τ ≤ H − 1: it waits
@@ -66,6 +66,6 @@ def test_meshlm_plan_with_islands_searches_one_island_and_emits_a_config_for_the
     out = capsys.readouterr().out
     assert "islands: 4; the outer sync moves" in out and "the smallest H that" in out
     cfg = C.load(str(path))
-    lay = resolve(cfg, 32)
+    lay = build_layout(cfg, 32)
     assert (cfg.parallel.islands, lay.islands, lay.world_size) == (4, 4, 32)
     assert lay.global_batch * cfg.data.seq_len == 2 ** 22  # the job's tokens per step, over the four islands

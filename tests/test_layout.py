@@ -1,4 +1,4 @@
-"""layout.Layout is the one description of a run's degrees: `meshlm train` (layout.resolve) and the
+"""layout.Layout is the one description of a run's degrees: `meshlm train` (layout.build_layout) and the
 planner (plan.spec.spec_from_config) read the same Layout from a config through layout.from_config, and
 the predicates, world size and mesh view the code branches on are the Layout's."""
 import dataclasses
@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from harness import make_config
-from meshlm.layout import Layout, from_config, resolve
+from meshlm.core.layout import Layout, from_config, build_layout
 from meshlm.plan.spec import priced_on, spec_from_config
 
 CASES = [  # (config keys, world)
@@ -22,7 +22,7 @@ CASES = [  # (config keys, world)
 @pytest.mark.parametrize("keys,world", CASES)
 def test_trainer_and_planner_read_one_layout(keys, world):
     cfg = make_config(**keys)
-    trainer = resolve(cfg, world)
+    trainer = build_layout(cfg, world)
     spec = spec_from_config(priced_on(cfg, gpu=False), world)
     assert isinstance(spec, Layout)
     assert {f.name: getattr(spec, f.name) for f in dataclasses.fields(Layout)} == dataclasses.asdict(trainer)

@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from meshlm import config as C
+from meshlm.core import config as C
 from meshlm.cli import main
-from meshlm.train.optim import lr_at
+from meshlm.core.facts.course import lr_at
 
 
 def opt(**kw) -> C.OptimConfig:

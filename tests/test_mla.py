@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from harness import make_config
-from meshlm.config import ConfigError
+from meshlm.core.config import ConfigError
 from meshlm.generate import generate
 from meshlm.model import Llama, materialize
-from meshlm.model.args import PRESETS
-from meshlm.model.from_config import model_args
+from meshlm.core.model_args import PRESETS
+from meshlm.core.config.model import model_args
 from meshlm.model.kv_cache import KVCache, LatentKV
 from meshlm.model.mla import MLA
 

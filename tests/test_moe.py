@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from harness import make_config
-from meshlm.config import ConfigError
-from meshlm.layout import resolve
-from meshlm.model.from_config import model_args
+from meshlm.core.config import ConfigError
+from meshlm.core.layout import build_layout
+from meshlm.core.config.model import model_args
 from meshlm.model import Llama
-from meshlm.model.args import PRESETS
+from meshlm.core.model_args import PRESETS
 from meshlm.model.init import init_tensor, materialize
 from meshlm.model.moe import GroupedLinear, MoE
 
@@ -138,7 +138,7 @@ def test_bad_moe_input_names_the_key(overrides, key):
     cfg = make_config(**{"model__preset": "moe-debug", **overrides})
     world = (cfg.parallel.dp if cfg.parallel.dp > 0 else 1) * cfg.parallel.cp
     with pytest.raises(ConfigError) as e:
-        resolve(cfg, world)
+        build_layout(cfg, world)
     msg = str(e.value)
     assert msg.startswith(key) and "\n" not in msg, msg
 

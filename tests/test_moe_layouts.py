@@ -113,7 +113,7 @@ def test_moe_eval_under_ep(pools):
     """Held-out evaluation dispatches over ep too (no grad, no statistics): the eval losses of dp2 with
     and without ep2 (the eval batches depend on dp, so the reference is dp2, not one process)."""
     from harness import train_case
-    from meshlm import config as C
+    from meshlm.core import config as C
 
     over = {**MOE, "training__steps": 2, "training__eval_every": 1, "training__eval_batches": 2, "parallel__dp": 2}
     ref_dir, got_dir = tempfile.mkdtemp(prefix="meshlm-ref-"), tempfile.mkdtemp(prefix="meshlm-ep-")

@@ -13,8 +13,8 @@ import torch
 from harness import (assert_layout_losses, assert_same_losses, make_config, reference, rows, run_layout, train_case,
                      train_in)
 
-from meshlm import config as C
-from meshlm.model.from_config import model_args
+from meshlm.core import config as C
+from meshlm.core.config.model import model_args
 from meshlm.model.llama import Llama
 from meshlm.parallel.optim.muon import NS_COEFFS, MuonAdamW, deal, newton_schulz, ns_flops
 from meshlm.parallel.placement import PlacementTable
@@ -243,7 +243,7 @@ def test_zero_muon_moves_each_piece_to_its_owner_and_back(pools):
     of the Muon matrices (to their owners) and its owned matrices whole (the results back), fp32. Over
     the group each Muon element is booked twice: at most 1/n of what an all-gather plus a reduce-scatter
     of every such unit books on all ranks. The planner's all-to-all bytes are the ranks' mean."""
-    from meshlm.plan.estimate import estimate
+    from meshlm.plan.cost.estimate import estimate
     from meshlm.plan.hardware import get_gpu
     from meshlm.plan.spec import shape_from_config, spec_from_config
 
@@ -307,8 +307,8 @@ def test_tp_split_matrix_is_orthogonalised_on_one_rank(pools, name, world, overr
     """Each TP-split matrix runs Newton-Schulz on exactly one rank of the world per step (one tp group
     at tp2; under ZeRO one rank of the shard group times tp); the ranks' NS FLOPs differ by at most
     one matrix's, and the busiest rank's equal the planner's `ns_share`."""
-    from meshlm.plan.muon import ns_flops as planned_flops
-    from meshlm.plan.muon import ns_share
+    from meshlm.plan.cost.muon import ns_flops as planned_flops
+    from meshlm.plan.cost.muon import ns_share
     from meshlm.plan.spec import shape_from_config, spec_from_config
 
     cfg = make_config(**MUON, **overrides, training__steps=2)
@@ -360,7 +360,7 @@ def test_tp_exchange_runs_in_buckets_with_the_same_deal_and_results(pools):
     max(cap, the largest matrix); the deal is the one over all split matrices; the masters after each
     step are bitwise those of one bucket (a cap above the step's slices). The planner's buffer for the
     exchange equals the runtime's largest bucket."""
-    from meshlm.plan.muon import muon_tp_bucket_bytes
+    from meshlm.plan.cost.muon import muon_tp_bucket_bytes
     from meshlm.plan.spec import shape_from_config, spec_from_config
 
     cap_mb = 40 / 1024

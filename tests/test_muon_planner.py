@@ -10,9 +10,9 @@ from meshlm.parallel.plans.moe import model_plan_for
 
 
 def test_planner_counts_the_runtime_muon_matrices_and_prices_them():
-    from meshlm.plan.estimate import estimate
+    from meshlm.plan.cost.estimate import estimate
     from meshlm.plan.hardware import get_gpu
-    from meshlm.plan.muon import block_matrices
+    from meshlm.plan.cost.muon import block_matrices
     from meshlm.plan.spec import Spec, shape_from_config
 
     for preset in ("debug", "moe-debug"):
@@ -40,8 +40,8 @@ def test_planner_counts_the_runtime_muon_matrices_and_prices_them():
 def test_planner_muon_tp_buffer_is_one_bucket_whatever_the_depth():
     """Without ZeRO the tp exchange holds one bucket: the buffers of a 2- and a 20-layer model at tp2
     are the same once a step's slices pass the cap; with the cap above them it is the step's."""
-    from meshlm.plan.estimate import estimate
-    from meshlm.plan.muon import block_matrices, muon_tp_bucket_bytes
+    from meshlm.plan.cost.estimate import estimate
+    from meshlm.plan.cost.muon import block_matrices, muon_tp_bucket_bytes
     from meshlm.plan.spec import Spec, shape_from_config
 
     s = Spec(tp=2, optim="muon", seq_len=64, bucket_mb=40 / 1024)
@@ -74,8 +74,8 @@ def test_search_prices_muon_without_offload():
     """stage_memory (the search's memory, as estimate's) carries Muon's buffer; the search ranks Muon
     layouts with Muon's Newton-Schulz time and never with optimizer offload, which Muon runs without."""
     from meshlm.plan.hardware import get_gpu
-    from meshlm.plan.memory import stage_memory
-    from meshlm.plan.search import plan
+    from meshlm.plan.cost.memory import stage_memory
+    from meshlm.plan.search.ranked import plan
     from meshlm.plan.spec import PlanError, Spec, shape_from_config
 
     shape, gpu = shape_from_config(make_config()), get_gpu("h100-sxm-80gb")

@@ -12,8 +12,8 @@ from harness import (assert_half_losses, assert_same_losses, make_config, refere
                      train_in)
 
 from meshlm.cli import main
-from meshlm.config import ConfigError
-from meshlm.layout import resolve
+from meshlm.core.config import ConfigError
+from meshlm.core.layout import build_layout
 from meshlm.parallel.optim.nvme import FileRange, OffloadError, StateFiles, chunk_elements
 
 FP32 = 1e-5
@@ -146,7 +146,7 @@ def test_buffer_bounds_the_chunk():
 ])
 def test_bad_nvme_config_is_one_line(overrides, message):
     with pytest.raises(ConfigError) as e:
-        resolve(make_config(**overrides), 2)
+        build_layout(make_config(**overrides), 2)
     assert str(e.value) == message
 
 
@@ -184,7 +184,7 @@ def test_planner_counts_host_disk_bytes_and_io_time(capsys):
     import json
 
     from meshlm.plan.hardware import GB
-    from meshlm.plan.memory import MIB
+    from meshlm.plan.cost.memory import MIB
 
     base = ["estimate", "--json", "--gpu", "h100", "--gpus", "8", "--model.preset", "llama3-1b",
             "--data.seq_len", "2048", "--training.global_batch", "8", "--training.micro_batch", "1",

@@ -1,4 +1,4 @@
-"""Issue 48: what a precision holds (choices.HELD) and what a card is (cards.py) are written once. No
+"""Issue 48: what a precision holds (choices.HELD) and what a card is (core/cards.py) are written once. No
 module re-derives bytes per precision or keeps its own peak table, and the trainer's MFU peak of every
 device name is the planner profile's peak, so the two cannot drift apart again."""
 from __future__ import annotations
@@ -10,15 +10,16 @@ import types
 import pytest
 import torch
 
-from meshlm import cards
-from meshlm.choices import DTYPE_BYTES, HELD, PRECISIONS, param_dtype
+from meshlm.core import cards
+from meshlm.core.choices import DTYPE_BYTES, HELD, PRECISIONS, param_dtype
 from meshlm.plan import hardware
-from meshlm.plan.memory import state_bytes_per_param
+from meshlm.plan.cost.memory import state_bytes_per_param
+from meshlm import preflight
 from meshlm.train.observe import metrics
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "meshlm")
 # the issue's grep, anywhere in src/; then a byte count chosen by comparing with "fp32" or a dtype -> bytes
-# literal, anywhere but the table itself (choices.py)
+# literal, anywhere but the table itself (core/choices.py)
 FOUR_IF_FP32 = re.compile(r"4 if .*fp32.* else 2")
 INLINE_BYTES = re.compile(r'[!=]= ?"fp32" else (\(|\d+\b(?!\.))|"(fp32|bf16|fp16|fp8)": ?[124]\b')
 PEAK_LITERALS = re.compile(r"\b(989|312|2250)e12\b")
@@ -39,11 +40,11 @@ def _hits(pattern: re.Pattern, allowed: str = "") -> list[str]:
 
 def test_no_module_re_derives_bytes_per_precision():
     assert _hits(FOUR_IF_FP32) == []
-    assert _hits(INLINE_BYTES, "choices.py") == []
+    assert _hits(INLINE_BYTES, "core/choices.py") == []
 
 
 def test_no_module_keeps_its_own_peak_table():
-    assert _hits(PEAK_LITERALS, "cards.py") == []
+    assert _hits(PEAK_LITERALS, "core/cards.py") == []
 
 
 def test_held_covers_every_precision_in_its_dtype():
@@ -71,10 +72,10 @@ def test_mfu_peak_is_the_planner_profiles(monkeypatch, name, memory):
     device = _fake_cuda(monkeypatch, name, memory)
     peak, label = metrics.device_peak(device)
     assert peak > 0 and label == f"{name} (datasheet bf16)"
-    assert metrics.device_profile(device).peak_flops == peak  # what parallel.auto plans with
+    assert preflight.device_profile(device).peak_flops == peak  # what parallel.auto plans with
     logged = hardware.profile_of_device(label)  # what --calibrate reads back from metrics.jsonl
     if logged is not None:
-        assert logged == metrics.device_profile(device) and logged.peak_flops == peak
+        assert logged == preflight.device_profile(device) and logged.peak_flops == peak
     assert hardware.get_gpu(cards.device_card(name, memory)).peak("fp32") == peak * cards.FP32_RATIO
 
 
@@ -88,4 +89,4 @@ def test_every_named_card_is_a_profile_at_its_familys_peak():
 def test_an_unknown_card_has_no_peak_and_no_profile(monkeypatch):
     device = _fake_cuda(monkeypatch, "NVIDIA GeForce RTX 4090", 25e9)
     assert metrics.device_peak(device) == (0.0, "NVIDIA GeForce RTX 4090 (unknown peak; set training.peak_tflops)")
-    assert metrics.device_profile(device) is None and hardware.profile_of_device("NVIDIA GeForce RTX 4090") is None
+    assert preflight.device_profile(device) is None and hardware.profile_of_device("NVIDIA GeForce RTX 4090") is None

@@ -9,14 +9,14 @@ import time
 
 import pytest
 
-from meshlm import config as C
-from meshlm.model.args import padded_vocab
-from meshlm.plan import cli_cmds
-from meshlm.plan.estimate import Options, bubble_formula, bubble_simulated, estimate
+from meshlm.core import config as C
+from meshlm.core.model_args import padded_vocab
+from meshlm.plan import cli as cli_cmds
+from meshlm.plan.cost.estimate import Options, bubble_formula, bubble_simulated, estimate
 from meshlm.plan.hardware import GIB, get_gpu
-from meshlm.plan.activations import block_activation_bytes, korthikanti_block_bytes
-from meshlm.plan.memory import stage_memory, zero_state_bytes
-from meshlm.plan.stages import inflight, stage_params
+from meshlm.plan.cost.activations import block_activation_bytes, korthikanti_block_bytes
+from meshlm.plan.cost.memory import stage_memory, zero_state_bytes
+from meshlm.plan.cost.stages import inflight, stage_params
 from meshlm.plan.spec import PlanError, Shape, Spec, check, presets
 
 GB = 1e9
@@ -77,9 +77,9 @@ def test_parameter_split_over_stages_and_tp():
     assert stage_params(sh, Spec(), "only").dense == psi
     first, last = (stage_params(sh, Spec(pp=4), st) for st in ("first", "last"))
     a = sh.args
-    # the runtime's split (schedule/stage.py): the 128k-row head is worth ~2.4 blocks, so the
+    # the runtime's split (core/schedule/stage.py): the 128k-row head is worth ~2.4 blocks, so the
     # last stage gets fewer blocks than the first
-    from meshlm.schedule.stage import estimate_costs, partition
+    from meshlm.core.schedule.stage import estimate_costs, partition
     runtime = partition(a.n_layers, 4, estimate_costs(a))
     assert (first.layers, last.layers) == (len(runtime[0]), len(runtime[-1])) == (9, 6)
     assert first.embed and last.head and not first.head and not last.embed
@@ -102,8 +102,8 @@ def test_parameter_split_over_stages_and_tp():
 
 
 def test_pipeline_formulas_match_the_simulator():
-    from meshlm.schedule import build_schedule as build
-    from meshlm.schedule import simulate
+    from meshlm.core.schedule import build_schedule as build
+    from meshlm.core.schedule import simulate
     for name, p, m, v in [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 8, 32, 1), ("interleaved", 4, 8, 2),
                           ("interleaved", 4, 8, 3), ("zb-h1", 4, 8, 1), ("zb-h1", 6, 3, 1), ("1f1b", 6, 3, 1)]:
         for f, b, w in ((1.0, 2.0, 1.0), (1.2, 2.5, 1.1)):
@@ -221,7 +221,7 @@ def test_cpu_adam_rate_sets_the_offload_time(capsys):
 
 def test_checks_without_resolve():
     sh = _shape("llama3-70b")
-    check(sh, Spec(dp=8, tp=8, pp=4, zero=3, zero_group=8, accum=8, seq_len=8192))  # resolve() would refuse
+    check(sh, Spec(dp=8, tp=8, pp=4, zero=3, zero_group=8, accum=8, seq_len=8192))  # build_layout() would refuse
     with pytest.raises(PlanError, match="pp_virtual"):
         check(sh, Spec(pp=4, pp_schedule="1f1b", pp_virtual=2))
     with pytest.raises(PlanError, match="microbatches"):
@@ -264,7 +264,7 @@ def test_plan_405b_on_16k_gpus(capsys):
 
 
 def test_plan_emit_config_trains_and_resolves(tmp_path, capsys):
-    from meshlm.layout import resolve
+    from meshlm.core.layout import build_layout
     out = tmp_path / "best.toml"
     code = _run(["plan", "--model", "small", "--gpu", "h100", "--gpus", "2", "--seq-len", "256",
                  "--global-batch-tokens", str(16 * 256), "--fix", "tp=1", "--fix", "pp=1", "--fix", "cp=1",
@@ -272,7 +272,7 @@ def test_plan_emit_config_trains_and_resolves(tmp_path, capsys):
     text = capsys.readouterr().out
     assert code == 0 and "wrote" in text and "discarded" in text
     cfg = C.load(str(out))
-    layout = resolve(cfg, 2)  # every degree here has a runtime today
+    layout = build_layout(cfg, 2)  # every degree here has a runtime today
     assert layout.world_size == 2 and cfg.model.preset == "small" and cfg.data.seq_len == 256
     assert cfg.training.global_batch == 16 and cfg.training.precision == "bf16"
     # a big plan's config is the layout it priced: its estimate is the plan's row, number for number (the
@@ -313,7 +313,7 @@ def test_plan_bad_input(capsys, argv, needle):
 def test_plan_counts_every_candidate_once():
     """fit + out of memory + invalid = searched (the explorer's caption adds them up); dominated is part of fit."""
     from meshlm.plan.hardware import get_gpu
-    from meshlm.plan.search import plan
+    from meshlm.plan.search.ranked import plan
     from meshlm.plan.spec import Shape, presets
     c = plan(Shape(presets()["llama3-8b"], "llama3-8b"), get_gpu("a100-40gb"), 16, 4096, 2 ** 20).counts
     assert c["fit"] + c["oom"] + c["invalid"] == c["candidates"] and 0 < c["dominated"] < c["fit"]
@@ -328,7 +328,7 @@ def test_plan_reports_when_nothing_fits(capsys):
 
 
 def test_plan_package_stays_torch_free():
-    code = ("import sys; from meshlm.plan import cli_cmds, search, estimate; from meshlm.plan.spec import presets, Shape;"
+    code = ("import sys; from meshlm.plan import cli as cli_cmds; from meshlm.plan.search import ranked as search; from meshlm.plan.cost import estimate; from meshlm.plan.spec import presets, Shape;"
             "from meshlm.plan.hardware import get_gpu;"
             "search.plan(Shape(presets()['llama3-8b'], 'llama3-8b'), get_gpu('h100'), 64, 8192, 2**22, top=3);"
             "assert 'torch' not in sys.modules, 'plan imported torch'")
@@ -341,7 +341,7 @@ def test_plan_package_stays_torch_free():
 def _measure_block(torch, ac, dtype, b, s, d, h, kv, ffn, math):
     """Bytes block 0 saves for backward, from saved-tensor hooks: distinct storages, without the
     parameters and the RoPE tables (model-wide, not per block)."""
-    from meshlm.model.args import ModelArgs
+    from meshlm.core.model_args import ModelArgs
     from meshlm.model.llama import Llama
     from meshlm.parallel.features.activation_checkpoint import apply_ac
     from meshlm.parallel.plans.llama import LLAMA_PLAN
@@ -378,7 +378,7 @@ SHAPES = [(2, 64, 64, 4, 2, 160), (1, 128, 96, 6, 6, 256)]  # (micro_batch, seq,
 @pytest.mark.parametrize("math", [False, True], ids=["default-sdpa", "math-sdpa"])
 def test_activation_model_matches_saved_tensors(precision, ac, math):
     torch = pytest.importorskip("torch")
-    from meshlm.model.args import ModelArgs
+    from meshlm.core.model_args import ModelArgs
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     worst = 0.0
     for b, s, d, h, kv, ffn in SHAPES:
@@ -404,7 +404,7 @@ def test_whole_model_activations_match_saved_tensors(precision):
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
 
-    from meshlm.model.args import ModelArgs
+    from meshlm.core.model_args import ModelArgs
     from meshlm.model.llama import Llama
     from meshlm.parallel.features.activation_checkpoint import apply_ac
     from meshlm.parallel.plans.llama import LLAMA_PLAN

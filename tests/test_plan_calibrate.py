@@ -1,5 +1,5 @@
 """--calibrate RUN_DIR: the rate, link bandwidth and other programs' load fitted from a run's metrics and
-config, and the predictions they give for other layouts (plan/calibrate.py). The live CPU demo
+config, and the predictions they give for other layouts (plan/calibrate/fit.py). The live CPU demo
 (calibrate on 2 ranks, predict 4) is bench/calibrate.py: its timings depend on the shared machine."""
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import os
 import pytest
 from harness import make_config, train_in
 
-from meshlm import config as C
+from meshlm.core import config as C
 from meshlm.cli import main
-from meshlm.plan import calibrate as K
-from meshlm.plan import calibrate_trace as T
-from meshlm.plan.estimate import estimate
+from meshlm.plan.calibrate import fit as K
+from meshlm.plan.calibrate import trace as T
+from meshlm.plan.cost.estimate import estimate
 from meshlm.plan.hardware import get_gpu
-from meshlm.plan.ops import unit_rates
+from meshlm.plan.cost.ops import unit_rates
 from meshlm.plan.spec import PlanError, shape_from_config, spec_from_config
 
 RATE, LINK, CORES = 3e10, 4e8, 2  # the machine the synthetic runs were "measured" on
@@ -254,7 +254,7 @@ def test_functions_that_block_in_a_collective_are_comm():
     """Every autograd function of meshlm that runs a collective is booked as comm in a trace (its self
     time is the wait for the peers), not as element-wise dispatch; the list follows the code."""
     import re
-    src = os.path.join(os.path.dirname(K.__file__), "..")
+    src = os.path.join(os.path.dirname(K.__file__), "..", "..")
     names = set()
     for f in ("distributed/functional.py", "parallel/dims/vocab_parallel.py", "parallel/dims/context_parallel.py",
               "parallel/dims/zero/sync.py", "parallel/dims/expert_parallel.py"):
@@ -334,7 +334,7 @@ def _median_tokens_s(run_dir: str) -> float:
 def test_gpu_trace_counts_kernels_only():
     """Device time comes from kernels: compiled-graph wrappers, "Command Buffer Full", aten ops and
     annotations launch kernels the trace also lists, and an Inductor kernel's launch shares its name."""
-    from meshlm.plan.calibrate_gpu import kernel_category, kernel_seconds
+    from meshlm.plan.calibrate.gpu import kernel_category, kernel_seconds
     prof = K.read_profile(H100_RUN)
     for host in ("## Call CompiledFxGraph None ##", "Command Buffer Full", "aten::mm", "Optimizer.step#AdamW.step",
                  "cudaLaunchKernel", "meshlm::swiglu_down", "CompiledFunctionBackward"):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from meshlm.model.args import ModelArgs
-from meshlm.plan.estimate import Options, estimate
+from meshlm.core.model_args import ModelArgs
+from meshlm.plan.cost.estimate import Options, estimate
 from meshlm.plan.hardware import get_gpu
-from meshlm.plan.activations import block_activation_bytes
+from meshlm.plan.cost.activations import block_activation_bytes
 from meshlm.plan.spec import Shape, Spec, presets
 
 GIB = 2 ** 30

@@ -14,12 +14,12 @@ from harness import make_config, run_layout, run_local
 from test_plan_vs_measured import activation_task, predicted
 from test_tp import comm_task
 
-from meshlm import config as C
-from meshlm.layout import resolve
-from meshlm.model.from_config import model_args
-from meshlm.plan.estimate import Options, estimate
+from meshlm.core import config as C
+from meshlm.core.layout import build_layout
+from meshlm.core.config.model import model_args
+from meshlm.plan.cost.estimate import Options, estimate
 from meshlm.plan.spec import code_options, priced_on, shape_from_config, spec_from_config
-from meshlm.plan.volume import cp_step_bytes, ep_step_bytes, moe_bias_bytes, tp_step_bytes
+from meshlm.plan.cost.volume import cp_step_bytes, ep_step_bytes, moe_bias_bytes, tp_step_bytes
 
 DSV3 = {"model__preset": "dsv3-debug", "training__steps": 2}
 
@@ -31,9 +31,9 @@ def _books(pools, cfg, world: int, group: str) -> dict:
 @pytest.mark.parametrize("sp,ac", [(False, "none"), (True, "none"), (True, "full")])
 def test_tp_bytes_of_mla_and_mtp_equal_the_books(pools, sp, ac):
     """MLA's replicated latent projections and norms, the MTP module's blocks, projection and second
-    head: the planner's formula (plan/volume.py) is what Comm books, call for call and byte for byte."""
+    head: the planner's formula (plan/cost/volume.py) is what Comm books, call for call and byte for byte."""
     cfg = make_config(**DSV3, parallel__tp=2, parallel__sp=sp, training__ac=ac)
-    lay = resolve(cfg, 2)
+    lay = build_layout(cfg, 2)
     want = tp_step_bytes(model_args(cfg), lay.micro_batch, cfg.data.seq_len, lay.accum, 2, sp, ac, 4, 4)
     assert _books(pools, cfg, 2, "tp") == {k: (2 * c, 2 * b) for k, (c, b) in want.items()}
 
@@ -43,7 +43,7 @@ def test_cp_bytes_of_mla_equal_the_books(pools, impl):
     """MLA's keys (heads × (nope + rope)) and values (zero-padded to the key's width under ring and
     all-gather; Ulysses moves them as they are), the MTP loss's gathered targets."""
     cfg = make_config(**DSV3, parallel__cp=2, parallel__cp_impl=impl)
-    lay = resolve(cfg, 2)
+    lay = build_layout(cfg, 2)
     want = cp_step_bytes(model_args(cfg), lay.micro_batch, cfg.data.seq_len, lay.accum, 2, impl, 1, "none", 4)
     got = _books(pools, cfg, 2, "cp")
     assert {k: got[k] for k in want} == {k: (2 * c, 2 * b) for k, (c, b) in want.items()}
@@ -53,7 +53,7 @@ def test_ep_dispatch_and_bias_bytes_equal_the_books(pools):
     """Each routed copy goes out and back (forward and backward): top_k copies per token whatever the
     group limit (copies bound for one rank are not merged); the bias update's one all-reduce a step."""
     cfg = make_config(**DSV3, parallel__dp=2, parallel__ep=2)
-    lay = resolve(cfg, 2)
+    lay = build_layout(cfg, 2)
     a = model_args(cfg)
     want = ep_step_bytes(a, lay.micro_batch * cfg.data.seq_len, lay.accum, "none", 4)["all_to_all"]
     ranks = [r["all_to_all"] for r in pools(2).run(comm_task, C.to_dict(cfg), 2, "ep")]

@@ -6,12 +6,12 @@ from harness import make_config
 from test_plan_dsv3 import _books
 from test_tp import comm_task
 
-from meshlm import config as C
-from meshlm.layout import fp8_comm_in_use, resolve
-from meshlm.model.from_config import model_args
-from meshlm.plan.comm import collectives
+from meshlm.core import config as C
+from meshlm.core.layout import fp8_comm_in_use, build_layout
+from meshlm.core.config.model import model_args
+from meshlm.plan.cost.comm import collectives
 from meshlm.plan.spec import shape_from_config, spec_from_config
-from meshlm.plan.volume import ep_step_bytes, tp_step_bytes
+from meshlm.plan.cost.volume import ep_step_bytes, tp_step_bytes
 
 FP8 = {"training__precision": "fp8", "training__fp8_emulate": True, "training__steps": 2}
 
@@ -21,7 +21,7 @@ def test_sp_float8_gathers_equal_the_books(pools, entries):
     """Under fp8 no region re-gathers (its hook keeps the gathered input); with "sp" the dense regions'
     entries gather one byte an element after an amax all-reduce; the head's input and gradients stay bf16."""
     cfg = make_config(**FP8, parallel__tp=2, parallel__sp=True, training__fp8_comm=entries)
-    lay = resolve(cfg, 2)
+    lay = build_layout(cfg, 2)
     used = fp8_comm_in_use("fp8", "tensorwise", entries, lay)
     want = tp_step_bytes(model_args(cfg), lay.micro_batch, cfg.data.seq_len, lay.accum, 2, True, "none", 2, 2, used)
     assert _books(pools, cfg, 2, "tp") == {k: (2 * c, 2 * b) for k, (c, b) in want.items()}
@@ -31,7 +31,7 @@ def test_ep_float8_dispatch_equals_the_books(pools):
     """The dispatch direction moves d bytes and a 4-byte scale a row, the combine stays bf16: the mean
     over the ep ranks of what each sends is the formula."""
     cfg = make_config(**FP8, model__preset="moe-debug", parallel__dp=2, parallel__ep=2)
-    lay = resolve(cfg, 2)
+    lay = build_layout(cfg, 2)
     want = ep_step_bytes(model_args(cfg), lay.micro_batch * cfg.data.seq_len, lay.accum, "none", 2, fp8=True)
     ranks = [r["all_to_all"] for r in pools(2).run(comm_task, C.to_dict(cfg), 2, "ep")]
     assert [calls for calls, _ in ranks] == [2 * want["all_to_all"][0]] * 2
@@ -64,7 +64,7 @@ def test_zero3_float8_gathers_are_priced_as_bf16_ones_are(pools, model):
 
 
 def _stage(shape, spec):
-    from meshlm.plan.stages import stage_params
+    from meshlm.plan.cost.stages import stage_params
     sp = stage_params(shape, spec, "only")
     return sp.dense, sp.expert, sp.layers, True, True
 

@@ -7,17 +7,17 @@ import json
 
 import pytest
 
-from meshlm import config as C
+from meshlm.core import config as C
 from meshlm.cli import main
 from meshlm.plan.cluster import parse_cluster
 from meshlm.plan.hardware import get_gpu
-from meshlm.plan.hetero import plan_mixed
-from meshlm.plan.hetero_cli import comparison, format_mixed, row
-from meshlm.plan.hetero_price import dp_split, speed_split, weights_of
-from meshlm.plan.memory import stage_memory
-from meshlm.plan.options import Options
+from meshlm.plan.mixed.search import plan_mixed
+from meshlm.plan.mixed.cli import comparison, format_mixed, row
+from meshlm.plan.mixed.price import dp_split, speed_split, weights_of
+from meshlm.plan.cost.memory import stage_memory
+from meshlm.plan.cost.options import Options
 from meshlm.plan.spec import Spec, code_options, priced_on, search_knobs, shape_from_config
-from meshlm.schedule import build_schedule, simulate
+from meshlm.core.schedule import build_schedule, simulate
 
 MIXED = ["plan", "--gpu", "h100:8,a100-80gb:8", "--model", "llama3-8b"]
 
@@ -211,7 +211,7 @@ def test_explorer_api_takes_a_mixed_cluster():
 
 
 def test_mixed_recipe_is_the_planners_pick_and_passes_the_devices_check():
-    from meshlm.plan.auto import resolve
+    from meshlm.plan.search.auto import layout_for_run
     cfg = C.load("configs/llama3-8b-h100-a100.toml")
     shape, o, knobs = _shape("llama3-8b")
     cluster = parse_cluster(cfg.parallel.devices)
@@ -222,9 +222,9 @@ def test_mixed_recipe_is_the_planners_pick_and_passes_the_devices_check():
     assert (best.pp, best.pp_schedule, list(best.pp_layers), best.zero, best.tp) == \
         (p.pp, p.pp_schedule, p.pp_layers, p.zero, p.tp)
     assert (best.micro_batch, best.ac) == (cfg.training.micro_batch, cfg.training.ac)
-    assert resolve(cfg, 16).pp == 4  # parallel.devices adds up to the world and no TP group spans two types
+    assert layout_for_run(cfg, 16)[0].pp == 4  # parallel.devices adds up to the world and no TP group spans two types
     with pytest.raises(C.ConfigError, match="parallel.devices: h100:8,a100-80gb:8 adds up to 16 GPUs"):
-        resolve(cfg, 8)
+        layout_for_run(cfg, 8)
 
 
 def test_mixed_estimate_prints_each_type():

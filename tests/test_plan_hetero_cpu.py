@@ -15,13 +15,13 @@ import tempfile
 import pytest
 from harness import make_config, train_hooked
 
-from meshlm.cards import FP32_RATIO
+from meshlm.core.cards import FP32_RATIO
 from meshlm.plan.cluster import Cluster, Group
-from meshlm.plan.estimate import _fwd_flops
+from meshlm.plan.cost.estimate import _fwd_flops
 from meshlm.plan.hardware import get_gpu
-from meshlm.plan.hetero import plan_mixed
-from meshlm.plan.hetero_price import price_data, price_pipeline, speed_split, weights_of
-from meshlm.plan.options import Options
+from meshlm.plan.mixed.search import plan_mixed
+from meshlm.plan.mixed.price import price_data, price_pipeline, speed_split, weights_of
+from meshlm.plan.cost.options import Options
 from meshlm.plan.spec import Spec, search_knobs, shape_from_config
 
 SLOWER = 2.5         # rank 1 against rank 0

@@ -4,13 +4,13 @@ import dataclasses
 
 import pytest
 
-from meshlm.model.args import PRESETS
-from meshlm.schedule import build_schedule
-from meshlm.schedule.check import inflight_by_chunk
-from meshlm.plan.estimate import Options, bubble_formula, bubble_simulated, estimate
+from meshlm.core.model_args import PRESETS
+from meshlm.core.schedule import build_schedule
+from meshlm.core.schedule.check import inflight_by_chunk
+from meshlm.plan.cost.estimate import Options, bubble_formula, bubble_simulated, estimate
 from meshlm.plan.hardware import get_gpu
-from meshlm.plan.stages import held_layers, stage_chunks, stage_params
-from meshlm.plan.search import _schedules, _splits, lighter_ends
+from meshlm.plan.cost.stages import held_layers, stage_chunks, stage_params
+from meshlm.plan.search.ranked import _schedules, _splits, lighter_ends
 from meshlm.plan.spec import PlanError, Shape, Spec, check
 
 

@@ -1,4 +1,4 @@
-"""What the per-operation model prices beyond the plain causal step (plan/ops.py, plan/estimate.py):
+"""What the per-operation model prices beyond the plain causal step (plan/cost/ops.py, plan/cost/estimate.py):
 document masks (dense-mask SDPA against flex by block sparsity), the optimizer and gradient
 accumulation over every parameter of an MoE model, fp8 GEMMs, the chunked loss, and a GPU at the
 power limit a row ran at."""
@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 
 from harness import make_config
-from meshlm.config import ConfigError
-from meshlm.model.args import PRESETS
-from meshlm.plan.estimate import GRAD_ACCUM_BYTES, Options, estimate, optimizer_bytes_per_param
+from meshlm.core.config import ConfigError
+from meshlm.core.model_args import PRESETS
+from meshlm.plan.cost.estimate import GRAD_ACCUM_BYTES, Options, estimate, optimizer_bytes_per_param
 from meshlm.plan.hardware import get_gpu
-from meshlm.plan.ops import causal_blocks
+from meshlm.plan.cost.ops import causal_blocks
 from meshlm.plan.spec import (PlanError, Shape, Spec, allgather_mask, attention_mask, code_options,
                               shape_from_config, spec_from_config, spec_of_layout)
 
@@ -68,7 +68,7 @@ def test_search_under_a_document_mask_runs_cp_with_the_allgather_core():
     cp > 1 layout cp_impl = allgather, priced with the mask that core runs (flex under auto, a dense one
     under attn_impl = sdpa), unless Ulysses is pinned (priced with the mask it has without CP); a pinned
     ring finds nothing, and `estimate` refuses the ring with the data section's own one-line reason."""
-    from meshlm.plan.search import plan
+    from meshlm.plan.search.ranked import plan
     for o, kind in ((Options(compiled=True, attn_mask="flex"), "flex"),
                     (Options(compiled=True, attn_mask="dense", attn_impl="sdpa"), "dense")):
         res = plan(ONE_B, H100, 8, 8192, 64 * 8192, top=5, fixed={"cp": 2}, o=o)

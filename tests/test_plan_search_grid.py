@@ -1,4 +1,4 @@
-"""The grouped search (plan/search_group.py, plan/memory_grid.py) prices and ranks as the serial loop did:
+"""The grouped search (plan/search/grouped.py, plan/cost/memory_grid.py) prices and ranks as the serial loop did:
 its memory grid is memory.stage_memory bit for bit, and two searches keep the counts, reasons and ranked
 layouts (ties included) the serial search gave before the grouping (2026-11-27; a change to the price
 model re-pins them)."""
@@ -7,13 +7,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from meshlm.plan.estimate import Options
+from meshlm.plan.cost.estimate import Options
 from meshlm.plan.hardware import get_gpu
-from meshlm.plan.memory import stage_memory
-from meshlm.plan.memory_grid import _role_totals, worst_grid
-from meshlm.plan.search import plan
+from meshlm.plan.cost.memory import stage_memory
+from meshlm.plan.cost.memory_grid import _role_totals, worst_grid
+from meshlm.plan.search.ranked import plan
 from meshlm.plan.spec import AC_MODES, Shape, Spec, allgather_mask, presets
-from meshlm.plan.stages import pipeline_roles
+from meshlm.plan.cost.stages import pipeline_roles
 
 CHOICES = [(ac, off) for off in ("none", "optimizer", "nvme") for ac in AC_MODES]
 

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshlm import config as C
-from meshlm.plan import cli_cmds
-from meshlm.plan.estimate import Options, estimate
+from meshlm.core import config as C
+from meshlm.plan import cli as cli_cmds
+from meshlm.plan.cost.estimate import Options, estimate
 from meshlm.plan.hardware import get_gpu
-from meshlm.plan.search import parse_fix, plan
+from meshlm.plan.search.ranked import parse_fix, plan
 from meshlm.plan.spec import (code_options, priced_on, search_knobs, shape_from_config, spec_from_config,
                               spec_of_layout, to_config)
 
@@ -77,8 +77,8 @@ def test_search_prices_its_layout_as_estimate(name, preset, gpu_name, n, seq, se
 def test_search_lower_bound_never_exceeds_the_model():
     """The search's compute-only bound on the step time stays under the full time model (its memory is
     estimate's own: tests/test_plan_search_prices.py)."""
-    from meshlm.plan.estimate import time_model
-    from meshlm.plan.search import _lower_bound
+    from meshlm.plan.cost.estimate import time_model
+    from meshlm.plan.search.grouped import group_lower_bound
     from meshlm.plan.spec import Shape, Spec, presets
     sh, gpu, o = Shape(presets()["llama3-70b"], "llama3-70b"), get_gpu("h100"), Options()
     for s in [Spec(dp=2, tp=8, pp=4, sp=True, accum=16, micro_batch=2, ac="selective", seq_len=4096),
@@ -86,14 +86,14 @@ def test_search_lower_bound_never_exceeds_the_model():
                    accum=8, ac="none", seq_len=8192),
               Spec(dp=8, tp=8, zero=1, zero_group=8, pp=1, accum=4, ac="full", offload="optimizer", seq_len=8192),
               Spec(dp=2, pp=8, pp_schedule="gpipe", accum=8, ac="full", precision="fp32", seq_len=2048)]:
-        lb = _lower_bound(SimpleNamespace(shape=sh, gpu=gpu, micro={}), o, s, s.ac)
+        lb = group_lower_bound(SimpleNamespace(shape=sh, gpu=gpu, micro={}), o, s, s.ac)
         assert lb <= time_model(sh, s, gpu, o, simulate=False)["step_s"] * (1 + 1e-9)
     ds = Shape(presets()["deepseek-v3"], "deepseek-v3")  # MLA, routed experts, the MTP module on the last stage
     for s in [Spec(dp=256, ep=64, pp=4, pp_schedule="zbv", pp_virtual=2, zero=1, accum=15, ac="full", seq_len=4096),
               Spec(dp=128, ep=32, tp=2, sp=True, pp=4, accum=30, ac="selective", seq_len=4096),
               Spec(dp=256, ep=64, pp=4, zero=1, accum=15, ac="full", seq_len=4096, precision="fp8",
                    fp8_comm=("ep",))]:
-        lb = _lower_bound(SimpleNamespace(shape=ds, gpu=gpu, micro={}), o, s, s.ac)
+        lb = group_lower_bound(SimpleNamespace(shape=ds, gpu=gpu, micro={}), o, s, s.ac)
         model = time_model(ds, s, gpu, o, simulate=False)
         assert lb <= model["step_s"] * (1 + 1e-9)
         ep = sum(c["seconds"] for c in model["comm"] if c["group"] == "ep")

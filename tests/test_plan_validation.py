@@ -13,11 +13,11 @@ import dataclasses
 
 import pytest
 
-from meshlm.model.args import PRESETS, ModelArgs
-from meshlm.plan.estimate import Options, estimate
+from meshlm.core.model_args import PRESETS, ModelArgs
+from meshlm.plan.cost.estimate import Options, estimate
 from meshlm.plan.hardware import get_gpu
-from meshlm.plan.ops import gemm_seconds
-from meshlm.plan.search import plan
+from meshlm.plan.cost.ops import gemm_seconds
+from meshlm.plan.search.ranked import plan
 from meshlm.plan.spec import Shape, Spec
 
 H100 = get_gpu("h100")

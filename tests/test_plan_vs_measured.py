@@ -3,9 +3,9 @@ from live tensors (metrics.jsonl `mem`, rank 0) within 2%, for every layout that
 import pytest
 from harness import make_config, run_layout, run_local
 
-from meshlm import config as C
-from meshlm.plan.estimate import Options, estimate
-from meshlm.plan.memory import stage_memory
+from meshlm.core import config as C
+from meshlm.plan.cost.estimate import Options, estimate
+from meshlm.plan.cost.memory import stage_memory
 from meshlm.plan.spec import code_options, priced_on, shape_from_config, spec_from_config
 
 CASES = [
@@ -62,9 +62,9 @@ def test_predicted_state_bytes_match_measured(pools, name, world, overrides):
 def test_planner_tp_traffic_matches_runtime_count(sp, ac):
     """The planner's TP collectives per step equal the runtime's count and bytes (verified byte for byte
     against Comm's books in test_tp), every kind."""
-    from meshlm.model.from_config import model_args
-    from meshlm.plan.comm import collectives
-    from meshlm.plan.volume import tp_step_bytes as expected_bytes
+    from meshlm.core.config.model import model_args
+    from meshlm.plan.cost.comm import collectives
+    from meshlm.plan.cost.volume import tp_step_bytes as expected_bytes
 
     cfg = make_config(parallel__tp=2, parallel__sp=sp, training__ac=ac, data__seq_len=32)
     shape, spec = shape_from_config(cfg), spec_from_config(cfg, 2)
@@ -72,7 +72,7 @@ def test_planner_tp_traffic_matches_runtime_count(sp, ac):
                for c in collectives(shape, spec, 0, 0, shape.args.n_layers, True, True, None) if c.group == "tp"}
     runtime = expected_bytes(model_args(cfg), spec.micro_batch, spec.seq_len, spec.accum, 2, sp, ac)
     assert planned.keys() == runtime.keys(), (planned, runtime)
-    for kind, (calls, nbytes) in runtime.items():  # the same formulas (plan/volume.py), one per kind
+    for kind, (calls, nbytes) in runtime.items():  # the same formulas (plan/cost/volume.py), one per kind
         assert planned[kind][0] == calls and planned[kind][1] == pytest.approx(nbytes, rel=1e-12), (kind, planned, runtime)
 
 
@@ -99,16 +99,16 @@ def activation_task(cfg_dict: dict) -> int:
 
     import torch
 
-    from meshlm import config as C
+    from meshlm.core import config as C
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.layout import resolve
+    from meshlm.core.layout import build_layout
     from meshlm.model import Llama
-    from meshlm.model.from_config import model_args
+    from meshlm.core.config.model import model_args
     from meshlm.parallel import parallelize, slices
     from meshlm.train.observe.saved import saved_bytes
     from meshlm.train.optim import MasterOptimizer
     cfg = C.from_dict(cfg_dict)
-    layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    layout = build_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=120)
     with torch.device("meta"):
         model = Llama(model_args(cfg))
@@ -154,9 +154,9 @@ def _local(task, cfg):
 def test_planner_cp_traffic_matches_runtime_count(impl, ac, kv):
     """The planner's CP bytes per step equal the runtime's formula (checked against Comm's books in
     test_cp.test_cp_bytes_match_theory), for cp = 4."""
-    from meshlm.model.from_config import model_args
-    from meshlm.plan.comm import collectives
-    from meshlm.plan.volume import cp_step_bytes as expected_bytes
+    from meshlm.core.config.model import model_args
+    from meshlm.plan.cost.comm import collectives
+    from meshlm.plan.cost.volume import cp_step_bytes as expected_bytes
 
     cfg = make_config(parallel__cp=4, parallel__cp_impl=impl, training__ac=ac, model__n_kv_heads=kv)
     shape, spec = shape_from_config(cfg), spec_from_config(cfg, 4)

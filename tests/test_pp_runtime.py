@@ -7,12 +7,12 @@ import tempfile
 import pytest
 from harness import make_config, read_metrics, run_layout, run_local
 
-from meshlm import config as C
-from meshlm.layout import resolve
-from meshlm.model.args import PRESETS
-from meshlm.parallel.dims.pipeline.trace import load_timeline
-from meshlm.schedule import build_schedule, p2p_batches
-from meshlm.schedule.stage import StageCosts, estimate_costs, partition
+from meshlm.core import config as C
+from meshlm.core.layout import build_layout
+from meshlm.core.model_args import PRESETS
+from meshlm.core.schedule.trace import load_timeline
+from meshlm.core.schedule import build_schedule, p2p_batches
+from meshlm.core.schedule.stage import StageCosts, estimate_costs, partition
 
 
 # -- partitioning -------------------------------------------------------------------------------------
@@ -55,14 +55,14 @@ def test_partition_override_and_errors():
 ])
 def test_layout_refuses_bad_pipelines(overrides, world, match):
     with pytest.raises(C.ConfigError, match=match) as e:
-        resolve(make_config(**overrides), world)
+        build_layout(make_config(**overrides), world)
     assert "\n" not in str(e.value)
 
 
 def test_layout_accepts_pipelines():
-    lay = resolve(make_config(parallel__pp=2, parallel__pp_layers="1,3"), 2)
+    lay = build_layout(make_config(parallel__pp=2, parallel__pp_layers="1,3"), 2)
     assert (lay.pp, lay.microbatches) == (2, 4)
-    lay = resolve(make_config(parallel__pp=2, parallel__dp=2, parallel__tp=2), 8)
+    lay = build_layout(make_config(parallel__pp=2, parallel__dp=2, parallel__tp=2), 8)
     assert (lay.pp, lay.dp, lay.tp, lay.microbatches) == (2, 2, 2, 2)
 
 

@@ -4,12 +4,12 @@ import json
 
 import pytest
 
-from meshlm.schedule import (Action, ScheduleError, add_p2p, build_schedule, check_schedule, p2p_batches, simulate,
+from meshlm.core.schedule import (Action, ScheduleError, add_p2p, build_schedule, check_schedule, p2p_batches, simulate,
                              textbook_bubble)
-from meshlm.schedule import command as schedule_cmd
-from meshlm.schedule.draw import render_png, render_text
-from meshlm.schedule.p2p import STEER_COSTS
-from meshlm.schedule.schedules import _interleaved_compute, _zb_h1_compute, _zbv_compute
+from meshlm.core.schedule import command as schedule_cmd
+from meshlm.core.schedule.draw import render_png, render_text
+from meshlm.core.schedule.p2p import STEER_COSTS
+from meshlm.core.schedule.schedules import _interleaved_compute, _zb_h1_compute, _zbv_compute
 
 UNIT = dict(cost_f=1.0, cost_b=1.0)          # F and B both cost 1
 ZB = dict(cost_f=1.0, cost_b=2.0, cost_w=1.0)  # F = I = W = 1
@@ -76,7 +76,7 @@ def test_every_built_schedule_passes_the_checker():
 # ------------------------------------------------------------------ ZB-V (issue #17)
 
 def test_zbv_v_placement():
-    from meshlm.schedule.actions import local_target, message_of, stage_index, stage_owner
+    from meshlm.core.schedule.actions import local_target, message_of, stage_index, stage_owner
     assert [stage_index(r, c, 4, True) for c in (0, 1) for r in range(4)] == [0, 1, 2, 3, 7, 6, 5, 4]
     assert all(stage_owner(stage_index(r, c, 4, True), 4, True) == (r, c) for r in range(4) for c in (0, 1))
     # the V's turn (stage 3 -> 4) stays on rank 3 (no p2p); rank 0's chunk 1 is the loss stage
@@ -95,7 +95,7 @@ def test_zbv_bubble_and_memory_against_1f1b_and_zb_h1(p, m):
     acts = build_schedule("zbv", p, m, 2)
     stats = check_schedule(acts, p, m, 2, vshape=True)
     assert stats["peak_activations"] == [float(p)] * p
-    from meshlm.schedule.check import inflight_by_chunk
+    from meshlm.core.schedule.check import inflight_by_chunk
     assert inflight_by_chunk(acts)[0][1] == 1
     tl = simulate(acts, p, m, 2, vshape=True, **ZB)
     if p <= 4:  # beyond, running the loss stage's W early (one micro-batch of logits held) costs a little
@@ -108,7 +108,7 @@ def test_zbv_bubble_and_memory_against_1f1b_and_zb_h1(p, m):
 def _held_and_deferred(acts, p):
     """Per rank, the peak of chunk activations held until W plus W's deferred past their I on stages
     other than 0 (each keeps its boundary gradients, parallel/dims/pipeline/backward.py)."""
-    from meshlm.schedule.actions import stage_index
+    from meshlm.core.schedule.actions import stage_index
     peaks = []
     for r, row in enumerate(acts):
         held = deferred = peak = 0

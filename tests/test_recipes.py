@@ -5,8 +5,8 @@ import pathlib
 
 import pytest
 
-from meshlm import config as C
-from meshlm.layout import resolve
+from meshlm.core import config as C
+from meshlm.core.layout import build_layout
 
 ROOT = pathlib.Path(__file__).parents[1]
 _spec = importlib.util.spec_from_file_location("recipe_estimates", ROOT / "bench" / "recipe_estimates.py")
@@ -35,5 +35,5 @@ def test_recipe_resolves_for_its_gpus(path):
     world = int(args[args.index("--gpus") + 1])
     pairs, _ = C.parse_overrides(args)  # the fine-tune's estimate leaves the Hugging Face directory out
     cfg = C.load(path, pairs)
-    layout = resolve(cfg, world)
+    layout = build_layout(cfg, world)
     assert layout.world_size == world

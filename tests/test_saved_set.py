@@ -1,12 +1,12 @@
 """Issue 17: the bytes a block saves for backward, measured with saved-tensor hooks on the real
-parallelized model, against the documented per-token formula (plan/memory.py minimal_block_bytes)."""
+parallelized model, against the documented per-token formula (plan/cost/memory.py minimal_block_bytes)."""
 import pytest
 from harness import make_config
 from test_tp import activation_task
 
-from meshlm import config as C
-from meshlm.model.from_config import model_args
-from meshlm.plan.activations import minimal_block_bytes
+from meshlm.core import config as C
+from meshlm.core.config.model import model_args
+from meshlm.plan.cost.activations import minimal_block_bytes
 
 SHAPE = {"model__dim": 128, "model__n_layers": 2, "model__n_heads": 8, "model__n_kv_heads": 2,
          "model__ffn_dim": 256, "model__max_seq_len": 64, "data__seq_len": 64, "training__micro_batch": 2}
@@ -43,8 +43,8 @@ def test_saved_bytes_meet_formula(pools, tp, sp, precision, compiled):
 @pytest.mark.parametrize("tp,sp,ac,compiled", [(2, True, "selective", True), (2, True, "op", True),
                                                (2, False, "op", True), (2, False, "op", False)])
 def test_ac_modes_meet_planner(pools, tp, sp, ac, compiled):
-    """Recomputation modes with TP against the planner (plan/memory.py), compiled or not."""
-    from meshlm.plan.activations import block_activation_bytes
+    """Recomputation modes with TP against the planner (plan/cost/memory.py), compiled or not."""
+    from meshlm.plan.cost.activations import block_activation_bytes
     from meshlm.plan.spec import shape_from_config
     cfg = make_config(parallel__tp=tp, parallel__sp=sp, training__precision="bf16", training__compile=compiled,
                       training__ac=ac, **SHAPE)

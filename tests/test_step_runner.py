@@ -27,11 +27,11 @@ def test_both_runners_have_the_protocol_methods(cls):
 
 def _trainer(**over):
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.plan.auto import resolve
+    from meshlm.plan.search.auto import layout_for_run
     from meshlm.train.trainer import Trainer
 
     cfg = make_config(**over)
-    layout = resolve(cfg, 1)
+    layout, _ = layout_for_run(cfg, 1)
     return Trainer(cfg, tempfile.mkdtemp(prefix="meshlm-runner-"), init_context(layout.shape(), pick_device("cpu")),
                    layout)
 

@@ -2,7 +2,7 @@
 step split, and the launcher's summary and the runs dashboard say so; the fast rank never is."""
 from harness import make_config, train_hooked
 
-from meshlm.train.launch import incidents
+from meshlm.core.facts.incidents import incidents
 
 
 def test_slow_rank_is_named(pools, tmp_path):

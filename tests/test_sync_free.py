@@ -17,11 +17,11 @@ HOST_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int_
 
 def _trainer(device: str = "cpu", **overrides):
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.layout import resolve
+    from meshlm.core.layout import build_layout
     from meshlm.train.trainer import Trainer
 
     cfg = make_config(**overrides)
-    layout = resolve(cfg, 1)
+    layout = build_layout(cfg, 1)
     return Trainer(cfg, tempfile.mkdtemp(prefix="meshlm-sync-"), init_context(layout.shape(), pick_device(device)),
                    layout)
 
@@ -177,13 +177,13 @@ def trapped_steps(cfg_dict: dict, steps: int, overflow_at: int) -> list[tuple[fl
     then (untrapped) the global losses and skip flags."""
     import os
 
-    from meshlm import config as C
+    from meshlm.core import config as C
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.layout import resolve
+    from meshlm.core.layout import build_layout
     from meshlm.train.trainer import Trainer
 
     cfg = C.from_dict(cfg_dict)
-    layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    layout = build_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     tr = Trainer(cfg, tempfile.mkdtemp(prefix="meshlm-sync-"), init_context(layout.shape(), pick_device("cpu"),
                                                                              timeout_s=120), layout)
     mp = pytest.MonkeyPatch()
@@ -211,7 +211,7 @@ def trapped_steps(cfg_dict: dict, steps: int, overflow_at: int) -> list[tuple[fl
 def test_fp16_ranks_read_nothing_and_match_one_process(pools, overrides):
     """The pipeline schedule takes the scale as a device tensor; a skipped step is skipped on every
     rank with no host read anywhere; losses match one process (fp16 tolerance)."""
-    from meshlm import config as C
+    from meshlm.core import config as C
 
     base = {"training__precision": "fp16", "training__micro_batch": 2}
     ref = trapped_steps(C.to_dict(make_config(**base)), 5, 2)

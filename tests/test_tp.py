@@ -9,17 +9,17 @@ import torch.nn.functional as F
 from harness import (assert_half_losses, assert_same_losses, make_config, read_metrics, reference, rows, run_layout,
                      run_local, train_case)
 
-from meshlm import config as C
-from meshlm.config import ConfigError
-from meshlm.layout import resolve
-from meshlm.model.from_config import model_args
+from meshlm.core import config as C
+from meshlm.core.config import ConfigError
+from meshlm.core.layout import build_layout
+from meshlm.core.config.model import model_args
 
 FP32 = 1e-5
 
 
 def _context(cfg):
     from meshlm.distributed.mesh import init_context, pick_device
-    layout = resolve(cfg, int(os.environ["WORLD_SIZE"]))
+    layout = build_layout(cfg, int(os.environ["WORLD_SIZE"]))
     return layout, init_context(layout.shape(), pick_device("cpu"), timeout_s=120)
 
 
@@ -27,7 +27,7 @@ def _context(cfg):
 
 def loss_task(vocab: int, n: int, seed: int):
     """Vocab-parallel CE on this rank's slice vs F.cross_entropy on the full logits."""
-    from meshlm.model.args import padded_vocab
+    from meshlm.core.model_args import padded_vocab
     from meshlm.parallel.dims.vocab_parallel import VocabParallelLoss
     from meshlm.parallel.placement import DimSplit
     _, ctx = _context(make_config(parallel__tp=int(os.environ["WORLD_SIZE"])))
@@ -136,9 +136,9 @@ def test_tp_matches_one_process(pools, name, world, overrides):
 ], ids=["tp2", "tp2-sp-ac-full", "tp4-sp-accum", "tp2-kv1-bf16", "tp2-sp-ac-op", "tp4-kv2-bias-qk-norm"])
 def test_tp_bytes_match_theory(pools, world, overrides):
     """One reduction per block half forward and backward, nothing else on the activations."""
-    from meshlm.plan.volume import tp_step_bytes as expected_bytes
+    from meshlm.plan.cost.volume import tp_step_bytes as expected_bytes
     cfg = make_config(**overrides)
-    layout = resolve(cfg, world)
+    layout = build_layout(cfg, world)
     e = 4 if cfg.training.precision == "fp32" else 2
     want = expected_bytes(model_args(cfg), layout.micro_batch, cfg.data.seq_len, layout.accum, layout.tp,
                           cfg.parallel.sp, cfg.training.ac, act_bytes=e, param_bytes=e)
@@ -195,8 +195,8 @@ def test_checkpoint_moves_between_tp_and_one_process(pools):
 ])
 def test_impossible_tp_layouts_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        resolve(make_config(**overrides), overrides["parallel__tp"])
+        build_layout(make_config(**overrides), overrides["parallel__tp"])
 
 
 def test_sp_is_a_no_op_without_tp():
-    assert resolve(make_config(parallel__sp=True, data__seq_len=31), 1).tp == 1
+    assert build_layout(make_config(parallel__sp=True, data__seq_len=31), 1).tp == 1

@@ -14,7 +14,7 @@ import pytest
 import torch
 from harness import assert_same_losses, make_config, read_metrics, run_local
 
-from meshlm import config as C
+from meshlm.core import config as C
 
 
 def truncate_run(run_dir: str, keep_step: int) -> None:
@@ -59,11 +59,11 @@ def test_checkpoint_from_dp2_resumes_in_one_process(pools):
 
 def test_fp16_overflow_skips_step_and_backs_off(tmp_path):
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.layout import resolve
+    from meshlm.core.layout import build_layout
     from meshlm.train.trainer import Trainer
 
     cfg = make_config(training__precision="fp16")
-    layout = resolve(cfg, 1)
+    layout = build_layout(cfg, 1)
     tr = Trainer(cfg, str(tmp_path), init_context(layout.shape(), pick_device("cpu")), layout)
     before = [p.detach().clone() for p in tr.par.optimizer.params]
     tr.state.scaler.scale = 2.0 ** 40  # fp16 overflows at 65504: the scaled gradients become inf
@@ -77,7 +77,7 @@ def test_fp16_overflow_skips_step_and_backs_off(tmp_path):
 
 
 def test_lr_schedule_warmup_and_cosine_floor():
-    from meshlm.train.optim import lr_at
+    from meshlm.core.facts.course import lr_at
     o = C.OptimConfig(lr=1.0, warmup=4, min_lr_ratio=0.1)
     assert [lr_at(s, o, 20) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert lr_at(20, o, 20) == pytest.approx(0.1)

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from harness import assert_same_losses, make_config, read_metrics, run_layout, train_case
-from meshlm import config as C
-from meshlm.config import ConfigError
-from meshlm.layout import resolve
-from meshlm.model.args import padded_vocab
+from meshlm.core import config as C
+from meshlm.core.config import ConfigError
+from meshlm.core.layout import build_layout
+from meshlm.core.model_args import padded_vocab
 from meshlm.parallel.placement import DimSplit
 
 V, DIM = 300, 64  # the byte data needs >= 256 ids; 300 is no multiple of 128
@@ -43,14 +43,14 @@ def test_vocab_split_uses_the_padded_size():
 @pytest.mark.parametrize("value", [0, -128])
 def test_vocab_multiple_below_one_is_refused(value):
     with pytest.raises(ConfigError, match=r"^model\.vocab_multiple: must be positive"):
-        resolve(make_config(model__vocab_multiple=value), 1)
+        build_layout(make_config(model__vocab_multiple=value), 1)
 
 
 def _train_here(cfg: C.Config, run_dir: str):
     """Train in this process and keep the trainer (run_local returns only the metrics)."""
     from meshlm.distributed.mesh import init_context, pick_device
     from meshlm.train.trainer import Trainer
-    layout = resolve(cfg, 1)
+    layout = build_layout(cfg, 1)
     trainer = Trainer(cfg, run_dir, init_context(layout.shape(), pick_device("cpu")), layout)
     trainer.fit()
     return trainer, read_metrics(run_dir)
@@ -95,12 +95,12 @@ def test_padding_at_tp1_never_changes_the_loss(tied):
 def shapes_task(cfg_dict: dict):
     """This rank's embedding and head shapes after parallelize."""
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.model.from_config import model_args
+    from meshlm.core.config.model import model_args
     from meshlm.model import Llama
     from meshlm.parallel import parallelize, slices
     from meshlm.train.optim import MasterOptimizer
     cfg = C.from_dict(cfg_dict)
-    layout = resolve(cfg, int(os.environ["WORLD_SIZE"]))
+    layout = build_layout(cfg, int(os.environ["WORLD_SIZE"]))
     ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=120)
     with torch.device("meta"):
         model = Llama(model_args(cfg))

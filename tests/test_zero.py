@@ -9,10 +9,10 @@ import pytest
 from harness import (assert_refused_in_one_line, assert_same_losses, make_config, read_metrics, reference,
                      run_layout, train_in)
 
-from meshlm import config as C
-from meshlm.layout import resolve
-from meshlm.model.from_config import model_args
-from meshlm.plan.memory import state_bytes_per_param, zero_state_bytes
+from meshlm.core import config as C
+from meshlm.core.layout import build_layout
+from meshlm.core.config.model import model_args
+from meshlm.plan.cost.memory import state_bytes_per_param, zero_state_bytes
 
 FP32 = 1e-5
 
@@ -30,13 +30,13 @@ FP32 = 1e-5
      "parallel.offload: 'params' is not one of none, optimizer, nvme"),
 ])
 def test_bad_zero_config_is_one_clear_line(overrides, world, message):
-    assert_refused_in_one_line(lambda: resolve(make_config(**overrides), world), message)
+    assert_refused_in_one_line(lambda: build_layout(make_config(**overrides), world), message)
 
 
 def test_zero_group_makes_hsdp_mesh():
-    lay = resolve(make_config(parallel__zero=2, parallel__zero_group=2), 4)
+    lay = build_layout(make_config(parallel__zero=2, parallel__zero_group=2), 4)
     assert (lay.dp_replicate, lay.dp_shard) == (2, 2)
-    lay = resolve(make_config(parallel__zero=1), 4)
+    lay = build_layout(make_config(parallel__zero=1), 4)
     assert (lay.dp_replicate, lay.dp_shard) == (1, 4)
 
 
@@ -136,7 +136,7 @@ def train_tweaked(cfg_dict: dict, run_dir: str, scale: float = 0.0, inflight: in
     from meshlm.train.trainer import Trainer
 
     cfg = C.from_dict(cfg_dict)
-    layout = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    layout = build_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=120)
     trainer = Trainer(cfg, run_dir, ctx, layout)
     if scale:
@@ -170,7 +170,7 @@ def _saved_bytes_after_forward(zero: int) -> tuple[int, object]:
     from meshlm.train.trainer import Trainer
 
     cfg = make_config(parallel__zero=zero)
-    layout = resolve(cfg, 1)
+    layout = build_layout(cfg, 1)
     tr = Trainer(cfg, tempfile.mkdtemp(prefix="meshlm-saved-"), init_context(layout.shape(), pick_device("cpu")),
                  layout)
     x, y, _ = tr.data.next_batch(0, 1)

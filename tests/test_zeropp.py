@@ -1,6 +1,6 @@
 """ZeRO++ on ZeRO-3 (issue #25; docs/zero.md "ZeRO++"): bad input, the int8 rows themselves, hpZ equal to
 one process (fp32, 1e-5) alone and with HSDP, tp and pp, the bytes each part books equal to
-plan/volume.py's formulas exactly, the ratios the issue asks for, and quantized runs close to exact ones."""
+plan/cost/volume.py's formulas exactly, the ratios the issue asks for, and quantized runs close to exact ones."""
 import functools
 import os
 import tempfile
@@ -10,11 +10,11 @@ import torch
 from harness import (assert_same_losses, make_config, read_metrics, reference, rows, run_layout, run_local, train_case,
                      train_in)
 
-from meshlm import config as C
-from meshlm.config import ConfigError
-from meshlm.layout import resolve
+from meshlm.core import config as C
+from meshlm.core.config import ConfigError
+from meshlm.core.layout import build_layout
 from meshlm.parallel.dims.zero.quantize import dequantize_rows, packed_bytes, quantize_rows
-from meshlm.plan.volume import CROSS_GROUP, zero3_step_bytes
+from meshlm.plan.cost.volume import CROSS_GROUP, zero3_step_bytes
 
 FP32 = 1e-5
 ALL3 = {"parallel__quantize_weights": True, "parallel__hpz_group": 2, "parallel__quantize_grads": True}
@@ -37,14 +37,14 @@ ALL3 = {"parallel__quantize_weights": True, "parallel__hpz_group": 2, "parallel_
 ])
 def test_bad_zeropp_config_is_one_clear_line(overrides, world, message):
     with pytest.raises(ConfigError) as e:
-        resolve(make_config(**overrides), world)
+        build_layout(make_config(**overrides), world)
     assert str(e.value) == message
 
 
 def test_zeropp_group_in_mesh_shape():
-    assert resolve(make_config(parallel__zero=3, parallel__hpz_group=2), 4).shape()["zpp"] == 2
-    assert resolve(make_config(parallel__zero=3, parallel__quantize_grads=True), 4).shape()["zpp"] == 4
-    assert "zpp" not in resolve(make_config(parallel__zero=3), 4).shape()
+    assert build_layout(make_config(parallel__zero=3, parallel__hpz_group=2), 4).shape()["zpp"] == 2
+    assert build_layout(make_config(parallel__zero=3, parallel__quantize_grads=True), 4).shape()["zpp"] == 4
+    assert "zpp" not in build_layout(make_config(parallel__zero=3), 4).shape()
 
 
 # ---------------------------------------------------------------- the int8 rows
@@ -96,7 +96,7 @@ def train_units(cfg_dict: dict, run_dir: str):
     from meshlm.train.trainer import Trainer
 
     cfg = C.from_dict(cfg_dict)
-    layout = resolve(cfg, int(os.environ["WORLD_SIZE"]))
+    layout = build_layout(cfg, int(os.environ["WORLD_SIZE"]))
     tr = Trainer(cfg, run_dir, init_context(layout.shape(), pick_device("cpu"), timeout_s=120), layout)
     tr.fit()
     return [(u.padded, u.keep_after_forward) for u in tr.par.grads.units]
@@ -156,7 +156,7 @@ def secondary_bytes(cfg_dict: dict) -> tuple:
     from meshlm.train.trainer import Trainer
 
     cfg = C.from_dict(cfg_dict)
-    layout = resolve(cfg, int(os.environ["WORLD_SIZE"]))
+    layout = build_layout(cfg, int(os.environ["WORLD_SIZE"]))
     tr = Trainer(cfg, tempfile.mkdtemp(prefix="meshlm-hpz-mem-"), init_context(layout.shape(), pick_device("cpu"),
                                                                               timeout_s=120), layout)
     zero = tr.par.grads
@@ -173,8 +173,8 @@ def secondary_bytes(cfg_dict: dict) -> tuple:
 def test_hpz_secondary_memory_is_psi_over_k(pools):
     """hpZ's extra memory, measured from the live secondary shards after a forward and backward: 1/K of
     every unit (p·Ψ/K plus padding, what the planner's `hpz_secondary` buffer counts), gone after the step."""
-    from meshlm.model.from_config import model_args
-    from meshlm.plan.memory import state_bytes_per_param
+    from meshlm.core.config.model import model_args
+    from meshlm.plan.cost.memory import state_bytes_per_param
 
     cfg = make_config(parallel__dp=4, parallel__zero=3, parallel__hpz_group=2)
     held, units, left = pools(4).run(secondary_bytes, C.to_dict(cfg))[0]
@@ -220,16 +220,16 @@ def test_quantized_runs_stay_close(pools, name, world, over):
 
 def test_planner_prices_zeropp():
     """Spec carries the keys both ways; hpZ's secondary shard is Ψ·p/K of memory; qwZ's forward gather
-    and qgZ's all-to-alls are priced with the int8 formula (plan/volume.py, the runtime's); the search
+    and qgZ's all-to-alls are priced with the int8 formula (plan/cost/volume.py, the runtime's); the search
     keeps them when fixed."""
     import dataclasses
 
-    from meshlm.plan.comm import collectives  # noqa: F401  (what estimate prices with)
-    from meshlm.plan.estimate import estimate
+    from meshlm.plan.cost.comm import collectives  # noqa: F401  (what estimate prices with)
+    from meshlm.plan.cost.estimate import estimate
     from meshlm.plan.hardware import get_gpu
-    from meshlm.plan.search import plan
+    from meshlm.plan.search.ranked import plan
     from meshlm.plan.spec import Spec, shape_from_config, spec_from_config, to_config
-    from meshlm.plan.volume import QUANT_BLOCK
+    from meshlm.core.facts.quant import QUANT_BLOCK
 
     cfg = make_config(model__preset="llama3-8b", parallel__dp=16, parallel__zero=3, training__global_batch=64,
                       **ALL3)

@@ -12,8 +12,9 @@ def _fail(msg: str, code: int = 2) -> int:
 
 
 def cmd_train(args, extra: list[str]) -> int:
-    from .train import preflight
-    from .train.launch import incidents, preempted, record_error, spawn, worker_errors
+    from . import preflight
+    from .core.facts.incidents import incidents
+    from .train.launch import preempted, record_error, spawn, worker_errors
 
     if args.link_server is not None:  # the islands' coordinator alone (docs/diloco.md, "Losing an island")
         from .train.island_jobs import serve_link
@@ -53,9 +54,12 @@ def cmd_train(args, extra: list[str]) -> int:
         if not code:
             _print_sample(cfg, run_dir)
         return code and _fail(f"training failed (exit {code}); worker logs in {run_dir}/logs", code)
-    from .train.trainer import run
+    from .train.worker import run_worker
+    if start.auto_record and int(os.environ.get("RANK", "0")) == 0:  # the planner's choice, said once
+        from .plan.search.auto import log_choice
+        log_choice(start.auto_record, run_dir)
     try:
-        last = run(cfg, run_dir, restarts, start.layout)
+        last = run_worker(cfg, run_dir, restarts, start.layout)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         prefix = f"rank {os.environ.get('RANK', '0')}: "
@@ -83,7 +87,7 @@ SAMPLE_MAX_PARAMS = 50e6  # a greedy line from a model this small takes a second
 def _print_sample(cfg, run_dir: str) -> None:
     """A small model's greedy continuation of "def " from the newest checkpoint, so the user sees what
     it learnt without asking (README, quick start); larger models and runs without a checkpoint: none."""
-    from .model.from_config import model_args
+    from .core.config.model import model_args
     from .train.checkpoint import list_checkpoints
     if model_args(cfg).num_params() > SAMPLE_MAX_PARAMS or not list_checkpoints(os.path.join(run_dir, "checkpoints")):
         return
@@ -162,7 +166,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     r.add_argument("run_dir")
     r.add_argument("--out", help="PNG path (default RUN_DIR/report.png)")
     r.set_defaults(func=cmd_report)
-    for mod, fn in (("meshlm.plan.cli_cmds", "add_parsers"), ("meshlm.schedule.command", "add_parser"),
+    for mod, fn in (("meshlm.plan.cli", "add_parsers"), ("meshlm.core.schedule.command", "add_parser"),
                     ("meshlm.explore.server", "add_parser"), ("meshlm.cli_hf", "add_parsers")):
         if command is not None and command in sub.choices:
             break
@@ -180,7 +184,7 @@ def _attention(cfg, layout, asked: str) -> str:
     """The start-up line's attention kernel where a mask makes the choice matter (a document mask, or
     all-gather CP's zig-zag rows), and why when "auto" chose it (docs/benchmarks.md, "Attention kernels
     by device")."""
-    from .model.from_config import attn_kernel
+    from .core.config.model import attn_kernel
     masked = cfg.data.document_mask or (layout.cp_enabled and cfg.parallel.cp_impl == "allgather")
     if not masked:
         return ""
@@ -196,7 +200,7 @@ def _fp8_comm(cfg, layout) -> str:
     """The start-up line's float8 collectives under fp8: the training.fp8_comm entries this layout uses,
     and those it asked for that do not apply (no ZeRO-3 shard group, no SP, ep = 1, the rowwise recipe):
     they are left out, not refused (docs/fp8.md)."""
-    from .layout import fp8_comm_in_use
+    from .core.layout import fp8_comm_in_use
     t = cfg.training
     if t.precision != "fp8":
         return ""

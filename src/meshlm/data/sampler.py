@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .rampup import BatchRamp
+from ..core.facts.ramp import BatchRamp
 
 __all__ = ["WindowOrder", "GlobalBatchSampler", "MixtureSampler", "Batch", "apportion", "eval_batches"]
 

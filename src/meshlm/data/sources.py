@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Iterator
 
-from ..files import json_field
+from ..core.files import json_field
 
 __all__ = ["Source", "collect_sources", "read_documents", "TEXT_SUFFIXES", "JSONL_SUFFIXES"]
 

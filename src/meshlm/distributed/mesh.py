@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..core.config import apply_device
 from .comm import Comm
 from .link import LinkComm, island_job
 
@@ -160,6 +161,19 @@ def pick_device(kind: str = "auto") -> torch.device:
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     raise ValueError(f"training.device: unknown device '{kind}'")
+
+
+def device_defaults(cfg):
+    """training.precision / compile and model.attn_impl = "auto" resolved for the device training.device
+    names (`cfg`, a Config, in place): a CUDA device, with or without bf16, or a CPU. A GPU job resolves
+    on every rank, each for its own; the rule itself is core/config/sections.py `apply_device`."""
+    t = cfg.training
+    if "auto" not in (t.precision, t.compile, cfg.model.attn_impl):  # nothing to probe (still checked)
+        return apply_device(cfg, False)
+    cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+    # bf16 support is asked only where it decides something (precision "auto")
+    bf16 = t.precision == "auto" and cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return apply_device(cfg, cuda, bf16)
 
 
 def agent_restarts() -> int:

@@ -13,16 +13,16 @@ import json
 import os
 import re
 
-from .. import config as C
-from ..choices import DECAY_TYPES, LR_SCHEDULES
+from ..core import config as C
+from ..core.choices import DECAY_TYPES, LR_SCHEDULES, OPTIMIZERS
 from ..plan.cluster import Cluster, check_world, is_mixed_flag, parse_cluster
-from ..plan.estimate import SIMULATED, Options, estimate, schedule_timeline
+from ..plan.cost.estimate import SIMULATED, Options, estimate, schedule_timeline
 from ..plan.hardware import FLAG_FIELDS, PROFILES, HardwareError, get_gpu
-from ..plan.hetero import plan_mixed
-from ..plan.hetero_cli import comparison, estimate_mixed, mixed_config, row
-from ..plan.ops import KERNELS
-from ..plan.search import plan
-from ..plan.spec import AC_MODES, CP_IMPLS, OPTIMIZERS, PRECISIONS, SCHEDULES, PlanError, presets, priced_on, \
+from ..plan.mixed.search import plan_mixed
+from ..plan.mixed.cli import comparison, estimate_mixed, mixed_config, row
+from ..plan.cost.ops import KERNELS
+from ..plan.search.ranked import plan
+from ..plan.spec import AC_MODES, CP_IMPLS, PRECISIONS, SCHEDULES, PlanError, presets, priced_on, \
     search_knobs, shape_from_config, spec_from_config, spec_of_layout, to_config
 from .course import COURSE_KEYS, check_course, mixed_run_total, run_total, sample_course
 
@@ -210,7 +210,7 @@ def parse(body, layout: bool = True, runs_root: str | None = None):
         raise BadRequest(f"attn_kernel: expected one of {', '.join(KERNELS)}, got {kernel!r}", "attn_kernel")
     cal = None
     if body.get("calibrate"):  # a run under --runs: the machine it measured replaces the GPU profile
-        from ..plan.calibrate import fit
+        from ..plan.calibrate.fit import fit
         try:
             if runs_root is None:
                 raise BadRequest("calibrate: no runs root to read runs from", "calibrate")
@@ -225,7 +225,7 @@ def parse(body, layout: bool = True, runs_root: str | None = None):
     opts = Options(efficiency=eff, comm_efficiency=ceff, flash=flash, compiled=bool(cfg.training.compile),
                    attn_kernel=kernel)
     if cal is not None:
-        from ..plan.calibrate import device_and_options
+        from ..plan.calibrate.fit import device_and_options
         gpu, opts = device_and_options(cal, n, bool(cfg.training.compile))
     seq = cfg.data.seq_len
     if seq < 1:
@@ -333,7 +333,7 @@ def timeline_json(tl, source: str) -> dict:
 
 def simulated_timeline(out: dict, spec) -> dict | None:
     """The chosen schedule through the simulator, with the planner's own per-micro-batch costs (the
-    F, B, W it uses for the bubble in plan/estimate.py: exposed communication and the compute slowed
+    F, B, W it uses for the bubble in plan/cost/estimate.py: exposed communication and the compute slowed
     beside hidden communication split over F and B)."""
     if not spec.pp_enabled or "time" not in out:
         return None

@@ -1,6 +1,6 @@
 """The run's course for the explorer's schedule chart: the learning rate and the global batch over the
-run's steps, sampled from the trainer's own functions (train/optim.py `lr_at`, data/rampup.py
-`BatchRamp`), and the run's total time (plan/estimate.py `run_time`, as `meshlm estimate` prints it).
+run's steps, sampled from the trainer's own functions (train/optim.py `lr_at`, core/facts/ramp.py
+`BatchRamp`), and the run's total time (plan/cost/estimate.py `run_time`, as `meshlm estimate` prints it).
 
 A run may have a million steps: the chart gets at most `MAX_POINTS` evenly spaced steps plus the
 schedule's corners (docs/explore.md, "The schedule"), so the answer and its memory do not grow with
@@ -8,12 +8,12 @@ the number of steps.
 """
 from __future__ import annotations
 
-from .. import config as C
-from ..config.course import check_ramp_keys
-from ..data.rampup import BatchRamp
-from ..layout import check_rampup
-from ..plan.estimate import run_time
-from ..train.optim import lr_at
+from ..core import config as C
+from ..core.facts.course import check_ramp_keys
+from ..core.facts.ramp import BatchRamp
+from ..core.layout import check_rampup
+from ..plan.cost.estimate import run_time
+from ..core.facts.course import lr_at
 
 MAX_POINTS = 200   # evenly spaced samples of the run; the corners come on top
 MAX_LEVELS = 50    # a ramp with at most this many batch sizes also gets each size's first step
@@ -23,7 +23,7 @@ COURSE_KEYS = ("training.steps", "optim.schedule", "optim.lr", "optim.warmup", "
 
 
 def check_course(cfg) -> None:
-    """The config's own checks of the course keys (config/course.py, training.steps), one ConfigError
+    """The config's own checks of the course keys (core/facts/course.py, training.steps), one ConfigError
     line naming the key; run after the global batch is known (the ramp ends at it)."""
     if cfg.training.steps < 1:
         raise C.ConfigError(f"training.steps: the explorer draws a run of >= 1 step, got {cfg.training.steps}")

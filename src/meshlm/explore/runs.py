@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import os
 
-from .. import config as C
-from ..layout import from_config
+from ..core import config as C
+from ..core.layout import from_config
 from .api import NAME, BadRequest, NotFound, is_run, run_path, timeline_json
 
 
@@ -75,8 +75,8 @@ def world_size(path: str, cfg: C.Config) -> tuple[int, str]:
 def predict(path: str) -> dict:
     """The planner's memory for rank 0 (the first pipeline stage) under the run's own config and world
     size, to show next to what the run measured on rank 0."""
-    from ..plan.memory import stage_memory
-    from ..plan.options import Options
+    from ..plan.cost.memory import stage_memory
+    from ..plan.cost.options import Options
     from ..plan.spec import PlanError, check, shape_from_config, spec_from_config
     try:
         cfg = C.load(os.path.join(path, "config.toml"))
@@ -98,13 +98,13 @@ def read_run(root: str, name) -> dict:
     steps, evals = read_metrics(path)
     cfg_path = os.path.join(path, "config.toml")
     config_text = open(cfg_path).read() if os.path.isfile(cfg_path) else ""
-    from ..train.launch import incidents
+    from ..core.facts.incidents import incidents
     out = {"name": name, "steps": steps, "evals": evals, "config_text": config_text,
            "incidents": [line.removeprefix("meshlm: ") for line in incidents(path)],
            "prediction": predict(path) if config_text else {"error": "no config.toml"}, "pipeline": None}
     trace = os.path.join(path, "pipeline_trace.json")
     if os.path.isfile(trace):
-        from ..parallel.dims.pipeline.trace import load_timeline
+        from ..core.schedule.trace import load_timeline
         try:
             tl, _ = load_timeline(trace)
             out["pipeline"] = timeline_json(tl, "measured")

@@ -5,7 +5,7 @@ checks) can import the shapes in `model.args` without paying for torch.
 """
 from importlib import import_module
 
-from .args import PRESETS, ModelArgs
+from ..core.model_args import PRESETS, ModelArgs
 
 _LAZY = {"Llama": ".llama", "Block": ".llama", "Attention": ".llama", "FeedForward": ".llama",
          "RMSNorm": ".llama", "init_tensor": ".init", "materialize": ".init"}

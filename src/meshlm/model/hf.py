@@ -21,10 +21,10 @@ from typing import Callable
 
 import torch
 
-from ..files import json_field
+from ..core.files import json_field
 from . import safetensors_io as st
-from .args import ModelArgs
-from .hf_config import hf_copies, hf_names, param_shapes, stacked
+from ..core.model_args import ModelArgs
+from ..core.hf_config import hf_copies, hf_names, param_shapes, stacked
 
 ROPE_ROWS = ("attention.wq.weight", "attention.wk.weight", "attention.wq.bias", "attention.wk.bias",
              "attention.q_norm.weight", "attention.k_norm.weight")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .args import ModelArgs
+from ..core.model_args import ModelArgs
 
 
 class LayerKV:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .args import ROPE_TYPES, ModelArgs
+from ..core.model_args import ROPE_TYPES, ModelArgs
 from .flex import flex_attend
 from .ops import rms_norm
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .args import ModelArgs
+from ..core.model_args import ModelArgs
 from .feed_forward import FeedForward
 from .flex import flex_block_mask
 from .layers import (AttentionCore, HeadRMSNorm, RMSNorm, apply_rope, rope_attention_factor, rope_frequencies,

@@ -27,7 +27,7 @@ import math
 import torch
 from torch import nn
 
-from .args import ModelArgs
+from ..core.model_args import ModelArgs
 from .layers import AttentionCore, HeadRMSNorm, apply_rope, yarn_mscale
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q / kv latent norms keep RMSNorm's default, whatever rms_norm_eps says

@@ -63,7 +63,7 @@ import math
 import torch
 from torch import nn
 
-from .args import ModelArgs
+from ..core.model_args import ModelArgs
 from .feed_forward import FeedForward, SwiGLU
 from .ops import eager_under_compile
 

@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..choices import param_dtype, torch_dtype
-from ..config import OptimConfig, ParallelConfig, TrainingConfig
+from ..core.choices import TORCH_DTYPES, choose, param_dtype
+from ..core.config import OptimConfig, ParallelConfig, TrainingConfig
 from ..distributed.mesh import ParallelContext
-from ..layout import Layout
+from ..core.layout import Layout
 from ..model.init import canonical_name, init_source, materialize
 from .compile_cache import key_inductor_cache
 from .dims.context_parallel import ContextParallel, apply_context_parallel
@@ -282,3 +282,7 @@ def _loss_fn(model, tp, loss_head, ctx, layout, compile_: bool, zloss: ZLoss | N
     if compile_:
         loss_fn = torch.compile(loss_fn, dynamic=False)
     return zloss.plain(loss_fn) if zloss else loss_fn
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, TORCH_DTYPES[choose(name, tuple(TORCH_DTYPES), "dtype")])

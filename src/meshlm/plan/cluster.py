@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..cards import device_groups
+from ..core.cards import device_groups
 from .hardware import GPU, HardwareError, get_gpu
 
 
@@ -118,8 +118,8 @@ def tp_span(cluster: Cluster, tp: int, key: str = "parallel.tp") -> None:
 
 
 def check_devices(cfg, world: int) -> Cluster | None:
-    """parallel.devices against the world size and the layout, before any worker starts (plan/auto.py
-    `resolve` calls it): known types, the right count, no TP group across two types. A ConfigError-like
+    """parallel.devices against the world size and the layout, before any worker starts (plan/search/auto.py
+    `layout_for_run` calls it): known types, the right count, no TP group across two types. A ConfigError-like
     one-line HardwareError naming parallel.devices or parallel.tp; None without devices."""
     if not cfg.parallel.devices:
         return None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, fields
 
-from .. import cards
+from ..core import cards
 
 GB = 1e9
 GIB = 2 ** 30
@@ -49,7 +49,7 @@ class GPU:
     # KIOXIA CM6 datasheets). Assumed, not measured here: bench/offload.py measures a machine's own.
     disk_read_bw: float = 6.5 * GB
     disk_write_bw: float = 3.5 * GB
-    # Per-operation time model (plan/ops.py). Defaults are the H100 SXM's:
+    # Per-operation time model (plan/cost/ops.py). Defaults are the H100 SXM's:
     sms: int = 132                 # streaming multiprocessors (NVIDIA H100 whitepaper: 132 on SXM5)
     gemm_ceiling: float = 0.775    # large bf16 GEMM / peak: 767 of 989 TFLOP/s, 8192³ cuBLAS on one H100 SXM
     #                                (shared/gpu/h100-2026-11-25/ceilings.json, square8192)
@@ -61,7 +61,7 @@ class GPU:
     launch_eager_s: float = 10e-6  # host dispatch per eager PyTorch op with autograd (assumed; on a compiled
     #                                GPU step the kernels hide it, so a calibration does not fit it)
     launch_compiled_s: float = 5e-6  # per inductor-generated kernel launch (assumed likewise)
-    arch: str = "hopper"           # which attention-kernel table applies (plan/ops.py)
+    arch: str = "hopper"           # which attention-kernel table applies (plan/cost/ops.py)
     link_latency_s: float | None = None  # fixed cost per collective call; None: comm.LATENCY_S (NVLink /
     #                                IB); a calibrated CPU sets what a probe of its collectives measured
 

@@ -2,19 +2,19 @@
 
 A Spec is a `layout.Layout` (the degrees and the batch split, read from the config by the same
 `layout.from_config` the trainer uses) plus the planner's knobs. The planner does its own checks
-instead of calling `layout.resolve`, because resolve() also refuses dimensions whose runtime has not
+instead of calling `layout.build_layout`, because that also refuses dimensions whose runtime has not
 landed yet, and the planner must reason about all of them; the checks of degrees against the model
-they share are layout/degrees.py's. Nothing here imports torch.
+they share are core/layout/degrees.py's. Nothing here imports torch.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from ..choices import AC_MODES, CP_IMPLS, FP8_COMMS, OFFLOAD, OPTIMIZERS, PP_SCHEDULES as SCHEDULES, PRECISIONS, choose
-from ..config import AUTO, Config, ConfigError, resolve_auto
-from ..layout import Layout, check_cp, check_ep, check_shape, check_zeropp, from_config, model_args
-from ..model import args as model_args_module
+from ..core.choices import AC_MODES, CP_IMPLS, FP8_COMMS, OFFLOAD, PP_SCHEDULES as SCHEDULES, PRECISIONS, choose
+from ..core.config import AUTO, Config, ConfigError, apply_device
+from ..core.layout import Layout, check_cp, check_ep, check_shape, check_zeropp, from_config, model_args
+from ..core import model_args as model_args_module
 
 PLAN_PRECISIONS = tuple(dict.fromkeys(PRECISIONS + ("fp8",)))
 
@@ -29,8 +29,8 @@ def presets() -> dict:
 
 @dataclass(frozen=True)
 class Shape:
-    """A model: its ModelArgs (dense or MoE: model/args.py carries the MoE fields) and a name."""
-    args: object  # meshlm.model.args.ModelArgs
+    """A model: its ModelArgs (dense or MoE: core/model_args.py carries the MoE fields) and a name."""
+    args: object  # meshlm.core.model_args.ModelArgs
     name: str = ""
 
     def __post_init__(self):  # hashed on every cache lookup of the search: compute it once
@@ -91,7 +91,7 @@ class Spec(Layout):
     cp_impl: str = "ring"
     bucket_mb: float = 25.0
     reduce_dtype: str = "fp32"
-    optim: str = "adamw"            # optim.name: "muon" adds plan/muon.py's memory, time and traffic
+    optim: str = "adamw"            # optim.name: "muon" adds plan/cost/muon.py's memory, time and traffic
     fp8_comm: tuple = FP8_COMMS     # training.fp8_comm: under fp8, the collectives moving float8 (tensorwise)
 
     @classmethod
@@ -128,9 +128,9 @@ class Spec(Layout):
 
 def priced_on(cfg: Config, gpu: bool) -> Config:
     """A copy of cfg as the priced device trains it: training.precision / compile = "auto" resolved
-    (config.resolve_auto) for a GPU (bf16, compiled) or a CPU (fp32, eager). Every entry that turns a
+    (config.apply_device) for a GPU (bf16, compiled) or a CPU (fp32, eager). Every entry that turns a
     config into a Spec and Options calls it first; spec_from_config and code_options refuse "auto"."""
-    return resolve_auto(dataclasses.replace(cfg), cuda=gpu)
+    return apply_device(dataclasses.replace(cfg), cuda=gpu)
 
 
 def _resolved(cfg: Config, key: str):
@@ -156,7 +156,7 @@ def spec_from_config(cfg: Config, world: int | None) -> Spec:
     the world its parallel.dp fixes, layout.from_config)."""
     p, t = cfg.parallel, cfg.training
     cfg.data.check(cfg)  # what the data section refuses (a document mask under a CP core without masks)
-    cfg.optim.check(cfg)  # the schedule the run total prices (optim.schedule, decay_steps: config/course.py)
+    cfg.optim.check(cfg)  # the schedule the run total prices (optim.schedule, decay_steps: core/facts/course.py)
     cfg.training.check(cfg)  # its batch ramp and the rest of the section, as meshlm train checks them
     for key in ("tp", "pp", "cp", "ep", "pp_virtual"):
         if getattr(p, key) < 1:
@@ -231,7 +231,7 @@ def check(shape: Shape, s: Spec) -> None:
         raise PlanError(str(e)) from None
     check_shape(a, s.tp, s.pp, s.pp_virtual)
     if s.pp_layers:
-        from ..schedule.stage import partition
+        from ..core.schedule.stage import partition
         try:
             partition(a.n_layers, s.pp * s.pp_virtual, override=list(s.pp_layers))
         except ValueError as e:

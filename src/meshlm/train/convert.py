@@ -16,9 +16,9 @@ import warnings
 
 import torch
 
-from .. import config as C
-from ..model.args import ModelArgs
-from ..model.hf_config import args_from_hf, config_for, param_shapes
+from ..core import config as C
+from ..core.model_args import ModelArgs
+from ..core.hf_config import args_from_hf, config_for, param_shapes
 from .checkpoint import CheckpointError, write_failure
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -44,7 +44,7 @@ def find_checkpoint(path: str) -> str:
 
 def checkpoint_model(path: str) -> tuple[C.Config, ModelArgs, dict]:
     """(config, model shape, meta) of checkpoint `path`."""
-    from ..model.from_config import model_args
+    from ..core.config.model import model_args
     try:
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
@@ -143,7 +143,7 @@ def from_hf(hf_dir: str, out: str) -> str:
     """A weights-only meshlm checkpoint (`master/<name>` fp32 + meta.json) from a transformers model.
     Its config pins the shape; train from HF weights with model.init_from instead (any layout).
     One tensor in memory at a time: each is read when DCP writes it (train/checkpoint.save_streaming)."""
-    from ..model.from_config import set_model_shape
+    from ..core.config.model import set_model_shape
     from ..model.hf import HFWeights
     from .checkpoint import save_streaming
     args = args_from_hf(hf_dir)

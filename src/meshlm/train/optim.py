@@ -1,13 +1,12 @@
 """AdamW over fp32 master weights, the LR schedule, global grad-norm clipping and fp16 loss scaling."""
 from __future__ import annotations
 
-import math
 from typing import Callable, Hashable
 
 import torch
 from torch import nn
 
-from ..config import OptimConfig, decay_span
+from ..core.config import OptimConfig
 from ..distributed.comm import Comm
 from ..parallel.dims.grad_sync import decays, flat_groups
 from ..parallel.optim.adamw import adamw_step, fused_adamw_supported
@@ -137,35 +136,6 @@ class MasterOptimizer:  # implements parallel.optim.adamw.Optimizer
         pass  # nothing outside memory to release
 
 
-def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """The rate of the update at `step` (0-based): linear warmup to `lr` over optim.warmup steps, then
-    optim.schedule (docs/training.md). A function of the step and the config only, so a resumed,
-    resharded or resized run keeps its schedule.
-    - cosine: cosine from `lr` to `lr × min_lr_ratio`, reached at step `total_steps` (the run's default);
-    - linear: the same span, decreasing linearly (Megatron's `linear`);
-    - constant: `lr` to the end;
-    - wsd: `lr` until the last `decay_span` steps, then `optim.decay_type` down to the floor, which the
-      last step runs at (update k of D has progress k / D)."""
-    if cfg.warmup and step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    floor = cfg.lr * cfg.min_lr_ratio
-    if cfg.schedule == "constant":
-        return cfg.lr
-    if cfg.schedule == "wsd":
-        span = decay_span(cfg, total_steps)
-        progress = min(1.0, max(0, step - (total_steps - span) + 1) / span)
-        return floor + (cfg.lr - floor) * _DECAY[cfg.decay_type](progress)
-    span = max(1, total_steps - cfg.warmup)
-    progress = min(1.0, (step - cfg.warmup) / span)
-    if cfg.schedule == "linear":
-        return floor + (cfg.lr - floor) * (1.0 - progress)
-    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-# WSD's decay shapes: the fraction of (lr - floor) left at progress p in [0, 1] (torchtitan's names)
-_DECAY = {"linear": lambda p: 1.0 - p,
-          "sqrt": lambda p: 1.0 - math.sqrt(p),
-          "cosine": lambda p: 0.5 * (1.0 + math.cos(math.pi * p))}
 
 
 def grad_norm(grads: list[torch.Tensor], world: Comm, device: torch.device | str | None = None,

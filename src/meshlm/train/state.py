@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..config import Config, to_dict
-from ..layout import Layout
+from ..core.config import Config, to_dict
+from ..core.layout import Layout
 from ..parallel import Parallelized
 from . import checkpoint as ckpt
 from .optim import LossScaler
@@ -19,11 +19,13 @@ class TrainState:
     state_dict / load_state_dict, so that the state sits below what observes and acts on it."""
 
     def __init__(self, par: Parallelized, sampler, scaler: LossScaler, spikes: Stateful,
-                 cfg: Config, layout: Layout, rank: int, outer=None, island: int = 0):
+                 cfg: Config, layout: Layout, rank: int, outer=None, island: int = 0, island_job: int | None = None):
+        """`island_job`: island jobs (training.outer.on_island_loss = "continue"): this island, which saves
+        its own state as island 0's (docs/diloco.md)."""
         self.par, self.sampler, self.scaler, self.spikes = par, sampler, scaler, spikes
         self.cfg, self.layout, self.rank = cfg, layout, rank
         self.outer, self.island = outer, island  # parallel.islands > 1: the OuterSync, this rank's island
-        self.island_job: int | None = None  # island jobs: this island; it saves its own state as island 0's
+        self.island_job = island_job
         self.step = 0  # optimizer steps taken
         self.saved_step: int | None = None  # newest checkpoint written or loaded (for messages)
 

@@ -7,74 +7,52 @@ step. What a checkpoint holds is `TrainState` (state.py); a logged step's metric
 from __future__ import annotations
 
 import os
-import sys
 import time
 from functools import partial
+from typing import Callable
 
 import torch
 
-from ..config import Config
+from ..core.config import Config
+from ..core.config.model import model_args
+from ..core.facts.course import lr_at
+from ..core.layout import Layout, build_layout
 from ..data import default_data_dir
 from ..data.dataset import open_data
-from ..distributed.link import RunOver, island_job, job_world
+from ..distributed.link import island_job, job_world
 from ..distributed.mesh import ParallelContext, init_context, join_world, pick_device, shutdown
-from ..layout import Layout
 from ..model import build_model
-from ..model.from_config import model_args
 from ..parallel import Parallelized, parallelize, slices
-from ..parallel.dims.island_link import linked
+from ..parallel.dims.island_link import meet_islands
 from ..parallel.dims.islands import outer_sync
 from ..parallel.plans.moe import model_plan_for
 from ..parallel.step import local_batch
-from ..plan.auto import resolve
 from . import checkpoint as ckpt
 from . import plugins
 from .evaluate import evaluate
 from .launch import record_error
-from .observe.metrics import MetricsLog, StepMeter, StepProfiler, device_profile, log_auto, memory
-from .optim import LossScaler, MasterOptimizer, clip_, grad_norm, lr_at
+from .observe.metrics import MetricsLog, StepMeter, StepProfiler, memory
+from .optim import LossScaler, MasterOptimizer, clip_, grad_norm
 from .resilience import fault, preempt
 from .resilience.saving import Saving
 from .resilience.spike import SpikeDetector, SpikeHandler
 from .state import TrainState
 
 
-def run(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout | None = None) -> dict:
-    """Entry point of one worker (or of the only process); `restarts` and `layout` as in `start`. A
-    finished run says so in the run directory before the teardown (train/launch.py `record_done`):
-    the outcome, not how the process ends, decides the job's exit status."""
-    from ..distributed.mesh import thread_ids
-    from .launch import record_done, record_preempted, teardown
-    ctx, finished, before = None, False, thread_ids()
-    try:
-        trainer = start(cfg, run_dir, restarts, layout)
-        ctx = trainer.ctx
-        try:
-            last = trainer.fit()
-        finally:
-            del trainer  # its graphs and hooks hold the groups: they go before the teardown
-        if "preempted" in last:  # saved and stopped on checkpoint.on_signal: the launcher says so
-            record_preempted(run_dir, ctx.rank, last["preempted"])
-        else:
-            record_done(run_dir, ctx.rank, last)
-        finished = True
-        return last
-    finally:
-        teardown(ctx, finished, before)
-
-
-def start(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout | None = None) -> "Trainer":
+def start(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout | None = None,
+          pick: Callable | None = None) -> "Trainer":
     """One worker's start-up, in the order docs/fault_tolerance.md ("Growing back") needs: the world
     group and the job's restart count every rank agreed on (`restarts`, if the caller already joined),
-    then the layout (its parallel.elastic message depends on that count; `layout`, if the caller already
-    resolved it for this world and device, as cli.py does), then the mesh's groups. MESHLM_PLUGINS
-    (plugins.py) are imported first and installed on the built Trainer."""
+    then the layout (its parallel.elastic message depends on that count), then the mesh's groups.
+    `layout`: the one the entry resolved for this world and device (preflight.py); without it
+    `pick(cfg, world, device, restarts)` chooses one (the entry's `pick_layout`, which asks the planner),
+    else `build_layout`. MESHLM_PLUGINS (plugins.py) are imported first and installed on the Trainer."""
     extensions = plugins.load()
     device = pick_device(cfg.training.device)
     if restarts is None:
         restarts = join_world(device, cfg.parallel.timeout_s)
     if layout is None:
-        layout = resolve(cfg, job_world(), device_profile(device), restarts)
+        layout = pick(cfg, job_world(), device, restarts) if pick else build_layout(cfg, job_world())
     ctx = init_context(layout.shape(), device, cfg.parallel.timeout_s, restarts)
     try:
         trainer = Trainer(cfg, run_dir, ctx, layout)
@@ -94,8 +72,6 @@ class Trainer:
         self.cfg, self.run_dir, self.ctx, self.layout = cfg, run_dir, ctx, layout
         t, m = cfg.training, cfg.metrics
         os.makedirs(run_dir, exist_ok=True)
-        if ctx.rank == 0 and getattr(cfg, "auto_record", None):
-            log_auto(cfg.auto_record, run_dir)
         # data and this rank's part of the model
         torch.manual_seed(t.seed)
         self.args = model_args(cfg)
@@ -116,11 +92,10 @@ class Trainer:
         # island jobs (training.outer.on_island_loss = "continue"): this island's state is its job's own,
         # saved as island 0's in checkpoints/island{k} (island 0: checkpoints/; docs/diloco.md)
         island, job = ctx.coords["islands"], island_job() is not None
-        self.rounds = None  # island jobs: the rounds over the island link (_meet_islands)
+        self.rounds = None  # island jobs: the rounds over the island link (island_link.py `meet_islands`)
         self.state = TrainState(self.par, self.data.sampler, LossScaler(t.precision == "fp16", device=ctx.device),
                                 SpikeDetector(t.spike_zscore, t.spike_window, t.spike_action), cfg, layout, ctx.job_rank,
-                                self.outer, 0 if job else island)
-        self.state.island_job = island if job else None
+                                self.outer, 0 if job else island, island_job=island if job else None)
         root = os.path.join(run_dir, "checkpoints", *([f"island{island}"] if job and island else []))
         self.checkpointer = ckpt.Checkpointer(root, ctx.comm("world"), cfg.checkpoint.keep, cfg.checkpoint.async_,
                                               cfg.checkpoint.on_error)
@@ -134,7 +109,7 @@ class Trainer:
             self.guard.replay()  # a restart after a non-finite stop stops at once
             self.resumed = self._resume()  # meta.json of the checkpoint resumed from, or None
             if job:  # meet the other islands: a restarted island leaves with their state
-                self._meet_islands()
+                self.rounds = meet_islands(self.outer, ctx, cfg.parallel.timeout_s, self.state, t.steps)
         except BaseException:
             self._release()
             raise
@@ -144,21 +119,6 @@ class Trainer:
                                 ctx.comm("world"), self.log)
         self.saving = Saving(cfg, self.checkpointer, self.guard, cadence, self.log, ctx.comm("world"), run_dir)
         self.spike_handler = SpikeHandler(self.checkpointer, self.log)
-
-    def _meet_islands(self) -> None:
-        """Island jobs (docs/diloco.md, "Losing an island"): the first round with the other islands, before
-        any step; an island that took a donor's state says so on its log."""
-        rounds = self.rounds = linked(self.outer, self.ctx, self.cfg.parallel.timeout_s, self.state)
-        before = self.state.step
-        try:
-            members = rounds.start(before)
-        except RunOver as e:  # it came back after the others finished: its run is over too
-            print(f"meshlm: {e}", file=sys.stderr, flush=True)
-            self.state.step = self.cfg.training.steps  # fit has nothing left to run
-            return
-        if rounds.healed and self.ctx.job_rank == 0:
-            print(f"meshlm: island {self.ctx.coords['islands']} rejoined at step {self.state.step} (it was at step "
-                  f"{before}) with the other islands' state", file=sys.stderr, flush=True)
 
     def _resume(self) -> dict | None:
         """Load the checkpoint `checkpoint.resume` (or a restart) asks for, then fix up metrics.jsonl."""

@@ -36,7 +36,7 @@ function fillInputs() {
   setValue("global_batch_tokens", OPTIONS.defaults.global_batch_tokens);
   for (const [k, v] of Object.entries(OPTIONS.course_defaults)) setValue(k, Array.isArray(v) ? v.join(", ") : v);
   syncCluster();
-  input("efficiency").placeholder = OPTIONS.defaults.efficiency ?? "per operation";  // null: plan/ops.py's model
+  input("efficiency").placeholder = OPTIONS.defaults.efficiency ?? "per operation";  // null: plan/cost/ops.py's model
   input("comm_efficiency").placeholder = OPTIONS.defaults.comm_efficiency;
   api("/api/runs").then((res) => {  // runs to calibrate from (docs/planner.md, "Calibration from a run")
     for (const r of res.runs) input("calibrate").add(new Option(r.name, r.name));

@@ -4,7 +4,7 @@
 
 const CORNER_NAMES = { warmup_end: "peak LR (warmup's end) at", decay_start: "decay from", ramp_end: "full batch from" };
 
-// plan/estimate.py `describe_run`, as `meshlm estimate` prints it
+// plan/cost/estimate.py `describe_run`, as `meshlm estimate` prints it
 function describeRun(run) {
   if (!run) return "";
   if (run.skipped) return `run: ${run.skipped}`;

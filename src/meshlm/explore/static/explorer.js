@@ -71,7 +71,7 @@ function renderTime(r, res) {
     { name: "exposed comm", value: tm.exposed_comm_microbatch_s + tm.exposed_comm_step_s },
     { name: "compute beside comm", value: tm.overlap_slowdown_s }, { name: "bubble", value: tm.bubble_s },
     { name: "optimizer", value: tm.optimizer_s + tm.offload_s }], { fmt: (s) => fmtNum(s, 3) + " s" });
-  // the per-operation model's breakdown of the compute (plan/ops.py); absent with a flat --efficiency
+  // the per-operation model's breakdown of the compute (plan/cost/ops.py); absent with a flat --efficiency
   const ops = r.ops || {};
   $("#ops-table").innerHTML = r.ops ? "<tr><th>compute by operation</th><th>s per step</th></tr>" +
     ["gemm_s", "attention_s", "elementwise_s", "launch_s", "grad_accum_s", "head_s", "loss_s", "recompute_s"]
@@ -102,7 +102,7 @@ function render(res, body) {
 // ------------------------------------------------------------------------------------- plan
 function planCaption(res) {
   const c = res.counts, n = (k) => (c[k] || 0).toLocaleString();
-  // fit + out of memory + invalid = searched (plan/search.py counts each candidate once); dominated is part of fit
+  // fit + out of memory + invalid = searched (plan/search/ranked.py counts each candidate once); dominated is part of fit
   const fit = ((c.fit || 0) - (c.dominated || 0)).toLocaleString();
   return `meshlm plan: <span data-count="candidates">${n("candidates")}</span> layouts searched in ${res.elapsed_s.toFixed(2)} s: <span data-count="fit">${fit}</span> fit, ` +
     `<span data-count="dominated">${n("dominated")}</span> fit but dominated by a faster AC/offload variant, ` +

@@ -1,5 +1,5 @@
 // A mixed cluster (gpu = "h100:8,a100-80gb:8"): the estimate's per-type facts and the mixed plan, whose
-// rows place pipeline stages or data replicas on each card type (plan/hetero_cli.py's JSON, as drawn
+// rows place pipeline stages or data replicas on each card type (plan/mixed/cli.py's JSON, as drawn
 // by `meshlm plan --gpu TYPE:COUNT,...`), and its comparison with the fastest type alone.
 "use strict";
 
@@ -57,7 +57,7 @@ function mixedRow(r, i) {
     `<td>${L.micro_batch}×${L.microbatches}</td><td>${L.ac}</td><td>${L.offload}</td><td>${splitText(L)}</td></tr>`;
 }
 
-// plan/hetero_cli.py `_comparison_lines` in words: does adding the slower cards pay?
+// plan/mixed/cli.py `_comparison_lines` in words: does adding the slower cards pay?
 function comparisonHtml(res) {
   const c = res.comparison;
   const alone = `${c.alone_gpus} × ${c.alone_gpu}`;

@@ -21,7 +21,7 @@ Per-block attention goes through a kernel that returns its log-sum-exp: on CUDA 
 (bf16/fp16) or memory-efficient (fp32) ops, on CPU a plain implementation. Positions: each rank applies
 RoPE at the true positions of its tokens (`CPSplit.positions`, through the model's `positions`
 argument, composed with SP's hook). Parameters are replicated over cp, so gradients are reduced over
-dp×cp (compose.reductions). docs/context_parallel.md and plan/volume.py have the byte formulas.
+dp×cp (compose.reductions). docs/context_parallel.md and plan/cost/volume.py have the byte formulas.
 """
 from __future__ import annotations
 

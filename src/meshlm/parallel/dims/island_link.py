@@ -14,11 +14,12 @@ donor. Everything is applied when the link commits the round; nothing before.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 
 import torch
 
-from ...distributed.link import Link
+from ...distributed.link import Link, RunOver
 
 HEADER = 4  # island, step, in a sync (1) or starting (0), fragment due (-1: none)
 
@@ -110,3 +111,21 @@ def linked(outer, ctx, timeout_s: float, state) -> LinkedRounds:
     island = ctx.coords["islands"]
     link = Link(connect(timeout_s), island, ctx.job_rank, timeout_s, ctx.comm("islands"))
     return LinkedRounds(outer, link, island, state.position, state.set_position, state.par.model_state)
+
+
+def meet_islands(outer, ctx, timeout_s: float, state, steps: int):
+    """Island jobs (docs/diloco.md, "Losing an island"): the first round with the other islands, before
+    any step; an island that took a donor's state says so. Returns the rounds (`linked`); an island that
+    came back after the others finished has its `state.step` set to `steps` (its run is over too)."""
+    rounds = linked(outer, ctx, timeout_s, state)
+    before = state.step
+    try:
+        rounds.start(before)
+    except RunOver as e:
+        print(f"meshlm: {e}", file=sys.stderr, flush=True)
+        state.step = steps  # fit has nothing left to run
+        return rounds
+    if rounds.healed and ctx.job_rank == 0:
+        print(f"meshlm: island {ctx.coords['islands']} rejoined at step {state.step} (it was at step "
+              f"{before}) with the other islands' state", file=sys.stderr, flush=True)
+    return rounds

@@ -9,7 +9,7 @@ fragments (`fragment_of`, the model plan's) and syncs fragment k at inner steps 
 
 The outer gradient travels as fp32 (one all-reduce) or quantised (bf16, or float8 / int8 codes with one
 fp32 scale per QUANT_BLOCK elements, all-gathered); every rank sums the islands' values in fp32 in island
-order, so every island computes the same θ_outer. Bytes are booked as `outer` (plan/islands.py's formula).
+order, so every island computes the same θ_outer. Bytes are booked as `outer` (plan/cost/islands.py's formula).
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from ...distributed import float8_comm as f8
-from ...plan.islands import TWO_STEP_FROM, padded, two_step_rows
-from ...plan.volume import QUANT_BLOCK
+from ...core.facts.islands import TWO_STEP_FROM, padded, two_step_rows
+from ...core.facts.quant import QUANT_BLOCK
 from .zero.quantize import dequantize_rows, quantize_rows
 
 KIND = "outer"  # the books' name for the outer sync's collectives (metrics.jsonl `comm.outer`)
@@ -202,7 +202,7 @@ def _after(handle, then: Callable[[], torch.Tensor]) -> torch.Tensor:
 
 
 def _two_step(comm, delta: torch.Tensor, q: str, count: int) -> Callable[[], torch.Tensor]:
-    """fp8 / int8 from TWO_STEP_FROM islands (plan/islands.py `outer_sync_bytes`): island j receives every
+    """fp8 / int8 from TWO_STEP_FROM islands (plan/cost/islands.py `outer_sync_bytes`): island j receives every
     island's j-th 1/N chunk (all-to-all), sums them in fp32 in island order, sends the sum quantised again
     (all-gather); every rank decodes the same bits. Started without waiting: the all-to-all; the rest runs
     in the function returned."""

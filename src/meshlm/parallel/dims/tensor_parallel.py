@@ -28,8 +28,8 @@ from torch import nn
 from ...distributed.comm import Comm
 from ...distributed.functional import (copy_to, gather_linears, gather_seq, reduce_from, reduce_scatter_seq, sum_grad,
                                        sum_grad_over_replicas)
-from ...layout import check_shape
-from ...model.args import padded_vocab
+from ...core.layout import check_shape
+from ...core.model_args import padded_vocab
 from ...model.init import canonical_name
 from ..placement import DimSplit
 from ..swap import swap_in
@@ -60,7 +60,7 @@ def sum_gain_grad(model: nn.Module, mod: nn.Module, comm: Comm) -> None:
         swap_in(model, mod, _summed_gain_class(type(mod)), tp_comm=comm)
 
 
-def _bias(mod: nn.Module) -> torch.Tensor | None:
+def linear_bias(mod: nn.Module) -> torch.Tensor | None:
     """The bias of a column-parallel linear (q/k/v biases), its gradient summed over kv replicas."""
     b = mod.bias
     return None if b is None else sum_grad_over_replicas(b, mod.tp_comm, mod.tp_rep)
@@ -72,7 +72,7 @@ class ReplicatedKVLinear(nn.Linear):
     tp_rep: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, sum_grad_over_replicas(self.weight, self.tp_comm, self.tp_rep), _bias(self))
+        return F.linear(x, sum_grad_over_replicas(self.weight, self.tp_comm, self.tp_rep), linear_bias(self))
 
 
 class _ColumnGroup:
@@ -105,7 +105,7 @@ class GatheredLinear(ReplicatedKVLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.group.output(x, self.slot)
-        b = _bias(self)
+        b = linear_bias(self)
         return out if b is None else out + b
 
 
@@ -165,7 +165,7 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table, c
     keeps the blocks' column-parallel linears plain nn.Linear under SP (a hook gathers the region's
     input instead), so fp8 can convert them (parallel/features/float8.py)."""
     args, t = model.args, comm.size
-    check_shape(args, t, 1, 1)  # layout.resolve reports these before workers start
+    check_shape(args, t, 1, 1)  # layout.build_layout reports these before workers start
     tp = TensorParallel(comm=comm, sp=sp, vocab=_vocab_rows(model, comm, plan, table))
     leave = (lambda x: reduce_scatter_seq(x, comm)) if sp else (lambda x: reduce_from(x, comm))
     kv_rep = max(1, t // args.n_kv_heads)

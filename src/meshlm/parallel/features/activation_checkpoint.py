@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ...choices import AC_MODES, choose
+from ...core.choices import AC_MODES, choose
 from ...model.ops import eager_under_compile
 
 _aten = torch.ops.aten

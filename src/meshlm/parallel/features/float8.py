@@ -25,7 +25,7 @@ from torch import nn
 
 from ...distributed.functional import sum_grad_over_replicas
 from ...model.fp8_grouped import Float8Gemms
-from ..dims.tensor_parallel import ReplicatedKVLinear, _bias
+from ..dims.tensor_parallel import ReplicatedKVLinear, linear_bias
 from ..swap import swap_in
 
 
@@ -73,7 +73,7 @@ def _float8_classes() -> tuple[type, type]:
             return sum_grad_over_replicas(self.weight, self.tp_comm, self.tp_rep)
 
         def hp_bias(self) -> torch.Tensor | None:
-            return _bias(self)
+            return linear_bias(self)
 
     return Float8ZeroLinear, Float8ReplicatedKVLinear
 

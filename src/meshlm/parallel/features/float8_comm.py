@@ -21,7 +21,7 @@ from torch.autograd import Function
 from ...distributed.comm import Comm
 from ...distributed.float8_comm import amax, decode, encode, shared_scales
 from ...distributed.functional import all_gather_dim, reduce_scatter_dim
-from ...layout import fp8_comm_in_use
+from ...core.layout import fp8_comm_in_use
 
 
 def comm_in_use(training, layout) -> frozenset[str]:

@@ -20,7 +20,7 @@ picks its positions. Each depth's loss is the loss function's mean over this ran
 have a target, times their share n·cp/(S − k) of the sequence's S − k, so the mean over the cp ranks
 (the gradient reduction, the reported loss) is one process's. Under SP the head's entry gathers the
 (CP-local) sequence, so positions are picked from whole rows; the chunked loss head takes its input
-before that gather, which is why layout/checks.py refuses MTP with training.loss_chunks under SP.
+before that gather, which is why core/layout/checks.py refuses MTP with training.loss_chunks under SP.
 """
 from __future__ import annotations
 

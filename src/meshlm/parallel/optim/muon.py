@@ -25,7 +25,7 @@ from typing import Callable, Hashable, NamedTuple
 import torch
 from torch import nn
 
-from ...config import OptimConfig
+from ...core.config import OptimConfig
 from ..dims.grad_sync import flat_groups
 from ..placement import DimSplit, Placement, PlacementTable
 

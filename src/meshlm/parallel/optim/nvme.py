@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch.optim.adam import adam as adam_fn
 
-from ...config import ConfigError, OptimConfig
+from ...core.config import ConfigError, OptimConfig
 from ..dims.zero.sync import ZeroSync
 from ..dims.zero.units import Unit
 from .adamw import fused_adamw_supported

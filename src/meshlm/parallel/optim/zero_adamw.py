@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ...config import OptimConfig
+from ...core.config import OptimConfig
 from ..dims.zero.sync import ZeroSync
 from ..dims.zero.units import Unit
 from .adamw import adamw_step, fused_adamw_supported

@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ...config import OptimConfig
+from ...core.config import OptimConfig
 from ..dims.zero.units import Segment, Unit
 from ..placement import PlacementTable
 from .muon import Orthogonaliser, Route, SplitExchange, deal, nesterov_, owner_exchange, plan_route

@@ -101,7 +101,7 @@ def preflight(cfg, run_dir: str, restarts: int = 0) -> None:
                               f"train from Hugging Face weights with --model.init_from hf:DIR")
     check_islands(cfg, path)
     from ...model import build_model
-    from ...model.from_config import model_args
+    from ...core.config.model import model_args
     from ...model.init import canonical_name
 
     with torch.device("meta"):
@@ -117,13 +117,13 @@ def check_room(cfg, run_dir: str) -> None:
     """Refuse, in one line, a run whose checkpoint directory cannot hold `keep + 1` checkpoints (the
     newest kept ones and the one being written; with keep = 0, every save the run makes) plus its
     Hugging Face exports. A checkpoint's size is the planner's (fp32 masters and Adam moments,
-    plan/goodput.py); checkpoints already in the directory count as room the run has."""
+    plan/cost/goodput.py); checkpoints already in the directory count as room the run has."""
     c, t = cfg.checkpoint, cfg.training
     if not c.every and c.export_hf == "":
         return
-    from ...choices import DTYPE_BYTES
-    from ...model.from_config import model_args
-    from ...plan.goodput import checkpoint_bytes
+    from ...core.choices import DTYPE_BYTES
+    from ...core.config.model import model_args
+    from ...core.facts.checkpoint import checkpoint_bytes
     params = model_args(cfg).num_params()
     size = checkpoint_bytes(params)
     every = c.every if isinstance(c.every, int) and c.every > 0 else 0

@@ -36,7 +36,7 @@ class _Unpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP index")
 
 
-class _Reader(dcp.FileSystemReader):
+class CheckpointReader(dcp.FileSystemReader):
     def read_metadata(self, *args, **kwargs) -> Metadata:
         return read_metadata(str(self.path))
 

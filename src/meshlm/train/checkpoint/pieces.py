@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from .index import CheckpointError, _Reader, check_files, check_shapes, read_metadata
+from .index import CheckpointError, CheckpointReader, check_files, check_shapes, read_metadata
 
 # One-process runs use DCP without a process group on purpose.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -52,7 +52,7 @@ def _find(state: dict[str, Pieces], index: MetadataIndex) -> torch.Tensor:
     raise KeyError(f"{index.fqn}: no piece at {tuple(index.offset)}")
 
 
-class _SavePlanner(DefaultSavePlanner):
+class PiecesSavePlanner(DefaultSavePlanner):
     """DCP's default planner (dedup, global metadata, coverage checks) over our pieces."""
 
     def __init__(self):
@@ -114,7 +114,7 @@ class _LoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn].backing.write(dest, tensor)
 
 
-class _LazySavePlanner(_SavePlanner):
+class _LazySavePlanner(PiecesSavePlanner):
     """Asks `make(key)` for each tensor only when DCP writes it, so one tensor is in memory at a time.
     DCP's writer (one file per tensor, written before the next is asked for) keeps a reference to the
     tensor it wrote last until it has the next one: that tensor's storage is released here first."""
@@ -155,7 +155,7 @@ def load(path: str, state: dict[str, Pieces], shapes: dict[str, tuple[int, ...]]
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: cannot read meta.json ({e})") from None
     try:
-        dcp.load(state, storage_reader=_Reader(path), planner=_LoadPlanner())
+        dcp.load(state, storage_reader=CheckpointReader(path), planner=_LoadPlanner())
     except Exception as e:  # noqa: BLE001 - a corrupt data file: one line naming the checkpoint
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {path}: cannot read its data ({first})") from None

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from ...distributed.comm import Comm
 from .directory import dir_bytes, free_bytes, list_checkpoints
 from .index import CheckpointError
-from .pieces import Pieces, _SavePlanner
+from .pieces import Pieces, PiecesSavePlanner
 
 
 # -- saving ----------------------------------------------------------------------------------------
@@ -106,7 +106,7 @@ class Checkpointer:
         files one at a time therefore get a file each."""
         t0 = time.perf_counter()
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=not one_file_per_piece),
-                 planner=_SavePlanner(), process_group=group)
+                 planner=PiecesSavePlanner(), process_group=group)
         return time.perf_counter() - t0
 
     def _written(self, step: int) -> None:

@@ -11,22 +11,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ... import cards
+from ...core import cards
 from ...distributed.comm import merge_stats, reset_stats
 from .straggler import StragglerWatch, split
 
 if TYPE_CHECKING:
     from ..state import TrainState
 
-
-def device_profile(device: torch.device):
-    """The planner's GPU profile of this device (parallel.auto), or None for a CPU or an unknown GPU
-    (plan/auto.py then uses its CPU profile)."""
-    if device.type != "cuda":
-        return None
-    from ...plan.hardware import get_gpu
-    card = cards.device_card(torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory)
-    return get_gpu(card) if card else None
 
 
 def device_peak(device: torch.device, training=None) -> tuple[float, str]:
@@ -426,18 +417,3 @@ class StepMeter:
         if named:
             rec["stragglers"] = named
         return rec
-
-
-
-def log_auto(record: dict, run_dir: str) -> None:
-    """parallel.auto: say what the planner chose and predicted (stdout and run_dir/auto_layout.json)."""
-    key = "parallel.auto"
-    if "replanned_from" in record:
-        key = "parallel.elastic"
-        print(f"{key}: {record['replanned_from']} does not fit {record['world']} ranks ({record['reason']}): "
-              f"replanned", flush=True)
-    print(f"{key}: {record['auto_layout']} on {record['world']} × {record['gpu']}: predicted "
-          f"{record['predicted_step_s']:.3g} s/step, {record['predicted_tokens_per_s_per_gpu']:,.0f} tokens/s per "
-          f"device, MFU {record['predicted_mfu']:.1%}, {record['predicted_mem_gib']:.2f} GiB", flush=True)
-    with open(os.path.join(run_dir, "auto_layout.json"), "w") as f:
-        json.dump(record, f, indent=1)

@@ -56,8 +56,8 @@ def write_pipeline_png(run_dir: str) -> str | None:
     trace = os.path.join(run_dir, "pipeline_trace.json")
     if not os.path.isfile(trace):
         return None
-    from ...parallel.dims.pipeline.trace import load_timeline
-    from ...schedule.draw import render_png
+    from ...core.schedule.trace import load_timeline
+    from ...core.schedule.draw import render_png
 
     timeline, blocked = load_timeline(trace)
     timeline.name += "; ms blocked in p2p per rank: " + ", ".join(f"{b:.0f}" for b in blocked)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from ...config import Config, ConfigError, to_dict
+from ...core.config import Config, ConfigError, to_dict
 
 
 def check(cfg: Config) -> None:

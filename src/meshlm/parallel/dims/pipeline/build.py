@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from ....schedule.actions import stage_owner
-from ....schedule.check import check_schedule
-from ....schedule.schedules import V_SHAPED, build_schedule
-from ....schedule.stage import PipelineStages, stage_blocks
+from ....core.schedule.actions import stage_owner
+from ....core.schedule.check import check_schedule
+from ....core.schedule.schedules import V_SHAPED, build_schedule
+from ....core.schedule.stage import PipelineStages, stage_blocks
 
 
 def split_model(model: nn.Module, ctx, layout, plan, parallel) -> PipelineStages:

@@ -32,8 +32,8 @@ from torch import nn
 
 from ....data.sampler import Batch
 from ....distributed.comm import Comm
-from ....schedule.actions import Action, local_target, message_of, source_of
-from ....schedule.replay import p2p_batches
+from ....core.schedule.actions import Action, local_target, message_of, source_of
+from ....core.schedule.replay import p2p_batches
 from .backward import input_backward
 
 
@@ -266,10 +266,10 @@ class PipelineRuntime:
     def record(self, path: str | None, step: int) -> float:
         """Gather the last step's timeline over the pp group (a collective: every rank calls it);
         write the Chrome trace to `path` when given. Returns the measured bubble fraction."""
-        from . import trace
+        from ....core.schedule import trace
 
         counts = [len(p2p_batches(acts)) for acts in self.actions]
-        spans = trace.gather_spans(self.comm, self.last_times, counts)
+        spans = gather_spans(self.comm, self.last_times, counts)
         bubble = trace.measured_bubble(self.actions, spans)
         if path is not None:
             meta = {"schedule": self.schedule, "p": self.p, "m": self.m, "v": self.v, "step": step,
@@ -313,3 +313,15 @@ class _Clock:
         else:
             rel = [(a - self.t0, b - self.t0) for a, b in self.marks]
         return [(self.wall0 + a, self.wall0 + b) for a, b in rel]
+
+
+def gather_spans(comm, mine: list[tuple[float, float]], counts: list[int]) -> list[list[tuple[float, float]]]:
+    """Every pp rank's item spans (rank order), from this rank's `mine`; `counts` items per rank."""
+    n = max(counts)
+    local = torch.zeros(n, 2, dtype=torch.float64)
+    if mine:
+        local[:len(mine)] = torch.tensor(mine, dtype=torch.float64)
+    out = torch.empty(comm.size * n, 2, dtype=torch.float64)
+    comm.all_gather(out, local)
+    rows = out.view(comm.size, n, 2).tolist()
+    return [[tuple(x) for x in rows[r][:counts[r]]] for r in range(comm.size)]

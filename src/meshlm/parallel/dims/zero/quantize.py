@@ -11,10 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ....plan.volume import (  # the planner's and byte tests' formula
-    QUANT_BLOCK as BLOCK,
-)
-from ....plan.volume import packed_bytes
+from ....core.facts.quant import QUANT_BLOCK as BLOCK, packed_bytes  # the planner prices the same rows
 
 __all__ = ["BLOCK", "packed_bytes", "quantize_rows", "dequantize_rows"]
 
