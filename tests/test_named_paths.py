@@ -19,7 +19,7 @@ ELSEWHERE = {
 }
 # A project named earlier in the same clause owns a path ("torchao float8/float8_linear.py", "as torchtitan
 # keeps `model.py` and `parallelize.py` apart"); a parenthesis, `;` or a sentence's end ends the claim,
-# so "Megatron's --rampup-batch-size (data/rampup.py)" still names ours. torch and transformers are left
+# so "Megatron's --rampup-batch-size (core/facts/ramp.py)" still names ours. torch and transformers are left
 # out: meshlm's prose names them beside meshlm's own files all the time.
 THIRD_PARTY_WORD = re.compile(r"\b(torchtitan|torchao|megatron|deepspeed|nanotron|picotron)\b", re.I)
 WINDOW = 80  # characters before a path that a project's name may claim it within
@@ -187,7 +187,7 @@ def _section_misses(text, here, root):
             yield match.start(), f"names missing path {doc}"
             continue
         heads = _headings(found[0])
-        wanted = " ".join(section.split()).lower()
+        wanted = re.sub(r"[`*_]", "", " ".join(section.split())).lower()  # normalised as the headings are
         if slug:
             ok = wanted in {_slug(h) for h in heads}
         else:  # the repository's habit: a cite is a heading's start ("Losing an island" for

@@ -54,7 +54,7 @@ def test_config_keys_choose_the_mask():
     assert attention_mask(True, "auto") == "flex" and attention_mask(True, "sdpa") == "dense"
     assert attention_mask(False, "auto") == "causal" and attention_mask(False, "flex") == "flex"
     cfg = make_config(data__document_mask=True)
-    cfg.model.attn_impl = "sdpa"  # the key as config.py carries it (set here whether or not it is declared)
+    cfg.model.attn_impl = "sdpa"  # the key as core/config/ carries it (set here whether or not it is declared)
     cfg.training.loss_chunks = 4
     assert code_options(cfg) == {"compiled": cfg.training.compile, "loss_chunks": 4, "attn_mask": "dense",
                                  "attn_impl": "sdpa"}

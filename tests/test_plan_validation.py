@@ -81,7 +81,7 @@ def _shared_h100():
 
 
 def _benchmarks_md():
-    """docs/benchmarks.md "GPU (bench/gpu.py)": one H100 80GB SXM, seq 2048, bf16, SDPA picked cuDNN."""
+    """docs/benchmarks.md "GPU (bench/gpu_session.sh, bench/results/)": one H100 80GB SXM, seq 2048, bf16, SDPA picked cuDNN."""
     return [Row("meshlm llama3-1b mb8 selective eager", _preset("llama3-1b"), Spec(micro_batch=8, ac="selective"),
                 H100, Options(compiled=False), 43066, "docs/benchmarks.md"),
             # small (dim 256): 23.9% MFU measured; the model's GEMMs are HBM-bound at this width

@@ -1,6 +1,6 @@
 """Every enumerated configuration value, in one place: the config checks (core/config/sections.py), the
 runtime (parallelize, the trainer) and the planner all read these lists, so a value exists everywhere
-or nowhere. A pipeline schedule is listed here only once it has a runtime (pipeline/schedules.py
+or nowhere. A pipeline schedule is listed here only once it has a runtime (core/schedule/schedules.py
 asserts that its registry is exactly this list), so an unimplemented name gets the same one-line
 refusal as any unknown value. What each precision holds in bytes (HELD) is here too, for the same
 reason. Pure Python: the planner imports it without torch.
@@ -16,7 +16,7 @@ FP8_COMMS = ("zero", "sp", "ep")  # collectives that move float8 under fp8 (trai
 AC_MODES = ("none", "op", "selective", "full")  # in order of recompute cost (the planner's search)
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 PP_TAKES_VIRTUAL = ("interleaved", "zbv")
-PP_V_SHAPED = ("zbv",)  # two chunks per rank placed in a V (pipeline/actions.py: vshape)
+PP_V_SHAPED = ("zbv",)  # two chunks per rank placed in a V (core/schedule/actions.py: vshape)
 OFFLOAD = ("none", "optimizer", "nvme")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 CP_IMPLS = ("ring", "ulysses", "allgather")

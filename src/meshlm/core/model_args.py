@@ -23,7 +23,7 @@ class ModelArgs:
     vocab_multiple: int = 128  # rows of the embedding and head are padded to this × tp (padded_vocab)
     # RoPE frequency scaling (config keys model.rope_scaling.*, transformers' rope_type names):
     # "default" none; "linear" every frequency / factor; "llama3" Llama 3.1's long-context scaling
-    # (low frequencies / factor, high ones kept, a smooth ramp between; model/rope.py)
+    # (low frequencies / factor, high ones kept, a smooth ramp between; model/layers.py rope_frequencies)
     rope_type: str = "default"
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0

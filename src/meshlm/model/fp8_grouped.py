@@ -1,4 +1,4 @@
-"""The experts' grouped GEMMs in float8 (training.precision = "fp8"; docs/fp8.md, "MoE and EP").
+"""The experts' grouped GEMMs in float8 (training.precision = "fp8"; docs/fp8.md, "MoE and expert parallelism").
 
 Row-wise scales as torchao's MoE training (torchao.prototype.moe_training) sets them, each over the
 contraction dimension of its product:

@@ -9,7 +9,7 @@ patched per dimension derives from this one record:
 
 - `to_local(full)`: this rank's piece of any parameter-shaped tensor (initial values, HF weights);
 - `boxes()`: the rectangles of the full tensor that the piece covers, with where each one starts in the
-  rank's flat storage, which is what a sharded checkpoint hands to DCP (train/checkpoint.py);
+  rank's flat storage, which is what a sharded checkpoint hands to DCP (train/checkpoint/);
 - `owner`: whether this rank is the one copy that counts: it writes the checkpoint pieces and adds
   its gradient to the global norm, so every element is written and counted exactly once over the world.
 

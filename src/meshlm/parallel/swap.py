@@ -3,7 +3,7 @@ documented subclass (ParallelMoE, ReplicatedKVLinear, GatheredLinear, SumGradLin
 summed-gain norms) from the module the model built and seats it where that module was. The new module holds the
 same parameters, buffers, children and hooks under the same names, so state_dict keys, placement
 records, checkpoints and Hugging Face conversion see no difference; the subclass adds fields and
-overrides the seam methods only (docs/architecture.md, "Layers")."""
+overrides the seam methods only (docs/architecture.md, "The two buildings")."""
 from __future__ import annotations
 
 from typing import TypeVar

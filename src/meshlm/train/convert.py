@@ -2,7 +2,7 @@
 checkpoints, and reading a checkpoint's weights into one process (for export and `meshlm generate`).
 
 A checkpoint holds single-process tensors by name (`master/<name>`) through DCP, sharded however the
-writing layout held them; one process asks for each tensor whole (train/checkpoint.py reads the
+writing layout held them; one process asks for each tensor whole (train/checkpoint/ reads the
 overlapping stored chunks), exactly the tensors it needs, one group at a time. Everything is
 checked before anything is written; output goes to `OUT.tmp` and is renamed when complete.
 """
@@ -168,7 +168,7 @@ def from_hf(hf_dir: str, out: str) -> str:
 
 
 def to_hf(ckpt: str, out: str, dtype: str = "bf16", max_shard_bytes: int = 5 * 10 ** 9) -> list[str]:
-    """A transformers directory (the architecture model/hf_config.family_for picks): config.json,
+    """A transformers directory (the architecture core/hf_config.family_for picks): config.json,
     safetensors (sharded with an index above `max_shard_bytes`), and the run's tokenizer. Streams: one
     checkpoint tensor in memory at a time (read whole from its stored chunks, written into the
     safetensors file whose header is known up front; model/safetensors_io.py)."""

@@ -1,7 +1,7 @@
 """Everything a checkpoint holds and a rollback restores, in one object: the model and optimizer
 (through their placements: this rank's pieces of the single-process tensors), the data position
 (the sampler's step), the step count, the fp16 loss scaler, the spike window and the CPU RNG.
-Checkpoints written by one layout load into any other (docs/checkpointing.md)."""
+Checkpoints written by one layout load into any other (docs/checkpoints.md)."""
 from __future__ import annotations
 
 import torch

@@ -397,7 +397,7 @@ class MetricsConfig:
             raise ConfigError(f"metrics.straggler_factor: must be > 1, got {self.straggler_factor}")
         if self.straggler_steps < 0:
             raise ConfigError(f"metrics.straggler_steps: must be >= 0 (0 = off), got {self.straggler_steps}")
-        if not 0 <= self.profile_step <= cfg.training.steps:  # train/metrics.StepProfiler
+        if not 0 <= self.profile_step <= cfg.training.steps:  # train/observe/metrics.StepProfiler
             raise ConfigError(f"metrics.profile_step: expected 0 (off) or a step in 1..{cfg.training.steps}, got "
                               f"{self.profile_step}")
 

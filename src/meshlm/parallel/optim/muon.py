@@ -10,7 +10,7 @@ parallelism (a `DimSplit` of one of its last two dimensions, from the placement 
 the split's ranks (`deal`: round-robin in order of decreasing NS cost, so the ranks' NS work differs
 by at most one matrix's), and each is orthogonalised by its owner alone: one all-to-all sends every
 owner the slices of its matrices, the owner joins and orthogonalises them, and the mirrored all-to-all
-returns each rank the slices of the results (`owner_exchange`; zero/muon.py runs the same exchange over
+returns each rank the slices of the results (`owner_exchange`; optim/zero_muon.py runs the same exchange over
 the shard group). Without ZeRO the split matrices travel in buckets of consecutive matrices (`buckets`,
 one all-to-all pair each, the deal kept whole-step), so the exchange holds one bucket at a time.
 Stacked expert weights [E, rows, cols] are orthogonalised per expert (a batched Newton-Schulz over the
@@ -296,7 +296,7 @@ class LocalMuon:
 
 
 class MuonAdamW:  # implements parallel.optim.adamw.Optimizer
-    """Muon (`muon`: LocalMuon, or zero/muon.ZeroMuon over ZeRO's shards) next to an AdamW optimizer
+    """Muon (`muon`: LocalMuon, or optim/zero_muon.ZeroMuon over ZeRO's shards) next to an AdamW optimizer
     over the other parameters (`adamw`).
 
     The Muon learning rate follows AdamW's schedule: `set_lr(lr)` gives Muon `muon_lr · lr / optim.lr`.

@@ -11,7 +11,7 @@ the slots, so nothing is memory-mapped and the resident set stays the buffer wha
 device's parameter shard (async from pinned memory on CUDA).
 
 The arithmetic is torch's AdamW (`torch.optim.adam.adam` with decoupled weight decay, fused where torch
-has it for the CPU, as parallel/adamw chooses) on the same elements with the same per-tensor weight
+has it for the CPU, as parallel/optim/adamw chooses) on the same elements with the same per-tensor weight
 decay, so losses equal ZeRO without offload. Checkpoints read and write each parameter's range straight
 from the files (`FileRange`): nothing is gathered into memory beyond one stored piece at a time. The
 files are scratch: removed on exit, replaced on start; a checkpoint is what survives a crash.
@@ -293,7 +293,7 @@ class NvmeOptimizer:
     @torch.no_grad()
     def step(self, found_inf: torch.Tensor | None = None) -> None:
         """`found_inf` (fp16 loss scaling): 1.0 skips the step. The step runs on the host, so the flag
-        is read there (as the unfused path of parallel/adamw `adamw_step`)."""
+        is read there (as the unfused path of parallel/optim/adamw `adamw_step`)."""
         if found_inf is not None and bool(found_inf):
             self.zero.release_grads()
             return

@@ -8,7 +8,7 @@ results match the unsharded optimizer element for element, and the step's list i
 With fp32 compute and no offload the master *is* the parameter shard (no copy). With offload the
 masters, moments and a gradient staging buffer live in (pinned) host memory, the step runs on the CPU
 and the updated shards are copied back asynchronously. Fused AdamW wherever torch has it for the
-device the step runs on, else foreach: the same choice as MasterOptimizer (parallel/adamw
+device the step runs on, else foreach: the same choice as MasterOptimizer (parallel/optim/adamw
 `fused_adamw_supported`), so ZeRO and one process do the same arithmetic, and an fp16 overflow skips
 the step on the device (`found_inf`) without a host read.
 Checkpoints take each parameter's range of the flat master / moments as it is (`state_storage`):
@@ -28,7 +28,7 @@ class ZeroOptimizer:
     """The optimizer `parallelize` returns for zero >= 1 (same interface as MasterOptimizer)."""
 
     def __init__(self, zero: ZeroSync, cfg: OptimConfig, offload: bool, skip: frozenset[str] = frozenset()):
-        """`skip`: parameters another optimizer steps (zero/muon.py): no AdamW update or checkpoint state."""
+        """`skip`: parameters another optimizer steps (optim/zero_muon.py): no AdamW update or checkpoint state."""
         self.zero, self.offload, self.skip = zero, offload, skip
         self.params = [p for u in zero.units for p in u.params]
         self.names = [n for u in zero.units for n in u.names]
@@ -83,7 +83,7 @@ class ZeroOptimizer:
     def step(self, found_inf: torch.Tensor | None = None) -> None:
         """`found_inf` (fp16 loss scaling): a device flag, 1.0 to skip this step. Fused, the kernel
         skips on the device and the unchanged shards are published as after any step; otherwise it
-        is read on the host (parallel/adamw `adamw_step`)."""
+        is read on the host (parallel/optim/adamw `adamw_step`)."""
         if self.offload:
             for u, _, grad, _, _ in self.slots:
                 grad.copy_(u.grad_shard, non_blocking=True)
@@ -141,7 +141,7 @@ class ZeroOptimizer:
         out = []
         for u, master, _, m, v in self.slots:
             for seg, name in zip(u.pieces, u.names):
-                if name in self.skip:  # its master and momentum: zero/muon.py
+                if name in self.skip:  # its master and momentum: optim/zero_muon.py
                     continue
                 o = _moment_offset(u, self.skip, seg.start)
                 out += [(name, "master", master[seg.start:seg.end])]

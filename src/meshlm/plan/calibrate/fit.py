@@ -7,7 +7,7 @@ collective seconds against the planner's bytes of the same collectives) and the 
 at which the planner's step of that layout is the measured step). Nothing is fitted to the layout
 being predicted.
 
-On a CPU the ranks share the cores (calibrate_cores.py; docs/planner.md, "Calibration from a run"): a
+On a CPU the ranks share the cores (calibrate/cores.py; docs/planner.md, "Calibration from a run"): a
 rank keeps min(threads, cores / ranks) cores busy, and both its math and its gloo transfers (memory
 copies done by the same cores) run at that share. So the fitted numbers are per core, and a layout of more ranks
 than cores gets cores/ranks of them each. Time a rank spends blocked waiting for a peer is not
@@ -17,14 +17,14 @@ measured and refused (docs/planner.md). What is fitted is written
 back as a GPU profile (peak = the achieved rate, efficiency 1) and the Options that go with it.
 
 With a profiler trace of one step (RUN_DIR/profile.json, `metrics.profile_step`; read by
-calibrate_trace.py) the compute is fitted per category instead of at one rate: the trace splits the measured step into GEMM, attention-kernel,
+calibrate/trace.py) the compute is fitted per category instead of at one rate: the trace splits the measured step into GEMM, attention-kernel,
 element-wise (bytes) and per-op dispatch seconds, plus the time outside every op (Python, the
 autograd engine); each category's rate is the planner's work of that category for the run's layout
 (plan/cost/ops.py: GEMM FLOPs, attention FLOPs, element-wise bytes, kernels) over its seconds. A layout
 then costs its own work at those rates (ops.Rates): GEMMs shrink with tp, norms, dispatch and the
 per-step overhead do not (docs/planner.md, "Calibration from a run").
 
-A run on a GPU (its profile.json says "cuda") is fitted by calibrate_gpu.py instead: the card's own
+A run on a GPU (its profile.json says "cuda") is fitted by calibrate/gpu.py instead: the card's own
 profile with its GEMM ceiling, attention factor and HBM efficiency fitted to the kernels of the trace.
 
 A link probe beside the run (RUN_DIR/link_probe.json: all-reduces of several sizes, bench/calibrate.py)
@@ -68,7 +68,7 @@ class Calibration:
     # from a link probe beside the run (None without one: the profile's per-call latency, comm.LATENCY_S)
     latency_s: float | None = None       # seconds per collective call, wall, one rank per core
     latency_core_s: float | None = None  # of which on a core (the rest waits for the peer)
-    # a GPU run (calibrate_gpu.py): the card with its fitted efficiencies; overhead_s and split as above
+    # a GPU run (calibrate/gpu.py): the card with its fitted efficiencies; overhead_s and split as above
     card: GPU | None = None
 
     def as_dict(self) -> dict:

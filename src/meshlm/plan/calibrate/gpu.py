@@ -1,7 +1,7 @@
 """`--calibrate RUN_DIR` for a run on a GPU: the card's profile with its efficiencies fitted from the
-CUDA kernels of the run's profiled step (docs/planner.md, "Calibration from a GPU run").
+CUDA kernels of the run's profiled step (docs/planner.md, "Calibration from a run").
 
-The trace (train/metrics.StepProfiler) is a table of event names: aten ops, autograd nodes, compiled-
+The trace (train/observe/metrics.StepProfiler) is a table of event names: aten ops, autograd nodes, compiled-
 graph wrappers ("## Call CompiledFxGraph ... ##"), CUDA API calls, profiler annotations ("Command Buffer
 Full") and the kernels themselves. Only kernels are device time: every other event's `device_s` is
 the time of kernels it launched, which the kernels' own entries already count. A kernel launched by

@@ -9,7 +9,7 @@ import os
 
 from ..spec import PlanError
 
-PROFILE = "profile.json"  # train/metrics.StepProfiler writes it (metrics.profile_step)
+PROFILE = "profile.json"  # train/observe/metrics.StepProfiler writes it (metrics.profile_step)
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::mv", "aten::addmv"}
 ATTENTION_OPS = ("scaled_dot_product_flash_attention", "scaled_dot_product_efficient_attention",
                  "scaled_dot_product_cudnn_attention", "aten::_flash_attention", "aten::_efficient_attention")

@@ -11,7 +11,7 @@
 - time: 5 quintic iterations per matrix, each (m×n)(n×m), (m×m)(m×m), (m×m)(m×n) GEMMs with m = min
   side, at the fp32 GEMM rate (`ops.gemm_seconds`). Each matrix is orthogonalised on one rank: the
   runtime deals a stage's matrices round-robin in order of decreasing cost over tp (the TP-split ones)
-  and, under ZeRO, the shard group times tp (`parallel/muon.deal`); the busiest rank's share is the
+  and, under ZeRO, the shard group times tp (`parallel/optim/muon.deal`); the busiest rank's share is the
   first of that deal (`ns_share`: whole matrices counted singly, a MoE block's stacked experts as their
   experts). A kv matrix that one kv head leaves unsplit runs on every TP rank.
 - traffic, once per step after backward (nothing hides it): TP sends each owner the slices of its

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 class Options:
     efficiency: float | None = None  # None: per-operation model (plan/cost/ops.py); a number: the flat model
     block_overhead_s: float = 4e-4  # flat model only: launches etc. per block per micro-batch, fwd + bwd
-    attn_kernel: str = "cudnn"     # attention kernel (plan/ops.KERNELS): cudnn is what SDPA picked on H100
+    attn_kernel: str = "cudnn"     # attention kernel (plan/cost/ops.KERNELS): cudnn is what SDPA picked on H100
     attn_dropout: bool = False     # unfused attention with dropout on the probabilities (other frameworks)
     comm_efficiency: float = 0.8   # achieved fraction of link bandwidth
     flash: bool = True             # fused attention (saves log-sum-exp, not the S×S scores)

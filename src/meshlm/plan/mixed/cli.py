@@ -1,5 +1,5 @@
 """`meshlm plan` and `meshlm estimate` on a mixed cluster (`--gpu h100:8,a100-80gb:8`, or a config's
-parallel.devices): the cluster from the flags, the tables and JSON. cli_cmds.py hands over here when the
+parallel.devices): the cluster from the flags, the tables and JSON. plan/cli.py hands over here when the
 cluster has more than one device type; a single type (`--gpu h100:16`) goes the one-type way unchanged.
 """
 from __future__ import annotations
