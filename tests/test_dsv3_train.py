@@ -21,6 +21,7 @@ def test_mtp_loss_in_training_is_the_models_formula():
     from meshlm.model.mtp import mtp_loss
     from meshlm.parallel.compose import cross_entropy
     from meshlm.parallel.features.mtp import MTPLoss
+    from meshlm.parallel.plans.moe import model_plan_for
 
     torch.manual_seed(0)
     args = dataclasses.replace(PRESETS["dsv3-debug"], n_layers=2, mtp_depth=2)
@@ -31,7 +32,7 @@ def test_mtp_loss_in_training_is_the_models_formula():
         materialize(m, 1, "cpu")
         ce = lambda out, t: cross_entropy(out, t, args.vocab_size)  # noqa: E731
         if use_feature:
-            fn = MTPLoss(m, ce, 0.3, None)
+            fn = MTPLoss(m, model_plan_for(m).mtp_parts(m), ce, 0.3, None)
             loss = fn(m(x), y)
             main = ce(m(x), y)  # a forward without grad would not run the MTP term: value check only
             assert loss.item() == main.item()

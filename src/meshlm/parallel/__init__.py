@@ -1,8 +1,11 @@
-"""Parallel dimensions, applied to a plain model from outside: one module per dimension
-(data_parallel, zero, tensor_parallel, pipeline/, activation_checkpoint), composed by `compose.parallelize`.
+"""Parallel dimensions, applied to a plain model from outside (docs/architecture.md): one module per
+dimension under dims/ (data_parallel, zero/, tensor_parallel and vocab_parallel, context_parallel,
+expert_parallel, pipeline/, islands), the optimizers under optim/, the features that are not dimensions
+under features/ (activation checkpointing, float8, the chunked loss, MTP, z-loss) and the model's names
+under plans/, composed by compose.py `parallelize`.
 
-`parallelize` and `Parallelized` load on first use (PEP 562): the pure-Python parts (pipeline schedules
-and simulator) stay importable without torch, which the planner relies on.
+`parallelize` and `Parallelized` load on first use (PEP 562), so importing one dimension's module does
+not import the composition and everything it builds.
 """
 from importlib import import_module
 

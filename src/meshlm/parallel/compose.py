@@ -202,7 +202,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, layout: Layout, make_opt
     zloss = ZLoss(training.z_loss) if training.z_loss > 0 else None
     loss_fn = _loss_fn(model, tp, loss_head, ctx, layout, training.compile, zloss)
     # model.mtp_depth: the MTP term joins the gradient (its hooks after SP's and CP's: features/mtp.py)
-    mtp = MTPLoss(model, loss_fn, training.mtp_loss_weight, cp, zloss) if model.args.mtp_depth and \
+    mtp = MTPLoss(model, plan.mtp_parts(model), loss_fn, training.mtp_loss_weight, cp, zloss) if model.args.mtp_depth and \
         training.mtp_loss_weight > 0 else None
     loss_fn = mtp or loss_fn
     moe = MoEStats(model, plan, layout.tp) if model.args.moe else None

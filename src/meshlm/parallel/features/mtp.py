@@ -8,7 +8,7 @@ main + w·(mtp − mtp.detach()), whose value is the main loss exactly. So metri
 meaning in every layout (the language-model loss, which Megatron also reports apart from its MTP
 losses), and `mtp_loss` (the unweighted mean over depths) is reported beside it from `total`.
 
-The MTP modules start from the final norm's output h, which a forward hook on `model.norm` keeps (the
+The MTP modules start from the final norm's output h, which a forward hook on the final norm keeps (the
 stage holding the head holds the MTP modules and a copy of the embedding, pipeline `prune`), with the
 positions and document ids the model's forward was given (a pre-hook registered after SP's and CP's).
 Depth k at position p embeds token p + k (the target at p + k − 1; past the end, the last target again,
@@ -33,6 +33,7 @@ from torch import nn
 from ...distributed.functional import all_gather_dim
 from ..dims.context_parallel import ContextParallel
 from ..dims.cp_allgather import sequence_order
+from ..plans.llama import MTPParts
 from .z_loss import ZLoss
 
 
@@ -40,17 +41,18 @@ class MTPLoss:
     """The loss function of a model with MTP modules (module doc); `total`: the step's sum of this
     rank's unweighted MTP losses (None before any; zero on stages without the head)."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable, weight: float, cp: ContextParallel | None,
-                 zloss: ZLoss | None = None):
-        """`zloss`: training.z_loss, which the main head's loss gets and the MTP heads' do not."""
-        self.model, self.loss_fn, self.weight, self.cp, self.zloss = model, loss_fn, weight, cp, zloss
-        self.depth = model.args.mtp_depth
+    def __init__(self, model: nn.Module, parts: MTPParts, loss_fn: Callable, weight: float,
+                 cp: ContextParallel | None, zloss: ZLoss | None = None):
+        """`parts`: the model's pieces by role (the model plan's `mtp_parts`: only the plan knows their
+        names); `zloss`: training.z_loss, which the main head's loss gets and the MTP heads' do not."""
+        self.parts, self.loss_fn, self.weight, self.cp, self.zloss = parts, loss_fn, weight, cp, zloss
+        self.depth = len(parts.modules)
         self.h = self.positions = self.docs = None
         self.total: torch.Tensor | None = None
         self._padding = False  # padding passes (parallel/step.py) add nothing to `total`
         self._picks: dict[tuple[int, int], tuple] = {}
-        if model.norm is not None:  # the stage with the head (every stage calls the model's forward)
-            model.norm.register_forward_hook(self._keep_h)
+        if parts.final_norm is not None:  # the stage with the head (every stage calls the model's forward)
+            parts.final_norm.register_forward_hook(self._keep_h)
         model.register_forward_pre_hook(self._keep_inputs, with_kwargs=True)
 
     def _keep_h(self, module, args, out) -> None:
@@ -81,14 +83,14 @@ class MTPLoss:
     def mtp_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The unweighted MTP loss (mean over depths) of this rank's tokens from the final norm's
         output `h` and this rank's next-token `targets` [B, S]."""
-        model, S = self.model, targets.shape[1]
+        parts, S = self.parts, targets.shape[1]
         full = self._whole(targets)
-        cos, sin, mask = model.positional(S, h.device, self.positions, docs=self.docs)
+        cos, sin, mask = parts.positional(S, h.device, self.positions, docs=self.docs)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for k, module in enumerate(model.mtp.values(), 1):
+        for k, module in enumerate(parts.modules, 1):
             ahead, keep, target, share = self._pick(S, full.shape[1], k, h.device)
-            h = module(h, model.tok_embeddings(full[:, ahead]), cos, sin, mask)
-            out = h if model.head_in_loss else model.output(h)
+            h = module(h, parts.embed(full[:, ahead]), cos, sin, mask)
+            out = h if parts.head is None else parts.head(h)
             total = total + self.loss_fn(out[:, keep], full[:, target]) * share
         return total / self.depth
 

@@ -46,6 +46,18 @@ class TPRegion:
 
 
 @dataclass(frozen=True)
+class MTPParts:
+    """What multi-token prediction's loss (parallel/features/mtp.py) needs of the model, by role: the
+    final norm (None on a stage without the head), the MTP modules in depth order, the embedding, the
+    head (None where the loss head applies it) and the positional inputs."""
+    final_norm: nn.Module | None
+    modules: list
+    embed: nn.Module
+    head: nn.Module | None
+    positional: object
+
+
+@dataclass(frozen=True)
 class UnitSpec:
     """A ZeRO unit: the not-yet-taken parameters of `modules`, gathered before `first` runs and
     released after `last` has run."""
@@ -68,6 +80,10 @@ class LlamaModelPlan:
 
     def head(self, model: nn.Module) -> nn.Module | None:
         return model.output
+
+    def mtp_parts(self, model: nn.Module) -> MTPParts:
+        return MTPParts(model.norm, list((model.mtp or {}).values()), model.tok_embeddings,
+                        None if model.head_in_loss else model.output, model.positional)
 
     def vocab_params(self) -> tuple[str, ...]:
         """Parameters with one row per vocabulary id (padded and split by rows under TP); a tied head
