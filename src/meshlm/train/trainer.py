@@ -23,7 +23,7 @@ from ..distributed.link import island_job, job_world
 from ..distributed.mesh import ParallelContext, init_context, join_world, pick_device, shutdown
 from ..model import build_model
 from ..parallel import Parallelized, parallelize, slices
-from ..parallel.dims.island_link import meet_islands
+from ..parallel.dims.island_link import linked, meet_islands
 from ..parallel.dims.islands import outer_sync
 from ..parallel.plans.moe import model_plan_for
 from ..parallel.step import local_batch
@@ -87,12 +87,13 @@ class Trainer:
         self.model = self.par.model
         self.runner = self.par.runner
         # parallel.islands > 1: DiLoCo's outer step across islands (docs/diloco.md); None otherwise
-        self.outer = outer_sync(self.par, ctx, layout, t.outer, model_plan_for(self.model), self.args.n_layers)
+        island, job = ctx.coords["islands"], island_job() is not None
+        self.rounds = linked(ctx, cfg.parallel.timeout_s) if job else None  # island jobs: rounds over the link
+        self.outer = outer_sync(self.par, ctx, layout, t.outer, model_plan_for(self.model), self.args.n_layers,
+                                self.rounds)
         # what checkpoints hold, and what keeps a run alive (watchdog, non-finite guard, preemption)
         # island jobs (training.outer.on_island_loss = "continue"): this island's state is its job's own,
         # saved as island 0's in checkpoints/island{k} (island 0: checkpoints/; docs/diloco.md)
-        island, job = ctx.coords["islands"], island_job() is not None
-        self.rounds = None  # island jobs: the rounds over the island link (island_link.py `meet_islands`)
         self.state = TrainState(self.par, self.data.sampler, LossScaler(t.precision == "fp16", device=ctx.device),
                                 SpikeDetector(t.spike_zscore, t.spike_window, t.spike_action), cfg, layout, ctx.job_rank,
                                 self.outer, 0 if job else island, island_job=island if job else None)
@@ -109,7 +110,7 @@ class Trainer:
             self.guard.replay()  # a restart after a non-finite stop stops at once
             self.resumed = self._resume()  # meta.json of the checkpoint resumed from, or None
             if job:  # meet the other islands: a restarted island leaves with their state
-                self.rounds = meet_islands(self.outer, ctx, cfg.parallel.timeout_s, self.state, t.steps)
+                meet_islands(self.rounds, self.outer, ctx, self.state, t.steps)
         except BaseException:
             self._release()
             raise

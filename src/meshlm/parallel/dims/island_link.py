@@ -25,26 +25,28 @@ HEADER = 4  # island, step, in a sync (1) or starting (0), fragment due (-1: non
 
 
 class LinkedRounds:
-    """`position()` / `set_position(meta)`: the trainer's step, data position and the like, as JSON-able
-    values (train/state.py); `buffers()`: model state outside the optimizer (the MoE balancing bias)."""
+    """The rounds of one island job. It is made before the `OuterSync` that owns it (islands.py), which
+    hands itself to each round (`sync(outer, ...)`): neither object points back at the other. The
+    trainer's state comes with `start`: `position()` / `set_position(meta)`, the step, data position and
+    the like as JSON-able values (train/state.py); `buffers()`, model state outside the optimizer (the
+    MoE balancing bias)."""
 
-    def __init__(self, outer, link: Link, island: int, position: Callable[[], dict],
-                 set_position: Callable[[dict], None], buffers: Callable[[], dict[str, torch.Tensor]]):
-        self.outer, self.link, self.island = outer, link, island
-        self.position, self.set_position, self.buffers = position, set_position, buffers
+    def __init__(self, link: Link, island: int):
+        self.link, self.island = link, island
+        self.position = self.set_position = self.buffers = None  # the trainer's state, from `start`
         self.healed = 0  # rounds in which this island received a donor's state
-        outer.rounds = self
 
-    def start(self, step: int) -> list[int]:
+    def start(self, outer, state, step: int) -> list[int]:
         """Meet the other islands before training: a restarted island waits for their next sync and
         leaves it with their state; at a launch, islands resumed from different steps agree."""
-        return self.link.run(lambda comm: self._round(comm, step, None))
+        self.position, self.set_position, self.buffers = state.position, state.set_position, state.par.model_state
+        return self.link.run(lambda comm: self._round(comm, outer, step, None))
 
-    def sync(self, f: int, step: int) -> list[int]:
-        return self.link.run(lambda comm: self._round(comm, step, f))
+    def sync(self, outer, f: int, step: int) -> list[int]:
+        return self.link.run(lambda comm: self._round(comm, outer, step, f))
 
-    def _round(self, comm, step: int, f: int | None) -> Callable[[], None]:
-        dev = self.outer.device
+    def _round(self, comm, outer, step: int, f: int | None) -> Callable[[], None]:
+        dev = outer.device
         head = torch.tensor([self.island, step, int(f is not None), -1 if f is None else f], dtype=torch.int64)
         heads = torch.empty(comm.size * HEADER, dtype=torch.int64)
         comm.all_gather(heads, head, kind="outer_header")
@@ -56,32 +58,32 @@ class LinkedRounds:
         me = comm.rank
         mean = None
         if d_live:
-            delta = self.outer.delta(d_frag) if sends[me] else torch.zeros(self.outer.size(d_frag), device=dev)
-            mean = self.outer.average(comm, delta, count=sum(sends))
-        state = self._receive(comm, donor) if any(heal) else None
+            delta = outer.delta(d_frag) if sends[me] else torch.zeros(outer.size(d_frag), device=dev)
+            mean = outer.average(comm, delta, count=sum(sends))
+        state = self._receive(comm, outer, donor) if any(heal) else None
 
         def commit() -> None:
             if heal[me]:
-                self._install(*state)
+                self._install(outer, *state)
                 self.healed += 1
             if mean is not None:
-                self.outer.apply(d_frag, mean)
+                outer.apply(d_frag, mean)
             if heal[me] or mean is not None:
-                opt = self.outer.optimizer
+                opt = outer.optimizer
                 opt.loaded(opt.step_count())  # the new masters reach the parameters
         return commit
 
     # -- healing ------------------------------------------------------------------------------
-    def _tensors(self) -> list[torch.Tensor]:
+    def _tensors(self, outer) -> list[torch.Tensor]:
         """Everything a healed island takes from the donor, in one order on every member."""
-        out = [t for _, _, t in self.outer.optimizer.state_storage()]
+        out = [t for _, _, t in outer.optimizer.state_storage()]
         out += list(self.buffers().values())
-        out += [d[name] for d in (self.outer.params, self.outer.momentum) for name in sorted(d)]
+        out += [d[name] for d in (outer.params, outer.momentum) for name in sorted(d)]
         return out
 
-    def _receive(self, comm, donor: int) -> tuple[torch.Tensor, dict]:
+    def _receive(self, comm, outer, donor: int) -> tuple[torch.Tensor, dict]:
         """The donor's state, broadcast flat (fp32) with its position as JSON."""
-        tensors, dev = self._tensors(), self.outer.device
+        tensors, dev = self._tensors(outer), outer.device
         if comm.rank == donor:
             flat = torch.cat([t.detach().float().reshape(-1).to(dev) for t in tensors])
             text = torch.tensor(list(json.dumps(self.position()).encode()), dtype=torch.uint8)
@@ -96,36 +98,32 @@ class LinkedRounds:
         return flat, json.loads(bytes(text.tolist()).decode())
 
     @torch.no_grad()
-    def _install(self, flat: torch.Tensor, meta: dict) -> None:
+    def _install(self, outer, flat: torch.Tensor, meta: dict) -> None:
         at = 0
-        for t in self._tensors():
+        for t in self._tensors(outer):
             t.copy_(flat[at:at + t.numel()].view(t.shape).to(t.device, t.dtype))
             at += t.numel()
         self.set_position(meta)
 
 
-def linked(outer, ctx, timeout_s: float, state) -> LinkedRounds:
-    """The rounds of this rank's island job over the launcher's store (train/island_jobs.py); `state`:
-    the trainer's TrainState (position and model buffers)."""
+def linked(ctx, timeout_s: float) -> LinkedRounds:
+    """The rounds of this rank's island job over the launcher's store (train/island_jobs.py)."""
     from ...distributed.link import connect
     island = ctx.coords["islands"]
-    link = Link(connect(timeout_s), island, ctx.job_rank, timeout_s, ctx.comm("islands"))
-    return LinkedRounds(outer, link, island, state.position, state.set_position, state.par.model_state)
+    return LinkedRounds(Link(connect(timeout_s), island, ctx.job_rank, timeout_s, ctx.comm("islands")), island)
 
 
-def meet_islands(outer, ctx, timeout_s: float, state, steps: int):
+def meet_islands(rounds: LinkedRounds, outer, ctx, state, steps: int) -> None:
     """Island jobs (docs/diloco.md, "Losing an island"): the first round with the other islands, before
-    any step; an island that took a donor's state says so. Returns the rounds (`linked`); an island that
-    came back after the others finished has its `state.step` set to `steps` (its run is over too)."""
-    rounds = linked(outer, ctx, timeout_s, state)
+    any step; an island that took a donor's state says so. An island that came back after the others
+    finished has its `state.step` set to `steps` (its run is over too)."""
     before = state.step
     try:
-        rounds.start(before)
+        rounds.start(outer, state, before)
     except RunOver as e:
         print(f"meshlm: {e}", file=sys.stderr, flush=True)
         state.step = steps  # fit has nothing left to run
-        return rounds
+        return
     if rounds.healed and ctx.job_rank == 0:
         print(f"meshlm: island {ctx.coords['islands']} rejoined at step {state.step} (it was at step "
               f"{before}) with the other islands' state", file=sys.stderr, flush=True)
-    return rounds

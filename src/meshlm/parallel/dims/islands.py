@@ -29,7 +29,8 @@ KIND = "outer"  # the books' name for the outer sync's collectives (metrics.json
 class OuterSync:
     """θ_outer and its Nesterov momentum (fp32, laid out like this rank's masters), and the sync."""
 
-    def __init__(self, optimizer, comm, outer, fragment_of: Callable[[str], int], device: torch.device):
+    def __init__(self, optimizer, comm, outer, fragment_of: Callable[[str], int], device: torch.device, rounds=None):
+        """`rounds`: island jobs, the rounds over the link each sync runs as (island_link.LinkedRounds)."""
         self.optimizer, self.comm, self.cfg, self.device = optimizer, comm, outer, device
         self.fragments: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(outer.fragments)]
         for name, kind, t in optimizer.state_storage():
@@ -37,7 +38,7 @@ class OuterSync:
                 self.fragments[fragment_of(name)].append((name, t))
         self.params = {name: t.detach().float().clone() for frag in self.fragments for name, t in frag}
         self.momentum = {name: torch.zeros_like(t) for name, t in self.params.items()}
-        self.rounds = None  # island jobs: the rounds over the link (island_link.LinkedRounds)
+        self.rounds = rounds
         self.pending_flag = None  # the previous step's stop flag, on its way across the islands
         # training.outer.delay: fragment -> (the step after which it lands, its mean: a tensor, or the
         # function that waits for it)
@@ -138,7 +139,7 @@ class OuterSync:
         if not self.fragments[f]:
             return
         if self.rounds is not None:
-            self.rounds.sync(f, step)
+            self.rounds.sync(self, f, step)
             return
         if self.cfg.delay:  # overlapped with the next τ inner steps (streaming DiLoCo; torchft's sync delay)
             self.pending[f] = (step + self.cfg.delay, self.start_average(self.comm, self.delta(f)))
@@ -249,9 +250,10 @@ def _island_sum(values: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def outer_sync(par, ctx, layout, outer, plan, n_layers: int) -> OuterSync | None:
-    """The outer step of a run with islands (None with one island: nothing changes)."""
+def outer_sync(par, ctx, layout, outer, plan, n_layers: int, rounds=None) -> OuterSync | None:
+    """The outer step of a run with islands (None with one island: nothing changes); `rounds`: island
+    jobs' rounds over the link (island_link.py `linked`)."""
     if layout.islands <= 1:
         return None
     return OuterSync(par.optimizer, ctx.comm("islands"), outer,
-                     lambda name: plan.fragment_of(name, n_layers, outer.fragments), ctx.device)
+                     lambda name: plan.fragment_of(name, n_layers, outer.fragments), ctx.device, rounds)
