@@ -15,7 +15,7 @@ from test_plan_vs_measured import activation_task, predicted
 from test_tp import comm_task
 
 from meshlm.core import config as C
-from meshlm.core.layout import build_layout
+from harness import build_layout
 from meshlm.core.config.model import model_args
 from meshlm.plan.cost.estimate import Options, estimate
 from meshlm.plan.spec import code_options, priced_on, shape_from_config, spec_from_config

@@ -20,7 +20,7 @@ from ..core.layout import Layout, build_layout
 from ..data import default_data_dir
 from ..data.dataset import open_data
 from ..distributed.link import island_job, job_world
-from ..distributed.mesh import ParallelContext, init_context, join_world, pick_device, shutdown
+from ..distributed.mesh import ParallelContext, device_defaults, init_context, join_world, pick_device, shutdown
 from ..model import build_model
 from ..parallel import Parallelized, parallelize, slices
 from ..parallel.dims.island_link import linked, meet_islands
@@ -32,7 +32,8 @@ from . import plugins
 from .evaluate import evaluate
 from .launch import record_error
 from .observe.metrics import MetricsLog, StepMeter, StepProfiler, memory
-from .optim import LossScaler, MasterOptimizer, clip_, grad_norm
+from ..parallel.optim.master import MasterOptimizer
+from .optim import LossScaler, clip_, grad_norm
 from .resilience import fault, preempt
 from .resilience.saving import Saving
 from .resilience.spike import SpikeDetector, SpikeHandler
@@ -52,7 +53,7 @@ def start(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout
     if restarts is None:
         restarts = join_world(device, cfg.parallel.timeout_s)
     if layout is None:
-        layout = pick(cfg, job_world(), device, restarts) if pick else build_layout(cfg, job_world())
+        layout = pick(cfg, job_world(), device, restarts) if pick else build_layout(device_defaults(cfg), job_world())
     ctx = init_context(layout.shape(), device, cfg.parallel.timeout_s, restarts)
     try:
         trainer = Trainer(cfg, run_dir, ctx, layout)
