@@ -25,6 +25,7 @@ from ..model import build_model
 from ..parallel import Parallelized, parallelize, slices
 from ..parallel.dims.island_link import linked, meet_islands
 from ..parallel.dims.islands import outer_sync
+from ..parallel.optim.master import MasterOptimizer
 from ..parallel.plans.moe import model_plan_for
 from ..parallel.step import local_batch
 from . import checkpoint as ckpt
@@ -32,7 +33,6 @@ from . import plugins
 from .evaluate import evaluate
 from .launch import record_error
 from .observe.metrics import MetricsLog, StepMeter, StepProfiler, memory
-from ..parallel.optim.master import MasterOptimizer
 from .optim import LossScaler, clip_, grad_norm
 from .resilience import fault, preempt
 from .resilience.saving import Saving
@@ -230,7 +230,6 @@ class Trainer:
         return {"loss_sum": loss_sum, "norm": norm, "lr": lr, "spike": spike, "global_batch": size,
                 "skipped": found_inf if found_inf is not None else False, "mem": mem, "stop": stop}
 
-    # -- the stages of a step after it ran ------------------------------------------------------
     def _evaluate(self) -> float:
         ev = evaluate(self.runner, self.par.local_tokens, self.data, self.ctx, self.layout,
                       self.cfg.training.eval_batches)
