@@ -14,15 +14,13 @@ import json
 import os
 from functools import partial
 import socket
-import sys
 import tempfile
 import traceback
 from multiprocessing import util as mp_util
 
 from meshlm.core import config as C
 
-sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-import spawn  # noqa: E402  (bench/spawn.py: fork_context)
+import spawn  # bench/spawn.py: fork_context (pyproject.toml puts bench/ on pytest's path)
 
 # Compiled rows reuse inductor's on-disk cache from session to session (a cold one made the two compiled
 # tests of test_train.py 120 s instead of 48 s): its default place is under the temp dir, which

@@ -7,12 +7,10 @@ import json
 import os
 import pathlib
 import re
-import sys
 
 import pytest
 
 ROOT = pathlib.Path(__file__).parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
 import headline  # noqa: E402
 import ledger  # noqa: E402
 

@@ -7,13 +7,11 @@ plan). Without streaming the peak would be the whole model (≈ 4.2 × the large
 The reader and writer themselves are checked against the safetensors library."""
 import os
 import pathlib
-import sys
 
 import pytest
 import torch
 
 ROOT = pathlib.Path(__file__).parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
 MIB = 1 << 20
 
 
