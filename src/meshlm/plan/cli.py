@@ -12,7 +12,7 @@ import sys
 
 from ..core import config as C
 from ..core.layout import check_rampup
-from .cost import islands as isl
+from .cost import energy as en, islands as isl
 from .cost.estimate import CATEGORIES, Options, describe_run, estimate, run_time, step_categories
 from .cost.goodput import Resilience, describe as describe_goodput, goodput
 from .hardware import FLAG_FIELDS, GIB, HardwareError, describe, get_gpu, names
@@ -85,6 +85,7 @@ def add_parsers(subparsers) -> None:
     e.add_argument("--config", help="TOML config file, as for `meshlm train`")
     _hardware_flags(e, gpu_required=False)
     isl.add_flags(e)
+    en.add_flags(e, prices=True)
     e.set_defaults(func=run_estimate)
     p = subparsers.add_parser("plan", help="search every layout of N GPUs and rank those that fit")
     p.add_argument("--model", help=f"preset ({', '.join(presets())}); default: --config's model")
@@ -159,6 +160,7 @@ def run_estimate(args, extra_argv: list[str] | None = None) -> int:
         shape = shape_from_config(cfg)
         spec = spec_from_config(cfg, args.gpus)
         check_rampup(cfg, spec)
+        site = en.site_of(args)
         out = estimate(shape, spec, gpu, opts)
         if islands > 1:  # DiLoCo: the cross-island traffic and step times (plan/cost/islands.py)
             out["islands"] = isl.report(out, islands, cfg.training.outer, args.link_gbps, args.link_latency_ms)
@@ -169,6 +171,16 @@ def run_estimate(args, extra_argv: list[str] | None = None) -> int:
         run = run_time(shape, spec, gpu, opts, cfg.training.steps, cfg.training.batch_rampup, out["step_s"])
         if run["ramp_steps"]:  # (--json as the explorer's estimate without one: explore/api.py)
             out["run"] = run
+        power, note = en.power_of(gpu), None
+        if cal is not None:  # the figures fitted to the run's measured energy (plan/calibrate/power.py)
+            from .calibrate.power import calibrated_power
+            try:
+                power, note = calibrated_power(args.calibrate, cal, gpu)
+            except PlanError as e:
+                return _fail(str(e))
+        energy = en.priced(out, power, gpu.gpus_per_node, site, run["seconds"])
+        if energy is not None:
+            out["energy"] = dict(energy, source=note) if note else energy
     if args.json:
         print(json.dumps(out, indent=1))
     else:
@@ -179,7 +191,8 @@ def run_estimate(args, extra_argv: list[str] | None = None) -> int:
         text = format_estimate(out, gpu, sources)
         if "islands" in out:
             text += "\n" + isl.describe(out["islands"])
-        print(text + ("\n" + describe_run(run) if run else ""))
+        print(text + ("\n" + describe_run(run) if run else "")
+              + ("\n" + en.describe(out["energy"]) if "energy" in out else ""))
     return 0
 
 
