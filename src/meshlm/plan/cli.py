@@ -18,6 +18,7 @@ from .cost.goodput import Resilience, describe as describe_goodput, goodput
 from .hardware import FLAG_FIELDS, GIB, HardwareError, describe, get_gpu, names
 from .cost.ops import KERNELS
 from .search.ranked import PlanError, parse_fix, plan
+from .search import objective as obj
 from .mixed.cli import cluster_of, estimate_mixed, format_estimate_mixed, run_plan_mixed
 from ..core.choices import OPTIMIZERS
 from .spec import (Shape, code_options, presets, priced_on, search_knobs, shape_from_config,
@@ -112,6 +113,11 @@ def add_parsers(subparsers) -> None:
                    help="plan for training.compile = true / false (compiled blocks save fewer activations); "
                         "default: the config's, whose \"auto\" compiles on a GPU, not for a CPU run's --calibrate")
     isl.add_flags(p)
+    p.add_argument("--objective", default="time", help="rank by time (step seconds), energy (J/token) or pareto "
+                   "(the time-energy front); default %(default)s")
+    p.add_argument("--max-slowdown", type=float, default=None,
+                   help="the clock plan's bound on a pipeline's slowdown (default 0.01 under --objective energy / pareto)")
+    en.add_flags(p, prices=False)
     p.set_defaults(func=run_plan)
 
 
@@ -287,8 +293,15 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
             raise PlanError(f"--emit-rank: must be 1 to --top = {args.top}, got {args.emit_rank}")
         if not args.gpu and not args.calibrate:
             raise PlanError("--gpu: give a GPU profile (or --calibrate RUN_DIR)")
+        if args.objective not in obj.OBJECTIVES:
+            raise PlanError(f"--objective: unknown '{args.objective}' (known: {', '.join(obj.OBJECTIVES)})")
+        if args.max_slowdown is not None and not 0 <= args.max_slowdown < 1:
+            raise PlanError(f"--max-slowdown: must be in [0, 1), got {args.max_slowdown:g}")
+        site = en.site_of(args)
         cluster = cluster_of(args)
         if cluster is not None:  # more than one device type (plan/mixed/search.py)
+            if args.objective != "time":
+                raise PlanError("--objective: a mixed cluster is ranked by time only")
             isl.refuse_mixed(args, cfg)
             cfg = priced_on(cfg, gpu=True)
             return run_plan_mixed(args, cfg, shape, cluster, seq, tokens, _options(args, cfg), parse_fix(args.fix),
@@ -297,8 +310,19 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
             raise PlanError("--gpus: give the number of GPUs (or a mixed cluster: --gpu TYPE:COUNT,...)")
         cfg, gpu, opts, _ = _device(args, cfg, args.gpus)  # --emit-config: compile as priced
         islands = isl.islands_flag(args, cfg)  # DiLoCo: the search is one island's (plan/cost/islands.py)
+        power = en.power_of(gpu)
+        if power is None and args.objective != "time":
+            raise PlanError(f"--objective {args.objective}: no power figures for {gpu.name} (core/facts/power.py)")
         res = plan(shape, gpu, args.gpus // islands, seq, tokens // islands, args.precision, args.top,
-                   parse_fix(args.fix), opts, optim=cfg.optim.name, knobs=search_knobs(cfg))
+                   parse_fix(args.fix), opts, optim=cfg.optim.name, knobs=search_knobs(cfg),
+                   keep=obj.keep_for(args.objective, args.top), order=obj.ordering(args.objective, power, gpu, site))
+        if args.objective == "time":
+            obj.price_rows(res.ranked, power, gpu, site)
+        clocks = None
+        if res.ranked and (args.objective != "time" or args.max_slowdown is not None):
+            row = res.ranked[min(args.emit_rank, len(res.ranked)) - 1]
+            clocks = obj.with_clocks(row, shape, gpu, opts, power, 0.01 if args.max_slowdown is None
+                                     else args.max_slowdown)
         rates = (args.failures_per_gpu_hour, args.ckpt_node_gbps, args.storage_gbps, args.restart_min,
                  args.spare_min, args.repair_h)
         if min(rates) < 0 or min(rates[1:3]) <= 0:
@@ -315,7 +339,11 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(res.ranked, indent=1))
     else:
-        print(format_plan(res, shape, gpu, args.gpus // islands, seq, tokens // islands, cfg.optim.name))
+        print(format_plan(res, shape, gpu, args.gpus // islands, seq, tokens // islands, cfg.optim.name,
+                          args.objective))
+        if clocks is not None:
+            from .cost.clocks import describe as describe_clocks
+            print(describe_clocks(clocks, row["energy"]["j_per_step"] if row.get("energy") else None))
         print(describe_goodput(good))
         if islands > 1 and res.ranked:
             print(isl.describe(isl.report(res.ranked[0], islands, cfg.training.outer, args.link_gbps,
@@ -331,8 +359,12 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
         out = to_config(shape, best, cfg)
         out.training.global_batch *= islands  # the layout is one island's, the batch the job's (parallel.islands kept)
         try:
+            has_key = hasattr(getattr(out.training, "energy", None), "clocks")
+            if clocks is not None and has_key:
+                out.training.energy.clocks = clocks["clocks"]
+            text = C.to_toml(out)
             with open(args.emit_config, "w") as f:
-                f.write(C.to_toml(out))
+                f.write(text if clocks is None else obj.clocks_toml(text, clocks["clocks"], has_key))
         except OSError as e:
             return _fail(f"--emit-config: cannot write {args.emit_config}: {e.strerror}")
         if not args.json:
@@ -340,7 +372,8 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
     return 0
 
 
-def format_plan(res, shape: Shape, gpu, n: int, seq: int, tokens: int, optim: str = "adamw") -> str:
+def format_plan(res, shape: Shape, gpu, n: int, seq: int, tokens: int, optim: str = "adamw",
+                objective: str = "time") -> str:
     c = res.counts
     head = (f"{shape.name}: {shape.num_params() / 1e9:.2f}B params on {n} × {gpu.name} "
             f"({gpu.gpus_per_node}/node), seq {seq}, {tokens:,} tokens/step = {res.global_batch} sequences"
@@ -353,6 +386,10 @@ def format_plan(res, shape: Shape, gpu, n: int, seq: int, tokens: int, optim: st
     cols = f"{'#':>3} {'tok/s/GPU':>10} {'MFU':>6} {'step s':>8} {'GiB':>6}  {'tp':>3} {'sp':>2} {'pp':>3} " \
            f"{'schedule':<13} {'cp':>3} {'dp':>5}{' ' + format('ep', '>4') if ep else ''} {'zero':<8} {'mb×m':>8} " \
            f"{'ac':<9} offload"
+    energy = objective != "time"  # a J/token column (plan/search/objective.py)
+    if energy:
+        head += "\n" + obj.describe(objective, res.counts["ranked_in_detail"])
+        cols += f" {'J/token':>8}"
     rows = [head, cols]
     for i, r in enumerate(res.ranked, 1):
         L = r["layout"]
@@ -362,7 +399,7 @@ def format_plan(res, shape: Shape, gpu, n: int, seq: int, tokens: int, optim: st
                     f"{r['per_gpu']['total'] / GIB:>6.1f}  {L['tp']:>3} {('y' if L['sp'] else '-'):>2} {L['pp']:>3} "
                     f"{sched:<13} {L['cp']:>3} {L['dp']:>5}{' ' + format(L['ep'], '>4') if ep else ''} {zero:<8} "
                     f"{str(L['micro_batch']) + '×' + str(L['microbatches']):>8} "
-                    f"{L['ac']:<9} {L['offload']}")
+                    f"{L['ac']:<9} {L['offload']}" + (f" {r['j_per_token']:>8.3f}" if energy else ""))
     if not res.ranked:
         rows.append("  (no layout fits)")
     return "\n".join(rows)
