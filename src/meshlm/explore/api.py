@@ -23,7 +23,7 @@ from ..plan.mixed.cli import comparison, estimate_mixed, mixed_config, row
 from ..plan.cost.ops import KERNELS
 from ..plan.search.objective import pareto_front, price_rows
 from ..plan.search.ranked import plan
-from ..plan.cost.energy import Site, power_of
+from ..plan.cost.energy import Site, power_of, priced
 from ..plan.spec import AC_MODES, CP_IMPLS, PRECISIONS, SCHEDULES, PlanError, presets, priced_on, \
     search_knobs, shape_from_config, spec_from_config, spec_of_layout, to_config
 from .course import COURSE_KEYS, check_course, mixed_run_total, run_total, sample_course
@@ -279,6 +279,9 @@ def run_estimate(body, runs_root: str | None = None) -> dict:
         spec = spec_from_config(cfg, n)
         out = estimate(shape, spec, gpu, opts)
         run = run_total(cfg, shape, spec, gpu, opts, out["step_s"]) if "step_s" in out else None
+        energy = priced(out, power_of(gpu), gpu.gpus_per_node, Site(), run["seconds"]) if run else None
+        if energy is not None:  # as `meshlm estimate` prices it (plan/cost/energy.py)
+            out["energy"] = energy
     except BadRequest:
         raise
     except (C.ConfigError, PlanError, HardwareError) as e:

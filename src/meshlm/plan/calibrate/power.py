@@ -37,12 +37,13 @@ def measured_watts(run_dir: str, warmup: int = 1) -> float | None:
     return statistics.median(watts) / world if watts else None
 
 
-def fit_power(run_dir: str, base: Power | None, predicted_gpu_w: float | None) -> tuple[Power | None, str]:
-    """(the figures that reproduce the run's measured draw, a line saying where they came from);
+def fit_power(run_dir: str, base: Power | None, predicted_gpu_w: float | None) -> tuple[Power | None, str | None]:
+    """(the figures that reproduce the run's measured draw, a line saying where they came from; None: the
+    run logged no energy and the card's own figures stand, as without --calibrate);
     `predicted_gpu_w`: the mean draw per GPU the base figures give the run's own layout (energy.price)."""
     w = measured_watts(run_dir)
     if w is None:
-        return base, "power: the card's figures (the calibration run logged no energy)"
+        return base, None
     if base is None or predicted_gpu_w is None:
         return Power(w, w, w, w), f"power: {w:.1f} W per rank at every category, measured by the calibration run"
     above = predicted_gpu_w - base.idle_w
@@ -54,7 +55,7 @@ def fit_power(run_dir: str, base: Power | None, predicted_gpu_w: float | None) -
                             f"run's {w:.1f} W per GPU (predicted {predicted_gpu_w:.1f} W)")
 
 
-def calibrated_power(run_dir: str, cal, gpu) -> tuple[Power | None, str]:
+def calibrated_power(run_dir: str, cal, gpu) -> tuple[Power | None, str | None]:
     """fit_power for a `--calibrate` run: the run's own layout is predicted on the calibrated machine
     (fit.predict) and priced with the card's figures, to compare with what it measured."""
     from ..cost.energy import power_of, price
