@@ -389,7 +389,7 @@ def format_plan(res, shape: Shape, gpu, n: int, seq: int, tokens: int, optim: st
     energy = objective != "time"  # a J/token column (plan/search/objective.py)
     if energy:
         head += "\n" + obj.describe(objective, res.counts["ranked_in_detail"])
-        cols += f" {'J/token':>8}"
+        cols += f"{'':2} {'J/token':>8}"
     rows = [head, cols]
     for i, r in enumerate(res.ranked, 1):
         L = r["layout"]
@@ -399,7 +399,7 @@ def format_plan(res, shape: Shape, gpu, n: int, seq: int, tokens: int, optim: st
                     f"{r['per_gpu']['total'] / GIB:>6.1f}  {L['tp']:>3} {('y' if L['sp'] else '-'):>2} {L['pp']:>3} "
                     f"{sched:<13} {L['cp']:>3} {L['dp']:>5}{' ' + format(L['ep'], '>4') if ep else ''} {zero:<8} "
                     f"{str(L['micro_batch']) + '×' + str(L['microbatches']):>8} "
-                    f"{L['ac']:<9} {L['offload']}" + (f" {r['j_per_token']:>8.3f}" if energy else ""))
+                    f"{L['ac']:<9} " + (f"{L['offload']:<9} {r['j_per_token']:>8.4f}" if energy else L["offload"]))
     if not res.ranked:
         rows.append("  (no layout fits)")
     return "\n".join(rows)
