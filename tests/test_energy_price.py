@@ -166,3 +166,22 @@ def test_plan_emits_the_clock_plan_as_data(capsys, tmp_path):
     assert "J/token" in text and "clock plan" in text
     toml = out.read_text()
     assert "training.energy.clocks = [" in toml
+
+
+def test_estimate_calibrated_on_a_run_with_energy_reproduces_its_draw(tmp_path, capsys):
+    """The H100 run's config and metrics (tests/data), with 500 W per GPU of energy written in: the fitted
+    figures price the run's own layout at 500 W, and say they were fitted."""
+    import os
+    import shutil
+    run = os.path.join(os.path.dirname(__file__), "data", "h100-run-llama3-1b")  # as tests/test_plan_calibrate.py
+    shutil.copy(os.path.join(run, "config.toml"), tmp_path / "config.toml")
+    with open(os.path.join(run, "metrics.jsonl")) as f, open(tmp_path / "metrics.jsonl", "w") as out:
+        for i, line in enumerate(x for x in f if x.strip()):
+            r = json.loads(line)
+            if "step_s" in r:
+                r.update(time=1.0e9 + 10.0 * i, energy_j=500.0 * (r.get("world") or 1) * 10.0)
+            out.write(json.dumps(r) + "\n")
+    assert _run(["estimate", "--calibrate", str(tmp_path), "--config", str(tmp_path / "config.toml"), "--gpus", "1",
+                 "--json"]) == 0
+    e = json.loads(capsys.readouterr().out)["energy"]
+    assert e["gpu_w"] == pytest.approx(500.0, rel=1e-6) and "fitted" in e["source"]

@@ -2,7 +2,6 @@
 front"): the API's rows carry the CLI's J/token and the front's rows; a real headless Chromium draws one
 dot per row, the front's in red. Screenshots go to $MESHLM_EXPLORE_SHOTS or the test's tmp dir."""
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -10,15 +9,8 @@ import tempfile
 import pytest
 
 from meshlm.explore.api import run_plan
+from test_explore_browser import CHROMIUM, FLAGS, SRC, sync_playwright
 
-CHROMIUM = next((p for p in ("/usr/bin/chromium", shutil.which("chromium") or "") if p and os.path.exists(p)), None)
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync"]
-try:
-    from playwright.sync_api import sync_playwright
-except ImportError:  # pragma: no cover - the dev extra installs it
-    sync_playwright = None
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 BODY = {"model.preset": "llama3-8b", "gpu": "h100", "gpus": 32, "data.seq_len": 4096,
         "global_batch_tokens": 2 ** 21, "training.precision": "bf16", "top": 20}
 
