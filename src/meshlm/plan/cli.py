@@ -19,6 +19,7 @@ from .hardware import FLAG_FIELDS, GIB, HardwareError, describe, get_gpu, names
 from .cost.ops import KERNELS
 from .search.ranked import PlanError, parse_fix, plan
 from .search import objective as obj
+from . import energy_cli as ecli
 from .mixed.cli import cluster_of, estimate_mixed, format_estimate_mixed, run_plan_mixed
 from ..core.choices import OPTIMIZERS
 from .spec import (Shape, code_options, presets, priced_on, search_knobs, shape_from_config,
@@ -177,16 +178,10 @@ def run_estimate(args, extra_argv: list[str] | None = None) -> int:
         run = run_time(shape, spec, gpu, opts, cfg.training.steps, cfg.training.batch_rampup, out["step_s"])
         if run["ramp_steps"]:  # (--json as the explorer's estimate without one: explore/api.py)
             out["run"] = run
-        power, note = en.power_of(gpu), None
-        if cal is not None:  # the figures fitted to the run's measured energy (plan/calibrate/power.py)
-            from .calibrate.power import calibrated_power
-            try:
-                power, note = calibrated_power(args.calibrate, cal, gpu)
-            except PlanError as e:
-                return _fail(str(e))
-        energy = en.priced(out, power, gpu.gpus_per_node, site, run["seconds"])
-        if energy is not None:
-            out["energy"] = dict(energy, source=note) if note else energy
+        try:  # J/step, J/token, the run's kWh (plan/energy_cli.py)
+            ecli.estimate_energy(args, out, gpu, cal, site, run["seconds"])
+        except PlanError as e:
+            return _fail(str(e))
     if args.json:
         print(json.dumps(out, indent=1))
     else:
@@ -293,11 +288,7 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
             raise PlanError(f"--emit-rank: must be 1 to --top = {args.top}, got {args.emit_rank}")
         if not args.gpu and not args.calibrate:
             raise PlanError("--gpu: give a GPU profile (or --calibrate RUN_DIR)")
-        if args.objective not in obj.OBJECTIVES:
-            raise PlanError(f"--objective: unknown '{args.objective}' (known: {', '.join(obj.OBJECTIVES)})")
-        if args.max_slowdown is not None and not 0 <= args.max_slowdown < 1:
-            raise PlanError(f"--max-slowdown: must be in [0, 1), got {args.max_slowdown:g}")
-        site = en.site_of(args)
+        site = ecli.plan_site(args)
         cluster = cluster_of(args)
         if cluster is not None:  # more than one device type (plan/mixed/search.py)
             if args.objective != "time":
@@ -308,21 +299,13 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
                                   search_knobs(cfg))
         if args.gpus is None:
             raise PlanError("--gpus: give the number of GPUs (or a mixed cluster: --gpu TYPE:COUNT,...)")
-        cfg, gpu, opts, _ = _device(args, cfg, args.gpus)  # --emit-config: compile as priced
+        cfg, gpu, opts, cal = _device(args, cfg, args.gpus)  # --emit-config: compile as priced
         islands = isl.islands_flag(args, cfg)  # DiLoCo: the search is one island's (plan/cost/islands.py)
-        power = en.power_of(gpu)
-        if power is None and args.objective != "time":
-            raise PlanError(f"--objective {args.objective}: no power figures for {gpu.name} (core/facts/power.py)")
+        power = ecli.plan_power(args, gpu, cal)
         res = plan(shape, gpu, args.gpus // islands, seq, tokens // islands, args.precision, args.top,
                    parse_fix(args.fix), opts, optim=cfg.optim.name, knobs=search_knobs(cfg),
                    keep=obj.keep_for(args.objective, args.top), order=obj.ordering(args.objective, power, gpu, site))
-        if args.objective == "time":
-            obj.price_rows(res.ranked, power, gpu, site)
-        clocks = None
-        if res.ranked and (args.objective != "time" or args.max_slowdown is not None):
-            row = res.ranked[min(args.emit_rank, len(res.ranked)) - 1]
-            clocks = obj.with_clocks(row, shape, gpu, opts, power, 0.01 if args.max_slowdown is None
-                                     else args.max_slowdown)
+        clocks = ecli.after_search(res, args, shape, gpu, opts, power, site)
         rates = (args.failures_per_gpu_hour, args.ckpt_node_gbps, args.storage_gbps, args.restart_min,
                  args.spare_min, args.repair_h)
         if min(rates) < 0 or min(rates[1:3]) <= 0:
@@ -342,8 +325,7 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
         print(format_plan(res, shape, gpu, args.gpus // islands, seq, tokens // islands, cfg.optim.name,
                           args.objective))
         if clocks is not None:
-            from .cost.clocks import describe as describe_clocks
-            print(describe_clocks(clocks, row["energy"]["j_per_step"] if row.get("energy") else None))
+            print(ecli.clock_line(clocks, res.ranked[min(args.emit_rank, len(res.ranked)) - 1]))
         print(describe_goodput(good))
         if islands > 1 and res.ranked:
             print(isl.describe(isl.report(res.ranked[0], islands, cfg.training.outer, args.link_gbps,
@@ -359,12 +341,9 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
         out = to_config(shape, best, cfg)
         out.training.global_batch *= islands  # the layout is one island's, the batch the job's (parallel.islands kept)
         try:
-            has_key = hasattr(getattr(out.training, "energy", None), "clocks")
-            if clocks is not None and has_key:
-                out.training.energy.clocks = clocks["clocks"]
-            text = C.to_toml(out)
+            text = ecli.emitted_toml(out, clocks)
             with open(args.emit_config, "w") as f:
-                f.write(text if clocks is None else obj.clocks_toml(text, clocks["clocks"], has_key))
+                f.write(text)
         except OSError as e:
             return _fail(f"--emit-config: cannot write {args.emit_config}: {e.strerror}")
         if not args.json:
