@@ -21,7 +21,9 @@ from ..plan.hardware import FLAG_FIELDS, PROFILES, HardwareError, get_gpu
 from ..plan.mixed.search import plan_mixed
 from ..plan.mixed.cli import comparison, estimate_mixed, mixed_config, row
 from ..plan.cost.ops import KERNELS
+from ..plan.search.objective import pareto_front, price_rows
 from ..plan.search.ranked import plan
+from ..plan.cost.energy import Site, power_of, priced
 from ..plan.spec import AC_MODES, CP_IMPLS, PRECISIONS, SCHEDULES, PlanError, presets, priced_on, \
     search_knobs, shape_from_config, spec_from_config, spec_of_layout, to_config
 from .course import COURSE_KEYS, check_course, mixed_run_total, run_total, sample_course
@@ -277,6 +279,9 @@ def run_estimate(body, runs_root: str | None = None) -> dict:
         spec = spec_from_config(cfg, n)
         out = estimate(shape, spec, gpu, opts)
         run = run_total(cfg, shape, spec, gpu, opts, out["step_s"]) if "step_s" in out else None
+        energy = priced(out, power_of(gpu), gpu.gpus_per_node, Site(), run["seconds"]) if run else None
+        if energy is not None:  # as `meshlm estimate` prices it (plan/cost/energy.py)
+            out["energy"] = energy
     except BadRequest:
         raise
     except (C.ConfigError, PlanError, HardwareError) as e:
@@ -302,13 +307,16 @@ def run_plan(body, runs_root: str | None = None) -> dict:
     except (C.ConfigError, PlanError, HardwareError) as e:
         raise BadRequest(str(e)) from None
     rows = []
+    price_rows(res.ranked, power_of(gpu), gpu, Site())  # J/token at the defaults of `meshlm plan`
     for r in res.ranked:
         row_cfg = to_config(shape, spec_of_layout(r["layout"]), cfg)
         rows.append({"layout": r["layout"], "step_s": r["step_s"], "mfu": r["mfu"],
                      "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"], "per_gpu_total": r["per_gpu"]["total"],
-                     "inputs": layout_inputs(row_cfg), "toml": C.to_toml(row_cfg)})
+                     "j_per_token": r["j_per_token"], "inputs": layout_inputs(row_cfg), "toml": C.to_toml(row_cfg)})
+    priced = [r for r in rows if r["j_per_token"] is not None]
+    front = [rows.index(priced[i]) for i in pareto_front(priced)]  # the time-energy front of the rows (docs/energy.md)
     return {"ranked": rows, "counts": dict(res.counts), "reasons": dict(res.reasons.most_common(8)),
-            "elapsed_s": res.elapsed_s, "global_batch": res.global_batch}
+            "elapsed_s": res.elapsed_s, "global_batch": res.global_batch, "pareto": front}
 
 
 def _plan_mixed(shape, cfg, cluster, opts, tokens: int, top: int) -> dict:

@@ -17,7 +17,7 @@ from . import api, runs
 
 TYPES = {"html": "text/html; charset=utf-8", "js": "text/javascript; charset=utf-8", "css": "text/css; charset=utf-8"}
 STATIC = {"/" + name: (name, TYPES[name.rsplit(".", 1)[1]])
-          for name in ("index.html", "app.js", "charts.js", "form.js", "explorer.js", "mixed.js", "course.js", "runs.js",
+          for name in ("index.html", "app.js", "charts.js", "form.js", "explorer.js", "energy.js", "mixed.js", "course.js", "runs.js",
                        "style.css")}
 STATIC["/"] = STATIC["/index.html"]
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")

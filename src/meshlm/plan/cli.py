@@ -12,12 +12,14 @@ import sys
 
 from ..core import config as C
 from ..core.layout import check_rampup
-from .cost import islands as isl
+from .cost import energy as en, islands as isl
 from .cost.estimate import CATEGORIES, Options, describe_run, estimate, run_time, step_categories
 from .cost.goodput import Resilience, describe as describe_goodput, goodput
 from .hardware import FLAG_FIELDS, GIB, HardwareError, describe, get_gpu, names
 from .cost.ops import KERNELS
 from .search.ranked import PlanError, parse_fix, plan
+from .search import objective as obj
+from . import energy_cli as ecli
 from .mixed.cli import cluster_of, estimate_mixed, format_estimate_mixed, run_plan_mixed
 from ..core.choices import OPTIMIZERS
 from .spec import (Shape, code_options, presets, priced_on, search_knobs, shape_from_config,
@@ -85,6 +87,7 @@ def add_parsers(subparsers) -> None:
     e.add_argument("--config", help="TOML config file, as for `meshlm train`")
     _hardware_flags(e, gpu_required=False)
     isl.add_flags(e)
+    en.add_flags(e, prices=True)
     e.set_defaults(func=run_estimate)
     p = subparsers.add_parser("plan", help="search every layout of N GPUs and rank those that fit")
     p.add_argument("--model", help=f"preset ({', '.join(presets())}); default: --config's model")
@@ -111,6 +114,11 @@ def add_parsers(subparsers) -> None:
                    help="plan for training.compile = true / false (compiled blocks save fewer activations); "
                         "default: the config's, whose \"auto\" compiles on a GPU, not for a CPU run's --calibrate")
     isl.add_flags(p)
+    p.add_argument("--objective", default="time", help="rank by time (step seconds), energy (J/token) or pareto "
+                   "(the time-energy front); default %(default)s")
+    p.add_argument("--max-slowdown", type=float, default=None,
+                   help="the clock plan's bound on a pipeline's slowdown (default 0.01 under --objective energy / pareto)")
+    en.add_flags(p, prices=False)
     p.set_defaults(func=run_plan)
 
 
@@ -159,6 +167,7 @@ def run_estimate(args, extra_argv: list[str] | None = None) -> int:
         shape = shape_from_config(cfg)
         spec = spec_from_config(cfg, args.gpus)
         check_rampup(cfg, spec)
+        site = en.site_of(args)
         out = estimate(shape, spec, gpu, opts)
         if islands > 1:  # DiLoCo: the cross-island traffic and step times (plan/cost/islands.py)
             out["islands"] = isl.report(out, islands, cfg.training.outer, args.link_gbps, args.link_latency_ms)
@@ -169,6 +178,10 @@ def run_estimate(args, extra_argv: list[str] | None = None) -> int:
         run = run_time(shape, spec, gpu, opts, cfg.training.steps, cfg.training.batch_rampup, out["step_s"])
         if run["ramp_steps"]:  # (--json as the explorer's estimate without one: explore/api.py)
             out["run"] = run
+        try:  # J/step, J/token, the run's kWh (plan/energy_cli.py)
+            ecli.estimate_energy(args, out, gpu, cal, site, run["seconds"])
+        except PlanError as e:
+            return _fail(str(e))
     if args.json:
         print(json.dumps(out, indent=1))
     else:
@@ -179,7 +192,8 @@ def run_estimate(args, extra_argv: list[str] | None = None) -> int:
         text = format_estimate(out, gpu, sources)
         if "islands" in out:
             text += "\n" + isl.describe(out["islands"])
-        print(text + ("\n" + describe_run(run) if run else ""))
+        print(text + ("\n" + describe_run(run) if run else "")
+              + ("\n" + en.describe(out["energy"]) if "energy" in out else ""))
     return 0
 
 
@@ -274,18 +288,24 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
             raise PlanError(f"--emit-rank: must be 1 to --top = {args.top}, got {args.emit_rank}")
         if not args.gpu and not args.calibrate:
             raise PlanError("--gpu: give a GPU profile (or --calibrate RUN_DIR)")
+        site = ecli.plan_site(args)
         cluster = cluster_of(args)
         if cluster is not None:  # more than one device type (plan/mixed/search.py)
+            if args.objective != "time":
+                raise PlanError("--objective: a mixed cluster is ranked by time only")
             isl.refuse_mixed(args, cfg)
             cfg = priced_on(cfg, gpu=True)
             return run_plan_mixed(args, cfg, shape, cluster, seq, tokens, _options(args, cfg), parse_fix(args.fix),
                                   search_knobs(cfg))
         if args.gpus is None:
             raise PlanError("--gpus: give the number of GPUs (or a mixed cluster: --gpu TYPE:COUNT,...)")
-        cfg, gpu, opts, _ = _device(args, cfg, args.gpus)  # --emit-config: compile as priced
+        cfg, gpu, opts, cal = _device(args, cfg, args.gpus)  # --emit-config: compile as priced
         islands = isl.islands_flag(args, cfg)  # DiLoCo: the search is one island's (plan/cost/islands.py)
+        power = ecli.plan_power(args, gpu, cal)
         res = plan(shape, gpu, args.gpus // islands, seq, tokens // islands, args.precision, args.top,
-                   parse_fix(args.fix), opts, optim=cfg.optim.name, knobs=search_knobs(cfg))
+                   parse_fix(args.fix), opts, optim=cfg.optim.name, knobs=search_knobs(cfg),
+                   keep=obj.keep_for(args.objective, args.top), order=obj.ordering(args.objective, power, gpu, site))
+        clocks = ecli.after_search(res, args, shape, gpu, opts, power, site)
         rates = (args.failures_per_gpu_hour, args.ckpt_node_gbps, args.storage_gbps, args.restart_min,
                  args.spare_min, args.repair_h)
         if min(rates) < 0 or min(rates[1:3]) <= 0:
@@ -302,7 +322,10 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(res.ranked, indent=1))
     else:
-        print(format_plan(res, shape, gpu, args.gpus // islands, seq, tokens // islands, cfg.optim.name))
+        print(format_plan(res, shape, gpu, args.gpus // islands, seq, tokens // islands, cfg.optim.name,
+                          args.objective))
+        if clocks is not None:
+            print(ecli.clock_line(clocks, res.ranked[min(args.emit_rank, len(res.ranked)) - 1]))
         print(describe_goodput(good))
         if islands > 1 and res.ranked:
             print(isl.describe(isl.report(res.ranked[0], islands, cfg.training.outer, args.link_gbps,
@@ -318,8 +341,9 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
         out = to_config(shape, best, cfg)
         out.training.global_batch *= islands  # the layout is one island's, the batch the job's (parallel.islands kept)
         try:
+            text = ecli.emitted_toml(out, clocks)
             with open(args.emit_config, "w") as f:
-                f.write(C.to_toml(out))
+                f.write(text)
         except OSError as e:
             return _fail(f"--emit-config: cannot write {args.emit_config}: {e.strerror}")
         if not args.json:
@@ -327,7 +351,8 @@ def run_plan(args, extra_argv: list[str] | None = None) -> int:
     return 0
 
 
-def format_plan(res, shape: Shape, gpu, n: int, seq: int, tokens: int, optim: str = "adamw") -> str:
+def format_plan(res, shape: Shape, gpu, n: int, seq: int, tokens: int, optim: str = "adamw",
+                objective: str = "time") -> str:
     c = res.counts
     head = (f"{shape.name}: {shape.num_params() / 1e9:.2f}B params on {n} × {gpu.name} "
             f"({gpu.gpus_per_node}/node), seq {seq}, {tokens:,} tokens/step = {res.global_batch} sequences"
@@ -340,6 +365,10 @@ def format_plan(res, shape: Shape, gpu, n: int, seq: int, tokens: int, optim: st
     cols = f"{'#':>3} {'tok/s/GPU':>10} {'MFU':>6} {'step s':>8} {'GiB':>6}  {'tp':>3} {'sp':>2} {'pp':>3} " \
            f"{'schedule':<13} {'cp':>3} {'dp':>5}{' ' + format('ep', '>4') if ep else ''} {'zero':<8} {'mb×m':>8} " \
            f"{'ac':<9} offload"
+    energy = objective != "time"  # a J/token column (plan/search/objective.py)
+    if energy:
+        head += "\n" + obj.describe(objective, res.counts["ranked_in_detail"])
+        cols += f"{'':2} {'J/token':>8}"
     rows = [head, cols]
     for i, r in enumerate(res.ranked, 1):
         L = r["layout"]
@@ -349,7 +378,7 @@ def format_plan(res, shape: Shape, gpu, n: int, seq: int, tokens: int, optim: st
                     f"{r['per_gpu']['total'] / GIB:>6.1f}  {L['tp']:>3} {('y' if L['sp'] else '-'):>2} {L['pp']:>3} "
                     f"{sched:<13} {L['cp']:>3} {L['dp']:>5}{' ' + format(L['ep'], '>4') if ep else ''} {zero:<8} "
                     f"{str(L['micro_batch']) + '×' + str(L['microbatches']):>8} "
-                    f"{L['ac']:<9} {L['offload']}")
+                    f"{L['ac']:<9} " + (f"{L['offload']:<9} {r['j_per_token']:>8.4f}" if energy else L["offload"]))
     if not res.ranked:
         rows.append("  (no layout fits)")
     return "\n".join(rows)

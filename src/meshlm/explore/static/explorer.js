@@ -116,7 +116,8 @@ function planRow(r, i) {
   return `<tr data-i="${i}" data-step="${r.step_s}" data-bytes="${r.per_gpu_total}"><td>${i + 1}</td><td>${fmtNum(r.tokens_per_s_per_gpu, 0)}</td>` +
     `<td>${(100 * r.mfu).toFixed(1)}%</td><td>${fmtNum(r.step_s, 2)}</td><td>${(r.per_gpu_total / 2 ** 30).toFixed(1)}</td>` +
     `<td>${L.tp}${L.sp ? "+sp" : ""}</td><td>${L.pp}</td><td>${sched}</td><td>${L.cp}</td><td>${L.dp}</td>` +
-    `<td>${L.ep}</td><td>${zero}</td><td>${L.micro_batch}×${L.microbatches}</td><td>${L.ac}</td><td>${L.offload}</td></tr>`;
+    `<td>${L.ep}</td><td>${zero}</td><td>${L.micro_batch}×${L.microbatches}</td><td>${L.ac}</td><td>${L.offload}</td>` +
+    `<td class="energy">${r.j_per_token == null ? "-" : r.j_per_token.toFixed(3)}</td></tr>`;
 }
 
 function planStale(message) {
@@ -135,11 +136,12 @@ async function runPlan() {
     $("#plan-card").classList.remove("stale");
     const t = $("#plan-table");
     $("#plan-compare").innerHTML = "";
+    drawPareto($("#pareto-chart"), $("#pareto-caption"), res, (i) => loadRow(res.ranked[i], i));  // energy.js
     if (res.mixed) { renderMixedPlan(res, body); return; }
     $("#plan-caption").innerHTML = planCaption(res);
     Object.assign(t.dataset, { model: body["model.preset"], gpus: body.gpus, loaded: "" });
-    t.innerHTML = "<thead><tr><th>#</th><th>tok/s/GPU</th><th>MFU</th><th>step s</th><th>GiB</th><th>tp</th><th>pp</th><th>schedule</th><th>cp</th><th>dp</th><th>ep</th><th>zero</th><th>mb×m</th><th>ac</th><th>offload</th></tr></thead><tbody>" +
-      (res.ranked.map(planRow).join("") || "<tr><td colspan=15>no layout fits</td></tr>") + "</tbody>";
+    t.innerHTML = "<thead><tr><th>#</th><th>tok/s/GPU</th><th>MFU</th><th>step s</th><th>GiB</th><th>tp</th><th>pp</th><th>schedule</th><th>cp</th><th>dp</th><th>ep</th><th>zero</th><th>mb×m</th><th>ac</th><th>offload</th><th title='predicted joules per token at the wall (docs/energy.md)'>J/token</th></tr></thead><tbody>" +
+      (res.ranked.map(planRow).join("") || "<tr><td colspan=16>no layout fits</td></tr>") + "</tbody>";
     for (const tr of t.querySelectorAll("tbody tr[data-i]")) tr.onclick = () => loadRow(res.ranked[+tr.dataset.i], +tr.dataset.i);
   } catch (e) {
     if (my === seqPlan) planStale(e.message);

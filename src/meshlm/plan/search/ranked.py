@@ -111,10 +111,12 @@ class PlanResult:
 
 def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens: int, precision: str = "bf16",
          top: int = 10, fixed: dict | None = None, o: Options | None = None, optim: str = "adamw",
-         knobs: dict | None = None) -> PlanResult:
+         knobs: dict | None = None, keep: int | None = None,
+         order: Callable[[list[dict]], list[int]] | None = None) -> PlanResult:
     """Rank every valid layout by predicted tokens/s per GPU; the best `top` come back as estimates.
     `optim`: optim.name, priced in memory and time; `knobs`: spec.search_knobs of a config, kept as
-    given (default: the Spec's defaults)."""
+    given (default: the Spec's defaults); `keep`: how many of the fastest are estimated in full (default
+    3 × top); `order`: re-ranks those estimates (indices, best first: plan/search/objective.py)."""
     o = o or Options()
     t0 = time.perf_counter()
     fx = fixed or {}
@@ -140,7 +142,7 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
     def want(key, value) -> bool:
         return key not in fx or fx[key] == value
 
-    ctx = _Search(shape, gpu, o, fx, want, reject, counts, [], max(3 * top, 20), [x for x in AC_MODES if want("ac", x)],
+    ctx = _Search(shape, gpu, o, fx, want, reject, counts, [], keep or max(3 * top, 20), [x for x in AC_MODES if want("ac", x)],
                   o.usable(gpu), global_batch_tokens // seq_len,
                   dict(precision=precision, seq_len=seq_len, optim=optim, **(knobs or {})), reasons=reasons,
                   examples=examples)
@@ -153,6 +155,8 @@ def plan(shape: Shape, gpu: GPU, n_gpus: int, seq_len: int, global_batch_tokens:
     rows = [(r, (spec, total, -neg_step)) for r, (neg_step, _, spec, total) in zip(found, kept)]
     rows.sort(key=lambda x: (x[0]["step_s"], x[0]["per_gpu"]["total"]))
     counts["ranked_in_detail"] = len(rows)
+    if order is not None:
+        rows = [rows[i] for i in order([r for r, _ in rows])]
     return PlanResult([r for r, _ in rows[:top]], counts, reasons, examples, time.perf_counter() - t0, ctx.G,
                       [p for _, p in rows[:top]], processes)
 
