@@ -266,28 +266,34 @@ def _categories(r: dict, sources: tuple[str, dict] | None) -> list[str]:
 
 # ---------------------------------------------------------------------------------- plan
 
+def _plan_inputs(args, extra_argv: list[str] | None):
+    """(config, shape, seq, tokens per step) of `meshlm plan`'s flags, or a PlanError naming the flag."""
+    if extra_argv:
+        raise PlanError(f"unrecognised argument: {extra_argv[0]}")
+    cfg = C.load(args.config) if args.config else C.Config()
+    if args.compile is not None:
+        cfg.training.compile = args.compile
+    if args.optim:
+        cfg.optim.name = args.optim
+    if args.model:
+        cfg.model.preset = args.model
+    elif not args.config:
+        raise PlanError("--model: give a preset (or --config with a model section)")
+    shape = shape_from_config(cfg)
+    seq = args.seq_len or (cfg.data.seq_len if args.config else shape.args.pretrain_seq_len)
+    tokens = args.global_batch_tokens or (cfg.training.global_batch * seq if args.config else 2 ** 22)
+    if args.top < 1:
+        raise PlanError(f"--top: must be >= 1, got {args.top}")
+    if not 1 <= args.emit_rank <= args.top:
+        raise PlanError(f"--emit-rank: must be 1 to --top = {args.top}, got {args.emit_rank}")
+    if not args.gpu and not args.calibrate:
+        raise PlanError("--gpu: give a GPU profile (or --calibrate RUN_DIR)")
+    return cfg, shape, seq, tokens
+
+
 def run_plan(args, extra_argv: list[str] | None = None) -> int:
     try:
-        if extra_argv:
-            raise PlanError(f"unrecognised argument: {extra_argv[0]}")
-        cfg = C.load(args.config) if args.config else C.Config()
-        if args.compile is not None:
-            cfg.training.compile = args.compile
-        if args.optim:
-            cfg.optim.name = args.optim
-        if args.model:
-            cfg.model.preset = args.model
-        elif not args.config:
-            raise PlanError("--model: give a preset (or --config with a model section)")
-        shape = shape_from_config(cfg)
-        seq = args.seq_len or (cfg.data.seq_len if args.config else shape.args.pretrain_seq_len)
-        tokens = args.global_batch_tokens or (cfg.training.global_batch * seq if args.config else 2 ** 22)
-        if args.top < 1:
-            raise PlanError(f"--top: must be >= 1, got {args.top}")
-        if not 1 <= args.emit_rank <= args.top:
-            raise PlanError(f"--emit-rank: must be 1 to --top = {args.top}, got {args.emit_rank}")
-        if not args.gpu and not args.calibrate:
-            raise PlanError("--gpu: give a GPU profile (or --calibrate RUN_DIR)")
+        cfg, shape, seq, tokens = _plan_inputs(args, extra_argv)
         site = ecli.plan_site(args)
         cluster = cluster_of(args)
         if cluster is not None:  # more than one device type (plan/mixed/search.py)

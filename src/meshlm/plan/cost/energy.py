@@ -21,7 +21,10 @@ from .estimate import step_categories
 # communication power, and the time the card waits (bubbles, host dispatch, per-step host work) at idle
 DRAWS = {"gemm": "busy", "attention": "busy", "recompute": "busy", "compute": "busy", "overlap": "busy",
          "elementwise": "memory", "grad_accum": "memory", "loss": "memory", "optimizer": "memory",
-         "comm": "comm", "bubble": "idle", "launch": "idle", "overhead": "idle"}
+         "comm": "comm", "bubble": "idle", "launch": "idle", "overhead": "idle",
+         # plan/cost/scale.py's terms: a collective's hop latencies (links busy, SMs waiting) and the wait for
+         # the slowest rank (the others idle)
+         "depth": "comm", "straggler": "idle"}
 JOULES_PER_KWH = 3.6e6
 
 
