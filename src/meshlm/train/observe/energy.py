@@ -128,12 +128,10 @@ class EnergyMeter:
         now, t = self.read(), time.time()
         mine = deltas(self.last or [], now, t - self.last_t) if (now and self.counters) else None
         seconds, self.last, self.last_t = t - self.last_t, now, t
-        per_rank = [mine]
+        per_rank = [mine] if self.world == 1 else [None]  # other ranks' are rank 0's to sum
         if self.world > 1 and self.store is not None:
             self.store.set(f"meshlm/energy/{self.rank}", json.dumps({"step": step, "counters": mine}))
             if self.rank == 0 and mine is not None:  # rank 0 without a counter knows the answer: null
                 got = gather_published(self.store, "meshlm/energy", self.world, step, self.wait_s)
                 per_rank = [got[r]["counters"] if r in got else None for r in range(self.world)]
-        elif self.world > 1:
-            per_rank = [None]
         return {"time": t, **energy_fields(job_joules(per_rank), seconds, tokens)}
