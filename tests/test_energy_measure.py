@@ -146,3 +146,45 @@ def test_a_cpu_run_without_counters_says_why_once_and_logs_null(tmp_path, capsys
     for r in recs:
         assert r["energy_j"] is None and r["power_w"] is None and r["j_per_token"] is None
         assert abs(r["time"] - os.path.getmtime(run / "metrics.jsonl")) < 600
+
+
+class FakeNvml:
+    """pynvml as the reader calls it: the total-energy counter (mJ) of a GPU by its NVML index."""
+
+    def __init__(self, mj: dict[int, int], supported: bool = True):
+        self.mj, self.supported = mj, supported
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetHandleByUUID(self, u):
+        return int(u.removeprefix("GPU-"))
+
+    def nvmlDeviceGetUUID(self, h):
+        return f"GPU-{h}"
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h):
+        if not self.supported:
+            raise RuntimeError("Not Supported")
+        return self.mj[h]
+
+
+def test_nvml_reader_with_a_fake_pynvml(tmp_path, monkeypatch):
+    nvml = FakeNvml({0: 1_000, 3: 5_000_000})
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", nvml)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,0")  # CUDA device 0 is NVML's GPU 3
+    meter = EnergyMeter("cuda", 0, None, 0, 1, root=str(tmp_path / "none"))
+    assert meter.note.startswith("energy from NVML (this rank's GPU) (RAPL: ")
+    assert [c.key for c in meter.counters] == ["gpu:GPU-3"]
+    nvml.mj[3] += 250_000  # 250 J in millijoules
+    assert meter.record(2, tokens=1000)["j_per_token"] == pytest.approx(0.25)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-0")  # named by UUID
+    assert [c.key for c in open_counters("cuda", 0, str(tmp_path))[0]] == ["gpu:GPU-0"]
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", FakeNvml({3: 1}, supported=False))
+    counters, note = open_counters("cuda", 0, str(tmp_path))
+    assert counters == [] and note == "energy not measured (NVML: Not Supported; the energy fields are null)"
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", None)  # not installed
+    assert "pynvml not importable (pip install 'meshlm[energy]')" in open_counters("cuda", 0, str(tmp_path))[1]

@@ -63,11 +63,12 @@ def rapl_packages(root: str = POWERCAP, host: str | None = None) -> tuple[list[R
 class NvmlGpu:
     """NVML's total-energy counter (millijoules since the driver loaded; Volta and later) of one GPU."""
 
-    def __init__(self, index: int):
+    def __init__(self, index: int | str):
         import pynvml
         self.nvml = pynvml
         pynvml.nvmlInit()
-        self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        self.handle = pynvml.nvmlDeviceGetHandleByUUID(index) if isinstance(index, str) else \
+            pynvml.nvmlDeviceGetHandleByIndex(index)
         uuid = pynvml.nvmlDeviceGetUUID(self.handle)
         self.key = gpu_key(uuid.decode() if isinstance(uuid, bytes) else uuid)
         self.read()
@@ -77,15 +78,12 @@ class NvmlGpu:
 
 
 def nvml_gpu(index: int) -> tuple[list[NvmlGpu], str]:
-    """The GPU NVML numbers `index`, or none and why. NVML counts every GPU of the host; CUDA counts
-    the visible ones: with CUDA_VISIBLE_DEVICES the first visible one's NVML index is taken from it."""
-    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    if visible:
-        if not visible[index % len(visible)].strip().isdigit():
-            return [], f"NVML: CUDA_VISIBLE_DEVICES names {visible[index % len(visible)]!r}, not an index"
-        index = int(visible[index % len(visible)])
+    """CUDA device `index`'s GPU counter, or none and why. NVML numbers every GPU of the host, CUDA
+    the visible ones: CUDA_VISIBLE_DEVICES names the NVML index (or UUID) of each visible one."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    name = visible[index % len(visible)] if visible else index  # an index or a GPU-... UUID
     try:
-        return [NvmlGpu(index)], ""
+        return [NvmlGpu(int(name) if str(name).isdigit() else name)], ""
     except ImportError:
         return [], "NVML: pynvml not importable (pip install 'meshlm[energy]')"
     except Exception as e:  # noqa: BLE001 - pynvml.NVMLError_*: NotSupported (pre-Volta), NoPermission, ...
