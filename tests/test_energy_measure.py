@@ -123,6 +123,14 @@ def test_two_ranks_on_one_host_count_their_package_once_through_the_store(tmp_pa
     assert ranks[1].record(3, tokens=400)["energy_j"] is None  # rank 1 publishes; rank 0 speaks for the job
     assert ranks[0].record(3, tokens=400)["energy_j"] == pytest.approx(40.0)  # not 80: one host's packages
     assert ranks[0].record(4, tokens=400)["energy_j"] is None  # rank 1 never published step 4: unknown
+    blind = EnergyMeter("cpu", 0, store, 1, 2, root=str(tmp_path / "none"))  # rank 1 on a host without RAPL
+    said = []
+    assert blind.record(5, tokens=400)["energy_j"] is None
+    assert ranks[0].record(5, tokens=400, message=said.append)["energy_j"] is None
+    assert blind.record(6, tokens=400)["energy_j"] is None
+    assert ranks[0].record(6, tokens=400, message=said.append)["energy_j"] is None
+    assert said == [f"step 5: rank 1: energy not measured (RAPL: {tmp_path / 'none'} absent (no powercap driver: "
+                    "a VM or a non-Linux host); the energy fields are null)"]  # once
 
 
 def test_a_cpu_run_without_counters_says_why_once_and_logs_null(tmp_path, capsys):

@@ -99,8 +99,8 @@ def open_counters(kind: str, index: int = 0, root: str = POWERCAP) -> tuple[list
         return [], f"energy not measured ({no_nvml}; the energy fields are null)"
     if not gpus and not packages:
         return [], f"energy not measured ({no_rapl}; the energy fields are null)"
-    parts = (["NVML (this rank's GPU)"] if gpus else []) + \
-        ([f"RAPL ({len(packages)} package{'s' if len(packages) > 1 else ''} per host, counted once)"] if packages else [])
+    rapl = f"RAPL ({len(packages)} package{'s' if len(packages) > 1 else ''} per host, counted once)"
+    parts = (["NVML (this rank's GPU)"] if gpus else []) + ([rapl] if packages else [])
     return gpus + packages, "energy from " + " and ".join(parts) + (f" ({no_rapl})" if gpus and not packages else "")
 
 
@@ -112,6 +112,7 @@ class EnergyMeter:
         self.counters, self.note = open_counters(kind, index, root)
         self.store, self.rank, self.world, self.wait_s = store, rank, world, wait_s
         self.last, self.last_t = self.read(), time.time()
+        self.told = False  # rank 0 said once why another rank's counters leave the fields null
 
     def read(self) -> list[Reading] | None:
         """Every counter now, or None if one failed (that interval is then unknown)."""
@@ -120,16 +121,22 @@ class EnergyMeter:
         except Exception:  # noqa: BLE001 - a counter that stopped answering (an NVML error, a sysfs read)
             return None
 
-    def record(self, step: int, tokens: float) -> dict:
+    def record(self, step: int, tokens: float, message=None) -> dict:
         """The metrics line's `time`, `energy_j`, `power_w`, `j_per_token` since the last record (every
-        rank calls it at a logged step; the fields mean something on rank 0 only)."""
+        rank calls it at a logged step; the fields mean something on rank 0 only). Where rank 0 reads
+        counters and another rank has none, rank 0 says why through `message`, once."""
         now, t = self.read(), time.time()
         mine = deltas(self.last or [], now, t - self.last_t) if (now and self.counters) else None
         seconds, self.last, self.last_t = t - self.last_t, now, t
         per_rank = [mine] if self.world == 1 else [None]  # other ranks' are rank 0's to sum
         if self.world > 1 and self.store is not None:
-            self.store.set(f"meshlm/energy/{self.rank}", json.dumps({"step": step, "counters": mine}))
+            why = "" if self.counters else self.note
+            self.store.set(f"meshlm/energy/{self.rank}", json.dumps({"step": step, "counters": mine, "why": why}))
             if self.rank == 0 and mine is not None:  # rank 0 without a counter knows the answer: null
                 got = gather_published(self.store, "meshlm/energy", self.world, step, self.wait_s)
                 per_rank = [got[r]["counters"] if r in got else None for r in range(self.world)]
+                lacking = [(r, got[r]["why"]) for r in got if got[r]["why"]]
+                if lacking and message is not None and not self.told:
+                    self.told = True
+                    message(f"step {step}: rank {lacking[0][0]}: {lacking[0][1]}")
         return {"time": t, **energy_fields(job_joules(per_rank), seconds, tokens)}

@@ -396,7 +396,7 @@ class StepMeter:
             self.sched = now
         if self.ramped:  # training.batch_rampup: the step's own global batch (sequences)
             rec["global_batch"] = out["global_batch"]
-        rec.update(self.energy.record(state.step, self.window_seqs * self.seq_len))  # time, energy_j, ...
+        rec.update(self.energy.record(state.step, self.window_seqs * self.seq_len, message))  # time, energy_j, ...
         rec["time_split"] = split(step_s, sum(s.seconds for s in stats.values()) / n, self.data_s / n)
         self.data_s = 0.0
         if state.sampler.drawn() is not None:  # data.mix: tokens drawn per source so far
