@@ -147,7 +147,7 @@ def test_a_cpu_run_without_counters_says_why_once_and_logs_null(tmp_path, capsys
     err = capsys.readouterr().err
     assert err.count("energy not measured (RAPL: /sys/class/powercap absent") == 1, err
     assert sum("energy" in line for line in err.splitlines()) == 1, err  # said once, on the start-up line
-    assert err.splitlines()[0].startswith("meshlm: debug, 1 worker") and "energy not" in err.splitlines()[0]
+    assert err.splitlines()[0].startswith("meshlm: debug, 1 worker") and "; energy not" in err.splitlines()[0]
     with open(run / "metrics.jsonl") as f:
         recs = [json.loads(x) for x in f if '"loss"' in x]
     assert [r["step"] for r in recs] == [1, 2]

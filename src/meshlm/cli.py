@@ -35,8 +35,8 @@ def cmd_train(args, extra: list[str]) -> int:
         print(f"meshlm: {cfg.model.preset}, {world} worker{'s' if world > 1 else ''}{_shared_gpus(cfg, world)}"
               f"{_islands(cfg, start.layout)}, "
               f"precision {t.precision}{_fp8_comm(cfg, start.layout)}, "
-              f"compile {'on' if t.compile else 'off'}{attention}, {_energy(cfg)}, "
-              f"run dir {run_dir}", file=sys.stderr)
+              f"compile {'on' if t.compile else 'off'}{attention}, "
+              f"run dir {run_dir}; {_energy(cfg)}", file=sys.stderr)
     if not worker and (world > 1 or args.max_restarts):
         config = os.path.join(run_dir, "config.toml")
         if cfg.parallel.islands > 1 and cfg.training.outer.on_island_loss == "continue":  # docs/diloco.md
