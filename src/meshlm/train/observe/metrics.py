@@ -320,7 +320,8 @@ def memory(par, device: torch.device) -> dict:
 class StepMeter:
     """Builds the metrics line of a logged step: wall time, throughput, MFU and collectives averaged
     over the steps since the previous line (the window), plus what the layout reports (MoE routing,
-    the pipeline's bubble and trace) and, from every rank's time split, the ranks named stragglers."""
+    the pipeline's bubble and trace), the job's energy since the previous line (energy.py) and, from every
+    rank's time split, the ranks named stragglers."""
 
     def __init__(self, ctx, cfg, args, layout, par, run_dir: str, store):
         t, m = cfg.training, cfg.metrics
