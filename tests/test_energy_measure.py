@@ -26,7 +26,7 @@ def test_a_counter_delta_with_and_without_wrap_around():
 
 
 def test_the_job_sums_ranks_and_counts_a_shared_package_once():
-    pkg, g0, g1 = package_key("node1", 0), gpu_key("GPU-a"), gpu_key("GPU-b")
+    pkg, g0, g1 = package_key("node1", "package-0"), gpu_key("GPU-a"), gpu_key("GPU-b")
     before0 = [Reading(g0, 1000.0), Reading(pkg, 50.0, 1e5)]
     before1 = [Reading(g1, 7000.0), Reading(pkg, 50.0, 1e5)]
     now0 = [Reading(g0, 1300.0), Reading(pkg, 170.0, 1e5)]

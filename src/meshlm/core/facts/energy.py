@@ -26,9 +26,10 @@ def gpu_key(uuid: str) -> str:
     return f"gpu:{uuid}"
 
 
-def package_key(host: str, package: int) -> str:
-    """A CPU package's counter is every rank's on that host: named by the host and the package id."""
-    return f"cpu:{host}:package-{package}"
+def package_key(host: str, package: str) -> str:
+    """A CPU package's counter is every rank's on that host: named by the host and the zone's own name
+    (`package-0`; `package-0-die-1` where a package has several dies), unique on the host."""
+    return f"cpu:{host}:{package}"
 
 
 def delta(before: Reading, now: Reading, seconds: float) -> float | None:

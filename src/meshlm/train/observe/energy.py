@@ -20,9 +20,13 @@ from .straggler import gather_published
 POWERCAP = "/sys/class/powercap"
 
 
-def _read_number(path: str) -> float:
+def _read_text(path: str) -> str:
     with open(path) as f:
-        return float(f.read().strip())
+        return f.read().strip()
+
+
+def _read_number(path: str) -> float:
+    return float(_read_text(path))
 
 
 class RaplPackage:
@@ -30,8 +34,7 @@ class RaplPackage:
 
     def __init__(self, zone: str, host: str):
         self.zone = zone
-        name = open(os.path.join(zone, "name")).read().strip()
-        self.key = package_key(host, int(name.rsplit("-", 1)[-1]))
+        self.key = package_key(host, _read_text(os.path.join(zone, "name")))
         self.wrap = _read_number(os.path.join(zone, "max_energy_range_uj")) / 1e6
         limit = os.path.join(zone, "constraint_0_max_power_uw")
         self.max_watts = _read_number(limit) / 1e6 if os.path.isfile(limit) else 0.0
@@ -51,7 +54,7 @@ def rapl_packages(root: str = POWERCAP, host: str | None = None) -> tuple[list[R
     packages, why = [], f"RAPL: no intel-rapl zone under {root}"
     for zone in zones:
         try:
-            if open(os.path.join(zone, "name")).read().strip().startswith("package"):
+            if _read_text(os.path.join(zone, "name")).startswith("package"):
                 packages.append(RaplPackage(zone, host))
         except PermissionError:
             why = f"RAPL: {zone}/energy_uj readable by root only (Linux >= 5.10; CVE-2020-8694)"
