@@ -133,6 +133,20 @@ def test_two_ranks_on_one_host_count_their_package_once_through_the_store(tmp_pa
                     "a VM or a non-Linux host); the energy fields are null)"]  # once
 
 
+def test_counters_are_read_at_logged_steps_only(tmp_path, monkeypatch):
+    """Reading costs no step time because a step that is not logged reads nothing (metrics.every = 2:
+    steps 2 and 4 of 4 read, besides the one read when the meter is built)."""
+    from harness import make_config, run_local
+    from meshlm.train.observe import energy
+    reads = []
+    real = energy.EnergyMeter.read
+    monkeypatch.setattr(energy.EnergyMeter, "read", lambda self: reads.append(1) or real(self))
+    recs = run_local(make_config(training__steps=4, metrics__every=2), str(tmp_path))
+    assert [r["step"] for r in recs] == [2, 4] and len(reads) == 1 + 2
+    blind = not open_counters("cpu")[0]  # this VM: null; a host with readable RAPL: its joules
+    assert recs[0]["time"] < recs[1]["time"] and all((r["energy_j"] is None) == blind for r in recs)
+
+
 def test_a_cpu_run_without_counters_says_why_once_and_logs_null(tmp_path, capsys):
     """This machine (a VM: no /sys/class/powercap) has no counter; where one has, the test says so."""
     if open_counters("cpu")[0]:
