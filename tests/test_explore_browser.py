@@ -179,6 +179,36 @@ def test_runs_dashboard_follows_a_growing_run(page, explore):
                            f".includes('{n + 1} steps')", timeout=30000)  # the list follows on its next poll
 
 
+def test_runs_dashboard_plots_power_and_j_per_token_where_measured(page, explore):
+    """This CPU's run logs null energy fields: no energy card. A copy of it whose lines carry measured
+    values (as NVML's would) plots power and J/token, one point per logged step (docs/energy.md,
+    "Measured energy")."""
+    _, root, name = explore
+    page.click("#tab-runs")
+    page.click(f"#run-list li[data-name='{name}']")
+    page.wait_for_selector(f'#chart-loss[data-run="{name}"]')
+    assert page.locator("#run-energy-card").is_hidden()
+    measured = root / "measured-energy"
+    shutil.copytree(root / name, measured)
+    text = (measured / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(x) for x in text if x.endswith("}") and '"loss"' in x]  # an earlier test left a half line
+    steps = [x for x in steps if x["step"] <= 6]
+    assert steps and all("energy_j" in x and x["energy_j"] is None for x in steps)
+    with open(measured / "metrics.jsonl", "w") as f:
+        for i, x in enumerate(steps):
+            f.write(json.dumps(dict(x, energy_j=720.0 * (i + 1), power_w=350.0 + i, j_per_token=0.5)) + "\n")
+    page.click("#tab-explorer")
+    page.click("#tab-runs")
+    page.wait_for_selector("#run-list li[data-name='measured-energy']", timeout=30000)
+    page.click("#run-list li[data-name='measured-energy']")
+    page.wait_for_selector('#chart-loss[data-run="measured-energy"]')
+    page.wait_for_selector("#run-energy-card:not([hidden]) #chart-power polyline.power")
+    assert page.locator("#chart-jpt polyline.jpt").count() == 1
+    n = len(steps)
+    kwh = 720.0 * n * (n + 1) / 2 / 3.6e6
+    assert page.inner_text("#run-energy-caption") == f"{kwh:.4f} kWh measured, summed over the job"
+
+
 # ------------------------------------------------------------------------- a plan row loads exactly
 
 def _set_cluster(page, preset: str, gpus: int):

@@ -122,9 +122,9 @@ def test_nan_loss_stops_bf16_with_one_line(tmp_path, monkeypatch, capsys):
         argv += [f"--{k}", str(v)]
     assert main(argv) == 1
     err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("meshlm:")]
-    assert err == [f"meshlm: debug, 1 worker, precision bf16, compile off, run dir {run}",  # the start-up line
-                   "meshlm: rank 0: non-finite loss at step 7: stopped (newest checkpoint: step 6; "
-                   "lower optim.lr or check the data, then run again)"], err
+    assert err[0].startswith(f"meshlm: debug, 1 worker, precision bf16, compile off, run dir {run}; energy "), err
+    assert err[1:] == ["meshlm: rank 0: non-finite loss at step 7: stopped (newest checkpoint: step 6; "
+                       "lower optim.lr or check the data, then run again)"], err
     # step 7 is not a logged step (every 3): the check before step 8's save caught it
     assert sorted(os.listdir(run / "checkpoints"))[-1] == "step_00000006"
     assert max(r["step"] for r in lines(run)) == 6

@@ -36,7 +36,7 @@ def cmd_train(args, extra: list[str]) -> int:
               f"{_islands(cfg, start.layout)}, "
               f"precision {t.precision}{_fp8_comm(cfg, start.layout)}, "
               f"compile {'on' if t.compile else 'off'}{attention}, "
-              f"run dir {run_dir}", file=sys.stderr)
+              f"run dir {run_dir}; {_energy(cfg)}", file=sys.stderr)
     if not worker and (world > 1 or args.max_restarts):
         config = os.path.join(run_dir, "config.toml")
         if cfg.parallel.islands > 1 and cfg.training.outer.on_island_loss == "continue":  # docs/diloco.md
@@ -227,6 +227,15 @@ def _shared_gpus(cfg, world: int) -> str:
     n = torch.cuda.device_count() if cfg.training.device != "cpu" and torch.cuda.is_available() else 0
     return f" sharing {n} GPU{'s' if n > 1 else ''} (gloo through host memory: for checks, not speed)" \
         if 0 < n < local else ""
+
+
+def _energy(cfg) -> str:
+    """The start-up line's energy counters, or why there are none, said once (docs/energy.md, "Measured
+    energy"); each worker opens its own (train/observe/energy.py)."""
+    import torch
+
+    from .train.observe.energy import open_counters
+    return open_counters("cuda" if cfg.training.device != "cpu" and torch.cuda.is_available() else "cpu")[1]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,6 +37,16 @@ function renderRunTables(r, last) {
       "<tr><td colspan=4>none: one process</td></tr>");
 }
 
+function renderEnergy(S) {  // measured power and J/token (docs/energy.md, "Measured energy"); null: not measured
+  const val = (k) => S.filter((x) => x[k] !== undefined && x[k] !== null).map((x) => [x.step, x[k]]);
+  const power = val("power_w"), jpt = val("j_per_token"), kwh = val("energy_j").reduce((a, [, j]) => a + j, 0) / 3.6e6;
+  $("#run-energy-card").hidden = !power.length && !jpt.length;
+  if (!power.length && !jpt.length) return;
+  $("#run-energy-caption").textContent = `${fmtNum(kwh, 4)} kWh measured, summed over the job`;
+  lineChart($("#chart-power"), [{ name: "power W", cls: "power", points: power }], { ymin: 0 });
+  lineChart($("#chart-jpt"), [{ name: "J/token", cls: "jpt", points: jpt }], { ymin: 0 });
+}
+
 async function refreshRun() {
   if (!currentRun) return;
   let r;
@@ -54,6 +64,7 @@ async function refreshRun() {
   const ev = r.incidents || [];
   $("#run-events-card").hidden = !ev.length;
   $("#run-events").replaceChildren(...ev.map((x) => { const li = document.createElement("li"); li.textContent = x; return li; }));
+  renderEnergy(S);
   const bub = pts("bubble");
   $("#run-pipe-card").hidden = !bub.length && !r.pipeline;
   if (bub.length) lineChart($("#chart-bubble"), [{ name: "measured bubble %", cls: "bubble", points: bub.map(([s, b]) => [s, 100 * b]) }], { ymin: 0 });

@@ -13,6 +13,7 @@ import torch
 
 from ...core import cards
 from ...distributed.comm import merge_stats, reset_stats
+from .energy import EnergyMeter
 from .straggler import StragglerWatch, split
 
 if TYPE_CHECKING:
@@ -227,7 +228,7 @@ class MetricsLog:
         self.file.flush()
         if self.tb is not None:
             for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step":
+                if isinstance(v, (int, float)) and k not in ("step", "time"):
                     self.tb.add_scalar(k, v, record["step"])
                 elif isinstance(v, dict) and k == "mem":
                     for mk, mv in v.items():
@@ -236,7 +237,8 @@ class MetricsLog:
             sink.write(record)
         if self.bar is not None and "loss" in record:
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                                 mfu=f"{100 * record['mfu']:.1f}%", refresh=False)
+                                 mfu=f"{100 * record['mfu']:.1f}%", refresh=False,
+                                 **({"W": f"{record['power_w']:.0f}"} if record.get("power_w") else {}))
 
     def _bound_mfu(self, record: dict) -> None:
         """Keep MFU <= 100% with a measured peak. A run faster than the measured matmul proves the
@@ -318,7 +320,8 @@ def memory(par, device: torch.device) -> dict:
 class StepMeter:
     """Builds the metrics line of a logged step: wall time, throughput, MFU and collectives averaged
     over the steps since the previous line (the window), plus what the layout reports (MoE routing,
-    the pipeline's bubble and trace) and, from every rank's time split, the ranks named stragglers."""
+    the pipeline's bubble and trace), the job's energy since the previous line (energy.py) and, from every
+    rank's time split, the ranks named stragglers."""
 
     def __init__(self, ctx, cfg, args, layout, par, run_dir: str, store):
         t, m = cfg.training, cfg.metrics
@@ -337,6 +340,7 @@ class StepMeter:
         self.window_start, self.window_steps, self.window_seqs = time.perf_counter(), 0, 0
         self.sched = sched_seconds()
         self.stragglers = StragglerWatch(store, ctx.job_rank, ctx.job_world, m.straggler_factor, m.straggler_steps)
+        self.energy = EnergyMeter(ctx.device.type, ctx.device.index or 0, store, ctx.job_rank, ctx.job_world)
 
     def count_step(self, sequences: int) -> None:
         """One more step, of `sequences` (its global batch), in this window (a step undone by a
@@ -393,6 +397,7 @@ class StepMeter:
             self.sched = now
         if self.ramped:  # training.batch_rampup: the step's own global batch (sequences)
             rec["global_batch"] = out["global_batch"]
+        rec.update(self.energy.record(state.step, self.window_seqs * self.seq_len, message))  # time, energy_j, ...
         rec["time_split"] = split(step_s, sum(s.seconds for s in stats.values()) / n, self.data_s / n)
         self.data_s = 0.0
         if state.sampler.drawn() is not None:  # data.mix: tokens drawn per source so far

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+from ...core.facts.energy import kwh
+
 
 def read_records(run_dir: str) -> tuple[list[dict], list[dict]]:
     path = os.path.join(run_dir, "metrics.jsonl")
@@ -42,7 +44,9 @@ def write_report(run_dir: str, out: str | None = None) -> str:
         axes[2].plot(x, [r["mem"][key] / mib for r in steps], label=key)
     axes[2].set(title="memory, rank 0 (MiB)", xlabel="step", yscale="log")
     axes[2].legend()
-    fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
+    used = kwh(steps)  # measured where the counters were readable (docs/energy.md, "Measured energy")
+    fig.suptitle(os.path.basename(os.path.abspath(run_dir))
+                 + (f": {used:.4g} kWh measured" if used is not None else ": energy not measured"))
     fig.tight_layout()
     fig.savefig(out, dpi=90)
     plt.close(fig)

@@ -22,6 +22,20 @@ def split(step_s: float, comm_s: float, data_s: float) -> dict:
     return {"compute_s": max(0.0, step_s - comm - data), "comm_s": comm, "data_s": data}
 
 
+def gather_published(store, prefix: str, world: int, step: int, wait_s: float) -> dict[int, dict]:
+    """What every rank published as `{prefix}/{rank}` for `step` or later (rank 0 only). Every rank has
+    passed the step's gradient norm all-reduce, so what is missing is a few microseconds away; a rank
+    that has not published within `wait_s` is left out."""
+    keys = [f"{prefix}/{r}" for r in range(world)]
+    deadline = time.monotonic() + wait_s
+    while True:
+        got = {r: json.loads(v) for r, v in enumerate(store.multi_get(keys))} if store.check(keys) else {}
+        fresh = {r: v for r, v in got.items() if v["step"] >= step}
+        if len(fresh) == world or time.monotonic() > deadline:
+            return fresh
+        time.sleep(0.005)
+
+
 class StragglerWatch:
     def __init__(self, store, rank: int, world: int, factor: float, steps: int, wait_s: float = 2.0):
         self.store, self.rank, self.world = store, rank, world
@@ -36,18 +50,8 @@ class StragglerWatch:
         self.store.set(f"meshlm/time/{self.rank}", json.dumps({"step": step, **parts}))
 
     def gather(self, step: int) -> dict[int, dict]:
-        """Every rank's split of `step` (rank 0 only). Every rank has passed the step's gradient norm
-        all-reduce, so what is missing is a few microseconds away; a rank that has not published within
-        `wait_s` is left out."""
-        keys = [f"meshlm/time/{r}" for r in range(self.world)]
-        deadline = time.monotonic() + self.wait_s
-        while True:
-            got = {r: json.loads(v) for r, v in enumerate(self.store.multi_get(keys))} \
-                if self.store.check(keys) else {}
-            fresh = {r: v for r, v in got.items() if v["step"] >= step}
-            if len(fresh) == self.world or time.monotonic() > deadline:
-                return fresh
-            time.sleep(0.005)
+        """Every rank's split of `step` (rank 0 only)."""
+        return gather_published(self.store, "meshlm/time", self.world, step, self.wait_s)
 
     def report(self, step: int, parts: dict, is_logger: bool, message) -> list[dict]:
         """Publish this rank's split of `step`; on rank 0 (`is_logger`) the ranks named stragglers,

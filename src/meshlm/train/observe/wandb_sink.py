@@ -55,7 +55,7 @@ class WandbSink:
         if step < self.step:  # W&B history only moves forward: a rollback's replayed steps stay in the JSONL
             return
         self.step = step
-        self.run.log({k: v for k, v in flatten(record).items() if k != "step"}, step=step)
+        self.run.log({k: v for k, v in flatten(record).items() if k not in ("step", "time")}, step=step)
 
     def close(self) -> None:
         """finish() returns before wandb's service process has written the run's last records;
