@@ -15,6 +15,7 @@ from ..choices import (AC_MODES, CATCHABLE_SIGNALS, CP_IMPLS, ELASTIC, EXPORT_DT
                        OFFLOAD, ON_ERROR, OPTIMIZERS, OUTER_QUANTIZE, PP_SCHEDULES, PRECISIONS, REDUCE_DTYPES, SPIKE_ACTIONS,
                        ZERO_STAGES)
 from ..facts.course import check_ramp_keys, check_schedule
+from .energy import EnergyConfig
 from ..errors import ConfigError, LayoutError, check_choice  # noqa: F401  (LayoutError: the package exports it from here)
 
 @dataclass
@@ -281,11 +282,13 @@ class TrainingConfig:
     batch_rampup: list[int] = field(default_factory=list)
 
     outer: OuterConfig = field(default_factory=OuterConfig)  # DiLoCo (parallel.islands > 1)
+    energy: EnergyConfig = field(default_factory=EnergyConfig)  # when to train (core/config/energy.py)
 
     def check(self, cfg: Config) -> None:
         check_device_keys(self)
         check_ramp_keys(self.batch_rampup, self.global_batch, cfg)
         self.outer.check(cfg)
+        self.energy.check(cfg)
         check_choice(self.fp8_recipe, FP8_RECIPES, "training.fp8_recipe")
         for entry in self.fp8_comm:
             check_choice(entry, FP8_COMMS, "training.fp8_comm")
