@@ -190,16 +190,24 @@ def plan(trace: Trace, now: float, step_s: float, steps: int, deadline: float | 
                     kw * trace.value_hours(now, now + need))
 
 
+def schedule_for(energy, now: float, step_s: float, steps: int, kw: float = 1.0) -> Schedule:
+    """The schedule from `now` of `steps` steps of `step_s` s under the training.energy section `energy`
+    (the entry's check and the planner's print; the run plans through `plan` as it goes)."""
+    deadline = parse_time(energy.deadline, "training.energy.deadline") if energy.deadline else None
+    return plan(read_trace(energy.trace), now, step_s, steps, deadline, kw)
+
+
 def _iso(t: float) -> str:
     return datetime.fromtimestamp(t).astimezone().isoformat(timespec="seconds")
 
 
-def describe(s: Schedule, unit: str = "") -> list[str]:
-    """The schedule as lines: each span, then its cost (or emissions) against running now."""
+def describe(s: Schedule, unit: str = "", per_kw: bool = False) -> list[str]:
+    """The schedule as lines: each span, then its cost (or emissions) against running now (`per_kw`: the
+    draw is not known, the figures are per kW of it)."""
     what = KINDS[s.kind]
     fmt = (lambda x: f"{x / 1000:.3g} kgCO2e") if s.kind == "carbon" else (lambda x: f"{x:.4g}{unit}")
     lines = [f"schedule: {s.steps} steps of {s.step_s:.3g} s in {len(s.spans)} span(s) by {_iso(s.deadline)}"]
     lines += [f"  {_iso(a)} .. {_iso(b)}  {n} steps" for a, b, n in s.spans]
     lines.append(f"  {what}: {fmt(s.cost)} scheduled vs {fmt(s.cost_now)} running now "
-                 f"({s.saving:.1%} saved, at {s.kw:.3g} kW)")
+                 f"({s.saving:.1%} saved, " + ("per kW drawn)" if per_kw else f"at {s.kw:.3g} kW)"))
     return lines
