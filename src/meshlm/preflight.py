@@ -147,7 +147,7 @@ def check_energy(cfg: C.Config, world: int, gpu, run_dir: str) -> None:
     if not cfg.training.energy.trace:
         return
     from .core.facts.energy_trace import schedule_for
-    from .plan.cost.energy_schedule import predicted_step_s
+    from .plan.search.auto import predicted_step_s
     done, step_s = measured_step(run_dir) if cfg.checkpoint.resume != "never" else (0, None)
     if step_s is None:
         if gpu is None and cfg.training.device != "cpu":

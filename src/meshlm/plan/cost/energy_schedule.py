@@ -1,27 +1,15 @@
-"""The schedule in time, priced (docs/energy.md, "Scheduling in time"): the run's predicted step time
-for the entry's check of `training.energy.trace` (preflight.py `check_energy`), and what `meshlm estimate`
-prints for a config with a trace: the spans the run would train in and their cost (or emissions) against
-running now. The spans are chosen by core/facts/energy_trace.py, the same code the run plans with."""
+"""The schedule in time, priced (docs/energy.md, "Scheduling in time"): what `meshlm estimate` prints for
+a config with a trace: the spans the run would train in and their cost (or emissions) against running
+now. The spans are chosen by core/facts/energy_trace.py, the same code the run plans with; the entry's
+check predicts the run's step time with plan/search/auto.py `predicted_step_s`."""
 from __future__ import annotations
 
 import time
 
 from ...core.facts.energy_trace import Schedule, describe, schedule_for
-from ..hardware import GPU
-from ..search.auto import CPU_EFFICIENCY, cpu_profile
-from ..spec import code_options, priced_on, shape_from_config, spec_from_config
-from .estimate import Options, estimate, run_time
+from .estimate import run_time
 
 DEFAULT_KW = 1.0  # without a predicted draw the cost is per kW of it (the pricing's J/step sets it)
-
-
-def predicted_step_s(cfg, world: int, gpu: GPU | None = None) -> float:
-    """The planner's step time of `cfg`'s layout on `world` ranks of `gpu` (None: this CPU's profile)."""
-    cfg = priced_on(cfg, gpu=gpu is not None)
-    o = Options(**code_options(cfg)) if gpu is not None else Options(efficiency=CPU_EFFICIENCY, **code_options(cfg))
-    gpu = gpu or cpu_profile(cfg.training.peak_tflops)
-    out = estimate(shape_from_config(cfg), spec_from_config(cfg, world), gpu, o, validate=False)
-    return out["step_s"]
 
 
 def schedule_lines(cfg, out: dict, shape, spec, gpu, opts, kw: float | None = None, unit: str = "") -> list[str]:
