@@ -69,7 +69,7 @@ def test_the_card_draws_the_schedule_in_a_browser(tmp_path):
             pg.click("#energy-go")
             pg.wait_for_selector("#energy-chart[data-spans]:not([data-spans=''])")
             shots = os.environ.get("MESHLM_EXPLORE_SHOTS") or str(tmp_path)
-            pg.locator("#energy-card").screenshot(path=os.path.join(shots, "explore-energy.png"))
+            pg.locator("#energy-card").screenshot(path=os.path.join(shots, "explore_energy.png"))
             ctx.close()
             assert not errors, errors
     finally:
