@@ -88,7 +88,7 @@ def run_row(name: str, shapes, reps: int) -> dict:
 
     from meshlm.core.config import OptimConfig
     from meshlm.parallel.dims.grad_sync import accumulate_into_view
-    from meshlm.train.optim import MasterOptimizer
+    from meshlm.parallel.optim.master import MasterOptimizer
     cfg = OptimConfig()
     g = torch.Generator().manual_seed(1)
     grads = [torch.randn(s, generator=g).bfloat16() for _, s in shapes]

@@ -32,7 +32,8 @@ def train_worker(rank: int, world: int, port: int, cfg_dict: dict, run_dir: str,
     from meshlm.core.layout import build_layout
     from meshlm.train.trainer import Trainer
 
-    cfg = C.from_dict(cfg_dict)
+    from meshlm.distributed.mesh import device_defaults
+    cfg = device_defaults(C.from_dict(cfg_dict))  # the entry's: "auto" keys for this device
     layout = build_layout(cfg, world)
     Trainer(cfg, run_dir, init_context(layout.shape(), pick_device("cpu")), layout).fit()
     q.put((rank, None))

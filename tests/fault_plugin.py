@@ -19,14 +19,15 @@ MESHLM_TEST_ABORT_AT_EXIT=R  rank R aborts (SIGABRT) at interpreter exit, after 
 MESHLM_TEST_DEAR_AT=N:S:PATH  rank 0 rewrites the energy trace PATH as checkpoint N is written (just before
                              the run's energy plan of that step): cheap until now, S seconds expensive, then an
                              hour cheap (tests/test_energy_schedule.py: a pause placed by an event, not a clock)
-MESHLM_TEST_SECONDS_PER_FLOP=S0,S1,...  rank R is a slower card: before each step it sleeps S_R seconds
-                             per FLOP of the micro-batches it runs (3 × the planner's forward FLOPs per
-                             token, plan/estimate._fwd_flops, × its tokens: forward and backward, no
-                             recompute), and writes each step's sleep and runner seconds to
-                             run_dir/card_times_rank<R>.jsonl (tests/test_plan_hetero_cpu.py)
-MESHLM_TEST_SECONDS_PER_BLOCK_FLOP=S0,S1,...  the same slower cards inside the step: each block's and the
-                             head's forward sleeps S_R seconds per FLOP of it, its backward twice that
-                             (a pipeline stage is then as slow as its card), written as above
+MESHLM_TEST_SECONDS_PER_MICROBATCH=S0,S1,...  rank R is a slower card: before each step it sleeps S_R
+                             seconds for each micro-batch it runs (the runtime's own count: its layout's
+                             accumulation), and writes each step's measured sleep and runner seconds to
+                             run_dir/card_times_rank<R>.jsonl (tests/test_plan_hetero_cpu.py); no
+                             planner code prices the delay
+MESHLM_TEST_SECONDS_PER_BLOCK=S0,S1,...  the same slower cards inside the step: each block's forward
+                             sleeps S_R seconds, its backward twice that (a pipeline stage is then as
+                             slow as its card, block by block; the head runs at the CPU's own pace),
+                             written as above
 """
 from __future__ import annotations
 
@@ -90,10 +91,10 @@ def install(trainer) -> None:
         trainer.checkpointer.on_written = lambda step: step == int(dear[0]) and dear_now(dear[2], float(dear[1]))
     if env.get("MESHLM_TEST_ABORT_AT_EXIT", "") == str(rank):
         atexit.register(os.abort)
-    per_flop = env.get("MESHLM_TEST_SECONDS_PER_FLOP", "")
-    if per_flop:
-        trainer.runner = SlowCard(trainer, float(per_flop.split(",")[rank]))
-    per_block = env.get("MESHLM_TEST_SECONDS_PER_BLOCK_FLOP", "")
+    per_mb = env.get("MESHLM_TEST_SECONDS_PER_MICROBATCH", "")
+    if per_mb:
+        trainer.runner = SlowCard(trainer, float(per_mb.split(",")[rank]))
+    per_block = env.get("MESHLM_TEST_SECONDS_PER_BLOCK", "")
     if per_block:
         trainer.runner = SlowBlocks(trainer, float(per_block.split(",")[rank]))
     if corrupt >= 0:
@@ -147,21 +148,15 @@ class CorruptData:
 
 
 class SlowCard:
-    """A step runner on a card `seconds_per_flop` slow: it sleeps for the FLOPs of this rank's
-    micro-batches first (the planner's count), then runs the step; each step's sleep and the runner's
-    own seconds (its compute plus the time it waits for the other replicas in the gradient all-reduce)
-    go to run_dir/card_times_rank<R>.jsonl."""
+    """A step runner on a card `seconds_per_mb` slow per micro-batch: it sleeps that long for each of
+    this rank's micro-batches first, then runs the step; each step's measured sleep and the runner's own
+    seconds (its compute plus the time it waits for the other replicas in the gradient all-reduce) go
+    to run_dir/card_times_rank<R>.jsonl."""
 
-    def __init__(self, trainer, seconds_per_flop: float):
+    def __init__(self, trainer, seconds_per_mb: float):
         import json
-
-        from meshlm.plan.cost.estimate import _fwd_flops
-        from meshlm.plan.spec import Shape
-        t, a = trainer.cfg.training, trainer.args
-        accum = trainer.layout.accum_of(trainer.ctx.index("dp"))
-        seq = trainer.cfg.data.seq_len
-        self.flops = 3 * accum * t.micro_batch * seq * _fwd_flops(Shape(a), 1, seq, a.n_layers, True)[0]
-        self.inner, self.delay, self.json = trainer.runner, seconds_per_flop * self.flops, json
+        self.micro_batches = trainer.layout.accum_of(trainer.ctx.index("dp"))
+        self.inner, self.delay, self.json = trainer.runner, seconds_per_mb * self.micro_batches, json
         self.path = os.path.join(trainer.run_dir, f"card_times_rank{trainer.ctx.rank}.jsonl")
 
     def run(self, batch, scale=1.0, timed=False):
@@ -171,7 +166,7 @@ class SlowCard:
         out = self.inner.run(batch, scale, timed)
         t2 = time.perf_counter()
         with open(self.path, "a") as f:
-            f.write(self.json.dumps({"sleep_s": t1 - t0, "run_s": t2 - t1, "flops": self.flops}) + "\n")
+            f.write(self.json.dumps({"sleep_s": t1 - t0, "run_s": t2 - t1, "micro_batches": self.micro_batches}) + "\n")
         return out
 
     def eval_loss(self, batch):
@@ -179,25 +174,19 @@ class SlowCard:
 
 
 class SlowBlocks(SlowCard):
-    """SlowCard's delay inside the step: a forward hook on every block and on the head sleeps for its
-    forward FLOPs (the planner's count) and puts a hook on its output's gradient that sleeps twice as
-    long in backward, so each pipeline stage runs at its card's pace, micro-batch by micro-batch."""
+    """SlowCard's delay inside the step: a forward hook on every block sleeps `seconds` and puts a hook
+    on its output's gradient that sleeps twice as long in backward, so each pipeline stage runs at its
+    card's pace, micro-batch by micro-batch; the sleeps are measured as they happen."""
 
-    def __init__(self, trainer, seconds_per_flop: float):
+    def __init__(self, trainer, seconds: float):
         import json
 
         from meshlm.model.llama import Block
-        from meshlm.plan.cost.estimate import _fwd_flops
-        from meshlm.plan.spec import Shape
-        a, seq = trainer.args, trainer.cfg.data.seq_len
-        tokens, shape = trainer.cfg.training.micro_batch * seq, Shape(trainer.args)
-        self.inner, self.json, self.slept, self.flops = trainer.runner, json, 0.0, 0.0
+        self.inner, self.json, self.slept = trainer.runner, json, 0.0
         self.path = os.path.join(trainer.run_dir, f"card_times_rank{trainer.ctx.rank}.jsonl")
         for m in trainer.par.model.modules():
             if isinstance(m, Block):
-                self._hook(m, seconds_per_flop * tokens * _fwd_flops(shape, 1, seq, 1, False)[0])
-        if getattr(trainer.par.model, "output", None) is not None:
-            self._hook(trainer.par.model.output, seconds_per_flop * tokens * _fwd_flops(shape, 1, seq, 0, True)[0])
+                self._hook(m, seconds)
 
     def _hook(self, module, forward_s: float) -> None:
         def after(mod, inputs, out):
@@ -207,8 +196,9 @@ class SlowBlocks(SlowCard):
         module.register_forward_hook(after)
 
     def _sleep(self, seconds: float) -> None:
+        t0 = time.perf_counter()
         time.sleep(seconds)
-        self.slept += seconds
+        self.slept += time.perf_counter() - t0
 
     def run(self, batch, scale=1.0, timed=False):
         self.slept = 0.0

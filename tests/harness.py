@@ -348,3 +348,11 @@ def train_hooked(pools, cfg: C.Config, world: int, run_dir: str, env: dict | lis
         pools(world).run(hooked_case, C.to_dict(cfg), run_dir, env)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(x) for x in f if x.strip()]
+
+
+def build_layout(cfg: C.Config, world: int):
+    """core/layout/build.py `build_layout` after the entry's device step (distributed/mesh.py
+    `device_defaults`: "auto" keys as this CPU resolves them), as a run's own start-up does."""
+    from meshlm.core.layout import build_layout as build
+    from meshlm.distributed.mesh import device_defaults
+    return build(device_defaults(cfg), world)

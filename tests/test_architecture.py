@@ -109,6 +109,24 @@ def test_the_private_name_rule_can_fail(tmp_path):
                                                            "meshlm.pkg.b:3: a._also"]
 
 
+def test_files_and_functions_stay_short():
+    """No module over 450 lines, no function over 80 (docs/architecture.md, "Rules of the house")."""
+    import ast
+    long = []
+    for mod in _modules(SRC):
+        rel = mod.replace(".", os.sep)
+        path = os.path.join(ROOT, "src", rel + ".py")
+        if not os.path.exists(path):
+            path = os.path.join(ROOT, "src", rel, "__init__.py")
+        text = open(path).read()
+        if text.count("\n") > 450:
+            long.append(f"{mod}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                long.append(f"{mod}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not long, "\n".join(long)
+
+
 def test_trainer_stays_short():
     """The loop reads in one sitting: train/trainer.py at most 250 lines (what it does not own lives in
     the modules it calls)."""

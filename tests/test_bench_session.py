@@ -2,6 +2,7 @@
 lent-device call (its `timeout`s summed from bench/gpu_session.sh), the headline piece fits 8 minutes,
 the ledger lists every piece and picks the oldest, and the new pieces run end to end on a CPU in their
 plumbing mode (issue 47)."""
+import argparse
 import json
 import os
 import pathlib
@@ -73,7 +74,7 @@ def test_ingest_files_a_piece_under_its_date_and_card(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_headline_plumbing_on_a_cpu(tmp_path):
     report = headline.main(["--device", "cpu", "--tiny", "--out", str(tmp_path),
-                            "--rows", "ceilings,mfu-1b,docmask-1b-sdpa,docmask-1b-flex,mla-step"])
+                            "--rows", "ceilings,mfu-1b,docmask-1b-sdpa,docmask-1b-flex,mla-moe-bf16,mla-moe-fp8"])
     rows = report["rows"]
     assert rows["ceilings"]["status"] == "ok" and rows["ceilings"]["result"]["gemm"][0]["bf16_tflops"] > 0
     for name in ("mfu-1b", "docmask-1b-sdpa", "docmask-1b-flex"):
@@ -82,7 +83,25 @@ def test_headline_plumbing_on_a_cpu(tmp_path):
     flex, sdpa = rows["docmask-1b-flex"]["result"], rows["docmask-1b-sdpa"]["result"]
     assert (flex["attn_impl"], sdpa["attn_impl"], flex["micro_batch"]) == ("flex", "sdpa", sdpa["micro_batch"])
     assert report["summary"]["flex_over_sdpa"] > 0
+    bf16, fp8 = rows["mla-moe-bf16"]["result"], rows["mla-moe-fp8"]["result"]  # MLA + MoE, both precisions
+    assert rows["mla-moe-bf16"]["status"] == rows["mla-moe-fp8"]["status"] == "ok", rows
+    assert (bf16["n_layers"], bf16["precision"], fp8["precision"]) == (4, "bf16", "fp8")
+    assert fp8["micro_batch"] == bf16["micro_batch"] and report["summary"]["fp8_over_bf16_mla"] > 0
     assert json.loads((tmp_path / "headline.json").read_text())["rows"].keys() == rows.keys()
+
+
+def test_headline_mla_rows_are_a_four_block_cut_of_a_real_deepseek_preset():
+    """On a GPU the MLA rows run the preset's own widths (not a debug model's): 4 blocks, the first
+    dense, 3 with all routed experts; the planner prices the cut as fitting an H100 at some micro-batch."""
+    from meshlm.core.model_args import PRESETS
+    real = headline.shapes(False)
+    args = PRESETS[real["mla"]]
+    assert real["mla"] in ("deepseek-v2-lite", "moonlight-16b-a3b") and headline.MLA_CUT == {"model.n_layers": 4}
+    assert args.dim >= 2048 and args.kv_lora_rank >= 512 and args.num_experts >= 64 and args.n_layers > 4
+    assert args.moe_first_dense < headline.MLA_CUT["model.n_layers"]
+    cut = {**headline.MLA_CUT, "training.ac": "none", "training.precision": "bf16"}
+    sizes = headline.planner_batches(real["mla"], real["mb"], "h100", cut, argparse.Namespace(seq_len=real["seq"]))
+    assert sizes[0] >= 4, sizes  # `meshlm estimate` fits the cut at a batch whose MFU means something
 
 
 @pytest.mark.slow

@@ -54,7 +54,7 @@ def traced_case(cfg_dict: dict, run_dir: str, stop: int = 0) -> dict:
     """Train in a pool worker (or here) and count all-gathers inside save and resume; `stop`: end after
     that step (Trainer.fit's `stop_at`)."""
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.core.layout import build_layout
+    from harness import build_layout
     from meshlm.train import checkpoint as ck
     from meshlm.train.trainer import Trainer
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshlm.core.config import ConfigError
-from meshlm.core.layout import build_layout
+from harness import build_layout
 from meshlm.parallel.features.chunked_loss import _FNS, LossHead
 from meshlm.parallel.swap import swap_in
 

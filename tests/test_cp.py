@@ -15,7 +15,7 @@ from test_tp import comm_task
 
 from meshlm.core import config as C
 from meshlm.core.config import ConfigError
-from meshlm.core.layout import build_layout
+from harness import build_layout
 from meshlm.core.config.model import model_args
 from meshlm.parallel.dims.context_parallel import CPSplit, PlainKernel, RingCounter
 from meshlm.plan.cost.volume import cp_step_bytes as expected_bytes

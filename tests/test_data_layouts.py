@@ -151,7 +151,7 @@ def test_mixture_resumes_across_layouts(pools, corpora, tmp_path):
 def test_attn_impl_resolves_and_refuses():
     """auto is flex under a document mask (not under the ring) and under all-gather CP (whose causal
     rows SDPA would get as a dense mask), sdpa otherwise; the ring refuses flex."""
-    from meshlm.core.layout import build_layout
+    from harness import build_layout
     from meshlm.core.config.model import model_args
     assert model_args(make_config(data__document_mask=True)).attn_kernel == "flex"
     assert model_args(make_config()).attn_kernel == "sdpa"
@@ -173,7 +173,7 @@ def test_attn_impl_resolves_and_refuses():
 
 
 def test_mixture_and_mask_refusals(corpora):
-    from meshlm.core.layout import build_layout
+    from harness import build_layout
     cfg = make_config(**_cfg(corpora, {**MASK, "parallel__cp": 2}))
     with pytest.raises(C.ConfigError, match="data.document_mask: not available with context parallelism") as e:
         build_layout(cfg, 2)

@@ -11,7 +11,7 @@ from harness import (assert_refused_in_one_line, assert_same_losses, make_config
 
 from meshlm.core import config as C
 from meshlm.data.sampler import GlobalBatchSampler
-from meshlm.core.layout import build_layout
+from harness import build_layout
 from meshlm.plan.search.auto import layout_for_run
 
 FP32 = 1e-5

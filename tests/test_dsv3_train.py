@@ -148,7 +148,7 @@ def test_bad_dsv3_layout_is_one_line_exit_2(tmp_path, capsys, argv, key):
 
 def test_every_pipeline_schedule_places_mtp():
     """No schedule is refused for MTP: its modules go with the head on the last stage (V-shaped: rank 0)."""
-    from meshlm.core.layout import build_layout
+    from harness import build_layout
     for sched, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2)):
         cfg = make_config(**DSV3, parallel__pp=2, parallel__pp_schedule=sched, parallel__pp_virtual=v,
                           parallel__dp=1, training__micro_batch=2)

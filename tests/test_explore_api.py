@@ -352,7 +352,7 @@ def test_peak_override_measurement_and_label():
 
 
 def _resolve_negative_peak():
-    from meshlm.core.layout import build_layout
+    from harness import build_layout
     build_layout(C.load(None, [("training.peak_tflops", "-1")]), 1)
 
 

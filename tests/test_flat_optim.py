@@ -6,7 +6,7 @@ from torch import nn
 from meshlm.core.config import OptimConfig
 from meshlm.parallel.dims.data_parallel import GradBuckets
 from meshlm.parallel.dims.grad_sync import Reduction, decays, flat_groups
-from meshlm.train.optim import MasterOptimizer
+from meshlm.parallel.optim.master import MasterOptimizer
 
 SHAPES = [("emb", (16, 8)), ("norm", (8,)), ("experts", (4, 6, 8)), ("bias", (6,)), ("head", (16, 8))]
 LOCAL = Reduction(None, ())  # one rank: the buffers are just the gradient storage

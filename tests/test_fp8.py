@@ -10,7 +10,7 @@ import torch
 from harness import make_config, read_metrics, reference, run_local, sources_corpus, train_case, twin
 
 from meshlm.core import config as C
-from meshlm.core.layout import build_layout
+from harness import build_layout
 
 FP8 = {"training__precision": "fp8", "training__fp8_emulate": True}
 # Where fp8 against bf16 means something (issue #45). The comparison used to run 30 steps; from about step 9

@@ -178,7 +178,7 @@ def test_start_up_line_names_the_float8_collectives():
     """An fp8_comm entry the layout does not have is left out, not refused: the start-up line says which
     entries move float8 and which do not apply."""
     from meshlm.cli import _fp8_comm
-    from meshlm.core.layout import build_layout
+    from harness import build_layout
     moe = make_config(**FP8, model__preset="moe-debug", parallel__dp=2, parallel__ep=2, parallel__zero=3)
     assert _fp8_comm(moe, build_layout(moe, 2)) == " (float8 collectives: zero, ep; not applying here: sp)"
     rowwise = make_config(**FP8, **TP_SP, training__fp8_recipe="rowwise", training__fp8_comm=["sp"])

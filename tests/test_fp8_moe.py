@@ -10,7 +10,7 @@ from harness import make_config, read_metrics, rows, run_local, train_case, twin
 from test_fp8 import FP8, STEPS, WITHIN, assert_near_bf16, bf16_reference
 
 from meshlm.core import config as C
-from meshlm.core.layout import build_layout
+from harness import build_layout
 from meshlm.model import fp8_grouped
 from meshlm.model.fp8_grouped import Float8Gemms, Float8Rows, quantize
 from meshlm.model.moe import PLAIN, GroupedLinear

@@ -75,7 +75,7 @@ def test_a_compiled_run_keys_the_cache_and_keeps_a_chosen_one(monkeypatch, tmp_p
 
     from harness import make_config
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.core.layout import build_layout
+    from harness import build_layout
     from meshlm.parallel.compile_cache import ENV, capability_dir, key_inductor_cache
     from meshlm.train.trainer import Trainer
 

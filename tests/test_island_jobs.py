@@ -102,7 +102,7 @@ def test_rounds_go_on_without_a_lost_island_and_take_it_back(tmp_path, when):
 
 
 def test_bad_island_job_input_is_one_line(tmp_path, capsys):
-    from meshlm.core.layout import build_layout
+    from harness import build_layout
     from meshlm import preflight
     assert_refused_in_one_line(lambda: build_layout(make_config(training__outer__on_island_loss="sometimes"), 1),
                                "training.outer.on_island_loss: 'sometimes' is not one of stop, continue")

@@ -16,7 +16,7 @@ from harness import (
 )
 
 from meshlm.core import config as C
-from meshlm.core.layout import build_layout
+from harness import build_layout
 from meshlm.plan.cost.islands import bytes_per_step
 
 FP32 = 1e-5

@@ -7,7 +7,7 @@ import tempfile
 import pytest
 
 from meshlm.core import config as C
-from meshlm.core.layout import build_layout
+from harness import build_layout
 from meshlm.plan.cost.islands import bytes_per_step
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from harness import make_config
 from meshlm.core.config import ConfigError
-from meshlm.core.layout import build_layout
+from harness import build_layout
 from meshlm.core.config.model import model_args
 from meshlm.model import Llama
 from meshlm.core.model_args import PRESETS

@@ -19,7 +19,7 @@ from meshlm.model.llama import Llama
 from meshlm.parallel.optim.muon import NS_COEFFS, MuonAdamW, deal, newton_schulz, ns_flops
 from meshlm.parallel.placement import PlacementTable
 from meshlm.parallel.plans.moe import model_plan_for
-from meshlm.train.optim import MasterOptimizer
+from meshlm.parallel.optim.master import MasterOptimizer
 
 FP32 = 1e-5
 MUON = {"optim__name": "muon"}

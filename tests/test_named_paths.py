@@ -138,7 +138,7 @@ def _is_repo_name(name, anchors, before):
         return True
     if re.search(r"--[\w.-]+[ =]$", before):
         return False  # `--out data/pretrain`, `--png docs/img/x.png`: what a command reads or writes
-    # a data file, a package (`plan/`) or a module (`train/optim.MasterOptimizer`): only under a name
+    # a data file, a package (`plan/`) or a module (`parallel/optim/master.MasterOptimizer`): only under a name
     # this repository has, so that `tok/s`, `send/recv` and `runs/exp1` stay words
     return parts[0] in anchors and all(re.fullmatch(r"[a-z_][\w-]*(\.\w+)*", p) for p in parts)
 

@@ -13,7 +13,7 @@ from harness import (assert_half_losses, assert_same_losses, make_config, refere
 
 from meshlm.cli import main
 from meshlm.core.config import ConfigError
-from meshlm.core.layout import build_layout
+from harness import build_layout
 from meshlm.parallel.optim.nvme import FileRange, OffloadError, StateFiles, chunk_elements
 
 FP32 = 1e-5

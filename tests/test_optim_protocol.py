@@ -7,7 +7,7 @@ from meshlm.parallel.optim.adamw import Optimizer
 from meshlm.parallel.optim.muon import MuonAdamW
 from meshlm.parallel.optim.nvme import NvmeOptimizer
 from meshlm.parallel.optim.zero_adamw import ZeroOptimizer
-from meshlm.train.optim import MasterOptimizer
+from meshlm.parallel.optim.master import MasterOptimizer
 
 MEMBERS = [n for n, v in vars(Optimizer).items() if callable(v) and not n.startswith("_")]
 

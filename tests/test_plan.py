@@ -264,7 +264,7 @@ def test_plan_405b_on_16k_gpus(capsys):
 
 
 def test_plan_emit_config_trains_and_resolves(tmp_path, capsys):
-    from meshlm.core.layout import build_layout
+    from harness import build_layout
     out = tmp_path / "best.toml"
     code = _run(["plan", "--model", "small", "--gpu", "h100", "--gpus", "2", "--seq-len", "256",
                  "--global-batch-tokens", str(16 * 256), "--fix", "tp=1", "--fix", "pp=1", "--fix", "cp=1",

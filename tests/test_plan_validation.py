@@ -123,10 +123,12 @@ def _torchtitan():
     o = Options(attn_kernel="fa2", recompute_gemms=TORCHTITAN_OP_AC, step_overhead_s=0.0)
     rows = []
     for gpus, table, (eager, comp, fp8), misses in [
-            (8, 1, (5762, 6667, 8532), ("optimistic by 11%: " + _TT_EAGER, "optimistic by 24%: " + _TT_COMPILED,
+            (8, 1, (5762, 6667, 8532), ("optimistic by 10%: " + _TT_EAGER, "optimistic by 23%: " + _TT_COMPILED,
                                         "")),
-            (128, 3, (5605, 6514, 8380), ("optimistic by 15%: " + _TT_EAGER, "optimistic by 28%: " + _TT_COMPILED,
-                                          "optimistic by 11%: " + _TT_GEMM + "; fp8's casts are priced unfused"))]:
+            # the float8 row at 128 GPUs: +10.9% until the wait for the slowest of 128 ranks and the ring
+            # depth of the 128-rank gathers were priced (plan/cost/scale.py), +10.0% since: held, at the edge
+            (128, 3, (5605, 6514, 8380), ("optimistic by 14%: " + _TT_EAGER, "optimistic by 27%: " + _TT_COMPILED,
+                                          ""))]:
         spec = Spec(dp=gpus, zero=3, zero_group=gpus, micro_batch=2, ac="op", seq_len=8192)
         src = f"torchtitan docs/performance.md Table {table}"
         rows += [Row(f"torchtitan llama3-8b FSDP{gpus} eager", _preset("llama3-8b"), spec, g,
@@ -179,13 +181,16 @@ def _llama3_table4():
     sh = _preset("llama3-405b")
     rows = []
     for gpus, dp, cp, seq, m, mfu, miss in [
-            (8192, 64, 1, 8192, 32, 0.43, "optimistic by 13%: Meta's layout at dp 64 (32 micro-batches) "
+            (8192, 64, 1, 8192, 32, 0.43, "optimistic by 11% (47.7% MFU against 43%; 48.6% before the wait "
+             "for the slowest of 8,192 ranks and the ring/tree depth of the collectives were priced from our own "
+             "measurements: 0.03 s and 0.17 s of an 11.4 s step, docs/planner.md 'What grows with the number "
+             "of ranks'): Meta's layout at dp 64 (32 micro-batches) "
              "does not fit 80 GB under meshlm's memory model (tests/test_plan_pipeline.py), so the run cannot "
              "have been the priced layout and what it did instead (recompute, a lighter schedule) is not "
              "known; the attention kernel is not known either (cuDNN priced; FlashAttention-2, the one public "
              "before FA3's July 2024 release, gives +10.1%)"),
             (16384, 128, 1, 8192, 16, 0.41, ""),
-            (16384, 8, 16, 131072, 16, 0.38, "optimistic by 36% against the MFU read with causal attention "
+            (16384, 8, 16, 131072, 16, 0.38, "optimistic by 33% against the MFU read with causal attention "
              "counted in full (meshlm's 6N + 12·L·d·S), priced with Meta's all-gather CP (exposed k,v "
              "gathers); attention is 57% of those FLOPs at 131K, so two unknowns decide the row: the "
              "paper's MFU formula (causal counted as half: the 38% is 92.9 tok/s, -2.1%) and Meta's "
@@ -211,7 +216,7 @@ _A100 = ("the A100 profile is not what differs: it predicts torchtitan's 2024 FS
          "Megatron's kernels of then), whose rates nothing here measures; the layout is not the difference: "
          "Megatron-LM's examples/sc21/run_table_1.sh ran these rows at micro-batch 16 / 8 with torch DDP "
          "(bucketed, overlapped with the backward, as priced), and at micro-batch 8 the 18.4B row is +11.7%")
-MEGATRON_MISS = {"1.7B": "optimistic by 12%: " + _A100, "18.4B": "optimistic by 14%: " + _A100}
+MEGATRON_MISS = {"1.7B": "optimistic by 11%: " + _A100, "18.4B": "optimistic by 13%: " + _A100}
 
 
 def _megatron_shape(heads: int, h: int, layers: int) -> Shape:

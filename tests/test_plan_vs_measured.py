@@ -101,13 +101,14 @@ def activation_task(cfg_dict: dict) -> int:
 
     from meshlm.core import config as C
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.core.layout import build_layout
+    from harness import build_layout
     from meshlm.model import Llama
     from meshlm.core.config.model import model_args
     from meshlm.parallel import parallelize, slices
     from meshlm.train.observe.saved import saved_bytes
-    from meshlm.train.optim import MasterOptimizer
-    cfg = C.from_dict(cfg_dict)
+    from meshlm.parallel.optim.master import MasterOptimizer
+    from meshlm.distributed.mesh import device_defaults
+    cfg = device_defaults(C.from_dict(cfg_dict))  # the entry's: "auto" keys for this CPU
     layout = build_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=120)
     with torch.device("meta"):

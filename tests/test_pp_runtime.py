@@ -8,7 +8,7 @@ import pytest
 from harness import make_config, read_metrics, run_layout, run_local
 
 from meshlm.core import config as C
-from meshlm.core.layout import build_layout
+from harness import build_layout
 from meshlm.core.model_args import PRESETS
 from meshlm.core.schedule.trace import load_timeline
 from meshlm.core.schedule import build_schedule, p2p_batches

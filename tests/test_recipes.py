@@ -6,7 +6,7 @@ import pathlib
 import pytest
 
 from meshlm.core import config as C
-from meshlm.core.layout import build_layout
+from harness import build_layout
 
 ROOT = pathlib.Path(__file__).parents[1]
 _spec = importlib.util.spec_from_file_location("recipe_estimates", ROOT / "bench" / "recipe_estimates.py")

@@ -17,7 +17,7 @@ HOST_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int_
 
 def _trainer(device: str = "cpu", **overrides):
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.core.layout import build_layout
+    from harness import build_layout
     from meshlm.train.trainer import Trainer
 
     cfg = make_config(**overrides)
@@ -179,7 +179,7 @@ def trapped_steps(cfg_dict: dict, steps: int, overflow_at: int) -> list[tuple[fl
 
     from meshlm.core import config as C
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.core.layout import build_layout
+    from harness import build_layout
     from meshlm.train.trainer import Trainer
 
     cfg = C.from_dict(cfg_dict)

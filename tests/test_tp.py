@@ -11,7 +11,7 @@ from harness import (assert_half_losses, assert_same_losses, make_config, read_m
 
 from meshlm.core import config as C
 from meshlm.core.config import ConfigError
-from meshlm.core.layout import build_layout
+from harness import build_layout
 from meshlm.core.config.model import model_args
 
 FP32 = 1e-5
@@ -67,7 +67,7 @@ def activation_task(cfg_dict: dict, report_compiled: bool = False):
     from meshlm.parallel import parallelize, slices
     from meshlm.parallel.plans.moe import model_plan_for
     from meshlm.train.observe.saved import block_saved_bytes
-    from meshlm.train.optim import MasterOptimizer
+    from meshlm.parallel.optim.master import MasterOptimizer
     cfg = C.from_dict(cfg_dict)
     layout, ctx = _context(cfg)
     with torch.device("meta"):

@@ -59,7 +59,7 @@ def test_checkpoint_from_dp2_resumes_in_one_process(pools):
 
 def test_fp16_overflow_skips_step_and_backs_off(tmp_path):
     from meshlm.distributed.mesh import init_context, pick_device
-    from meshlm.core.layout import build_layout
+    from harness import build_layout
     from meshlm.train.trainer import Trainer
 
     cfg = make_config(training__precision="fp16")

@@ -10,7 +10,7 @@ import torch
 from harness import assert_same_losses, make_config, read_metrics, run_layout, train_case
 from meshlm.core import config as C
 from meshlm.core.config import ConfigError
-from meshlm.core.layout import build_layout
+from harness import build_layout
 from meshlm.core.model_args import padded_vocab
 from meshlm.parallel.placement import DimSplit
 
@@ -98,7 +98,7 @@ def shapes_task(cfg_dict: dict):
     from meshlm.core.config.model import model_args
     from meshlm.model import Llama
     from meshlm.parallel import parallelize, slices
-    from meshlm.train.optim import MasterOptimizer
+    from meshlm.parallel.optim.master import MasterOptimizer
     cfg = C.from_dict(cfg_dict)
     layout = build_layout(cfg, int(os.environ["WORLD_SIZE"]))
     ctx = init_context(layout.shape(), pick_device("cpu"), timeout_s=120)

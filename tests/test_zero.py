@@ -10,7 +10,7 @@ from harness import (assert_refused_in_one_line, assert_same_losses, make_config
                      run_layout, train_in)
 
 from meshlm.core import config as C
-from meshlm.core.layout import build_layout
+from harness import build_layout
 from meshlm.core.config.model import model_args
 from meshlm.plan.cost.memory import state_bytes_per_param, zero_state_bytes
 

@@ -12,7 +12,7 @@ from harness import (assert_same_losses, make_config, read_metrics, reference, r
 
 from meshlm.core import config as C
 from meshlm.core.config import ConfigError
-from meshlm.core.layout import build_layout
+from harness import build_layout
 from meshlm.parallel.dims.zero.quantize import dequantize_rows, packed_bytes, quantize_rows
 from meshlm.plan.cost.volume import CROSS_GROUP, zero3_step_bytes
 

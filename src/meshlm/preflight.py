@@ -73,7 +73,9 @@ def settle(config_path: str | None, extra: list[str], nproc: int | None, max_res
 def pick_layout(cfg: C.Config, world: int, device, restarts: int = 0, run_dir: str | None = None) -> Layout:
     """The layout of a process that resolves its own (trainer.py `start`'s `pick`, the tests' harness):
     `layout_for_run` for this torch device's profile, its choice logged into `run_dir` by rank 0."""
+    from .distributed.mesh import device_defaults
     from .plan.search.auto import layout_for_run, log_choice
+    device_defaults(cfg)  # as `settle`: "auto" device keys for this device first
     layout, record = layout_for_run(cfg, world, device_profile(device), restarts)
     if record and run_dir and int(os.environ.get("RANK", "0")) == 0:
         log_choice(record, run_dir)

@@ -20,11 +20,12 @@ from ..core.layout import Layout, build_layout
 from ..data import default_data_dir
 from ..data.dataset import open_data
 from ..distributed.link import island_job, job_world
-from ..distributed.mesh import ParallelContext, init_context, join_world, pick_device, shutdown
+from ..distributed.mesh import ParallelContext, device_defaults, init_context, join_world, pick_device, shutdown
 from ..model import build_model
 from ..parallel import Parallelized, parallelize, slices
 from ..parallel.dims.island_link import linked, meet_islands
 from ..parallel.dims.islands import outer_sync
+from ..parallel.optim.master import MasterOptimizer
 from ..parallel.plans.moe import model_plan_for
 from ..parallel.step import local_batch
 from . import checkpoint as ckpt
@@ -32,7 +33,7 @@ from . import plugins
 from .evaluate import evaluate
 from .launch import record_error
 from .observe.metrics import MetricsLog, StepMeter, StepProfiler, memory
-from .optim import LossScaler, MasterOptimizer, clip_, grad_norm
+from .optim import LossScaler, clip_, grad_norm
 from .resilience import fault, preempt
 from .resilience.saving import Saving
 from .resilience.spike import SpikeDetector, SpikeHandler
@@ -52,7 +53,7 @@ def start(cfg: Config, run_dir: str, restarts: int | None = None, layout: Layout
     if restarts is None:
         restarts = join_world(device, cfg.parallel.timeout_s)
     if layout is None:
-        layout = pick(cfg, job_world(), device, restarts) if pick else build_layout(cfg, job_world())
+        layout = pick(cfg, job_world(), device, restarts) if pick else build_layout(device_defaults(cfg), job_world())
     ctx = init_context(layout.shape(), device, cfg.parallel.timeout_s, restarts)
     try:
         trainer = Trainer(cfg, run_dir, ctx, layout)
@@ -229,7 +230,6 @@ class Trainer:
         return {"loss_sum": loss_sum, "norm": norm, "lr": lr, "spike": spike, "global_batch": size,
                 "skipped": found_inf if found_inf is not None else False, "mem": mem, "stop": stop}
 
-    # -- the stages of a step after it ran ------------------------------------------------------
     def _evaluate(self) -> float:
         ev = evaluate(self.runner, self.par.local_tokens, self.data, self.ctx, self.layout,
                       self.cfg.training.eval_batches)

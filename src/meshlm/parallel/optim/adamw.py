@@ -1,5 +1,5 @@
 """The optimizer interface the trainer drives, which AdamW kernel runs, and skipping a step on the
-device. Shared by train/optim.MasterOptimizer (whole tensors) and optim/zero_adamw.ZeroOptimizer and
+device. Shared by parallel/optim/master.MasterOptimizer (whole tensors) and optim/zero_adamw.ZeroOptimizer and
 NvmeOptimizer (this rank's flat shards), so that one process and ZeRO run the same arithmetic."""
 from __future__ import annotations
 

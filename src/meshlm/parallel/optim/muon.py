@@ -317,7 +317,7 @@ class MuonAdamW:  # implements parallel.optim.adamw.Optimizer
     def local(cls, named: list[tuple[str, nn.Parameter]], cfg: OptimConfig, device: torch.device,
               make_optimizer: Callable, muon: set[str], table: PlacementTable, comm_of: Callable,
               group_key: Callable[[str], Hashable] | None = None, bucket_bytes: int | None = None) -> "MuonAdamW":
-        """Without ZeRO: `make_optimizer` (train/optim.MasterOptimizer) on the parameters outside `muon`;
+        """Without ZeRO: `make_optimizer` (parallel/optim/master.MasterOptimizer) on the parameters outside `muon`;
         `bucket_bytes`: the cap of the tp exchange's buckets (parallel.bucket_mb; None: one bucket)."""
         adamw = make_optimizer([(n, p) for n, p in named if n not in muon], cfg, device, group_key=group_key)
         return cls(adamw, LocalMuon([(n, p) for n, p in named if n in muon], cfg, table, comm_of, group_key,

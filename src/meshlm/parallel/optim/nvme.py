@@ -177,7 +177,7 @@ class FileRange:
 
 class NvmeOptimizer:
     """The optimizer `parallelize` returns for zero >= 1 with offload = "nvme" (the interface of
-    ZeroOptimizer and train/optim.MasterOptimizer)."""
+    ZeroOptimizer and parallel/optim/master.MasterOptimizer)."""
 
     def __init__(self, zero: ZeroSync, cfg: OptimConfig, root: str, buffer_mb: float, rank: int):
         self.zero, self.cfg = zero, cfg

@@ -3,7 +3,7 @@
 Each unit's fp32 master shard is a flat tensor of the shard size, its Adam moments the same less the
 pieces another optimizer steps (`skip`: Muon's matrices, which keep one momentum of their own); the
 optimizer sees one view per run of neighbouring pieces with the same weight decay (`Unit.decay_runs`,
-units.py), so weight decay stays per tensor (`grad_sync.decays`, as in train/optim.MasterOptimizer),
+units.py), so weight decay stays per tensor (`grad_sync.decays`, as in parallel/optim/master.MasterOptimizer),
 results match the unsharded optimizer element for element, and the step's list is a few tensors per unit.
 With fp32 compute and no offload the master *is* the parameter shard (no copy). With offload the
 masters, moments and a gradient staging buffer live in (pinned) host memory, the step runs on the CPU

@@ -45,6 +45,7 @@ from ..cost.comm import LATENCY_S, latency as call_latency
 from ..cost.estimate import Options, estimate
 from ..hardware import GB, GPU, profile_of_device
 from ..cost.ops import Rates, unit_rates
+from ..cost.scale import depth
 from ..spec import PlanError, Spec, code_options, priced_on, shape_from_config, spec_from_config
 
 WARMUP_RECORDS = 2  # the first logged steps include compilation, allocator growth and pool start-up
@@ -191,11 +192,12 @@ def fit(run_dir: str, cores: int | None = None, load: float | None = 0.0, trace:
     def predict(rate: float, link: float) -> dict:
         return estimate(shape, spec, cpu_device(rate, link, world, cores, threads, load, probe), opts)
 
-    # link: the measured collective seconds less their fixed per-call latency, over the wire bytes
+    # link: the measured collective seconds less their per-call latency (at the group's depth), over the wire bytes
     colls = predict(REF_TFLOPS * 1e12, GB)["comm"]
     wire = sum(c["bytes"] for c in colls)
     ref = cpu_device(REF_TFLOPS * 1e12, GB, world, cores, threads, load, probe)
-    latency = sum(c["calls"] * call_latency(ref, c["link"]) for c in colls if c["bytes"] > 0)
+    latency = sum(c["calls"] * call_latency(ref, c["link"]) * depth(c["kind"], c["group_size"])
+                  for c in colls if c["bytes"] > 0)
     comm = m.comm_s
     link = wire / max(comm - latency, 0.1 * comm) / share if wire > 0 and comm > 0 else GB
     # rate: the one whose predicted step (compute + exposed communication) is the measured step; the

@@ -75,7 +75,7 @@ def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes:
     again (`recompute_gemms`, estimate.Options) keep no output (torchtitan's: wk, wo, w3). full keeps
     the block input only (e·d').
 
-    `compiled` (training.compile, fused attention, dense FFN, cp = 1): inductor's partitioner keeps the
+    `compiled` (training.compile, fused attention, cp = 1): inductor's partitioner keeps the
     same set (the SwiGLU-down node is opaque to it, model/ops.py), except that under selective the
     recomputed core's output feeds wo directly (e·q less) and under op only one of the wo / w2 outputs
     is needed (e·d less; at tp = 1 only: with TP an op-checkpointed block holds collectives whose byte
@@ -87,10 +87,11 @@ def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes:
     heads (kv heads fewer than cp are repeated before the all-to-all) and wo's input is the all-to-all's
     output, not a view of the attention output: one more e·d/t. Under allgather the attention saves
     the gathered k and v of the whole sequence (cp × the local ones). Selective AC leaves that core alone.
-    MoE blocks: each routed copy keeps its gathered input, gate, up, silu(gate), the product (4·e·F'/t,
-    under selective too), the expert's output and its gate-weighted copy (3·e·d); the router its scores
-    and indices (`_routing_bytes`) and its gathered input (e·d) instead of the norm output shard.
-    Measured against saved-tensor hooks in tests/test_plan_dsv3.py (MLA, sigmoid group routing, MTP).
+    MoE blocks (`_moe_bytes`): each routed copy keeps its gathered input, gate, up, silu(gate), the
+    product (4·e·F'/t; 3 under selective), the expert's output and, eager, its gate-weighted copy; the
+    router its scores and indices (`_routing_bytes`) and its gathered input (e·d) instead of the norm
+    output shard. Measured against saved-tensor hooks in tests/test_plan_dsv3.py (MLA, sigmoid group
+    routing, MTP) and, compiled, tests/test_plan_compiled.py.
     """
     a, t, e = shape.args, tp, act_bytes
     d = a.dim
@@ -101,7 +102,7 @@ def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes:
     hq, dq = w.heads, w.q
     kvd = w.k
     f_local = a.ffn_dim / t
-    compiled_core = compiled and flash and not shape.moe and cp == 1 and not w.mla
+    compiled_core = compiled and flash and cp == 1 and not w.mla  # MoE blocks' attention too
     attn = _attention_saved(w, e, seq_len, ac, flash, compiled, attn_math_bytes, cp, cp_impl)
     if w.mla:  # the latents (replicated over tp), their norms' rstd; under SP the region's gathered input
         attn += e * w.latent_saved + 4 * (2 if a.q_lora_rank else 1) + (e * (d - dsp) if ac != "full" else 0)
@@ -117,13 +118,29 @@ def block_activation_bytes(shape: Shape, tokens: float, seq_len: int, act_bytes:
         attn -= 0 if cp > 1 else e * sum(width[g] for g in recompute_gemms if g in ("wq", "wk", "wv"))
         ffn -= e * sum(width[g] for g in recompute_gemms if g in outs)
     if shape.moe:  # averaged over the blocks: MoE ones (moe.every, moe.first_dense) and dense ones
-        x_local, frac = a.expert_dim / t, a.n_moe_blocks / a.n_layers
-        n_ffn = 4  # the experts' SwiGLU is plain autograd (the dense FFN's fused product is model/ops.py's)
-        routed = shape.top_k * shape.capacity_factor
-        moe = _routing_bytes(a) + routed * (3 * e * d + n_ffn * e * x_local) \
-            + shape.shared_experts * 2 * e * x_local + e * (d - dsp)
-        ffn = frac * moe + (1 - frac) * ffn
+        ffn = frac_moe(a) * _moe_bytes(shape, e, d, dsp, t, ac, compiled) + (1 - frac_moe(a)) * ffn
     return tokens * (norm + attn + ffn)
+
+
+def frac_moe(a) -> float:
+    return a.n_moe_blocks / a.n_layers
+
+
+def _moe_bytes(shape: Shape, e: int, d: int, dsp: float, t: int, ac: str, compiled: bool) -> float:
+    """A MoE block's feed-forward saved bytes per token. Each routed copy keeps its gathered input and
+    its experts' gate, up, silu(gate) and product (3 of them under selective, which recomputes the
+    SwiGLU: parallel/plans/moe.py); eager weighs the experts' output in fp32 and keeps two copies of
+    it (2·e·d at fp32; in bf16 two fp32 copies and one more e·d per token, not priced), a compiled
+    combine (model/moe.py: routing and combining compiled, the experts eager) keeps the output as it
+    is (e·d). Measured against the compiled graph's saved set in tests/test_plan_compiled.py; a block
+    under op AC with TP stays eager."""
+    a = shape.args
+    x_local = a.expert_dim / t
+    n_ffn = 3 if ac == "selective" else 4
+    fused = compiled and not (ac == "op" and t > 1)
+    per_copy = e * d + (e * d if fused else 2 * e * d) + n_ffn * e * x_local
+    return _routing_bytes(a) + shape.top_k * shape.capacity_factor * per_copy \
+        + shape.shared_experts * 2 * e * x_local + e * (d - dsp)
 
 
 def _routing_bytes(a) -> float:

@@ -6,7 +6,8 @@ A group that spans nodes is limited by the NICs: its members on one node (k of t
 parallel, so it gets min(NVLink, k × IB) per rank. Ring algorithms: an all-reduce puts 2(n-1)/n of
 the buffer on the wire per rank, all-gather / reduce-scatter / all-to-all (n-1)/n, a p2p send all of
 it. Achieved bandwidth is `comm_efficiency` of the link (NCCL bus bandwidth is ~80% of NVLink's);
-each call also pays a fixed latency.
+each call also pays the link's latency, which is that of a two-rank call, times the depth of its ring
+or tree (plan/cost/scale.py: n − 1 hops for a ring all-gather, fewer for a tree all-reduce).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ...core.choices import DTYPE_BYTES, HELD
 from ...core.layout import fp8_comm_in_use
 from ..hardware import GPU, MIB
 from .attn_widths import attn_widths
+from .scale import depth
 from .stages import float8_expert_amaxes, float8_params_local
 from ...core.facts.quant import QUANT_BLOCK, packed_bytes
 from .volume import cp_traffic, ep_traffic, moe_bias_bytes, tp_traffic, tp_weight_traffic
@@ -59,6 +61,7 @@ class Collective:
     window: str = "none"
     per: str = "microbatch"  # microbatch: repeats every micro-batch; step: once per step
     tail_calls: float = 0.0  # calls that start only when their window ends (the last gradient bucket)
+    depth_s: float = 0.0     # of `seconds`, the latency hops beyond a two-rank call's (scale.depth)
 
     @property
     def wire_bytes(self) -> float:
@@ -67,7 +70,8 @@ class Collective:
     def as_dict(self) -> dict:
         return {"group": self.group, "kind": self.kind, "link": self.link, "group_size": self.size,
                 "calls": self.calls, "bytes": self.wire_bytes, "seconds": self.seconds,
-                "exposed_s": self.exposed_s, "overlaps_with": self.window, "per": self.per}
+                "exposed_s": self.exposed_s, "overlaps_with": self.window, "per": self.per,
+                "latency_depth_s": self.depth_s}
 
 
 def make(gpu: GPU | None, group: str, kind: str, size: int, stride: int, calls: float, nbytes: float,
@@ -80,7 +84,9 @@ def make(gpu: GPU | None, group: str, kind: str, size: int, stride: int, calls: 
         name, bw = link(gpu, size, stride)
     c = Collective(group, kind, name, size, calls, nbytes, window=window, per=per, tail_calls=tail_calls)
     if bw > 0 and size > 1 and calls > 0:
-        c.seconds = c.wire_bytes / (bw * comm_efficiency) + calls * latency(gpu, name)
+        alpha = calls * latency(gpu, name)
+        c.depth_s = alpha * (depth(kind, size) - 1)
+        c.seconds = c.wire_bytes / (bw * comm_efficiency) + alpha + c.depth_s
     return c
 
 

@@ -3,6 +3,7 @@
 Time model, per step on the slowest pipeline stage:
   slot   = t_F + t_B + t_recompute + exposed per-micro-batch communication
   step   = m · slot · (1 + bubble) + exposed per-step communication + optimizer (+ offload)
+           + the wait for the slowest of the step's ranks (plan/cost/scale.py; per-operation model)
 Compute time comes from the per-operation model (plan/cost/ops.py: GEMMs by shape, attention by kernel,
 element-wise work at HBM bandwidth, launches), or with `efficiency` set from FLOPs / (peak ×
 efficiency) (the flat model). Overlap: TP and EP traffic is exposed (it sits on
@@ -26,6 +27,7 @@ from .activations import vocab_rows
 from .memory import stage_memory, state_bytes_per_param
 from .muon import muon_step
 from .options import Options
+from .scale import STEP_JITTER_S, straggler_s
 from ..spec import Shape, Spec, allgather_mask, check
 from .stages import block_params_local, pipeline_roles, stage_params
 
@@ -279,6 +281,16 @@ def step_terms(s: Spec, sp, gpu: GPU, o: Options) -> tuple[float, float, float, 
     return opt_s, offload_s, io_s, overhead_s
 
 
+def straggler_seconds(s: Spec, o: Options) -> float:
+    """The step's wait for the slowest of its ranks (scale.straggler_s over the world): the per-operation
+    model on a GPU profile, whose jitter is our GPU rows' (Options.step_jitter_s: None for that);
+    a calibrated machine (`rates`) and the flat model price none unless a jitter is given."""
+    sigma = o.step_jitter_s
+    if sigma is None:
+        sigma = STEP_JITTER_S if o.efficiency is None and o.rates is None else 0.0
+    return straggler_s(sigma, s.world_size)
+
+
 def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | None = None) -> dict:
     stages = pipeline_roles(s.pp)
     times = [stage_time(shape, s, st, gpu, o) for st in stages]
@@ -301,11 +313,13 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
     step_overlap = max(t["overlap_step"] for t in times)
     opt_s, offload_s, io_s, overhead_s = step_terms(s, worst["params"], gpu, o)
     muon_s = max(t["muon_s"] for t in times)  # Newton-Schulz, after the step's gradients (plan/cost/muon.py)
-    step = busy * (1 + bubble) + step_exposed + opt_s + muon_s + offload_s + overhead_s
+    straggler = straggler_seconds(s, o)
+    step = busy * (1 + bubble) + step_exposed + opt_s + muon_s + offload_s + overhead_s + straggler
     tokens = s.global_batch * s.seq_len
     model_flops = shape.flops_per_token(s.seq_len) * tokens
     world = s.world_size
     comm = [c.as_dict() for c in worst["collectives"]]
+    depth = sum(c.depth_s * c.exposed_s / c.seconds for c in worst["collectives"] if c.seconds > 0)
     return {
         "step_s": step,
         "tokens_per_s_per_gpu": tokens / step / world,
@@ -316,7 +330,7 @@ def time_model(shape: Shape, s: Spec, gpu: GPU, o: Options, simulate: bool | Non
                  "overlap_microbatch_s": worst["overlap_mb"],
                  "bubble_fraction": bubble, "bubble_source": source, "exposed_comm_step_s": step_exposed - step_overlap,
                  "optimizer_s": opt_s, "muon_ns_s": muon_s, "offload_s": offload_s, "offload_io_s": io_s,
-                 "overhead_s": overhead_s},
+                 "overhead_s": overhead_s, "straggler_s": straggler, "latency_depth_s": depth},
         "ops": None if worst["ops"] is None else {k: m * v for k, v in worst["ops"].items()},
         "comm": comm,
         "comm_bytes_per_step": sum(c["bytes"] for c in comm),
@@ -357,15 +371,16 @@ def describe_run(r: dict) -> str:
 CATEGORIES = {"gemm": "GEMM", "attention": "attention", "elementwise": "element-wise", "launch": "launch / dispatch",
               "loss": "loss", "grad_accum": "grad accumulation", "recompute": "recompute", "compute": "compute (flat)",
               "optimizer": "optimizer", "comm": "communication exposed",
-              "overlap": "compute beside comm", "bubble": "bubble",
-              "overhead": "per-step overhead"}
+              "depth": "comm latency depth", "overlap": "compute beside comm", "bubble": "bubble",
+              "overhead": "per-step overhead", "straggler": "slowest of N ranks"}
 
 
 def step_categories(r: dict) -> dict:
     """An estimate's step seconds by category, adding up to `step_s`: the per-operation breakdown
     (`ops`: GEMM with the head, attention, element-wise, launches, loss, gradient accumulation,
     recompute) or, with a flat --efficiency, the compute as one; then the optimizer, exposed
-    communication, pipeline bubble and per-step overhead (the time model's terms, docs/planner.md)."""
+    communication (less its latency hops beyond a two-rank call's, shown apart: they grow with the
+    group), pipeline bubble, per-step overhead and the wait for the slowest rank (docs/planner.md)."""
     t, ops = r["time"], r["ops"]
     if ops is None:
         out = {"compute": t["forward_s"] + t["backward_s"] + t["recompute_s"]}
@@ -373,10 +388,11 @@ def step_categories(r: dict) -> dict:
         out = {"gemm": ops["gemm_s"] + ops["head_s"], "attention": ops["attention_s"],
                "elementwise": ops["elementwise_s"], "launch": ops["launch_s"], "loss": ops["loss_s"],
                "grad_accum": ops["grad_accum_s"], "recompute": ops["recompute_s"]}
-    out.update(optimizer=t["optimizer_s"] + t["muon_ns_s"] + t["offload_s"],
-               comm=t["exposed_comm_microbatch_s"] + t["exposed_comm_step_s"], overlap=t["overlap_slowdown_s"],
-               bubble=t["bubble_s"],
-               overhead=t["overhead_s"])
+    comm = t["exposed_comm_microbatch_s"] + t["exposed_comm_step_s"]
+    depth = min(comm, t["latency_depth_s"])
+    out.update(optimizer=t["optimizer_s"] + t["muon_ns_s"] + t["offload_s"], comm=comm - depth, depth=depth,
+               overlap=t["overlap_slowdown_s"], bubble=t["bubble_s"], overhead=t["overhead_s"],
+               straggler=t["straggler_s"])
     return out
 
 

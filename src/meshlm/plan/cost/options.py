@@ -39,6 +39,7 @@ class Options:
     doc_tokens: int = 0
     loss_chunks: int = 0           # training.loss_chunks: logits of one chunk alive at a time (0: off)
     step_overhead_s: float | None = None  # GPU idle per step outside every kernel (None: STEP_GAP_S)
+    step_jitter_s: float | None = None   # σ of one rank's step time (None: scale.STEP_JITTER_S on a GPU profile)
 
     __hash__ = hashed_once  # a key of the search's caches (search.py's micro-times, ops.stage_compute)
 
