@@ -16,6 +16,9 @@ MESHLM_TEST_HOLD_FOR_ISLAND=K:N   island jobs: a rank waits before step N until 
                              taken in (a restarted island then rejoins before the others finish)
 MESHLM_TEST_ABORT_AT_EXIT=R  rank R aborts (SIGABRT) at interpreter exit, after its run finished and
                              its teardown: the exit abort the launcher must tell from a failed run
+MESHLM_TEST_DEAR_AT=N:S:PATH  rank 0 rewrites the energy trace PATH as checkpoint N is written (just before
+                             the run's energy plan of that step): cheap until now, S seconds expensive, then an
+                             hour cheap (tests/test_energy_schedule.py: a pause placed by an event, not a clock)
 MESHLM_TEST_SECONDS_PER_MICROBATCH=S0,S1,...  rank R is a slower card: before each step it sleeps S_R
                              seconds for each micro-batch it runs (the runtime's own count: its layout's
                              accumulation), and writes each step's measured sleep and runner seconds to
@@ -83,6 +86,9 @@ def install(trainer) -> None:
     if kill and trainer.ctx.restarts == 0:
         at = tuple(int(x) for x in kill.split(":"))
         trainer.checkpointer.on_written = lambda step: (step, rank) == at and os.kill(os.getpid(), signal.SIGKILL)
+    dear = env.get("MESHLM_TEST_DEAR_AT", "").split(":", 2)
+    if len(dear) == 3 and rank == 0:
+        trainer.checkpointer.on_written = lambda step: step == int(dear[0]) and dear_now(dear[2], float(dear[1]))
     if env.get("MESHLM_TEST_ABORT_AT_EXIT", "") == str(rank):
         atexit.register(os.abort)
     per_mb = env.get("MESHLM_TEST_SECONDS_PER_MICROBATCH", "")
@@ -93,6 +99,16 @@ def install(trainer) -> None:
         trainer.runner = SlowBlocks(trainer, float(per_block.split(",")[rank]))
     if corrupt >= 0:
         trainer.data = CorruptData(trainer.data, corrupt, trainer.cfg.training.global_batch, trainer.args.vocab_size)
+
+
+def dear_now(path: str, seconds: float) -> None:
+    """The trace at `path` from now: expensive for `seconds`, then an hour cheap (written whole, then moved)."""
+    from datetime import datetime, timezone
+    now = time.time()
+    rows = [(now - 3600, 10), (now, 100), (now + seconds, 10), (now + seconds + 3600, 10)]
+    with open(path + ".tmp", "w") as f:
+        f.write("time,price\n" + "".join(f"{datetime.fromtimestamp(t, timezone.utc).isoformat()},{v}\n" for t, v in rows))
+    os.replace(path + ".tmp", path)
 
 
 class Wrapped:

@@ -66,6 +66,7 @@ def settle(config_path: str | None, extra: list[str], nproc: int | None, max_res
     run_dir = run_dir or os.path.join("runs", f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     check_inputs(cfg, layout, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if worker else world, run_dir,
                  restarts or 0)
+    check_energy(cfg, world, gpu, run_dir)
     return Start(cfg, layout, world, worker, restarts, run_dir, pairs, asked_attn, record)
 
 
@@ -138,6 +139,37 @@ def check_inputs(cfg: C.Config, layout: Layout, local_world: int, run_dir: str, 
     offload_preflight(cfg.parallel, layout, local_world, model_args(cfg).num_params())
     resume_preflight(cfg, run_dir, restarts)
     check_room(cfg, run_dir)
+
+
+def check_energy(cfg: C.Config, world: int, gpu, run_dir: str) -> None:
+    """training.energy.trace (docs/energy.md, "Scheduling in time"): a trace that cannot be read, that
+    does not cover the run, or a deadline the run cannot meet even running throughout, refused here.
+    The run's length: the measured step time of the run it resumes (metrics.jsonl), else the planner's
+    for the device that trains (the parent of local workers asks torch which one that is)."""
+    if not cfg.training.energy.trace:
+        return
+    from .core.facts.energy_trace import schedule_for
+    from .plan.search.auto import predicted_step_s
+    done, step_s = measured_step(run_dir) if cfg.checkpoint.resume != "never" else (0, None)
+    if step_s is None:
+        if gpu is None and cfg.training.device != "cpu":
+            from .distributed.mesh import pick_device
+            gpu = device_profile(pick_device(cfg.training.device))
+        step_s = predicted_step_s(cfg, world, gpu)
+    schedule_for(cfg.training.energy, time.time(), step_s, max(cfg.training.steps - done, 0))
+
+
+def measured_step(run_dir: str) -> tuple[int, float | None]:
+    """(the last step logged, the median step_s of the last lines) of a run directory, (0, None) if none."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return 0, None
+    with open(path) as f:
+        recs = [r for r in (json.loads(line) for line in f if '"step_s"' in line) if r.get("step_s")]
+    if not recs:
+        return 0, None
+    times = sorted(r["step_s"] for r in recs[-16:])
+    return int(recs[-1]["step"]), times[len(times) // 2]
 
 
 def check_init_weights(cfg: C.Config) -> None:

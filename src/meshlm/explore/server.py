@@ -14,11 +14,12 @@ from importlib import resources
 from urllib.parse import parse_qs, urlparse
 
 from . import api, runs
+from .energy import energy_schedule
 
 TYPES = {"html": "text/html; charset=utf-8", "js": "text/javascript; charset=utf-8", "css": "text/css; charset=utf-8"}
 STATIC = {"/" + name: (name, TYPES[name.rsplit(".", 1)[1]])
           for name in ("index.html", "app.js", "charts.js", "form.js", "explorer.js", "energy.js", "mixed.js", "course.js", "runs.js",
-                       "style.css")}
+                       "energy_trace.js", "style.css")}
 STATIC["/"] = STATIC["/index.html"]
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 MAX_BODY = 1 << 16
@@ -86,6 +87,8 @@ class Handler(BaseHTTPRequestHandler):
             if method == "POST" and url.path in ("/api/estimate", "/api/plan"):
                 body = self._body()
                 return ok((api.run_estimate if url.path == "/api/estimate" else api.run_plan)(body, self.runs_root))
+            if method == "POST" and url.path == "/api/energy_schedule":  # docs/energy.md, "Scheduling in time"
+                return ok(energy_schedule(self._body(), api.BadRequest))
             return error(404, f"request: no such page or endpoint: {method} {url.path}")
         except api.BadRequest as e:
             return error(400, str(e), e.key)

@@ -14,6 +14,7 @@ from ..core import config as C
 from ..core.layout import check_rampup
 from .cost import energy as en, islands as isl
 from .cost.estimate import CATEGORIES, Options, describe_run, estimate, run_time, step_categories
+from .cost.energy_schedule import schedule_lines
 from .cost.goodput import Resilience, describe as describe_goodput, goodput
 from .hardware import FLAG_FIELDS, GIB, HardwareError, describe, get_gpu, names
 from .cost.ops import KERNELS
@@ -169,6 +170,7 @@ def run_estimate(args, extra_argv: list[str] | None = None) -> int:
         check_rampup(cfg, spec)
         site = en.site_of(args)
         out = estimate(shape, spec, gpu, opts)
+        when = schedule_lines(cfg, out, shape, spec, gpu, opts)  # training.energy.trace (docs/energy.md)
         if islands > 1:  # DiLoCo: the cross-island traffic and step times (plan/cost/islands.py)
             out["islands"] = isl.report(out, islands, cfg.training.outer, args.link_gbps, args.link_latency_ms)
     except (C.ConfigError, PlanError, HardwareError) as e:
@@ -193,7 +195,7 @@ def run_estimate(args, extra_argv: list[str] | None = None) -> int:
         if "islands" in out:
             text += "\n" + isl.describe(out["islands"])
         print(text + ("\n" + describe_run(run) if run else "")
-              + ("\n" + en.describe(out["energy"]) if "energy" in out else ""))
+              + ("\n" + en.describe(out["energy"]) if "energy" in out else "") + "".join("\n" + line for line in when))
     return 0
 
 

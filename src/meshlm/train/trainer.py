@@ -135,9 +135,9 @@ class Trainer:
     def fit(self, stop_at: int | None = None) -> dict:
         """Run the steps until training.steps (`stop_at`: end after that step, as if it were the last
         one run, with the schedule and cadence of the whole run). Returns the last metrics line."""
-        t, state, log = self.cfg.training, self.state, self.log
+        t, state, log, last = self.cfg.training, self.state, self.log, {}
         end = t.steps if stop_at is None else min(stop_at, t.steps)
-        last: dict = {}
+        self.saving.resume_pause(state)  # killed while paused for energy: the rest of that pause first
         self.meter.restart()
         try:
             while state.step < end:

@@ -11,10 +11,10 @@ import os
 from dataclasses import dataclass, field, fields
 
 from ..cards import device_groups
-from ..choices import (AC_MODES, CATCHABLE_SIGNALS, CP_IMPLS, ELASTIC, EXPORT_DTYPES, FP8_COMMS, FP8_RECIPES,
-                       OFFLOAD, ON_ERROR, OPTIMIZERS, OUTER_QUANTIZE, PP_SCHEDULES, PRECISIONS, REDUCE_DTYPES, SPIKE_ACTIONS,
-                       ZERO_STAGES)
+from ..choices import (AC_MODES, CATCHABLE_SIGNALS, CP_IMPLS, ELASTIC, EXPORT_DTYPES, FP8_COMMS, FP8_RECIPES, OFFLOAD, ON_ERROR,
+                       OPTIMIZERS, OUTER_QUANTIZE, PP_SCHEDULES, PRECISIONS, REDUCE_DTYPES, SPIKE_ACTIONS, ZERO_STAGES)
 from ..facts.course import check_ramp_keys, check_schedule
+from .energy import EnergyConfig
 from ..errors import ConfigError, LayoutError, check_choice  # noqa: F401  (LayoutError: the package exports it from here)
 
 @dataclass
@@ -215,8 +215,7 @@ def _check_islands(p: ParallelConfig) -> None:
 
 @dataclass
 class OuterConfig:
-    """DiLoCo's outer optimizer (parallel.islands > 1; docs/diloco.md): every `sync_every` inner steps the
-    islands average their pseudo-gradients and take one Nesterov SGD step."""
+    """DiLoCo's outer optimizer (parallel.islands > 1; docs/diloco.md): Nesterov SGD on the islands' mean pseudo-gradient."""
     sync_every: int = 100  # H: inner steps between outer syncs of one fragment
     lr: float = 0.7
     momentum: float = 0.9  # Nesterov
@@ -281,11 +280,13 @@ class TrainingConfig:
     batch_rampup: list[int] = field(default_factory=list)
 
     outer: OuterConfig = field(default_factory=OuterConfig)  # DiLoCo (parallel.islands > 1)
+    energy: EnergyConfig = field(default_factory=EnergyConfig)  # when to train (core/config/energy.py)
 
     def check(self, cfg: Config) -> None:
         check_device_keys(self)
         check_ramp_keys(self.batch_rampup, self.global_batch, cfg)
         self.outer.check(cfg)
+        self.energy.check(cfg)
         check_choice(self.fp8_recipe, FP8_RECIPES, "training.fp8_recipe")
         for entry in self.fp8_comm:
             check_choice(entry, FP8_COMMS, "training.fp8_comm")

@@ -45,6 +45,8 @@ def _coerce(value: Any, current: Any, typ: Any, where: str) -> Any:
         return _coerce_mix(value, where)
     if t.startswith("list[str"):
         return _coerce_str_list(value, where)
+    if t.startswith("list[float"):
+        return _coerce_float_list(value, where)
     if t.startswith("list"):
         return _coerce_int_list(value, where)
     if isinstance(value, str) and "str" not in t.split("|")[0]:
@@ -91,6 +93,19 @@ def _coerce_int_list(value: Any, where: str) -> list[int]:
         except (TypeError, ValueError):
             raise ConfigError(f"{where}: expected a list of integers, got {value!r}") from None
     return out
+
+
+def _coerce_float_list(value: Any, where: str) -> list[float]:
+    """A TOML array or a command-line '1.0,0.85' (training.energy.clocks)."""
+    if isinstance(value, str):
+        text = value.strip().strip("[]").strip()
+        value = [x.strip() for x in text.split(",")] if text else []
+    try:
+        if not isinstance(value, (list, tuple)) or any(isinstance(x, bool) for x in value):
+            raise ValueError
+        return [float(x) for x in value]
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: expected a list of numbers, got {value!r}") from None
 
 
 def _coerce_str_list(value: Any, where: str) -> list[str]:

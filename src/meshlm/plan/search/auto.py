@@ -15,11 +15,12 @@ import os
 
 from ...core.config import Config, ConfigError, LayoutError
 from ...core.layout import Layout, build_layout
-from ..cost.estimate import Options
+from ..cost.estimate import Options, estimate
 from ..cluster import check_devices
 from ..hardware import GB, GPU, HardwareError, get_gpu
 from .ranked import plan
-from ..spec import PlanError, Shape, code_options, priced_on, search_knobs, shape_from_config, spec_of_layout, to_config
+from ..spec import (PlanError, Shape, code_options, priced_on, search_knobs, shape_from_config, spec_from_config,
+                    spec_of_layout, to_config)
 
 # A CPU has no profile: the host's RAM is its memory, its measured matmul peak (training.peak_tflops,
 # else 0.1 TFLOP/s, assumed) its compute, gloo over loopback its links (1 GB/s, assumed). The choice
@@ -36,6 +37,15 @@ def cpu_profile(peak_tflops: float = 0.0) -> GPU:
         ram = 8.0
     return get_gpu("custom", peak_tflops=peak_tflops or CPU_PEAK_TFLOPS, hbm_gb=ram, nvlink_gbps=CPU_LINK_GBPS,
                    ib_gbps=CPU_LINK_GBPS, hbm_tbps=0.01, gpus_per_node=1024)
+
+
+def predicted_step_s(cfg: Config, world: int, gpu: GPU | None = None) -> float:
+    """The step time of `cfg`'s layout on `world` ranks of `gpu` (None: a CPU): the run's length for the
+    entry's check of training.energy.trace (preflight.py `check_energy`)."""
+    cfg = priced_on(cfg, gpu=gpu is not None)
+    o = Options(**code_options(cfg)) if gpu is not None else Options(efficiency=CPU_EFFICIENCY, **code_options(cfg))
+    gpu = gpu or cpu_profile(cfg.training.peak_tflops)
+    return estimate(shape_from_config(cfg), spec_from_config(cfg, world), gpu, o, validate=False)["step_s"]
 
 
 def choose_layout(cfg: Config, world: int, gpu: GPU | None = None, o: Options | None = None) -> tuple[Config, dict]:

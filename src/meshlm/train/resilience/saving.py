@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from .. import checkpoint as ckpt
 from ..observe.metrics import MetricsLog
 from . import preempt
+from .energy_pause import EnergyPause
 from .fault import Cadence, FiniteGuard, NonFiniteError
 
 if TYPE_CHECKING:
@@ -21,12 +22,27 @@ class Saving:
                  log: MetricsLog, world, run_dir: str):
         self.cfg, self.checkpointer, self.guard, self.cadence = cfg, checkpointer, guard, cadence
         self.log, self.world, self.run_dir = log, world, run_dir
+        t = cfg.training  # training.energy.trace: pauses outside the cheapest windows (energy_pause.py)
+        self.energy = EnergyPause(t.energy, t.steps, cadence.start, world, log, run_dir) if t.energy.trace else None
+
+    def resume_pause(self, state: "TrainState") -> None:
+        """Before the first step: a run killed while paused for energy waits out that pause."""
+        if self.energy is not None:
+            self.energy.resume_pause(state.step)
 
     def after_step(self, state: "TrainState", rec: dict | None) -> bool:
         """Save `state` when the cadence or an export asks; `rec`: the step's metrics line (logged
         steps), which gets the save's `ckpt` report and goes into meta.json too: it is written after
         the save, and a resume from this checkpoint puts it back if a crash lost it (fault.py).
-        Returns whether the step exports (`export`, after its line is written)."""
+        Returns whether the step exports (`export`, after its line is written). Outside the cheapest
+        windows of training.energy.trace the step is saved and the run pauses here (energy_pause.py)."""
+        exporting = self.save_if_due(state, rec)
+        pause_s = self.energy.after_step(state.step, rec) if self.energy is not None else 0.0
+        if pause_s > 0:
+            self.energy.pause(state.step, pause_s, self.save_now(state, rec))
+        return exporting
+
+    def save_if_due(self, state: "TrainState", rec: dict | None) -> bool:
         step, last = state.step, state.step == self.cfg.training.steps
         due = self.cadence.due(step, last)
         every = self.cfg.checkpoint.export_hf  # "end": on the last step; N: every N steps and on the last
@@ -89,9 +105,11 @@ class Saving:
         return [d for d in done if d["step"] == but]
 
     def finish(self) -> None:
-        """The last background write, committed and logged."""
+        """The last background write, committed and logged; the energy of the last windows trained in."""
         self.checkpointer.close()
         self.log_done()
+        if self.energy is not None:
+            self.energy.flush()
 
     def export(self, step: int) -> None:
         """RUN_DIR/hf/step_N, a transformers directory, from the checkpoint of `step` just written: rank 0
