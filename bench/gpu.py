@@ -63,10 +63,20 @@ def measure(preset: str, mb: int, a, **extra) -> dict:
            "mfu": flops / step_s / trainer.meter.peak_flops if trainer.meter.peak_flops else 0.0,
            "peak_label": trainer.meter.peak_label, "peak_mem_gib": recs[-1]["mem"]["peak"] / 2 ** 30,
            "final_loss": recs[-1]["loss"], "tail_loss": statistics.mean(r["loss"] for r in recs[-10:]),
-           **{k.split(".")[-1]: v for k, v in extra.items()}}
+           **measured_energy(recs), **{k.split(".")[-1]: v for k, v in extra.items()}}
     if a.profile and trainer.ctx.device.type == "cuda":
         out["top_kernels"] = profile_step(trainer)
     return out
+
+
+def measured_energy(recs: list[dict]) -> dict:
+    """The device's own energy over the timed steps (NVML through metrics.jsonl, docs/energy.md): joules
+    per step and mean watts, or None where a record has no reading (a CPU, a card without the counter)."""
+    joules = [r.get("energy_j") for r in recs]
+    if not recs or any(j is None for j in joules):
+        return {"energy_j_per_step": None, "power_w": None}
+    seconds = sum(r["step_s"] for r in recs)
+    return {"energy_j_per_step": sum(joules) / len(recs), "power_w": sum(joules) / seconds if seconds else None}
 
 
 def profile_step(trainer: Trainer, top: int = 15) -> dict:

@@ -131,3 +131,13 @@ def test_docs_gpu_tables_are_generated_from_the_ledger():
     for piece in ledger.pieces():  # every piece is listed, with its date or "never"
         assert re.search(rf"^\| `{re.escape(piece)}` \| ({led[piece]['date'] if piece in led else 'never'}) \|",
                          text, flags=re.M), piece
+
+
+def test_gpu_rows_record_the_devices_energy():
+    """Every GPU row carries the joules its steps drew (metrics.jsonl's energy_j, NVML on a GPU), for the
+    planner's J/step beside it once a GPU runs them (docs/energy.md); None where a record has no reading."""
+    import gpu
+    recs = [{"step_s": 2.0, "energy_j": 1400.0}, {"step_s": 2.0, "energy_j": 1000.0}]
+    assert gpu.measured_energy(recs) == {"energy_j_per_step": 1200.0, "power_w": 600.0}
+    assert gpu.measured_energy(recs + [{"step_s": 1.0, "energy_j": None}]) == {"energy_j_per_step": None,
+                                                                                "power_w": None}

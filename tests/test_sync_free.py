@@ -162,7 +162,7 @@ def test_loss_scaler_on_device_semantics():
 
 def test_one_process_and_zero_pick_the_same_adamw():
     """The equivalence tests compare ZeRO with one process at fp32 tolerance: same implementation."""
-    from meshlm.train.optim import fused_adamw_supported
+    from meshlm.parallel.optim.adamw import fused_adamw_supported
 
     one, zero = _trainer(), _trainer(parallel__zero=1)
     assert one.par.optimizer.fused == zero.par.optimizer.fused == fused_adamw_supported("cpu")
