@@ -52,7 +52,8 @@ def check_cp(args: ModelArgs, layout: Layout, impl: str, seq_len: int) -> None:
 
 def check_fp8(cfg: Config, args: ModelArgs) -> None:
     """training.precision = "fp8" (parallel/features/float8.py) against the install, the model, the layout and the
-    device; torch is imported only to ask the GPU its compute capability."""
+    device; torch is imported only to ask the GPU its compute capability, the CPU whether it has torch._scaled_mm.
+    Emulation runs anywhere; the CPU's MoE experts emulate whatever is asked (docs/fp8.md)."""
     t = cfg.training
     if t.precision != "fp8":
         return
@@ -61,11 +62,14 @@ def check_fp8(cfg: Config, args: ModelArgs) -> None:
         raise ConfigError("training.precision: fp8 needs torchao's float8 training (pip install meshlm[gpu])")
     if t.fp8_emulate:
         return
-    hint = "(training.fp8_emulate = true runs torchao's emulation, for tests)"
+    hint = "(training.fp8_emulate = true runs torchao's emulation instead)"
     import torch
-    if t.device == "cpu" or not torch.cuda.is_available():
-        raise ConfigError(f"training.precision: fp8 needs a GPU with float8 matmuls (compute capability >= 8.9), "
-                          f"this run is on the CPU {hint}")
+    if t.device == "cpu" or not torch.cuda.is_available():  # the CPU's experts emulate (model/fp8_kernels.py)
+        from ..model.fp8_kernels import cpu_scaled_mm_missing
+        missing = cpu_scaled_mm_missing(t.fp8_recipe)
+        if missing:
+            raise ConfigError(f"training.precision: fp8 on the CPU needs {missing} {hint}")
+        return
     if torch.cuda.get_device_capability() < (8, 9):
         cap = ".".join(map(str, torch.cuda.get_device_capability()))
         raise ConfigError(f"training.precision: fp8 needs compute capability >= 8.9 (Ada, Hopper or newer); "
