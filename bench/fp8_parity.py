@@ -1,0 +1,156 @@
+"""Benchmark (not a test): fp8 loss parity over a real horizon (issue #61; docs/fp8.md, "Loss parity").
+
+A Llama-shaped model (4 blocks, dim 256, 4 heads with 2 kv heads, SwiGLU 704) on a byte-level BPE (vocab
+4,096, trained here on the embedded corpus: this interpreter's standard-library code), AdamW at 3e-4 with
+100 warm-up steps and a cosine decay, 1,000 steps. bf16 with two seeds (their gap is the noise floor)
+against fp8 tensorwise and rowwise on the production path (torchao's Float8Linear through torch._scaled_mm,
+training.fp8_emulate off: each run's start-up line is kept in the JSON as the proof). The held-out loss is
+the prepared set's validation split (the last tokens of the stream), `--eval-batches` micro-batches, every
+`--eval-every` steps and at the end.
+
+Each run is `meshlm train` in a fresh process, one after another (the CPU's cores are shared: a run's
+speed is not the point, its losses are). Sized so the whole bench takes ~25 min on 2 cores.
+
+    python bench/fp8_parity.py [--steps 1000] [--seq 128] [--batch 8] [--runs bf16:0 bf16:1 tensorwise:0 rowwise:0]
+                               [--set training.fp8_bf16_blocks=...] [--json bench/results/fp8_parity.json]
+                               [--png docs/img/fp8_parity.png]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+from data import train_tokenizer  # noqa: E402  (bench/data.py)
+
+MODEL = {"model.preset": "debug", "model.dim": 256, "model.n_layers": 4, "model.n_heads": 4, "model.n_kv_heads": 2,
+         "model.ffn_dim": 704, "model.tie_embeddings": "false"}
+OPTIM = {"optim.lr": 3e-4, "optim.warmup": 100, "optim.min_lr_ratio": 0.1, "optim.schedule": "cosine"}
+
+
+def corpus(work: str, vocab: int) -> tuple[str, str]:
+    """(prepared data dir, tokenizer.json): the embedded corpus's documents (meshlm.data.corpus.code_only of
+    each stdlib module) as JSON Lines, a BPE trained on them, the set prepared with it. Cached in `work`."""
+    from meshlm.data import prepare
+    from meshlm.data.corpus import code_only, stdlib_files
+    data, tok = os.path.join(work, f"bpe{vocab}"), os.path.join(work, f"tok{vocab}", "tokenizer.json")
+    if os.path.isfile(os.path.join(data, "index.json")):
+        return data, tok
+    docs = os.path.join(work, "docs.jsonl")
+    with open(docs, "w", encoding="utf-8") as f:
+        for path in stdlib_files():
+            try:
+                f.write(json.dumps({"text": code_only(open(path, encoding="utf-8").read())}) + "\n")
+            except (SyntaxError, UnicodeDecodeError):
+                continue
+    train_tokenizer(docs, os.path.dirname(tok), vocab)
+    prepare([docs], tok, data, workers=1)
+    return data, tok
+
+
+def train(run: str, data: str, tok: str, args, work: str) -> dict:
+    """One `meshlm train` run ("bf16:SEED" or "RECIPE:SEED"): its start-up line, losses and held-out losses."""
+    kind, seed = run.split(":")
+    run_dir = os.path.join(work, "runs", run.replace(":", "-"))
+    sets = {**MODEL, **OPTIM, "data.path": data, "data.tokenizer": tok, "data.seq_len": args.seq,
+            "training.steps": args.steps, "training.global_batch": args.batch, "training.micro_batch": args.batch,
+            "model.vocab_size": args.vocab, "training.seed": seed, "training.device": "cpu", "training.compile": "false",
+            "training.eval_every": args.eval_every, "training.eval_batches": args.eval_batches,
+            "checkpoint.every": 0, "training.precision": "bf16" if kind == "bf16" else "fp8"}
+    if kind != "bf16":
+        sets.update({"training.fp8_recipe": kind, "training.fp8_emulate": "false"})
+    cmd = [sys.executable, "-m", "meshlm.cli", "train", "--run-dir", run_dir]
+    for k, v in sets.items():
+        cmd += [f"--{k}", str(v)]
+    for extra in args.set:
+        k, v = extra.split("=", 1)
+        cmd += [f"--{k}", v]
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if res.returncode:
+        raise SystemExit(f"{run}: meshlm train failed\n{res.stderr[-3000:]}")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    start = next(line for line in res.stderr.splitlines() if line.startswith("meshlm: "))
+    return {"run": run, "start_line": start, "seconds": round(time.perf_counter() - t0, 1),
+            "loss": [[r["step"], r["loss"]] for r in rows if "loss" in r],
+            "eval": [[r["step"], r["eval_loss"]] for r in rows if "eval_loss" in r]}
+
+
+def table(runs: list[dict]) -> list[dict]:
+    """Each run's final held-out loss against the bf16 seeds' mean, with their spread as the noise floor."""
+    final = {r["run"]: r["eval"][-1][1] for r in runs}
+    bf16 = [v for k, v in final.items() if k.startswith("bf16")]
+    mean, floor = sum(bf16) / len(bf16), (max(bf16) - min(bf16)) / (sum(bf16) / len(bf16))
+    return [{"run": k, "held_out": round(v, 4), "rel_vs_bf16_mean": round((v - mean) / mean, 5),
+             "bf16_seed_spread": round(floor, 5)} for k, v in final.items()]
+
+
+def plot(runs: list[dict], png: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in runs:
+        s, loss = zip(*r["loss"])
+        k = max(1, len(loss) // 50)  # a running mean over ~2% of the run
+        smooth = [sum(loss[max(0, i - k):i + 1]) / len(loss[max(0, i - k):i + 1]) for i in range(len(loss))]
+        a.plot(s, smooth, label=r["run"], lw=1)
+        b.plot(*zip(*r["eval"]), marker="o", label=r["run"])
+    a.set(title="training loss (running mean)", xlabel="step", yscale="log")
+    b.set(title="held-out loss", xlabel="step")
+    a.legend(), b.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+
+
+def host() -> dict:
+    """Where it ran: the CPU's name and capability (which kernels the bf16 and fp8 GEMMs took), torch, torchao."""
+    import platform
+
+    import torch
+    import torchao
+    name = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                platform.processor())
+    return {"cpu": name, "capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
+            "torch": torch.__version__, "torchao": torchao.__version__}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--eval-batches", type=int, default=16)
+    p.add_argument("--runs", nargs="+", default=["bf16:0", "bf16:1", "tensorwise:0", "rowwise:0"])
+    p.add_argument("--set", nargs="*", default=[], help="more config overrides, KEY=VALUE, for every run")
+    p.add_argument("--work", default=os.path.join(os.path.expanduser("~"), ".cache", "meshlm", "fp8_parity"))
+    p.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "fp8_parity.json"))
+    p.add_argument("--png", default=os.path.join(ROOT, "docs", "img", "fp8_parity.png"))
+    args = p.parse_args()
+    os.makedirs(args.work, exist_ok=True)
+    data, tok = corpus(args.work, args.vocab)
+    runs = []
+    for run in args.runs:
+        runs.append(train(run, data, tok, args, args.work))
+        print(f"{run}: held-out {runs[-1]['eval'][-1][1]:.4f} ({runs[-1]['seconds']} s) {runs[-1]['start_line']}",
+              flush=True)
+    out = {"host": host(), "model": MODEL, "optim": OPTIM, "steps": args.steps, "seq": args.seq, "batch": args.batch,
+           "vocab": args.vocab, "set": args.set, "table": table(runs) if len(runs) > 1 else [], "runs": runs}
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+    plot(runs, args.png)
+    for row in out["table"]:
+        print(row)
+
+
+if __name__ == "__main__":
+    main()
