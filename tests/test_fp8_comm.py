@@ -1,5 +1,5 @@
 """training.fp8_comm (docs/fp8.md, "Collectives in float8"): ZeRO-3's weight gathers and SP's activation gathers
-moving float8 under fp8, on the CPU through torchao's emulation: the cast is torchao's bit for bit, the
+moving float8 under fp8, on the CPU through the production path (torch._scaled_mm takes the gathered codes): the cast is torchao's bit for bit, the
 gathered weight is the locally cast whole weight, the bytes booked in metrics.jsonl, each entry off
 giving bf16 gathers again, losses (identical to the same run gathering bf16; within 2% of bf16) and
 checkpoints that bf16 runs read."""
