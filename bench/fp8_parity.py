@@ -8,11 +8,12 @@ training.fp8_emulate off: each run's start-up line is kept in the JSON as the pr
 the prepared set's validation split (the last tokens of the stream), `--eval-batches` micro-batches, every
 `--eval-every` steps and at the end.
 
-Each run is `meshlm train` in a fresh process, one after another (the CPU's cores are shared: a run's
-speed is not the point, its losses are). Sized so the whole bench takes ~25 min on 2 cores.
+Each run is `meshlm train` in a fresh process on one thread, the four at once (the CPU's cores are shared
+with other work: a run's speed is not the point, its losses are; two threads per run on a loaded 2-core
+host spent more time waiting than computing). Sized (seq 64, batch 8) for ~25-40 min on 2 busy cores.
 
-    python bench/fp8_parity.py [--steps 1000] [--seq 128] [--batch 8] [--runs bf16:0 bf16:1 tensorwise:0 rowwise:0]
-                               [--set training.fp8_bf16_blocks=...] [--json bench/results/fp8_parity.json]
+    python bench/fp8_parity.py [--steps 1000] [--seq 64] [--batch 8] [--runs bf16:0 bf16:1 tensorwise:0 rowwise:0]
+                               [--threads 1] [--parallel 4] [--set KEY=VALUE ...] [--json bench/results/fp8_parity.json]
                                [--png docs/img/fp8_parity.png]
 """
 from __future__ import annotations
@@ -53,15 +54,17 @@ def corpus(work: str, vocab: int) -> tuple[str, str]:
     return data, tok
 
 
-def train(run: str, data: str, tok: str, args, work: str) -> dict:
-    """One `meshlm train` run ("bf16:SEED" or "RECIPE:SEED"): its start-up line, losses and held-out losses."""
+def launch(run: str, data: str, tok: str, args, work: str) -> tuple[str, str, subprocess.Popen]:
+    """Start one `meshlm train` run ("bf16:SEED" or "RECIPE:SEED") on `args.threads` threads."""
     kind, seed = run.split(":")
     run_dir = os.path.join(work, "runs", run.replace(":", "-"))
+    os.makedirs(os.path.dirname(run_dir), exist_ok=True)
     sets = {**MODEL, **OPTIM, "data.path": data, "data.tokenizer": tok, "data.seq_len": args.seq,
             "training.steps": args.steps, "training.global_batch": args.batch, "training.micro_batch": args.batch,
-            "model.vocab_size": args.vocab, "training.seed": seed, "training.device": "cpu", "training.compile": "false",
-            "training.eval_every": args.eval_every, "training.eval_batches": args.eval_batches,
-            "checkpoint.every": 0, "training.precision": "bf16" if kind == "bf16" else "fp8"}
+            "model.vocab_size": args.vocab, "training.seed": seed, "training.device": "cpu",
+            "training.compile": "false", "training.eval_every": args.eval_every,
+            "training.eval_batches": args.eval_batches, "checkpoint.every": 0,
+            "training.precision": "bf16" if kind == "bf16" else "fp8"}
     if kind != "bf16":
         sets.update({"training.fp8_recipe": kind, "training.fp8_emulate": "false"})
     cmd = [sys.executable, "-m", "meshlm.cli", "train", "--run-dir", run_dir]
@@ -70,13 +73,21 @@ def train(run: str, data: str, tok: str, args, work: str) -> dict:
     for extra in args.set:
         k, v = extra.split("=", 1)
         cmd += [f"--{k}", v]
-    t0 = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if res.returncode:
-        raise SystemExit(f"{run}: meshlm train failed\n{res.stderr[-3000:]}")
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    with open(run_dir + ".stderr", "w") as err:
+        return run, run_dir, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT, env=env)
+
+
+def collect(run: str, run_dir: str, proc: subprocess.Popen, t0: float) -> dict:
+    """A finished run's start-up line (the path it ran), losses and held-out losses."""
+    code = proc.wait()
+    with open(run_dir + ".stderr") as f:
+        log = f.read()
+    if code:
+        raise SystemExit(f"{run}: meshlm train failed\n{log[-3000:]}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    start = next(line for line in res.stderr.splitlines() if line.startswith("meshlm: "))
+    start = next(line for line in log.splitlines() if line.startswith("meshlm: "))
     return {"run": run, "start_line": start, "seconds": round(time.perf_counter() - t0, 1),
             "loss": [[r["step"], r["loss"]] for r in rows if "loss" in r],
             "eval": [[r["step"], r["eval_loss"]] for r in rows if "eval_loss" in r]}
@@ -124,11 +135,13 @@ def host() -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-batches", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1, help="each run's torch threads (OMP_NUM_THREADS)")
+    p.add_argument("--parallel", type=int, default=4, help="runs at a time")
     p.add_argument("--runs", nargs="+", default=["bf16:0", "bf16:1", "tensorwise:0", "rowwise:0"])
     p.add_argument("--set", nargs="*", default=[], help="more config overrides, KEY=VALUE, for every run")
     p.add_argument("--work", default=os.path.join(os.path.expanduser("~"), ".cache", "meshlm", "fp8_parity"))
@@ -137,11 +150,13 @@ def main() -> None:
     args = p.parse_args()
     os.makedirs(args.work, exist_ok=True)
     data, tok = corpus(args.work, args.vocab)
-    runs = []
-    for run in args.runs:
-        runs.append(train(run, data, tok, args, args.work))
-        print(f"{run}: held-out {runs[-1]['eval'][-1][1]:.4f} ({runs[-1]['seconds']} s) {runs[-1]['start_line']}",
-              flush=True)
+    t0, started = time.perf_counter(), []
+    for i in range(0, len(args.runs), args.parallel):  # `parallel` runs at a time, each on `threads` threads
+        batch = [launch(run, data, tok, args, args.work) for run in args.runs[i:i + args.parallel]]
+        started += [collect(*b, t0) for b in batch]
+        for r in started[-len(batch):]:
+            print(f"{r['run']}: held-out {r['eval'][-1][1]:.4f} ({r['seconds']} s) {r['start_line']}", flush=True)
+    runs = started
     out = {"host": host(), "model": MODEL, "optim": OPTIM, "steps": args.steps, "seq": args.seq, "batch": args.batch,
            "vocab": args.vocab, "set": args.set, "table": table(runs) if len(runs) > 1 else [], "runs": runs}
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
