@@ -78,9 +78,9 @@ def launch(run: str, data: str, tok: str, args, work: str) -> tuple[str, str, su
         return run, run_dir, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT, env=env)
 
 
-def collect(run: str, run_dir: str, proc: subprocess.Popen, t0: float) -> dict:
-    """A finished run's start-up line (the path it ran), losses and held-out losses."""
-    code = proc.wait()
+def collect(run: str, run_dir: str, proc: subprocess.Popen | None, t0: float) -> dict:
+    """A run's start-up line (the path it ran), losses and held-out losses; `proc` None: as far as it got."""
+    code = proc.wait() if proc is not None else 0
     with open(run_dir + ".stderr") as f:
         log = f.read()
     if code:
@@ -94,11 +94,13 @@ def collect(run: str, run_dir: str, proc: subprocess.Popen, t0: float) -> dict:
 
 
 def table(runs: list[dict]) -> list[dict]:
-    """Each run's final held-out loss against the bf16 seeds' mean, with their spread as the noise floor."""
-    final = {r["run"]: r["eval"][-1][1] for r in runs}
+    """Each run's held-out loss at the last evaluation all runs reached, against the bf16 seeds' mean, with
+    their spread as the noise floor."""
+    step = min(r["eval"][-1][0] for r in runs)
+    final = {r["run"]: dict(r["eval"])[step] for r in runs}
     bf16 = [v for k, v in final.items() if k.startswith("bf16")]
     mean, floor = sum(bf16) / len(bf16), (max(bf16) - min(bf16)) / (sum(bf16) / len(bf16))
-    return [{"run": k, "held_out": round(v, 4), "rel_vs_bf16_mean": round((v - mean) / mean, 5),
+    return [{"run": k, "step": step, "held_out": round(v, 4), "rel_vs_bf16_mean": round((v - mean) / mean, 5),
              "bf16_seed_spread": round(floor, 5)} for k, v in final.items()]
 
 
@@ -142,6 +144,7 @@ def main() -> None:
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="each run's torch threads (OMP_NUM_THREADS)")
     p.add_argument("--parallel", type=int, default=4, help="runs at a time")
+    p.add_argument("--report", action="store_true", help="no training: the JSON and plot of the runs on disk")
     p.add_argument("--runs", nargs="+", default=["bf16:0", "bf16:1", "tensorwise:0", "rowwise:0"])
     p.add_argument("--set", nargs="*", default=[], help="more config overrides, KEY=VALUE, for every run")
     p.add_argument("--work", default=os.path.join(os.path.expanduser("~"), ".cache", "meshlm", "fp8_parity"))
@@ -151,7 +154,9 @@ def main() -> None:
     os.makedirs(args.work, exist_ok=True)
     data, tok = corpus(args.work, args.vocab)
     t0, started = time.perf_counter(), []
-    for i in range(0, len(args.runs), args.parallel):  # `parallel` runs at a time, each on `threads` threads
+    if args.report:  # runs already on disk, finished or not
+        started = [collect(run, os.path.join(args.work, "runs", run.replace(":", "-")), None, t0) for run in args.runs]
+    for i in range(0, len(args.runs) * (not args.report), args.parallel):  # `parallel` runs at a time, each on `threads` threads
         batch = [launch(run, data, tok, args, args.work) for run in args.runs[i:i + args.parallel]]
         started += [collect(*b, t0) for b in batch]
         for r in started[-len(batch):]:

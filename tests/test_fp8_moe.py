@@ -1,7 +1,7 @@
 """fp8 for mixture-of-experts models (issue #50; model/fp8_grouped.py, parallel/dims/expert_parallel.py) on
 the CPU: the block linears on the production path (torch._scaled_mm), the experts' grouped GEMMs emulated
-(torch 2.13 has no CPU torch._scaled_grouped_mm; docs/fp8.md): the float8 grouped GEMMs against fp32 (and the CUDA kernel's path through a stand-in
-for torch._scaled_grouped_mm), losses near bf16 in one process and in layouts, the dispatch-direction
+(torch 2.13 has no CPU torch._scaled_grouped_mm; docs/fp8.md): the float8 grouped GEMMs against fp32 (and
+the CUDA kernel's path through a stand-in for torch._scaled_grouped_mm), losses near bf16 in one process and in layouts, the dispatch-direction
 all-to-alls' bytes, checkpoints interchangeable with bf16 runs, and the refusals."""
 import tempfile
 
@@ -137,7 +137,7 @@ def test_experts_convert_and_state_dict_keys_stay():
 
 @pytest.mark.isa
 @pytest.mark.parametrize("preset", ["moe-debug", pytest.param("dsv3-debug", marks=pytest.mark.slowest)])
-def test_emulated_fp8_moe_within_2_percent_of_bf16(preset):
+def test_fp8_moe_within_2_percent_of_bf16(preset):
     got = run_local(make_config(**FP8, **STEPS, model__preset=preset))
     assert_near_bf16(bf16_reference(model__preset=preset), got)
 
@@ -158,14 +158,15 @@ LAYOUTS = [  # ep2 alone: test_ep_dispatch_moves_float8_bytes
 
 
 def train_fp8(pools, world: int, run_dir: str, **overrides) -> list:
-    """Train moe-debug in emulated fp8 over STEPS on `world` pool ranks; each rank's `float8_moe_kinds`."""
+    """Train moe-debug in fp8 (linears through torch._scaled_mm, experts emulated) over STEPS on `world` pool
+    ranks; each rank's `float8_moe_kinds`."""
     cfg = make_config(**{**FP8, **STEPS, **MOE, **overrides})
     return pools(world).run(train_case, C.to_dict(cfg), run_dir, 0, float8_moe_kinds)
 
 
 @pytest.mark.isa
 @pytest.mark.parametrize("name,world,overrides,kinds", rows(LAYOUTS, slowest={"dp2-zero3", "pp2", "ep2-tp2-sp"}))
-def test_emulated_fp8_moe_layout_within_2_percent_of_bf16(pools, name, world, overrides, kinds):
+def test_fp8_moe_layout_within_2_percent_of_bf16(pools, name, world, overrides, kinds):
     ref = bf16_reference(**MOE)
     run_dir = tempfile.mkdtemp(prefix="meshlm-fp8moe-")
     assert train_fp8(pools, world, run_dir, **overrides) == [kinds] * world
