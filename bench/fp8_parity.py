@@ -93,6 +93,70 @@ def collect(run: str, run_dir: str, proc: subprocess.Popen | None, t0: float) ->
             "eval": [[r["step"], r["eval_loss"]] for r in rows if "eval_loss" in r]}
 
 
+def corpus_batch(data: str, batch: int, seq: int):
+    """`batch` rows of seq + 1 tokens from the prepared training split, spread over it."""
+    import numpy as np
+
+    from meshlm.data.shards import TokenShards
+    shards = TokenShards(data, "train")
+    step = (len(shards) - seq - 1) // batch
+    return np.stack([shards.get(i * step, seq + 1) for i in range(batch)]).astype(np.int64)
+
+
+def gemm_errors(data: str, args) -> list[dict]:
+    """Where fp8's error enters: for each block linear of the bench's model at initialisation, on one batch
+    of the corpus, the three products (output, input gradient, weight gradient) of a float8 copy of it
+    against bf16 on the same input and output gradient, relative error in norm, per recipe."""
+    import torch
+    from torchao.float8 import convert_to_float8_training
+
+    from meshlm import config as C
+    from meshlm.layout import model_args
+    from meshlm.model import build_model
+    from meshlm.model.init import materialize
+    from meshlm.parallel.features.float8 import float8_config
+    from meshlm.parallel.plans.moe import model_plan_for
+
+    cfg = C.Config()
+    for k, v in {**MODEL, "model.vocab_size": args.vocab}.items():
+        C.apply(cfg, k, v)
+    model = build_model(model_args(cfg))
+    materialize(model, 0, "cpu", torch.bfloat16)
+    seen: dict[str, list] = {}
+    mods = {n: model.get_submodule(n) for n in model_plan_for(model).float8_linears(model)}
+    outs: dict[str, torch.Tensor] = {}
+    for n, m in mods.items():
+        m.register_forward_hook(lambda m, i, o, n=n: seen.update({n: [i[0].detach()]}) or outs.update({n: o}))
+        m.register_full_backward_hook(lambda m, gi, go, n=n: seen[n].append(go[0].detach()))
+    for n in [n for n in mods if n.endswith(".w2")]:  # bf16's fused swiglu_down reads w2's weight: no call
+        ffn = model.get_submodule(n.rsplit(".", 1)[0])
+        ffn.register_full_backward_hook(lambda m, gi, go, n=n: seen.update({n: [
+            (torch.nn.functional.silu(outs[n[:-1] + "1"]) * outs[n[:-1] + "3"]).detach(), go[0].detach()]}))
+    tokens = torch.from_numpy(corpus_batch(data, args.batch, args.seq))
+    logits = model(tokens[:, :-1]).float()
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    rows = []
+    for n, m in mods.items():
+        x, g = seen[n]
+        row = {"linear": n}
+        for recipe in ("bf16", "tensorwise", "rowwise"):
+            lin = torch.nn.Sequential(torch.nn.Linear(m.in_features, m.out_features, bias=False,
+                                                      dtype=torch.bfloat16))
+            lin[0].weight.data.copy_(m.weight.data)
+            if recipe != "bf16":
+                convert_to_float8_training(lin, config=float8_config(recipe, False))
+            xi = x.clone().requires_grad_()
+            y = lin(xi)
+            y.backward(g)
+            row[recipe] = (y.detach(), xi.grad, lin[0].weight.grad)
+        ref = row.pop("bf16")
+        for recipe in ("tensorwise", "rowwise"):
+            row[recipe] = [round(((a.float() - b.float()).norm() / b.float().norm()).item(), 4)
+                           for a, b in zip(row[recipe], ref)]
+        rows.append(row)
+    return rows
+
+
 def table(runs: list[dict]) -> list[dict]:
     """Each run's held-out loss at the last evaluation all runs reached, against the bf16 seeds' mean, with
     their spread as the noise floor."""
@@ -144,6 +208,7 @@ def main() -> None:
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="each run's torch threads (OMP_NUM_THREADS)")
     p.add_argument("--parallel", type=int, default=4, help="runs at a time")
+    p.add_argument("--gemms", help="no training: each block GEMM's fp8 error at initialisation, to this JSON")
     p.add_argument("--report", action="store_true", help="no training: the JSON and plot of the runs on disk")
     p.add_argument("--runs", nargs="+", default=["bf16:0", "bf16:1", "tensorwise:0", "rowwise:0"])
     p.add_argument("--set", nargs="*", default=[], help="more config overrides, KEY=VALUE, for every run")
@@ -153,6 +218,14 @@ def main() -> None:
     args = p.parse_args()
     os.makedirs(args.work, exist_ok=True)
     data, tok = corpus(args.work, args.vocab)
+    if args.gemms:
+        rows = gemm_errors(data, args)
+        for r in rows:
+            print(r["linear"], "tensorwise", r["tensorwise"], "rowwise", r["rowwise"])
+        with open(args.gemms, "w") as f:
+            json.dump({"host": host(), "model": MODEL, "seq": args.seq, "batch": args.batch,
+                       "errors (output, input grad, weight grad)": rows}, f, indent=1)
+        return
     t0, started = time.perf_counter(), []
     if args.report:  # runs already on disk, finished or not
         started = [collect(run, os.path.join(args.work, "runs", run.replace(":", "-")), None, t0) for run in args.runs]
