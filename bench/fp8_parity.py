@@ -158,14 +158,26 @@ def gemm_errors(data: str, args) -> list[dict]:
 
 
 def table(runs: list[dict]) -> list[dict]:
-    """Each run's held-out loss at the last evaluation all runs reached, against the bf16 seeds' mean, with
-    their spread as the noise floor."""
-    step = min(r["eval"][-1][0] for r in runs)
-    final = {r["run"]: dict(r["eval"])[step] for r in runs}
-    bf16 = [v for k, v in final.items() if k.startswith("bf16")]
-    mean, floor = sum(bf16) / len(bf16), (max(bf16) - min(bf16)) / (sum(bf16) / len(bf16))
-    return [{"run": k, "step": step, "held_out": round(v, 4), "rel_vs_bf16_mean": round((v - mean) / mean, 5),
-             "bf16_seed_spread": round(floor, 5)} for k, v in final.items()]
+    """Each run against the bf16 seeds' mean, their spread as the noise floor: the held-out loss at the last
+    evaluation every run reached, and the training loss averaged over the 50 steps up to the last step
+    every run reached (what a run cut short still says; the same batches in every run of a seed)."""
+    ev = min((r["eval"][-1][0] if r["eval"] else 0) for r in runs)
+    last = min(r["loss"][-1][0] for r in runs)
+    rows = {r["run"]: {"held_out": dict(r["eval"]).get(ev),
+                       "train_50": sum(v for s, v in r["loss"] if last - 50 < s <= last) / min(50, last)} for r in runs}
+    out = []
+    for key in ("held_out", "train_50"):
+        bf16 = [v[key] for k, v in rows.items() if k.startswith("bf16") and v[key] is not None]
+        if not bf16:
+            continue
+        mean = sum(bf16) / len(bf16)
+        for k, v in rows.items():
+            out.append({"measure": key, "step": ev if key == "held_out" else last, "run": k, "loss": round(v[key], 4),
+                        "rel_vs_bf16_mean": round((v[key] - mean) / mean, 5),
+                        "rel_vs_bf16_same_seed": round(v[key] / rows["bf16:" + k.split(":")[1]][key] - 1, 5)
+                        if "bf16:" + k.split(":")[1] in rows else None,
+                        "bf16_seed_spread": round((max(bf16) - min(bf16)) / mean, 5)})
+    return out
 
 
 def plot(runs: list[dict], png: str) -> None:
