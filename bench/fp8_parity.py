@@ -13,7 +13,7 @@ with other work: a run's speed is not the point, its losses are; two threads per
 host spent more time waiting than computing). Sized (seq 64, batch 8) for ~25-40 min on 2 busy cores.
 
     python bench/fp8_parity.py [--steps 1000] [--seq 64] [--batch 8] [--runs bf16:0 bf16:1 tensorwise:0 rowwise:0]
-                               [--threads 1] [--parallel 4] [--set KEY=VALUE ...] [--json bench/results/fp8_parity.json]
+                               [--threads 1] [--parallel 4] [--set KEY=VALUE ...] [--report] [--gemms FILE] [--json bench/results/fp8_parity.json]
                                [--png docs/img/fp8_parity.png]
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ def collect(run: str, run_dir: str, proc: subprocess.Popen | None, t0: float) ->
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     start = next(line for line in log.splitlines() if line.startswith("meshlm: "))
-    return {"run": run, "start_line": start, "seconds": round(time.perf_counter() - t0, 1),
+    return {"run": run, "start_line": start, "seconds": round(time.perf_counter() - t0, 1) if proc is not None else None,
             "loss": [[r["step"], r["loss"]] for r in rows if "loss" in r],
             "eval": [[r["step"], r["eval_loss"]] for r in rows if "eval_loss" in r]}
 
@@ -241,7 +241,7 @@ def main() -> None:
     t0, started = time.perf_counter(), []
     if args.report:  # runs already on disk, finished or not
         started = [collect(run, os.path.join(args.work, "runs", run.replace(":", "-")), None, t0) for run in args.runs]
-    for i in range(0, len(args.runs) * (not args.report), args.parallel):  # `parallel` runs at a time, each on `threads` threads
+    for i in range(0, len(args.runs) * (not args.report), args.parallel):  # `parallel` at a time
         batch = [launch(run, data, tok, args, args.work) for run in args.runs[i:i + args.parallel]]
         started += [collect(*b, t0) for b in batch]
         for r in started[-len(batch):]:
@@ -250,8 +250,11 @@ def main() -> None:
     out = {"host": host(), "model": MODEL, "optim": OPTIM, "steps": args.steps, "seq": args.seq, "batch": args.batch,
            "vocab": args.vocab, "set": args.set, "table": table(runs) if len(runs) > 1 else [], "runs": runs}
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
+    with open(args.json, "w") as f:  # a run a line: the curves are 1,000 points each
+        runs = out.pop("runs")
+        for r in runs:
+            r["loss"], r["eval"] = ([[s, round(v, 4)] for s, v in r[k]] for k in ("loss", "eval"))
+        f.write(json.dumps(out, indent=1)[:-2] + ',\n "runs": [\n' + ",\n".join(map(json.dumps, runs)) + "\n ]\n}\n")
     plot(runs, args.png)
     for row in out["table"]:
         print(row)
