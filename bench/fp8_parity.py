@@ -12,9 +12,9 @@ Each run is `meshlm train` in a fresh process on one thread, the four at once (t
 with other work: a run's speed is not the point, its losses are; two threads per run on a loaded 2-core
 host spent more time waiting than computing). Sized (seq 64, batch 8) for ~25-40 min on 2 busy cores.
 
-    python bench/fp8_parity.py [--steps 1000] [--seq 64] [--batch 8] [--runs bf16:0 bf16:1 tensorwise:0 rowwise:0]
-                               [--threads 1] [--parallel 4] [--set KEY=VALUE ...] [--report] [--gemms FILE] [--json bench/results/fp8_parity.json]
-                               [--png docs/img/fp8_parity.png]
+    python bench/fp8_parity.py [--steps 1000] [--seq 64] [--batch 8] [--threads 1] [--parallel 4]
+        [--runs bf16:0 bf16:1 tensorwise:0 rowwise:0] [--set KEY=VALUE ...] [--report] [--gemms FILE]
+        [--json bench/results/fp8_parity.json] [--png docs/img/fp8_parity.png]
 """
 from __future__ import annotations
 
@@ -88,7 +88,8 @@ def collect(run: str, run_dir: str, proc: subprocess.Popen | None, t0: float) ->
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     start = next(line for line in log.splitlines() if line.startswith("meshlm: "))
-    return {"run": run, "start_line": start, "seconds": round(time.perf_counter() - t0, 1) if proc is not None else None,
+    took = round(time.perf_counter() - t0, 1) if proc is not None else None
+    return {"run": run, "start_line": start, "seconds": took,
             "loss": [[r["step"], r["loss"]] for r in rows if "loss" in r],
             "eval": [[r["step"], r["eval_loss"]] for r in rows if "eval_loss" in r]}
 
