@@ -167,7 +167,7 @@ def _drop_sub_groups(dist) -> None:
 def train_case(cfg_dict: dict, run_dir: str, stop: int = 0, probe=None):
     """Runs inside a pool worker: train the config (`stop`: end after that step, Trainer.fit's
     `stop_at`); returns nothing (metrics are on disk), or what `probe(trainer)` (a module-level
-    function) said before training."""
+    function) said before training; a probe that answers with a function is asked again after it."""
     from meshlm.distributed.mesh import init_context, pick_device
     from meshlm.preflight import pick_layout  # the entry's: parallel.auto chooses first
     from meshlm.train.trainer import Trainer
@@ -178,7 +178,7 @@ def train_case(cfg_dict: dict, run_dir: str, stop: int = 0, probe=None):
     trainer = Trainer(cfg, run_dir, ctx, layout)
     seen = probe(trainer) if probe is not None else None
     trainer.fit(stop or None)
-    return seen
+    return seen() if callable(seen) else seen
 
 
 # The pool's workers also run the harness's own functions.

@@ -56,8 +56,7 @@ def test_gpu_bench_smoke():
 @pytest.mark.slow
 def test_gpu_bench_fp8_compare_smoke():
     out = run_json("bench/gpu.py", "--presets", "", "--fp8-compare", "debug", "--device", "cpu", "--seq-len", "32",
-                   "--micro-batches", "2", "--warmup", "1", "--steps", "2", "--set", "training.fp8_emulate=true",
-                   "--json")
+                   "--micro-batches", "2", "--warmup", "1", "--steps", "2", "--json")
     bf16, fp8, ratio = out["results"]
     assert (bf16["precision"], fp8["precision"]) == ("bf16", "fp8") and fp8["micro_batch"] == 2
     assert ratio["speedup"] > 0 and 0 < ratio["final_loss_rel"] < 0.02  # fp8 ran, and near bf16

@@ -21,7 +21,7 @@ BAD = [
     (["--data.path", "/nonexistent/data"], "data.path"),
     (["--data.tokenizer", "/nonexistent/tok.json"], "data.tokenizer"),
     (["--model.n_heads", "4", "--model.n_kv_heads", "3"], "model.n_kv_heads"),
-    (["--training.precision", "fp8"], "training.precision"),
+    (["--training.precision", "fp8", "--training.fp8_recipe", "delayed"], "training.fp8_recipe"),
     (["--parallel.zero", "5"], "parallel.zero"),
     (["--training.steps", "many"], "training.steps: expected a number"),
     (["--checkpoint.on_error", "retry"], "checkpoint.on_error: 'retry' is not one of stop, continue"),

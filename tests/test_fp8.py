@@ -1,6 +1,8 @@
-"""fp8 training (training.precision = "fp8", parallel/features/float8.py) on the CPU through torchao's emulation:
-which linears convert, losses near bf16 in one process and in layouts, checkpoints interchangeable with
-bf16 runs, and the one-line refusals."""
+"""fp8 training (training.precision = "fp8", parallel/features/float8.py) on the CPU through the production path
+(torchao's Float8Linear multiplying with torch._scaled_mm, which torch 2.13's CPU build has; each layout row
+counts the calls, so an emulated stand-in fails it): which linears convert, losses near bf16 in one process
+and in layouts, checkpoints interchangeable with bf16 runs, and the one-line refusals. The emulation
+against the production path: tests/test_fp8_production.py."""
 import shutil
 import sys
 import tempfile
@@ -12,7 +14,8 @@ from harness import make_config, read_metrics, reference, run_local, sources_cor
 from meshlm.core import config as C
 from harness import build_layout
 
-FP8 = {"training__precision": "fp8", "training__fp8_emulate": True}
+FP8 = {"training__precision": "fp8"}  # the production path: torch._scaled_mm on the CPU (docs/fp8.md)
+EMULATED = {**FP8, "training__fp8_emulate": True}
 # Where fp8 against bf16 means something (issue #45). The comparison used to run 30 steps; from about step 9
 # on, the standard library's sources reach batches on which the loss levels off or jumps and any perturbation
 # is amplified: two bf16 runs that differ only in accumulation order were 5.7e-4 apart at step 9 and 1.2e-2
@@ -85,7 +88,7 @@ def test_block_linears_convert_and_state_dict_keys_stay():
 
 @pytest.mark.isa
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_emulated_fp8_within_2_percent_of_bf16(recipe):
+def test_fp8_within_2_percent_of_bf16(recipe):
     got = run_local(make_config(**FP8, **STEPS, training__fp8_recipe=recipe))
     assert_near_bf16(bf16_reference(), got)
 
@@ -120,24 +123,41 @@ LAYOUTS = [
 ]
 
 
-def float8_kinds(trainer) -> dict[str, int]:
-    """Runs in a pool rank: how many of its modules are of each float8 class."""
+def float8_path(trainer):
+    """Runs in a pool rank: how many of its modules are of each float8 class (an emulated one is named so),
+    then, asked again after training, with the torch._scaled_mm calls its steps made (each float8 linear
+    three a micro-batch: output, input and weight gradients; torchao looks the op up on `torch` per call)."""
     kinds: dict[str, int] = {}
     for m in trainer.model.modules():
         if "Float8" in type(m).__name__:
-            kinds[type(m).__name__] = kinds.get(type(m).__name__, 0) + 1
-    return kinds
+            name = type(m).__name__ + (" (emulated)" if getattr(getattr(m, "config", None), "emulate", False) else "")
+            kinds[name] = kinds.get(name, 0) + 1
+    real, calls = torch._scaled_mm, [0]
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+
+    def after() -> dict:
+        torch._scaled_mm = real  # the pool's worker runs other tests next
+        linears = sum(n for k, n in kinds.items() if "Linear" in k)
+        return {**kinds, "scaled_mm_per_linear_step": calls[0] / max(1, linears) / trainer.cfg.training.steps}
+
+    torch._scaled_mm = counted
+    return after
 
 
 @pytest.mark.isa
 @pytest.mark.parametrize("name,world,overrides,kinds", [pytest.param(*c, id=c[0]) for c in LAYOUTS])
-def test_emulated_fp8_layout_within_2_percent_of_bf16(pools, name, world, overrides, kinds):
+def test_fp8_layout_within_2_percent_of_bf16(pools, name, world, overrides, kinds):
     single = {k: v for k, v in overrides.items() if not k.startswith("parallel__")}
     ref = bf16_reference(**single)
     run_dir = tempfile.mkdtemp(prefix="meshlm-fp8-")
     seen = pools(world).run(train_case, C.to_dict(make_config(**FP8, **STEPS, **overrides)), run_dir, 0,
-                            float8_kinds)
-    assert seen == [kinds] * world  # every rank multiplies its block linears in float8
+                            float8_path)
+    for got in seen:  # every rank multiplies its block linears in float8, through torch._scaled_mm
+        assert got.pop("scaled_mm_per_linear_step") >= 3, "the production path's torch._scaled_mm was not called"
+    assert seen == [kinds] * world
     assert_near_bf16(ref, read_metrics(run_dir))
 
 
@@ -162,19 +182,62 @@ def test_fp8_checkpoints_resume_exactly_and_load_into_bf16(tmp_path):
 
 
 REFUSALS = [
-    ({"training__precision": "fp8"}, "fp8 needs a GPU with float8 matmuls"),
     ({**FP8, "training__fp8_recipe": "delayed"}, "training.fp8_recipe: 'delayed' is not one of tensorwise, rowwise"),
-    # MoE models convert (tests/test_fp8_moe.py); on the CPU they need the emulation as dense ones do
-    ({"training__precision": "fp8", "model__preset": "moe-debug"}, "fp8 needs a GPU with float8 matmuls"),
     ({**FP8, "training__fp8_comm": ["zero", "tp"]}, "training.fp8_comm: 'tp' is not one of zero, sp, ep"),
 ]
 
 
-@pytest.mark.parametrize("overrides,message", REFUSALS, ids=["cpu", "recipe", "moe-cpu", "comm"])
+@pytest.mark.parametrize("overrides,message", REFUSALS, ids=["recipe", "comm"])
 def test_fp8_refusals_are_one_line(overrides, message):
     with pytest.raises(C.ConfigError, match=message) as e:
         build_layout(make_config(**overrides), 1)
     assert "\n" not in str(e.value)
+
+
+def fp8_checked(cfg, world: int = 1):
+    """What the entry asks before any worker (preflight.py): the layout, then the device's float8 kernels
+    (model/fp8_kernels.py `check_fp8_device`)."""
+    from meshlm.core.config.model import model_args
+    from meshlm.model.fp8_kernels import check_fp8_device
+    layout = build_layout(cfg, world)
+    check_fp8_device(cfg.training, model_args(cfg).moe)
+    return layout
+
+
+
+@pytest.fixture
+def no_cpu_scaled_mm(monkeypatch):
+    """A torch whose CPU build has no torch._scaled_mm: the op raises as an unregistered one does."""
+    from meshlm.model.fp8_kernels import cpu_scaled_mm_missing
+
+    def unregistered(*a, **k):
+        raise NotImplementedError("Could not run 'aten::_scaled_mm' with arguments from the 'CPU' backend.")
+
+    monkeypatch.setattr(torch, "_scaled_mm", unregistered)
+    cpu_scaled_mm_missing.cache_clear()
+    yield
+    cpu_scaled_mm_missing.cache_clear()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_cpu_without_scaled_mm_is_refused_in_one_line(no_cpu_scaled_mm, recipe):
+    with pytest.raises(C.ConfigError, match=rf"fp8 on the CPU needs a {recipe} torch._scaled_mm on the CPU .*"
+                                            r"Could not run 'aten::_scaled_mm'.*fp8_emulate = true") as e:
+        fp8_checked(make_config(**FP8, training__fp8_recipe=recipe), 1)
+    assert "\n" not in str(e.value)
+    fp8_checked(make_config(**EMULATED, training__fp8_recipe=recipe), 1)  # the way to run anyway
+
+
+def test_cpu_with_scaled_mm_runs_both_recipes_and_moe():
+    """torch 2.13's CPU build has the kernel: nothing is refused, MoE included (its experts emulate)."""
+    from meshlm.model.fp8_kernels import cpu_scaled_mm_missing, fp8_path
+
+    assert cpu_scaled_mm_missing("tensorwise") is None and cpu_scaled_mm_missing("rowwise") is None
+    for recipe in ("tensorwise", "rowwise"):
+        fp8_checked(make_config(**FP8, training__fp8_recipe=recipe), 1)
+    fp8_checked(make_config(**FP8, model__preset="moe-debug"), 1)
+    assert fp8_path("cpu", "rowwise", False, True) == ("float8 rowwise through torch._scaled_mm on cpu; experts "
+                                                       "emulated (no torch._scaled_grouped_mm on cpu)")
 
 
 def test_gpu_without_float8_is_refused_and_one_with_it_passes(monkeypatch):
@@ -183,11 +246,11 @@ def test_gpu_without_float8_is_refused_and_one_with_it_passes(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     cfg = make_config(training__precision="fp8")
     with pytest.raises(C.ConfigError, match=r"compute capability >= 8.9 .*A100-SXM4-80GB has 8.0") as e:
-        build_layout(cfg, 1)
+        fp8_checked(cfg)
     assert "\n" not in str(e.value)
-    build_layout(make_config(**FP8), 1)  # emulation runs anywhere
+    fp8_checked(make_config(**EMULATED))  # emulation runs anywhere
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    assert build_layout(cfg, 1).tp == 1
+    assert fp8_checked(cfg).tp == 1
 
 
 def test_missing_torchao_names_the_extra(monkeypatch):
@@ -196,12 +259,12 @@ def test_missing_torchao_names_the_extra(monkeypatch):
         build_layout(make_config(**FP8), 1)
 
 
-def test_cli_refuses_fp8_on_cpu_before_any_worker(tmp_path, capsys):
+def test_cli_refuses_fp8_without_the_kernel_before_any_worker(no_cpu_scaled_mm, tmp_path, capsys):
     from meshlm.cli import main
 
     code = main(["train", "--nproc", "2", "--run-dir", str(tmp_path / "run"), "--model.preset", "debug",
                  "--training.global_batch", "16", "--training.micro_batch", "8", "--training.precision", "fp8",
                  "--training.device", "cpu"])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and err.count("\n") == 0 and "fp8 needs a GPU" in err, err
+    assert code == 2 and err.count("\n") == 0 and "fp8 on the CPU needs" in err, err
     assert not (tmp_path / "run").exists()

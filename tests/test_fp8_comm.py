@@ -1,5 +1,5 @@
 """training.fp8_comm (docs/fp8.md, "Collectives in float8"): ZeRO-3's weight gathers and SP's activation gathers
-moving float8 under fp8, on the CPU through torchao's emulation: the cast is torchao's bit for bit, the
+moving float8 under fp8, on the CPU through the production path (torch._scaled_mm takes the gathered codes): the cast is torchao's bit for bit, the
 gathered weight is the locally cast whole weight, the bytes booked in metrics.jsonl, each entry off
 giving bf16 gathers again, losses (identical to the same run gathering bf16; within 2% of bf16) and
 checkpoints that bf16 runs read."""
@@ -176,11 +176,16 @@ def read_run(pools, cfg, run_dir: str) -> list[dict]:
 
 def test_start_up_line_names_the_float8_collectives():
     """An fp8_comm entry the layout does not have is left out, not refused: the start-up line says which
-    entries move float8 and which do not apply."""
+    entries move float8 and which do not apply, after the path the GEMMs take (docs/fp8.md)."""
     from meshlm.cli import _fp8_comm
     from harness import build_layout
     moe = make_config(**FP8, model__preset="moe-debug", parallel__dp=2, parallel__ep=2, parallel__zero=3)
-    assert _fp8_comm(moe, build_layout(moe, 2)) == " (float8 collectives: zero, ep; not applying here: sp)"
+    assert _fp8_comm(moe, build_layout(moe, 2)) == (
+        " (float8 tensorwise through torch._scaled_mm on cpu; experts emulated (no torch._scaled_grouped_mm on cpu); "
+        "float8 collectives: zero, ep; not applying here: sp)")
     rowwise = make_config(**FP8, **TP_SP, training__fp8_recipe="rowwise", training__fp8_comm=["sp"])
-    assert _fp8_comm(rowwise, build_layout(rowwise, 2)) == " (float8 collectives: none; not applying here: sp)"
+    assert _fp8_comm(rowwise, build_layout(rowwise, 2)) == (" (float8 rowwise through torch._scaled_mm on cpu; "
+                                                       "float8 collectives: none; not applying here: sp)")
+    emulated = make_config(**FP8, **TP_SP, training__fp8_emulate=True, training__fp8_comm=["sp"])
+    assert _fp8_comm(emulated, build_layout(emulated, 2)).startswith(" (float8 tensorwise emulated (training.fp8_emulate); ")
     assert _fp8_comm(make_config(**TP_SP), 2) == ""  # not fp8: nothing to say

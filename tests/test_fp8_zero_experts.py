@@ -1,5 +1,5 @@
 """ZeRO-3 gathers the routed experts' weights in float8 (training.fp8_comm "zero", docs/fp8.md): moe-debug on
-dp2 with zero 3, emulated. The gathered codes are the ones Float8Gemms casts from the whole bf16 weight, for
+dp2 with zero 3 (experts emulated, as the CPU has no float8 grouped GEMM). The gathered codes are the ones Float8Gemms casts from the whole bf16 weight, for
 the forward (per output row) and the input gradient (per input column); the all-gather bytes against bf16;
 "zero" off gives bf16 gathers again; losses near bf16; checkpoints bf16 runs read."""
 import tempfile

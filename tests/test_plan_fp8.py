@@ -13,7 +13,7 @@ from meshlm.plan.cost.comm import collectives
 from meshlm.plan.spec import shape_from_config, spec_from_config
 from meshlm.plan.cost.volume import ep_step_bytes, tp_step_bytes
 
-FP8 = {"training__precision": "fp8", "training__fp8_emulate": True, "training__steps": 2}
+FP8 = {"training__precision": "fp8", "training__steps": 2}
 
 
 @pytest.mark.parametrize("entries", [["sp"], []], ids=["sp-float8", "sp-off"])

@@ -197,16 +197,21 @@ def _attention(cfg, layout, asked: str) -> str:
 
 
 def _fp8_comm(cfg, layout) -> str:
-    """The start-up line's float8 collectives under fp8: the training.fp8_comm entries this layout uses,
-    and those it asked for that do not apply (no ZeRO-3 shard group, no SP, ep = 1, the rowwise recipe):
-    they are left out, not refused (docs/fp8.md)."""
-    from .core.layout import fp8_comm_in_use
+    """The start-up line under fp8: which float8 code runs (production or emulated, model/fp8_kernels.py), the
+    training.fp8_comm entries this layout uses, and those it asked for that do not apply (no ZeRO-3 shard
+    group, no SP, ep = 1, the rowwise recipe): they are left out, not refused (docs/fp8.md)."""
+    import torch
+
+    from .core.layout import fp8_comm_in_use, model_args
+    from .model.fp8_kernels import fp8_path
     t = cfg.training
     if t.precision != "fp8":
         return ""
+    device = "cuda" if t.device != "cpu" and torch.cuda.is_available() else "cpu"
     used = fp8_comm_in_use(t.precision, t.fp8_recipe, t.fp8_comm, layout)
     unused = [e for e in t.fp8_comm if e not in used]
-    return (f" (float8 collectives: {', '.join(e for e in t.fp8_comm if e in used) or 'none'}"
+    return (f" ({fp8_path(device, t.fp8_recipe, t.fp8_emulate, bool(model_args(cfg).moe))}; "
+            f"float8 collectives: {', '.join(e for e in t.fp8_comm if e in used) or 'none'}"
             + (f"; not applying here: {', '.join(unused)}" if unused else "") + ")")
 
 

@@ -32,7 +32,8 @@ class Start:
 def settle(config_path: str | None, extra: list[str], nproc: int | None, max_restarts: int, worker_flag: bool,
            run_dir: str | None) -> Start:
     """The resolved run, or a ValueError / RuntimeError whose message is the one line to print."""
-    from .core.config.model import pin_model_shape
+    from .core.config.model import model_args, pin_model_shape
+    from .model.fp8_kernels import check_fp8_device
     from .plan.search.auto import layout_for_run
     from .distributed.link import job_world
     from .distributed.mesh import device_defaults
@@ -63,6 +64,7 @@ def settle(config_path: str | None, extra: list[str], nproc: int | None, max_res
         if worker:  # the world group forms and agrees on the job's restart count before the layout
             restarts = join_world(device, cfg.parallel.timeout_s)  # (docs/fault_tolerance.md, "Growing back")
     layout, record = layout_for_run(cfg, world, gpu, restarts=restarts or 0)
+    check_fp8_device(cfg.training, model_args(cfg).moe)  # what this device's torch can run (docs/fp8.md)
     run_dir = run_dir or os.path.join("runs", f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     check_inputs(cfg, layout, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if worker else world, run_dir,
                  restarts or 0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map_only
 
+from .fp8_kernels import grouped_kernel
 from .moe import GroupedGemms, grouped_mm, grouped_wgrad
 
 E4M3 = torch.float8_e4m3fn
@@ -94,8 +95,8 @@ class Float8Rows(torch.Tensor):
 
 def use_scaled_grouped_mm(x: torch.Tensor, emulate: bool) -> bool:
     """torch._scaled_grouped_mm runs the products: CUDA, not emulated, a torch that has it (one without
-    is refused before workers start, layout.check_fp8)."""
-    return not emulate and x.is_cuda and hasattr(torch, "_scaled_grouped_mm")
+    is refused before workers start, fp8_kernels.py check_fp8_device); the CPU has none and emulates (fp8_kernels.py)."""
+    return not emulate and grouped_kernel(x.device.type)
 
 
 def _padding(counts: list[int], device) -> tuple[torch.Tensor | None, int, torch.Tensor]:

@@ -25,6 +25,7 @@ from ..core.choices import TORCH_DTYPES, choose, param_dtype
 from ..core.config import OptimConfig, ParallelConfig, TrainingConfig
 from ..distributed.mesh import ParallelContext
 from ..core.layout import Layout
+from ..model.fp8_kernels import check_fp8_device
 from ..model.init import canonical_name, init_source, materialize
 from .compile_cache import key_inductor_cache
 from .dims.context_parallel import ContextParallel, apply_context_parallel
@@ -176,6 +177,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, layout: Layout, make_opt
                 source=init_source(init_from, model.args))  # model.init_from = "hf:DIR"
     fp8_comm = comm_in_use(training, layout)  # the collectives that move float8 (docs/fp8.md)
     if training.precision == "fp8":  # after TP and materialize: each linear holds its local shard
+        check_fp8_device(training, model.args.moe)  # one line where this torch cannot (the entry asked first)
         convert_to_float8(model, plan, training.fp8_recipe, training.fp8_emulate, zero_cast="zero" in fp8_comm)
         if "sp" in fp8_comm:
             gather_entries_in_float8(model, tp)

@@ -258,7 +258,7 @@ class TrainingConfig:
     micro_batch: int = 8
     precision: str = "auto"  # auto: bf16 (fp32 masters) on a GPU with bf16, fp32 on a CPU (apply_device)
     fp8_recipe: str = "tensorwise"  # precision = "fp8": torchao's float8 scaling (tensorwise, rowwise)
-    fp8_emulate: bool = False  # precision = "fp8" without float8 hardware (CPU tests): torchao's emulation
+    fp8_emulate: bool = False  # precision = "fp8" where torch has no float8 kernel: torchao's emulation (docs/fp8.md)
     # precision = "fp8": the collectives that move float8 (ZeRO-3's weight gather, SP's activation
     # all-gather, EP's dispatch); an entry the layout does not have is left out (docs/fp8.md)
     fp8_comm: list[str] = field(default_factory=lambda: list(FP8_COMMS))

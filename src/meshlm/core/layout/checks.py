@@ -51,33 +51,13 @@ def check_cp(args: ModelArgs, layout: Layout, impl: str, seq_len: int) -> None:
 
 
 def check_fp8(cfg: Config, args: ModelArgs) -> None:
-    """training.precision = "fp8" (parallel/features/float8.py) against the install, the model, the layout and the
-    device; torch is imported only to ask the GPU its compute capability."""
-    t = cfg.training
-    if t.precision != "fp8":
-        return
+    """training.precision = "fp8" (parallel/features/float8.py) against the install: torchao must be there
+    (asked without importing it). What the device can run (torch._scaled_mm, a GPU's compute capability,
+    the experts' grouped GEMMs) is the runtime's to ask, before any worker starts: model/fp8_kernels.py
+    `check_fp8_device`, called by preflight.py and `parallelize` (docs/fp8.md)."""
     import importlib.util
-    if importlib.util.find_spec("torchao") is None:
+    if cfg.training.precision == "fp8" and importlib.util.find_spec("torchao") is None:
         raise ConfigError("training.precision: fp8 needs torchao's float8 training (pip install meshlm[gpu])")
-    if t.fp8_emulate:
-        return
-    hint = "(training.fp8_emulate = true runs torchao's emulation, for tests)"
-    import torch
-    if t.device == "cpu" or not torch.cuda.is_available():
-        raise ConfigError(f"training.precision: fp8 needs a GPU with float8 matmuls (compute capability >= 8.9), "
-                          f"this run is on the CPU {hint}")
-    if torch.cuda.get_device_capability() < (8, 9):
-        cap = ".".join(map(str, torch.cuda.get_device_capability()))
-        raise ConfigError(f"training.precision: fp8 needs compute capability >= 8.9 (Ada, Hopper or newer); "
-                          f"{torch.cuda.get_device_name()} has {cap} {hint}")
-    if args.moe:  # the experts' float8 grouped GEMMs (model/fp8_grouped.py)
-        if not hasattr(torch, "_scaled_grouped_mm"):
-            raise ConfigError(f"training.precision: fp8 for mixture-of-experts models needs torch._scaled_grouped_mm "
-                              f"for the experts' float8 grouped GEMMs; torch {torch.__version__} has none {hint}")
-        if torch.cuda.get_device_capability() < (9, 0):
-            raise ConfigError(f"training.precision: fp8 for mixture-of-experts models needs compute capability "
-                              f">= 9.0 (torch._scaled_grouped_mm: Hopper or newer); {torch.cuda.get_device_name()} "
-                              f"has {'.'.join(map(str, torch.cuda.get_device_capability()))} {hint}")
 
 
 def check_mtp(cfg: Config, args: ModelArgs) -> None:

@@ -1,6 +1,6 @@
 """fp8 training (training.precision = "fp8"): bf16 parameters and activations, fp32 masters, and the
 blocks' linears multiplying in float8 through torchao's float8 training (an optional dependency:
-`pip install meshlm[gpu]`; layout.check_fp8 refuses what does not compose before workers start).
+`pip install meshlm[gpu]`; model/fp8_kernels.py check_fp8_device refuses what this torch cannot run before workers start).
 
 Applied after tensor parallelism and materialisation, before compile and ZeRO: each linear then holds
 its local shard, so a column- or row-parallel linear is a plain linear over its slice and converts as
