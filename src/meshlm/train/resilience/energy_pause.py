@@ -42,21 +42,22 @@ class EnergyPause:
 
     # -- between steps -------------------------------------------------------------------------
     def after_step(self, step: int, rec: dict | None) -> float:
-        """After step `step` (its metrics line `rec` on logged steps): the seconds to pause before the
-        next step, 0 to go on; the same on every rank."""
+        """After step `step` (its metrics line `rec` on logged steps): the Unix time to pause until before
+        the next step (the chosen window's start, absolute so that the checkpoint written first does not
+        push the resume into the window), 0 to go on; the same on every rank."""
         now, self.step = time.monotonic(), step
         self.intervals.append(now - self.last)
         self.last = now
         self._count(time.time(), self.intervals[-1], rec)
         if step >= self.steps or step < self.next_plan:
             return 0.0
-        pause_s, run_n = self._agree(self._plan(step) if self.world.rank == 0 else (0.0, 0))
+        resume_at, run_n = self._agree(self._plan(step) if self.world.rank == 0 else (0.0, 0))
         self.next_plan = step + max(1, min(int(run_n), self.gap))
         self.gap = min(2 * self.gap, PLAN_MAX)
-        return pause_s
+        return resume_at
 
     def _plan(self, step: int) -> tuple[float, float]:
-        """Rank 0: (seconds to pause now, steps to run before the next plan)."""
+        """Rank 0: (the Unix time to pause until, 0 for none; steps to run before the next plan)."""
         self.reload()
         step_s = statistics.median(self.intervals)
         try:
@@ -66,7 +67,7 @@ class EnergyPause:
             return 0.0, PLAN_MAX
         first = sched.spans[0]
         wait = first[0] - sched.now
-        return (wait, 0) if wait > 1e-3 else (0.0, first[2])
+        return (first[0], 0) if wait > 1e-3 else (0.0, first[2])
 
     def reload(self) -> None:
         """Rank 0, at a plan: the trace again if its file changed since it was read."""
@@ -92,14 +93,16 @@ class EnergyPause:
         out = self.world.all_reduce_scalars(list(mine), op=dist.ReduceOp.MAX)
         return out[0], out[1]
 
-    def pause(self, step: int, seconds: float, ckpt: dict) -> None:
-        """Pause `seconds` after `step`, whose checkpoint (`ckpt`, save_now's report) is committed."""
+    def pause(self, step: int, resume_at: float, ckpt: dict) -> None:
+        """Pause after `step`, whose checkpoint (`ckpt`, save_now's report) is committed, until the Unix
+        time `resume_at`."""
         start = time.time()
+        seconds = max(0.0, resume_at - start)
         self.flush()
-        values = [w.value for w in self.trace.clipped(start, start + seconds) if w.end - w.start > 1e-3]
-        resume = self.trace.clipped(start + seconds, start + seconds + 1)
+        values = [w.value for w in self.trace.clipped(start, resume_at) if w.end - w.start > 1e-3]
+        resume = self.trace.clipped(resume_at, resume_at + 1)
         self.log.write({"step": step, "pause": {
-            "start": start, "end": start + seconds, "kind": self.trace.kind, "prices": values,
+            "start": start, "end": resume_at, "kind": self.trace.kind, "prices": values,
             "resume_price": resume[0].value if resume else None, "ckpt": ckpt}})
         self.log.message(f"step {step}: paused {seconds:.0f} s outside the cheapest windows of the "
                          f"{self.trace.kind} trace (checkpoint saved)")

@@ -37,9 +37,9 @@ class Saving:
         Returns whether the step exports (`export`, after its line is written). Outside the cheapest
         windows of training.energy.trace the step is saved and the run pauses here (energy_pause.py)."""
         exporting = self.save_if_due(state, rec)
-        pause_s = self.energy.after_step(state.step, rec) if self.energy is not None else 0.0
-        if pause_s > 0:
-            self.energy.pause(state.step, pause_s, self.save_now(state, rec))
+        resume_at = self.energy.after_step(state.step, rec) if self.energy is not None else 0.0
+        if resume_at > 0:  # the Unix time the chosen window starts
+            self.energy.pause(state.step, resume_at, self.save_now(state, rec))
         return exporting
 
     def save_if_due(self, state: "TrainState", rec: dict | None) -> bool:
