@@ -61,6 +61,12 @@ def test_core_and_the_planner_run_without_torch(tmp_path):
     assert res.stdout.strip().splitlines()[-1] == "False"
 
 
+def _module_path(mod: str) -> str:
+    rel = mod.replace(".", os.sep)
+    path = os.path.join(ROOT, "src", rel + ".py")
+    return path if os.path.exists(path) else os.path.join(ROOT, "src", rel, "__init__.py")
+
+
 def _private_imports(path: str, module: str) -> list[str]:
     """`from X import _name` and `mod._name` for a meshlm module X / mod imported here."""
     import ast
@@ -94,10 +100,7 @@ def test_no_module_imports_another_modules_private_names():
     (docs/architecture.md, "Rules of the house")."""
     found = []
     for mod in _modules(SRC):
-        rel = mod.replace(".", os.sep)
-        path = os.path.join(ROOT, "src", rel + ".py")
-        if not os.path.exists(path):
-            path = os.path.join(ROOT, "src", rel, "__init__.py")
+        path = _module_path(mod)
         found += _private_imports(path, mod)
     assert not found, "\n".join(found)
 
@@ -114,10 +117,7 @@ def test_files_and_functions_stay_short():
     import ast
     long = []
     for mod in _modules(SRC):
-        rel = mod.replace(".", os.sep)
-        path = os.path.join(ROOT, "src", rel + ".py")
-        if not os.path.exists(path):
-            path = os.path.join(ROOT, "src", rel, "__init__.py")
+        path = _module_path(mod)
         text = open(path).read()
         if text.count("\n") > 450:
             long.append(f"{mod}: {text.count(chr(10))} lines")

@@ -3,6 +3,7 @@ browser download): the explorer reacts to its inputs, the runs dashboard draws a
 
 Screenshots of both views go to $MESHLM_EXPLORE_SHOTS (docs/img for the docs) or the test's tmp dir.
 """
+import contextlib
 import json
 import os
 import shutil
@@ -33,6 +34,29 @@ SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 
 def _env():
     return dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+@contextlib.contextmanager
+def explorer_page(runs_dir, timeout_ms: int = 120000):
+    """(page, page errors) of a fresh `meshlm explore --runs runs_dir` in a headless Chromium, for a test
+    that needs its own server; the browser and the server go when the block ends."""
+    proc = subprocess.Popen([sys.executable, "-m", "meshlm.cli", "explore", "--port", "0", "--runs", str(runs_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        url = proc.stdout.readline().split()[2]
+        with sync_playwright() as p:
+            ctx = p.chromium.launch_persistent_context(tempfile.mkdtemp(prefix="chromium-"), executable_path=CHROMIUM,
+                                                       headless=True, args=FLAGS, viewport={"width": 1400, "height": 1000})
+            pg = ctx.new_page()
+            pg.set_default_timeout(timeout_ms)
+            errors: list[str] = []
+            pg.on("pageerror", lambda e: errors.append(str(e)))
+            pg.goto(url)
+            yield pg, errors
+            ctx.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

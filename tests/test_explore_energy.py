@@ -2,14 +2,11 @@
 front"): the API's rows carry the CLI's J/token and the front's rows; a real headless Chromium draws one
 dot per row, the front's in red. Screenshots go to $MESHLM_EXPLORE_SHOTS or the test's tmp dir."""
 import os
-import subprocess
-import sys
-import tempfile
 
 import pytest
 
 from meshlm.explore.api import run_plan
-from test_explore_browser import CHROMIUM, FLAGS, SRC, sync_playwright
+from test_explore_browser import CHROMIUM, explorer_page, sync_playwright
 
 BODY = {"model.preset": "llama3-8b", "gpu": "h100", "gpus": 32, "data.seq_len": 4096,
         "global_batch_tokens": 2 ** 21, "training.precision": "bf16", "top": 20}
@@ -31,34 +28,18 @@ def test_plan_rows_carry_j_per_token_and_the_front():
 @pytest.mark.skipif(CHROMIUM is None or sync_playwright is None,
                     reason="needs Debian's chromium and the playwright package (the dev extra)")
 def test_explorer_draws_the_energy_column_and_front(tmp_path):
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "meshlm.cli", "explore", "--port", "0", "--runs", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     shots = os.environ.get("MESHLM_EXPLORE_SHOTS") or str(tmp_path)
-    try:
-        url = proc.stdout.readline().split()[2]
-        with sync_playwright() as p:
-            ctx = p.chromium.launch_persistent_context(tempfile.mkdtemp(prefix="chromium-"), executable_path=CHROMIUM,
-                                                       headless=True, args=FLAGS, viewport={"width": 1400, "height": 1000})
-            pg = ctx.new_page()
-            pg.set_default_timeout(180000)
-            errors = []
-            pg.on("pageerror", lambda e: errors.append(str(e)))
-            pg.goto(url)
-            pg.wait_for_selector("#mem-table[data-model]")
-            pg.select_option('select[name="model.preset"]', "llama3-8b")
-            pg.fill('input[name="gpus"]', "32")
-            pg.wait_for_selector('#plan-table[data-model="llama3-8b"][data-gpus="32"]')
-            pg.wait_for_function("document.querySelector('#pareto-caption').textContent.includes('on the time-energy front')")
-            rows = pg.locator("#plan-table tbody tr[data-i]").count()
-            assert "J/token" in pg.inner_text("#plan-table thead")
-            cells = pg.locator("#plan-table tbody td.energy").all_inner_texts()
-            assert len(cells) == rows and all(float(c) > 0 for c in cells)
-            assert pg.locator("#pareto-chart circle.dot").count() == rows
-            assert pg.locator("#pareto-chart circle.front").count() >= 1
-            pg.locator("#plan-card").screenshot(path=os.path.join(shots, "explore_energy.png"))
-            ctx.close()
-            assert not errors, errors
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with explorer_page(tmp_path, 180000) as (pg, errors):
+        pg.wait_for_selector("#mem-table[data-model]")
+        pg.select_option('select[name="model.preset"]', "llama3-8b")
+        pg.fill('input[name="gpus"]', "32")
+        pg.wait_for_selector('#plan-table[data-model="llama3-8b"][data-gpus="32"]')
+        pg.wait_for_function("document.querySelector('#pareto-caption').textContent.includes('on the time-energy front')")
+        rows = pg.locator("#plan-table tbody tr[data-i]").count()
+        assert "J/token" in pg.inner_text("#plan-table thead")
+        cells = pg.locator("#plan-table tbody td.energy").all_inner_texts()
+        assert len(cells) == rows and all(float(c) > 0 for c in cells)
+        assert pg.locator("#pareto-chart circle.dot").count() == rows
+        assert pg.locator("#pareto-chart circle.front").count() >= 1
+        pg.locator("#plan-card").screenshot(path=os.path.join(shots, "explore_energy.png"))
+        assert not errors, errors

@@ -2,9 +2,6 @@
 time"): the API answers with the windows and the spans `plan` chose, bad traces are one line, and in a real
 headless Chromium the card draws the real day of docs/traces (screenshot to $MESHLM_EXPLORE_SHOTS or tmp)."""
 import os
-import subprocess
-import sys
-import tempfile
 
 import pytest
 
@@ -41,37 +38,22 @@ def test_a_deadline_too_soon_is_one_line():
 
 @pytest.mark.slow
 def test_the_card_draws_the_schedule_in_a_browser(tmp_path):
-    from test_explore_browser import CHROMIUM, FLAGS, _env, sync_playwright
+    from test_explore_browser import CHROMIUM, explorer_page, sync_playwright
     if CHROMIUM is None or sync_playwright is None:
         pytest.skip("no chromium / playwright here (tests/test_explore_browser.py says how to get them)")
-    proc = subprocess.Popen([sys.executable, "-m", "meshlm.cli", "explore", "--port", "0", "--runs", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-    try:
-        url = proc.stdout.readline().split()[2]
-        with sync_playwright() as p:
-            ctx = p.chromium.launch_persistent_context(tempfile.mkdtemp(prefix="chromium-"), executable_path=CHROMIUM,
-                                                       headless=True, args=FLAGS, viewport={"width": 1400, "height": 1000})
-            pg = ctx.new_page()
-            pg.set_default_timeout(120000)
-            errors = []
-            pg.on("pageerror", lambda e: errors.append(str(e)))
-            pg.goto(url)
-            pg.wait_for_selector("#run-total[data-seconds]:not([data-seconds=''])")
-            pg.fill("#energy-trace", open(DAY).read())
-            pg.click("#energy-go")
-            pg.wait_for_selector("#energy-chart[data-spans]:not([data-spans=''])")
-            assert int(pg.get_attribute("#energy-chart", "data-spans")) == pg.locator("#energy-chart rect.span").count() >= 1
-            assert "saved" in pg.inner_text("#energy-caption")
-            pg.fill("#energy-trace", "time,price\nnot a time,1\n")
-            pg.click("#energy-go")
-            pg.wait_for_function("document.querySelector('#energy-caption').textContent.includes('row 2')")
-            pg.fill("#energy-trace", open(DAY).read())
-            pg.click("#energy-go")
-            pg.wait_for_selector("#energy-chart[data-spans]:not([data-spans=''])")
-            shots = os.environ.get("MESHLM_EXPLORE_SHOTS") or str(tmp_path)
-            pg.locator("#energy-card").screenshot(path=os.path.join(shots, "explore_energy_trace.png"))
-            ctx.close()
-            assert not errors, errors
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with explorer_page(tmp_path) as (pg, errors):
+        pg.wait_for_selector("#run-total[data-seconds]:not([data-seconds=''])")
+        pg.fill("#energy-trace", open(DAY).read())
+        pg.click("#energy-go")
+        pg.wait_for_selector("#energy-chart[data-spans]:not([data-spans=''])")
+        assert int(pg.get_attribute("#energy-chart", "data-spans")) == pg.locator("#energy-chart rect.span").count() >= 1
+        assert "saved" in pg.inner_text("#energy-caption")
+        pg.fill("#energy-trace", "time,price\nnot a time,1\n")
+        pg.click("#energy-go")
+        pg.wait_for_function("document.querySelector('#energy-caption').textContent.includes('row 2')")
+        pg.fill("#energy-trace", open(DAY).read())
+        pg.click("#energy-go")
+        pg.wait_for_selector("#energy-chart[data-spans]:not([data-spans=''])")
+        shots = os.environ.get("MESHLM_EXPLORE_SHOTS") or str(tmp_path)
+        pg.locator("#energy-card").screenshot(path=os.path.join(shots, "explore_energy_trace.png"))
+        assert not errors, errors
