@@ -116,7 +116,7 @@ def gemm_errors(data: str, args) -> list[dict]:
     from meshlm.model import build_model
     from meshlm.model.init import materialize
     from meshlm.parallel.features.float8 import float8_config
-    from meshlm.parallel.plans.moe import model_plan_for
+    from meshlm.parallel.model_plans.moe import model_plan_for
 
     cfg = C.Config()
     for k, v in {**MODEL, "model.vocab_size": args.vocab}.items():

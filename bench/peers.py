@@ -166,7 +166,7 @@ def pp_peer(cfg, rank: int, world: int):
     from meshlm.model import Llama, materialize
     from meshlm.core.config.model import model_args
     from meshlm.parallel import cross_entropy
-    from meshlm.parallel.plans.llama import LLAMA_PLAN
+    from meshlm.parallel.model_plans.llama import LLAMA_PLAN
     from meshlm.core.schedule.actions import stage_index
     from meshlm.core.schedule.schedules import V_SHAPED
     from meshlm.core.schedule.stage import stage_blocks

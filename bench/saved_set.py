@@ -64,7 +64,7 @@ def make_legacy(model: torch.nn.Module) -> None:
 @contextlib.contextmanager
 def unfused_entry():
     """While building: every TP region keeps the entry hook (gather_seq under SP), as before issue 17."""
-    from meshlm.parallel.plans.llama import LlamaModelPlan
+    from meshlm.parallel.model_plans.llama import LlamaModelPlan
     fused = LlamaModelPlan.tp_regions
     LlamaModelPlan.tp_regions = lambda self, model: [dataclasses.replace(r, fused_entry=False)
                                                 for r in fused(self, model)]

@@ -56,7 +56,7 @@ def _worker(rank: int, world: int, port: int, overrides: dict, steps: int, out) 
     import torch
 
     from meshlm.distributed.mesh import shutdown
-    from meshlm.parallel.plans.moe import model_plan_for
+    from meshlm.parallel.model_plans.moe import model_plan_for
     from meshlm.train.observe.saved import block_saved_bytes
 
     try:

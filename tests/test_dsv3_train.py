@@ -21,7 +21,7 @@ def test_mtp_loss_in_training_is_the_models_formula():
     from meshlm.model.mtp import mtp_loss
     from meshlm.parallel.compose import cross_entropy
     from meshlm.parallel.features.mtp import MTPLoss
-    from meshlm.parallel.plans.moe import model_plan_for
+    from meshlm.parallel.model_plans.moe import model_plan_for
 
     torch.manual_seed(0)
     args = dataclasses.replace(PRESETS["dsv3-debug"], n_layers=2, mtp_depth=2)

@@ -119,7 +119,7 @@ def test_experts_convert_and_state_dict_keys_stay():
     from meshlm.model import build_model
     from meshlm.model.init import materialize
     from meshlm.parallel.features.float8 import convert_to_float8
-    from meshlm.parallel.plans.moe import model_plan_for
+    from meshlm.parallel.model_plans.moe import model_plan_for
 
     model = build_model(model_args(make_config(**MOE)))
     materialize(model, 0, "cpu", torch.bfloat16)

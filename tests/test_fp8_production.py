@@ -28,7 +28,7 @@ def built(recipe: str, emulate: bool, compiled: bool = False, dtype=torch.bfloat
     from meshlm.model import build_model
     from meshlm.model.init import materialize
     from meshlm.parallel.features.float8 import convert_to_float8
-    from meshlm.parallel.plans.moe import model_plan_for
+    from meshlm.parallel.model_plans.moe import model_plan_for
 
     model = build_model(model_args(make_config(model__n_layers=2)))
     materialize(model, 0, "cpu", dtype)

@@ -279,7 +279,7 @@ def test_cross_island_bytes_meet_the_formula_and_beat_sync_dp(pools, quantize, f
     outer = sum(_outer_bytes(r) for r in a) / len(a)
     from meshlm.model import build_model
     from meshlm.core.config.model import model_args
-    from meshlm.parallel.plans.moe import model_plan_for
+    from meshlm.parallel.model_plans.moe import model_plan_for
     with torch.device("meta"):
         model = build_model(model_args(cfg))
     sizes = [0] * fragments

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from meshlm.model import PRESETS, Llama, ModelArgs, init_tensor, materialize
 from meshlm.parallel.features.activation_checkpoint import apply_ac
-from meshlm.parallel.plans.llama import LLAMA_PLAN
+from meshlm.parallel.model_plans.llama import LLAMA_PLAN
 
 DEBUG = PRESETS["debug"]
 

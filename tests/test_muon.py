@@ -18,7 +18,7 @@ from meshlm.core.config.model import model_args
 from meshlm.model.llama import Llama
 from meshlm.parallel.optim.muon import NS_COEFFS, MuonAdamW, deal, newton_schulz, ns_flops
 from meshlm.parallel.placement import PlacementTable
-from meshlm.parallel.plans.moe import model_plan_for
+from meshlm.parallel.model_plans.moe import model_plan_for
 from meshlm.parallel.optim.master import MasterOptimizer
 
 FP32 = 1e-5

@@ -6,7 +6,7 @@ import pytest
 from harness import make_config
 from test_muon import _model
 
-from meshlm.parallel.plans.moe import model_plan_for
+from meshlm.parallel.model_plans.moe import model_plan_for
 
 
 def test_planner_counts_the_runtime_muon_matrices_and_prices_them():

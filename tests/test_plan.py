@@ -344,7 +344,7 @@ def _measure_block(torch, ac, dtype, b, s, d, h, kv, ffn, math):
     from meshlm.core.model_args import ModelArgs
     from meshlm.model.llama import Llama
     from meshlm.parallel.features.activation_checkpoint import apply_ac
-    from meshlm.parallel.plans.llama import LLAMA_PLAN
+    from meshlm.parallel.model_plans.llama import LLAMA_PLAN
     args = ModelArgs(dim=d, n_layers=1, n_heads=h, n_kv_heads=kv, ffn_dim=ffn, vocab_size=64, max_seq_len=s)
     torch.manual_seed(0)
     model = Llama(args).to(dtype)
@@ -407,7 +407,7 @@ def test_whole_model_activations_match_saved_tensors(precision):
     from meshlm.core.model_args import ModelArgs
     from meshlm.model.llama import Llama
     from meshlm.parallel.features.activation_checkpoint import apply_ac
-    from meshlm.parallel.plans.llama import LLAMA_PLAN
+    from meshlm.parallel.model_plans.llama import LLAMA_PLAN
     from meshlm.train.observe.saved import saved_bytes
     b, s = 2, 64
     args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=300, max_seq_len=s)

@@ -19,7 +19,7 @@ def _compiled_block_bytes(torch, ac, dtype, b, s, d, h, kv, ffn) -> int:
     and the CPU generator state that checkpointing keeps (uint8, a fixed 5 KB per region)."""
     from meshlm.model.llama import Llama
     from meshlm.parallel.features.activation_checkpoint import apply_ac
-    from meshlm.parallel.plans.llama import LLAMA_PLAN
+    from meshlm.parallel.model_plans.llama import LLAMA_PLAN
     args = ModelArgs(dim=d, n_layers=1, n_heads=h, n_kv_heads=kv, ffn_dim=ffn, vocab_size=64, max_seq_len=s)
     torch.manual_seed(0)
     model = Llama(args).to(dtype)

@@ -78,7 +78,7 @@ def test_split_backward_matches_plain_backward(split):
     from meshlm.model import PRESETS, Llama
     from meshlm.parallel.dims.pipeline.backward import input_backward
     from meshlm.parallel.dims.pipeline.runtime import Stage
-    from meshlm.parallel.plans.llama import LLAMA_PLAN
+    from meshlm.parallel.model_plans.llama import LLAMA_PLAN
 
     torch.manual_seed(0)
     model = Llama(dataclasses.replace(PRESETS["debug"], n_layers=3))

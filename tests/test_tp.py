@@ -65,7 +65,7 @@ def activation_task(cfg_dict: dict, report_compiled: bool = False):
     """Saved-activation bytes of block 0 by part, forward only (and whether block 0 is compiled)."""
     from meshlm.model import Llama
     from meshlm.parallel import parallelize, slices
-    from meshlm.parallel.plans.moe import model_plan_for
+    from meshlm.parallel.model_plans.moe import model_plan_for
     from meshlm.train.observe.saved import block_saved_bytes
     from meshlm.parallel.optim.master import MasterOptimizer
     cfg = C.from_dict(cfg_dict)

@@ -2,7 +2,7 @@
 dimension under dims/ (data_parallel, zero/, tensor_parallel and vocab_parallel, context_parallel,
 expert_parallel, pipeline/, islands), the optimizers under optim/, the features that are not dimensions
 under features/ (activation checkpointing, float8, the chunked loss, MTP, z-loss) and the model's names
-under plans/, composed by compose.py `parallelize`.
+under model_plans/, composed by compose.py `parallelize`.
 
 `parallelize` and `Parallelized` load on first use (PEP 562), so importing one dimension's module does
 not import the composition and everything it builds.

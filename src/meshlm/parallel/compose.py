@@ -5,7 +5,7 @@ trainer drives, built once and frozen: the model, the optimizer over its masters
 synchroniser, the step runner (parallel/step.py) and the placement record of every parameter. Each
 dimension adds to the records as it is applied (placement.py); the model-specific questions (which
 linears TP splits, what a ZeRO unit is, what AC wraps, what a pipeline stage keeps) go to the model
-plan (plans/llama.py).
+plan (model_plans/llama.py).
 The optimizer class comes from the trainer (train/ sits above parallel/); it must accept
 `(named_params, optim_cfg, device, group_key=)`, implement `adamw.Optimizer` (as ZeRO's optimizers do)
 and expose `.params`, `.names`, `.groups` (the parameters of each flat master, `grad_sync.flat_groups`,
@@ -47,7 +47,7 @@ from .optim.nvme import NvmeOptimizer
 from .optim.zero_adamw import ZeroOptimizer
 from .optim.zero_muon import ZeroMuon
 from .placement import PlacementTable
-from .plans.moe import model_plan_for
+from .model_plans.moe import model_plan_for
 from .step import Accumulation, StepRunner
 
 if TYPE_CHECKING:

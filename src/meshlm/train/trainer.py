@@ -26,7 +26,7 @@ from ..parallel import Parallelized, parallelize, slices
 from ..parallel.dims.island_link import linked, meet_islands
 from ..parallel.dims.islands import outer_sync
 from ..parallel.optim.master import MasterOptimizer
-from ..parallel.plans.moe import model_plan_for
+from ..parallel.model_plans.moe import model_plan_for
 from ..parallel.step import local_batch
 from . import checkpoint as ckpt
 from . import plugins

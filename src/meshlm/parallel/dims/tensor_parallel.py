@@ -4,7 +4,7 @@ Attention is split by heads (wq, wk, wv by output rows, wo by input columns) and
 hidden units (w1, w3 by rows, w2 by columns), so each block half needs one reduction forward and one
 backward: a forward pre-hook enters the TP region on the half's input, a forward hook leaves it on
 its output. The model code is untouched: it reads head counts from the (sliced) weight shapes, and
-which modules are regions, linears and norms comes from the model plan (parallel/plans/llama.py).
+which modules are regions, linears and norms comes from the model plan (parallel/model_plans/llama.py).
 
 Grouped-query attention with fewer kv heads than ranks replicates each kv head on `tp/n_kv`
 consecutive ranks; their gradients are summed over those replicas in backward.
@@ -160,7 +160,7 @@ def _split(table, fqn: str, dim: int, size: int, comm: Comm, rep: int = 1, padde
 def apply_tensor_parallel(model: nn.Module, comm: Comm, sp: bool, plan, table, cp_split=None,
                           fuse_entry: bool = True) -> TensorParallel:
     """Module swaps, hooks and placement records on a meta-device model (activation checkpointing may
-    already wrap its blocks). `plan` names the regions, linears and norms (parallel/plans/llama.py);
+    already wrap its blocks). `plan` names the regions, linears and norms (parallel/model_plans/llama.py);
     `cp_split`: context parallelism's split, composed into SP's positions hook. `fuse_entry` = False
     keeps the blocks' column-parallel linears plain nn.Linear under SP (a hook gathers the region's
     input instead), so fp8 can convert them (parallel/features/float8.py)."""

@@ -77,11 +77,11 @@ class Checkpointed(nn.Module):
 
 
 def apply_ac(model: nn.Module, mode: str, plan=None) -> None:
-    """Wrap the modules the model plan names for `mode` (parallel/plans/llama.py `ac_targets`; default:
+    """Wrap the modules the model plan names for `mode` (parallel/model_plans/llama.py `ac_targets`; default:
     the model's own plan)."""
     choose(mode, AC_MODES, "training.ac")
     if plan is None:
-        from ..plans.moe import model_plan_for
+        from ..model_plans.moe import model_plan_for
         plan = model_plan_for(model)
     for parent, attr in plan.ac_targets(model, mode):
         setattr(parent, attr, Checkpointed(getattr(parent, attr), per_op=mode == "op"))

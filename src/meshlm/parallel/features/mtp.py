@@ -33,7 +33,7 @@ from torch import nn
 from ...distributed.functional import all_gather_dim
 from ..dims.context_parallel import ContextParallel
 from ..dims.cp_allgather import sequence_order
-from ..plans.llama import MTPParts
+from ..model_plans.llama import MTPParts
 from .z_loss import ZLoss
 
 

@@ -129,7 +129,7 @@ def frac_moe(a) -> float:
 def _moe_bytes(shape: Shape, e: int, d: int, dsp: float, t: int, ac: str, compiled: bool) -> float:
     """A MoE block's feed-forward saved bytes per token. Each routed copy keeps its gathered input and
     its experts' gate, up, silu(gate) and product (3 of them under selective, which recomputes the
-    SwiGLU: parallel/plans/moe.py); eager weighs the experts' output in fp32 and keeps two copies of
+    SwiGLU: parallel/model_plans/moe.py); eager weighs the experts' output in fp32 and keeps two copies of
     it (2·e·d at fp32; in bf16 two fp32 copies and one more e·d per token, not priced), a compiled
     combine (model/moe.py: routing and combining compiled, the experts eager) keeps the output as it
     is (e·d). Measured against the compiled graph's saved set in tests/test_plan_compiled.py; a block

@@ -24,7 +24,7 @@ from ....core.schedule.stage import PipelineStages, stage_blocks
 
 def split_model(model: nn.Module, ctx, layout, plan, parallel) -> PipelineStages:
     """Prune the meta-device `model` to this rank's stages (in place; what to keep is the model
-    plan's call, parallel/plans/llama.py)."""
+    plan's call, parallel/model_plans/llama.py)."""
     args = model.args
     vshape = parallel.pp_schedule in V_SHAPED
     S = layout.pp * parallel.pp_virtual

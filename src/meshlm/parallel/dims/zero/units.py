@@ -5,7 +5,7 @@ and rank r owns the contiguous slice [r·S, (r+1)·S) of it. Gathers and reducti
 zero-copy collective per unit, while `Unit.pieces` (this rank's `Segment` of each parameter) keeps
 everything expressible per parameter: weight decay per tensor, the placement records (a flat range
 of each parameter) and so sharded checkpoints. Which parameters form a unit is the model plan's call
-(parallel/plans/llama.py); how its gradient is reduced is the unit's `Reduction`.
+(parallel/model_plans/llama.py); how its gradient is reduced is the unit's `Reduction`.
 """
 from __future__ import annotations
 

@@ -167,7 +167,7 @@ class LlamaModelPlan:
                 if lin.param == "weight" and lin.style != "full"]
 
     def tp_extra(self, model: nn.Module, comm) -> None:
-        """Module changes TP needs beyond the regions (none for a dense Llama; plans/moe.py)."""
+        """Module changes TP needs beyond the regions (none for a dense Llama; model_plans/moe.py)."""
 
     def stream_linears(self, model: nn.Module) -> list[nn.Module]:
         """Replicated linears outside every TP region that read the residual stream token by token (the
