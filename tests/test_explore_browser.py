@@ -3,7 +3,6 @@ browser download): the explorer reacts to its inputs, the runs dashboard draws a
 
 Screenshots of both views go to $MESHLM_EXPLORE_SHOTS (docs/img for the docs) or the test's tmp dir.
 """
-import contextlib
 import json
 import os
 import shutil
@@ -17,46 +16,12 @@ import pytest
 from meshlm.core.model_args import PRESETS
 from plan_rows import emitted_rows
 
-CHROMIUM = next((p for p in ("/usr/bin/chromium", shutil.which("chromium") or "") if p and os.path.exists(p)), None)
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync"]
-try:
-    from playwright.sync_api import sync_playwright
-except ImportError:  # pragma: no cover - the dev extra installs it
-    sync_playwright = None
+from browser import CHROMIUM, FLAGS, env as _env, sync_playwright
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     CHROMIUM is None or sync_playwright is None,
     reason="no browser could be installed here: needs Debian's chromium (apt-get install -y chromium; .ci/run "
            "does it) and the playwright package (the dev extra)")]
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-
-
-def _env():
-    return dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-
-@contextlib.contextmanager
-def explorer_page(runs_dir, timeout_ms: int = 120000):
-    """(page, page errors) of a fresh `meshlm explore --runs runs_dir` in a headless Chromium, for a test
-    that needs its own server; the browser and the server go when the block ends."""
-    proc = subprocess.Popen([sys.executable, "-m", "meshlm.cli", "explore", "--port", "0", "--runs", str(runs_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-    try:
-        url = proc.stdout.readline().split()[2]
-        with sync_playwright() as p:
-            ctx = p.chromium.launch_persistent_context(tempfile.mkdtemp(prefix="chromium-"), executable_path=CHROMIUM,
-                                                       headless=True, args=FLAGS, viewport={"width": 1400, "height": 1000})
-            pg = ctx.new_page()
-            pg.set_default_timeout(timeout_ms)
-            errors: list[str] = []
-            pg.on("pageerror", lambda e: errors.append(str(e)))
-            pg.goto(url)
-            yield pg, errors
-            ctx.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

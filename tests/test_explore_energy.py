@@ -6,7 +6,7 @@ import os
 import pytest
 
 from meshlm.explore.api import run_plan
-from test_explore_browser import CHROMIUM, explorer_page, sync_playwright
+from browser import CHROMIUM, explorer_page, sync_playwright
 
 BODY = {"model.preset": "llama3-8b", "gpu": "h100", "gpus": 32, "data.seq_len": 4096,
         "global_batch_tokens": 2 ** 21, "training.precision": "bf16", "top": 20}

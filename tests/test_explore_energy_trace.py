@@ -38,7 +38,7 @@ def test_a_deadline_too_soon_is_one_line():
 
 @pytest.mark.slow
 def test_the_card_draws_the_schedule_in_a_browser(tmp_path):
-    from test_explore_browser import CHROMIUM, explorer_page, sync_playwright
+    from browser import CHROMIUM, explorer_page, sync_playwright
     if CHROMIUM is None or sync_playwright is None:
         pytest.skip("no chromium / playwright here (tests/test_explore_browser.py says how to get them)")
     with explorer_page(tmp_path) as (pg, errors):
