@@ -99,7 +99,7 @@ def test_layout_that_no_longer_fits():
 def test_silent_rank_is_named_within_the_heartbeat():
     import torch.distributed as dist
 
-    from meshlm.distributed.comm import Watchdog
+    from meshlm.distributed.watchdog import Watchdog
     store = dist.HashStore()
     said = []
     alive = Watchdog(store, 2, 3, silent_s=60)  # rank 2 keeps beating
@@ -216,7 +216,7 @@ def test_a_rank_that_left_is_not_lost():
     """A rank whose training ended (or failed with its own error) closes its watchdog: not 'lost'."""
     import torch.distributed as dist
 
-    from meshlm.distributed.comm import Watchdog
+    from meshlm.distributed.watchdog import Watchdog
     store, said = dist.HashStore(), []
     done = Watchdog(store, 1, 2, silent_s=60)
     time.sleep(1.5)  # it stamped

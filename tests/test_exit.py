@@ -12,7 +12,7 @@ import pytest
 
 from fault_plugin import plugin_env
 from harness import TINY
-from meshlm.distributed.comm import Watchdog
+from meshlm.distributed.watchdog import Watchdog
 from meshlm.train.launch import after_done, exit_codes
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")

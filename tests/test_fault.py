@@ -179,7 +179,8 @@ def frozen_case() -> str:
     import torch
     import torch.distributed as dist
 
-    from meshlm.distributed.comm import CollectiveError, Comm, Watchdog
+    from meshlm.distributed.comm import CollectiveError, Comm
+    from meshlm.distributed.watchdog import Watchdog
     rank, world = dist.get_rank(), dist.get_world_size()
     # 8 s: long enough for the group's creation and first all-reduces on a loaded machine (3 s once failed)
     comm = Comm("dp", dist.new_group(list(range(world)), timeout=timedelta(seconds=8)), list(range(world)), rank)

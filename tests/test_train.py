@@ -139,7 +139,8 @@ def hang_case() -> str:
     """Rank 1 stops answering at step 3; rank 0's all-reduce must fail naming rank 1 and the collective."""
     import torch.distributed as dist
 
-    from meshlm.distributed.comm import CollectiveError, Comm, Watchdog
+    from meshlm.distributed.comm import CollectiveError, Comm
+    from meshlm.distributed.watchdog import Watchdog
 
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(range(world)), timeout=timedelta(seconds=3))

@@ -3,7 +3,7 @@ for the slowest), so a straggler shows as its own *busy* time (compute + data: t
 time blocked in collectives) standing above the others', while the others' time blocked grows.
 
 Each rank publishes its split (compute, comm, data seconds per step) on logged steps through the job's
-key-value store, next to the watchdog's heartbeats (distributed/comm.py); rank 0 reads every rank's,
+key-value store, next to the watchdog's heartbeats (distributed/watchdog.py); rank 0 reads every rank's,
 compares each rank's busy time to the median of the *other* ranks' (so two ranks work too), and names
 a rank that stays above `metrics.straggler_factor` × that median for `metrics.straggler_steps` logged
 steps in a row: in metrics.jsonl (`stragglers`), on stderr (the `--nproc` launcher's output) and in

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from ...distributed.comm import Watchdog, exit_silent
+from ...distributed.watchdog import Watchdog, exit_silent
 
 AUTO_FIRST = 5  # steps before the first, timed, checkpoint of checkpoint.every = "auto"
 NONE = 2 ** 62  # "no bad step yet" in the device-side record
@@ -66,7 +66,7 @@ def on_start(run_dir: str, step: int, is_logger: bool, restarts: int, record: di
 
 
 def watch(ctx, heartbeat_s: float, record: Callable[[int, str], None]) -> Watchdog | None:
-    """The job's watchdog (distributed/comm.py) on every group of `ctx`, None when off. On a silent
+    """The job's watchdog (distributed/watchdog.py) on every group of `ctx`, None when off. On a silent
     rank it leaves its line for the launcher (`record(rank, line)`: train/launch.py's record_error,
     passed in so that this module stays below the launcher) and exits this process."""
     def peer_lost(line: str) -> None:
