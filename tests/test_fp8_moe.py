@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 import torch
-from harness import make_config, read_metrics, rows, run_local, train_case, twin
+from harness import make_config, read_metrics, rows, run_local, run_locals, train_case, twin
 from test_fp8 import FP8, STEPS, WITHIN, assert_near_bf16, bf16_reference, fp8_checked
 
 from meshlm.core import config as C
@@ -254,9 +254,9 @@ def test_fp8_moe_loss_after_200_steps_near_bf16(preset):
     too large is caught from step 2 on (test_fp8.py); and all three learned. docs/fp8.md's 1,000-step
     parity (0.08%) is the horizon where 1% means something."""
     long = {"model__preset": preset, "training__steps": 200, "data__path": ""}
-    ref = run_local(make_config(**long, training__precision="bf16"))
-    other = run_local(make_config(**twin({**long, "training__precision": "bf16"})))
-    got = run_local(make_config(**long, **FP8))
+    ref, other, got = run_locals([make_config(**long, training__precision="bf16"),
+                                  make_config(**twin({**long, "training__precision": "bf16"})),
+                                  make_config(**long, **FP8)])
     ref_t, other_t, got_t = (sum(r["loss"] for r in x[-10:]) / 10 for x in (ref, other, got))
     rel, floor = abs(got_t - ref_t) / ref_t, abs(other_t - ref_t) / ref_t
     print(f"{preset} after 200 steps: bf16 {ref_t:.4f}, bf16 twin {other_t:.4f} (rel {floor:.2e}), "
