@@ -53,6 +53,17 @@ def test_gpu_bench_smoke():
     assert r["peak_mem_gib"] > 0 and r["micro_batch"] == 2
 
 
+@pytest.mark.slow  # two gloo ranks
+def test_gloo_collectives_bench_smoke():
+    out = run_json("bench/gloo_collectives.py", "--worlds", "2", "--calls", "20")
+    rows = out["rows"]
+    assert {(r["collective"], r["bytes_per_rank"]) for r in rows} == \
+        {(c, b) for c in ("all_reduce", "all_gather", "reduce_scatter") for b in (512, 16384)}
+    for r in rows:
+        assert r["ring_ms"] > 0 and r["direct_ms"] > 0
+        assert r["speedup"] == pytest.approx(r["ring_ms"] / r["direct_ms"], rel=0.02)
+
+
 @pytest.mark.slow
 def test_gpu_bench_fp8_compare_smoke():
     out = run_json("bench/gpu.py", "--presets", "", "--fp8-compare", "debug", "--device", "cpu", "--seq-len", "32",

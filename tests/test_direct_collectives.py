@@ -90,9 +90,32 @@ def test_direct_matches_gloos_rings(pools, world, ranks):
         assert ((d - r).abs() <= (size - 1) * eps * scale + 1e-30).all(), key
 
 
-def test_async_all_reduce_and_other_ops_keep_gloos_collective(monkeypatch):
+def _async_and_band_stay_native():
+    """On every pool rank, the direct path on: an async all-reduce and a BAND all-reduce with
+    direct.all_reduce made to fail, so they pass only through gloo's own collective."""
+    import os
+    os.environ.pop("MESHLM_GLOO_RING", None)
+    comm = Comm("t", dist.group.WORLD, list(range(dist.get_world_size())), dist.get_rank())
+    saved = direct.all_reduce
+
+    def refuse(*_a, **_k):
+        raise AssertionError("took the direct all-reduce")
+    direct.all_reduce = refuse
+    try:
+        t = torch.full((5,), float(dist.get_rank() + 1))
+        comm.all_reduce(t, async_op=True).wait()
+        flags = torch.tensor([0b110 | dist.get_rank()], dtype=torch.int64)
+        comm.all_reduce(flags, op=dist.ReduceOp.BAND)
+    finally:
+        direct.all_reduce = saved
+    return t.tolist(), flags.item()
+
+
+def test_async_all_reduce_and_other_ops_keep_gloos_collective(pools, monkeypatch):
     """What the direct path does not take: async all-reduces (a second hop started at a handle's wait
     could start in another order on another rank), ops it cannot fold, and MESHLM_GLOO_RING=1."""
+    for t, flags in pools(2).run(_async_and_band_stay_native):
+        assert t == [3.0] * 5 and flags == 0b110
     monkeypatch.delenv("MESHLM_GLOO_RING", raising=False)
     assert direct.enabled() and direct.supports(dist.ReduceOp.SUM)
     assert not direct.supports(dist.ReduceOp.BAND)

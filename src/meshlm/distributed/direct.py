@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 # What the direct algorithms reduce with; another op (gloo has no AVG) takes gloo's own collective.
-_FOLD = {dist.ReduceOp.SUM: torch.Tensor.add_, dist.ReduceOp.MAX: None, dist.ReduceOp.MIN: None,
-         dist.ReduceOp.PRODUCT: torch.Tensor.mul_}
+_FOLD = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MAX: torch.maximum, dist.ReduceOp.MIN: torch.minimum,
+         dist.ReduceOp.PRODUCT: torch.mul}
 
 
 # An all-reduce this small is one all-gather of the whole tensor: its latency, not its bytes, is the cost.
@@ -42,12 +42,7 @@ def fold(chunks: torch.Tensor, op, out: torch.Tensor) -> None:
     (as a ring rounds at each hop)."""
     acc = chunks[0].clone()
     for c in chunks[1:]:
-        if op == dist.ReduceOp.MAX:
-            torch.maximum(acc, c, out=acc)
-        elif op == dist.ReduceOp.MIN:
-            torch.minimum(acc, c, out=acc)
-        else:
-            _FOLD[op](acc, c)
+        _FOLD[op](acc, c, out=acc)
     out.copy_(acc.view(out.shape))
 
 
