@@ -1,6 +1,8 @@
-"""gloo's rings against distributed/direct.py's one-hop collectives, side by side in one run on the same
-ranks (docs/architecture.md, "Collectives on gloo"): milliseconds per call and the ratio, per world size,
-collective and size. The ranks share the host's cores, as the test suite's pools do.
+"""gloo's rings against distributed/direct.py's one-hop collectives, the hop over gloo's all-to-all and
+over the ranks' own sockets (distributed/sockets.py), side by side in one run on the same ranks
+(docs/architecture.md, "Collectives on gloo"): milliseconds per call and the ring's time over the
+sockets', per world size, collective and size. The ranks share the host's cores, as the test suite's
+pools do.
 
     python bench/gloo_collectives.py                     # 2 and 4 ranks, 512 B and 16 KiB per rank
     python bench/gloo_collectives.py --worlds 2 --calls 20   # plumbing (tests/test_bench.py)
@@ -37,19 +39,22 @@ def worker(rank: int, world: int, port: int, calls: int, q) -> None:
     import torch.distributed as dist
 
     from meshlm.distributed.comm import Comm
-    comm = Comm("bench", dist.group.WORLD, list(range(world)), rank)
+    modes = {"ring": ("1", "1"), "a2a": ("0", "0"), "sockets": ("0", "1")}  # MESHLM_GLOO_RING, _SOCKETS
     rows = []
     for n in SIZES:
         t, full, out = torch.ones(n), torch.ones(n * world), torch.empty(n)
-        cases = {"all_reduce": lambda: comm.all_reduce(t), "all_gather": lambda: comm.all_gather(full, t),
-                 "reduce_scatter": lambda: comm.reduce_scatter(out, full)}
-        for name, fn in cases.items():
+        for name in ("all_reduce", "all_gather", "reduce_scatter"):
             ms = {}
-            for mode, ring in (("ring", "1"), ("direct", "0")):  # one after the other, same ranks
-                os.environ["MESHLM_GLOO_RING"] = ring
+            for mode, (ring, socks) in modes.items():  # one after the other, same ranks
+                os.environ.update(MESHLM_GLOO_RING=ring, MESHLM_GLOO_SOCKETS=socks)
+                comm = Comm("bench", dist.group.WORLD, list(range(world)), rank)  # its sockets: at first use
+                fn = {"all_reduce": lambda: comm.all_reduce(t), "all_gather": lambda: comm.all_gather(full, t),
+                      "reduce_scatter": lambda: comm.reduce_scatter(out, full)}[name]
                 ms[mode] = _time(fn, calls)
-            rows.append({"world": world, "collective": name, "bytes_per_rank": 4 * n, "ring_ms": round(ms["ring"], 4),
-                         "direct_ms": round(ms["direct"], 4), "speedup": round(ms["ring"] / ms["direct"], 2)})
+                comm.release()
+            rows.append({"world": world, "collective": name, "bytes_per_rank": 4 * n,
+                         **{f"{m}_ms": round(v, 4) for m, v in ms.items()},
+                         "speedup": round(ms["ring"] / ms["sockets"], 2)})
     q.put(rows)
 
 
@@ -61,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [r for world in args.worlds for r in spawn.spawn(worker, world, args.calls)]
     for r in rows:
         print(f"world {r['world']} {r['collective']:15s} {r['bytes_per_rank']:6d} B: ring {r['ring_ms']:.3f} ms, "
-              f"direct {r['direct_ms']:.3f} ms ({r['speedup']}x)", file=sys.stderr)
+              f"all-to-all {r['a2a_ms']:.3f} ms, sockets {r['sockets_ms']:.3f} ms ({r['speedup']}x)", file=sys.stderr)
     print(json.dumps({"bench": "gloo_collectives", "rows": rows}))
 
 

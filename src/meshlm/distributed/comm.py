@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from meshlm.distributed import direct
+from meshlm.distributed import direct, sockets
 
 
 # The non-deprecated names where torch has them (same semantics).
@@ -85,10 +85,13 @@ class Comm:
         self.watchdog = None  # set by the trainer: names lagging ranks when a collective times out
         self._native_rs: bool | None = None  # gloo: does this torch build have reduce_scatter?
         self._gloo: bool | None = None  # is the group gloo (CUDA tensors then go through host memory)?
+        self._links: sockets.Links | bool | None = None  # gloo on one host: sockets; False: not usable
 
     def release(self) -> None:
         """Let go of the group (ParallelContext.close): its C++ object ends with the last reference."""
-        self.group, self.watchdog = None, None
+        if self._links:
+            self._links.close()
+        self.group, self.watchdog, self._links = None, None, None
 
     # -- accounting ---------------------------------------------------------------------------
     def _book(self, kind: str, nbytes: int, wire_factor: float) -> None:
@@ -131,15 +134,31 @@ class Comm:
         return self._host_staged() and direct.enabled() and direct.supports(op)
 
     def _run_direct(self, kind: str, nbytes: int, async_op: bool, start):
-        """`_run` for a direct algorithm: `start(group, async_op)` -> (work, finish); finish runs after the
+        """`_run` for a direct algorithm: `start(async_op)` -> (work, finish); finish runs after the
         work, where a native collective's result would be ready (at once, or at the handle's wait)."""
         finish = []
 
         def begin(group, async_op):
-            work, done = start(group, async_op)
+            work, done = start(async_op)
             finish.append(done)
             return work
         return self._run(kind, nbytes, self.ring, begin, async_op, after=lambda: finish[0]())
+
+    def _socket_links(self) -> sockets.Links | None:
+        """This gloo group's sockets (distributed/sockets.py), connected at the first synchronous
+        exchange; None when its members are not all on this host or MESHLM_GLOO_SOCKETS=0."""
+        if self._links is None:
+            self._links = (sockets.enabled() and sockets.Links.connect(self.group, self.rank, self.size)) or False
+        return self._links or None
+
+    def _swap(self, recv: torch.Tensor, send: torch.Tensor, async_op: bool):
+        """recv <- block r of every member's `send`, in member order (flat, equal blocks): over the
+        group's sockets when synchronous, else gloo's all-to-all (its work is returned)."""
+        links = None if async_op else self._socket_links()
+        if links is None:
+            return dist.all_to_all_single(recv, send, group=self.group, async_op=async_op)
+        links.exchange(list(recv.chunk(self.size)), list(send.chunk(self.size)))
+        return None
 
     def _host_staged(self) -> bool:
         if self._gloo is None:
@@ -158,7 +177,7 @@ class Comm:
             return Handle(self, kind, None) if async_op else None
         if not async_op and self._direct(op):
             return self._run(kind, 2 * t.numel() * t.element_size(), self.ring,
-                             lambda group, **_: direct.all_reduce(t, self.size, op, group), False)
+                             lambda **_: direct.all_reduce(t, self.size, op, self._swap), False)
         return self._run(kind, 2 * t.numel() * t.element_size(), self.ring,
                          lambda **kw: dist.all_reduce(t, op=op, **kw), async_op)
 
@@ -171,7 +190,7 @@ class Comm:
             return Handle(self, kind, None) if async_op else None
         if self._direct():
             return self._run_direct(kind, out.numel() * out.element_size(), async_op,
-                                    lambda group, a: direct.all_gather(out, shard, self.size, group, a))
+                                    lambda a: direct.all_gather(out, shard, self.size, self._swap, a))
         return self._run(kind, out.numel() * out.element_size(), self.ring,
                          lambda **kw: _all_gather(out, shard, **kw), async_op)
 
@@ -184,7 +203,7 @@ class Comm:
         nbytes = full.numel() * full.element_size()
         if self._direct(op):
             return self._run_direct("reduce_scatter", nbytes, async_op,
-                                    lambda group, a: direct.reduce_scatter(out, full, self.size, op, group, a))
+                                    lambda a: direct.reduce_scatter(out, full, self.size, op, self._swap, a))
         if not self._has_reduce_scatter():
             # Older gloo has no reduce-scatter: all-reduce a copy and keep our slice. The accounting
             # still books a reduce-scatter, the collective an NCCL job would run.
@@ -207,6 +226,12 @@ class Comm:
         if self.size == 1:
             out.copy_(inp.reshape(out.shape))
             return Handle(self, kind, None) if async_op else None
+        links = None if async_op or not self._host_staged() else self._socket_links()
+        if links is not None and out.is_contiguous() and inp.is_contiguous():
+            def swap(**_):
+                links.exchange(list(out.split(out_splits or out.shape[0] // self.size)),
+                               list(inp.split(in_splits or inp.shape[0] // self.size)))
+            return self._run(kind, inp.numel() * inp.element_size(), self.ring, swap, False)
         return self._run(kind, inp.numel() * inp.element_size(), self.ring,
                          lambda **kw: dist.all_to_all_single(out, inp, out_splits, in_splits, **kw), async_op)
 

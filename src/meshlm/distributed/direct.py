@@ -46,22 +46,23 @@ def fold(chunks: torch.Tensor, op, out: torch.Tensor) -> None:
     out.copy_(acc.view(out.shape))
 
 
-def reduce_scatter(out: torch.Tensor, full: torch.Tensor, size: int, op, group, async_op: bool):
+def reduce_scatter(out: torch.Tensor, full: torch.Tensor, size: int, op, swap, async_op: bool):
     """Start out <- this rank's slice of the reduction of every rank's `full`; returns (work, finish):
-    `finish()` does the local reduction once the work is done (at once when not async)."""
+    `finish()` does the local reduction once the work is done (at once when not async). `swap(recv,
+    send, async_op)`: the group's all-to-all of equal blocks (`Comm._swap`)."""
     recv = torch.empty(full.numel(), dtype=full.dtype, device=full.device)
-    work = dist.all_to_all_single(recv, full.reshape(-1).contiguous(), group=group, async_op=async_op)
+    work = swap(recv, full.reshape(-1).contiguous(), async_op)
 
     def finish() -> None:
         fold(recv.view(size, -1), op, out)
     return work, finish
 
 
-def all_gather(out: torch.Tensor, shard: torch.Tensor, size: int, group, async_op: bool):
+def all_gather(out: torch.Tensor, shard: torch.Tensor, size: int, swap, async_op: bool):
     """Start out <- every rank's shard in rank order (each rank sends its shard to every peer)."""
     flat = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype, device=out.device)
     sent = shard.reshape(1, -1).expand(size, -1).contiguous().view(-1)
-    work = dist.all_to_all_single(flat, sent, group=group, async_op=async_op)
+    work = swap(flat, sent, async_op)
 
     def finish() -> None:
         if flat.data_ptr() != out.data_ptr():
@@ -69,7 +70,7 @@ def all_gather(out: torch.Tensor, shard: torch.Tensor, size: int, group, async_o
     return work, finish
 
 
-def all_reduce(t: torch.Tensor, size: int, op, group) -> None:
+def all_reduce(t: torch.Tensor, size: int, op, swap) -> None:
     """t <- the reduction over the group, synchronously. Up to ONE_HOP_BYTES every rank gathers every
     rank's whole tensor and folds them all (one hop, n-1 copies sent instead of 2(n-1)/n of one);
     above, a reduce-scatter then an all-gather, both direct (padded to a multiple of the group's size).
@@ -78,13 +79,13 @@ def all_reduce(t: torch.Tensor, size: int, op, group) -> None:
     n = t.numel()
     if n * t.element_size() <= ONE_HOP_BYTES:
         every = torch.empty(size * n, dtype=t.dtype, device=t.device)
-        all_gather(every, t, size, group, False)[1]()
+        all_gather(every, t, size, swap, False)[1]()
         fold(every.view(size, -1), op, t)
         return
     k = -(-n // size)
     full = torch.zeros(k * size, dtype=t.dtype, device=t.device)
     full[:n].copy_(t.reshape(-1))
     mine = torch.empty(k, dtype=t.dtype, device=t.device)
-    reduce_scatter(mine, full, size, op, group, False)[1]()
-    all_gather(full, mine, size, group, False)[1]()
+    reduce_scatter(mine, full, size, op, swap, False)[1]()
+    all_gather(full, mine, size, swap, False)[1]()
     t.copy_(full[:n].view(t.shape))

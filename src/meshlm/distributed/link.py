@@ -82,6 +82,7 @@ class LinkComm(Comm):
         self.given_up: Callable[[], bool] = lambda: False  # set by the Link for the epoch in use
         self.on_release: list[Callable[[], None]] = []  # the Link's heartbeat ends with the groups
         self.groups: dict[int, object] = {}  # epoch -> its gloo group (made once, when every member came)
+        self._links = False  # gloo's own work, polled while the membership is watched: never a blocking socket
 
     def drop_before(self, epoch: int) -> None:
         """Abort the groups of older epochs: one may still wait in a collective given up, which only an
