@@ -66,6 +66,27 @@ def test_sockets_move_the_same_bytes_as_gloo(pools, world, ranks):
             assert got[key] == got[key.replace("sockets-", "gloo-")], key
 
 
+def ring_case() -> tuple[list, list[float], int]:
+    """A symmetric ring shift (context parallelism's rotation): each member sends to the next and
+    receives from the previous, twice (a 2 MiB block, then a small one); the works left to wait on."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    comm = _comm(dist.group.WORLD, list(range(world)), True)
+    got = []
+    for n in (1 << 19, 3):
+        send, recv = torch.full((n,), float(me)), torch.empty(n)
+        works = comm.batch_p2p([("send", send, (me + 1) % world), ("recv", recv, (me - 1) % world)], symmetric=True)
+        got.append(recv.unique().tolist())
+    comm.release()
+    return works, got, comm.stats["send"].calls
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_ring_shift_completes_over_the_sockets(pools, world):
+    for me, (works, got, sends) in enumerate(pools(world).run(ring_case)):
+        assert works == [] and sends == 2  # done on return, and booked as gloo's would be
+        assert got == [[float((me - 1) % world)]] * 2
+
+
 def failure_case(kind: str) -> str:
     """Rank 1 misbehaves after one good exchange; rank 0's next all-reduce's error, or '' on rank 1."""
     timeout = 2 if kind == "late" else 30

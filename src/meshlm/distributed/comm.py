@@ -259,12 +259,23 @@ class Comm:
             self._enter("barrier")
             self._guard("barrier", dist.barrier, group=self.group)
 
-    def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int]]) -> list:
-        """ops: ("send"|"recv", tensor, peer index in this group); started together, returns works."""
+    def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int]], symmetric: bool = False) -> list:
+        """ops: ("send"|"recv", tensor, peer index in this group); started together, returns works.
+        `symmetric`: every member makes the matching call at the same point (a ring shift), so on one
+        host's gloo group it completes here, over the sockets (distributed/sockets.py), and returns []."""
         if not ops:
             return []
         if self._host_staged() and any(t.is_cuda for _, t, _ in ops):
             return self._staged_p2p(ops)
+        links = self._socket_links() if symmetric and self._host_staged() else None
+        if links is not None and all(t.is_contiguous() for _, t, _ in ops):
+            for kind, t, _ in ops:
+                self._book(kind, t.numel() * t.element_size(), 1.0)
+            t0 = time.perf_counter()
+            self._guard("send/recv", links.move, {p: t for k, t, p in ops if k == "send"},
+                        {p: t for k, t, p in ops if k == "recv"})
+            self.stats["recv_wait"].seconds += time.perf_counter() - t0
+            return []
         p2p = []
         for kind, t, peer in ops:
             self._book(kind, t.numel() * t.element_size(), 1.0)

@@ -128,11 +128,16 @@ class Links:
     def exchange(self, recv: list[torch.Tensor], send: list[torch.Tensor]) -> None:
         """send[p] goes to member p and recv[p] is filled from member p (contiguous CPU tensors; this
         member's own block is copied). All members call it with matching blocks, in the same order."""
-        self.calls += 1
         recv[self.index].copy_(send[self.index])
-        outgoing = {p: [memoryview(HEADER.pack(self.calls, send[p].numel() * send[p].element_size())),
-                        _bytes(send[p])] for p in self.socks}
-        incoming = {p: _Incoming(_bytes(recv[p])) for p in self.socks}
+        self.move({p: send[p] for p in self.socks}, {p: recv[p] for p in self.socks})
+
+    def move(self, send: dict[int, torch.Tensor], recv: dict[int, torch.Tensor]) -> None:
+        """Send each send[p] to member p while filling each recv[p] from member p; every member of the
+        group calls it at the same point (its call number is in each header), with the matching blocks."""
+        self.calls += 1
+        outgoing = {p: [memoryview(HEADER.pack(self.calls, t.numel() * t.element_size())), _bytes(t)]
+                    for p, t in send.items()}
+        incoming = {p: _Incoming(_bytes(t)) for p, t in recv.items()}
         deadline = time.monotonic() + self.timeout_s
         while outgoing or incoming:
             if self._send(outgoing) | self._recv(incoming):

@@ -175,7 +175,8 @@ def _rotate(comm: Comm, tensors: torch.Tensor):
     """Send `tensors` to the next rank, receive the previous rank's into a new buffer (async)."""
     buf = torch.empty_like(tensors)
     c = comm.size
-    works = comm.batch_p2p([("send", tensors, (comm.rank + 1) % c), ("recv", buf, (comm.rank - 1) % c)])
+    works = comm.batch_p2p([("send", tensors, (comm.rank + 1) % c), ("recv", buf, (comm.rank - 1) % c)],
+                           symmetric=True)  # every member rotates at the same point
     return buf, works
 
 
