@@ -146,7 +146,16 @@ class Links:
             if left <= 0:
                 raise TimeoutError(f"socket exchange #{self.calls} waited {self.timeout_s:.0f} s for member(s) "
                                    f"{sorted(incoming) or sorted(outgoing)} of the group")
-            select.select([self.socks[p] for p in incoming], [self.socks[p] for p in outgoing], [], left)
+            self._wait(incoming, outgoing, left)
+
+    def _wait(self, incoming: dict, outgoing: dict, seconds: float) -> None:
+        """Sleep until a socket this exchange still reads or writes is ready (poll: no limit on the
+        descriptors' numbers, where select stops at 1024)."""
+        poller = select.poll()
+        for p in set(incoming) | set(outgoing):
+            events = (select.POLLIN if p in incoming else 0) | (select.POLLOUT if p in outgoing else 0)
+            poller.register(self.socks[p], events)
+        poller.poll(seconds * 1000)
 
     def _send(self, outgoing: dict[int, list[memoryview]]) -> bool:
         moved = False
