@@ -10,6 +10,7 @@ pools do.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -48,9 +49,9 @@ def worker(rank: int, world: int, port: int, calls: int, q) -> None:
             for mode, (ring, socks) in modes.items():  # one after the other, same ranks
                 os.environ.update(MESHLM_GLOO_RING=ring, MESHLM_GLOO_SOCKETS=socks)
                 comm = Comm("bench", dist.group.WORLD, list(range(world)), rank)  # its sockets: at first use
-                fn = {"all_reduce": lambda: comm.all_reduce(t), "all_gather": lambda: comm.all_gather(full, t),
-                      "reduce_scatter": lambda: comm.reduce_scatter(out, full)}[name]
-                ms[mode] = _time(fn, calls)
+                call = {"all_reduce": (comm.all_reduce, t), "all_gather": (comm.all_gather, full, t),
+                        "reduce_scatter": (comm.reduce_scatter, out, full)}[name]
+                ms[mode] = _time(functools.partial(*call), calls)
                 comm.release()
             rows.append({"world": world, "collective": name, "bytes_per_rank": 4 * n,
                          **{f"{m}_ms": round(v, 4) for m, v in ms.items()},

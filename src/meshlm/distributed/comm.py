@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from meshlm.distributed import direct, sockets
 
-
 # The non-deprecated names where torch has them (same semantics).
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -39,7 +38,7 @@ class Stat:
 class Handle:
     """An in-flight async collective; `wait()` books the time blocked in it."""
 
-    def __init__(self, comm: "Comm", kind: str, work, after=None):
+    def __init__(self, comm: Comm, kind: str, work, after=None):
         self.comm, self.kind, self.work, self.after = comm, kind, work, after
 
     def done(self) -> bool:

@@ -77,7 +77,7 @@ class Links:
         self.calls = 0
 
     @classmethod
-    def connect(cls, group, index: int, size: int) -> "Links | None":
+    def connect(cls, group, index: int, size: int) -> Links | None:
         """Every member listens on loopback and tells the others its port through one gloo all-gather;
         each connects to the members before it and accepts the ones after it. None (on every member
         alike) when they are not all on this host."""
@@ -171,7 +171,7 @@ class Links:
                 del outgoing[p]
         return moved
 
-    def _recv(self, incoming: dict[int, "_Incoming"]) -> bool:
+    def _recv(self, incoming: dict[int, _Incoming]) -> bool:
         moved = False
         for p in list(incoming):
             msg = incoming[p]
