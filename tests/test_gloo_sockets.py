@@ -137,8 +137,29 @@ def two_hosts_case() -> tuple[str, list[float]]:
         sockets.host_key = real
 
 
-def test_members_on_other_hosts_keep_gloo(pools):
-    assert pools(2).run(two_hosts_case) == [("bool", [3.0, 3.0, 3.0])] * 2
+def no_loopback_case() -> tuple[str, list[float]]:
+    """Rank 0 cannot listen on 127.0.0.1 (an IPv6-only host): both keep gloo, and the all-reduce holds."""
+    import socket as socket_module
+
+    def refuse(self, address):
+        raise OSError(99, "Cannot assign requested address")
+    assert "bind" not in vars(socket_module.socket)  # inherited from _socket.socket: deleting ours restores it
+    if dist.get_rank() == 0:
+        socket_module.socket.bind = refuse
+    try:
+        comm = _comm(dist.group.WORLD, list(range(dist.get_world_size())), True)
+        t = torch.full((3,), float(dist.get_rank() + 1))
+        comm.all_reduce(t)
+        return type(comm._links).__name__, t.tolist()
+    finally:
+        if "bind" in vars(socket_module.socket):
+            del socket_module.socket.bind
+
+
+@pytest.mark.parametrize("case", ["other-host", "no-loopback"])
+def test_members_that_cannot_connect_keep_gloo(pools, case):
+    fn = two_hosts_case if case == "other-host" else no_loopback_case
+    assert pools(2).run(fn) == [("bool", [3.0, 3.0, 3.0])] * 2
 
 
 def test_the_header_reads_in_pieces():

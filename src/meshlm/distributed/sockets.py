@@ -80,18 +80,22 @@ class Links:
     def connect(cls, group, index: int, size: int) -> Links | None:
         """Every member listens on loopback and tells the others its port through one gloo all-gather;
         each connects to the members before it and accepts the ones after it. None (on every member
-        alike) when they are not all on this host."""
+        alike) when they are not all on this host, or one of them could not listen (port 0)."""
         timeout_s = group_timeout(group)
         listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(size)
+        try:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(size)
+            port = listener.getsockname()[1]
+        except OSError:  # no IPv4 loopback here: this group keeps gloo, on every member alike
+            port = 0
         token = secrets.randbits(62)
-        mine = torch.tensor([host_key(), listener.getsockname()[1], token], dtype=torch.int64)
+        mine = torch.tensor([host_key(), port, token], dtype=torch.int64)
         every = torch.empty(size * 3, dtype=torch.int64)
         _all_gather(every, mine, group=group)
         flat = struct.unpack(f"<{3 * size}q", _bytes(every))
         rows = [flat[3 * r:3 * r + 3] for r in range(size)]
-        if len({r[0] for r in rows}) != 1:
+        if len({r[0] for r in rows}) != 1 or any(r[1] == 0 for r in rows):
             listener.close()
             return None
         socks: dict[int, socket.socket] = {}
