@@ -123,16 +123,21 @@ def test_a_failed_exchange_is_named_on_one_line(pools, kind, said):
     assert said in msg.splitlines()[0], msg
 
 
+def _sum_of_ranks() -> tuple[str, list[float]]:
+    """An all-reduce of (rank + 1) on the world: which path the Comm took, and the sum."""
+    comm = _comm(dist.group.WORLD, list(range(dist.get_world_size())), True)
+    t = torch.full((3,), float(dist.get_rank() + 1))
+    comm.all_reduce(t)
+    return type(comm._links).__name__, t.tolist()
+
+
 def two_hosts_case() -> tuple[str, list[float]]:
     """Rank 1 says it is on another host: neither rank uses sockets, and the all-reduce still holds."""
     real = sockets.host_key
     if dist.get_rank() == 1:
         sockets.host_key = lambda: 12345  # this pool worker's module only; restored below
     try:
-        comm = _comm(dist.group.WORLD, list(range(dist.get_world_size())), True)
-        t = torch.full((3,), float(dist.get_rank() + 1))
-        comm.all_reduce(t)
-        return type(comm._links).__name__, t.tolist()
+        return _sum_of_ranks()
     finally:
         sockets.host_key = real
 
@@ -147,10 +152,7 @@ def no_loopback_case() -> tuple[str, list[float]]:
     if dist.get_rank() == 0:
         socket_module.socket.bind = refuse
     try:
-        comm = _comm(dist.group.WORLD, list(range(dist.get_world_size())), True)
-        t = torch.full((3,), float(dist.get_rank() + 1))
-        comm.all_reduce(t)
-        return type(comm._links).__name__, t.tolist()
+        return _sum_of_ranks()
     finally:
         if "bind" in vars(socket_module.socket):
             del socket_module.socket.bind
