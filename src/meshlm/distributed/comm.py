@@ -225,7 +225,7 @@ class Comm:
         if self.size == 1:
             out.copy_(inp.reshape(out.shape))
             return Handle(self, kind, None) if async_op else None
-        links = None if async_op or not self._host_staged() else self._socket_links()
+        links = None if async_op or not self._host_staged() else self._guard(kind, self._socket_links)
         if links is not None and out.is_contiguous() and inp.is_contiguous():
             def swap(**_):
                 links.exchange(list(out.split(out_splits or out.shape[0] // self.size)),
@@ -266,7 +266,7 @@ class Comm:
             return []
         if self._host_staged() and any(t.is_cuda for _, t, _ in ops):
             return self._staged_p2p(ops)
-        links = self._socket_links() if symmetric and self._host_staged() else None
+        links = self._guard("send/recv", self._socket_links) if symmetric and self._host_staged() else None
         if links is not None and all(t.is_contiguous() for _, t, _ in ops):
             for kind, t, _ in ops:
                 self._book(kind, t.numel() * t.element_size(), 1.0)
