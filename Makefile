@@ -8,6 +8,10 @@ PY     := $(VENV)/bin/python
 # (see README), and this line then installs nothing more because torch>=2.6 is already satisfied.
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.meshlm-installed
+# Python writes its bytecode caches (__pycache__, git-ignored) even where the environment says not to: the
+# suite starts some 400 Python processes (launches, their workers, CLI runs), each of which would compile
+# meshlm's sources again (0.15-0.2 CPU-s each), and each pytest run would rewrite every test module again.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: train test test-slow test-isa test-all test-fast setup clean recipes
 

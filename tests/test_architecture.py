@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 
+from harness import TINY
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -19,16 +21,23 @@ def test_import_contracts_hold():
     assert "5 kept, 0 broken" in res.stdout, res.stdout[-2000:]
 
 
-def test_importing_the_package_leaves_the_compiler_out():
+def test_importing_the_package_leaves_the_compiler_and_dcp_out(tmp_path):
     """torch._dynamo costs about as much as torch to import: a process that never builds an optimizer or
     compiles (`meshlm train --nproc`'s launcher, the planner's commands) must not pay it at import
-    (model/ops.py eager_under_compile)."""
-    code = ("import sys, meshlm.cli, meshlm.train.trainer, meshlm.parallel.compose, meshlm.parallel.dims.expert_parallel, "
-            "meshlm.parallel.dims.context_parallel; print('torch._dynamo' in sys.modules)")
+    (model/ops.py eager_under_compile). torch.distributed.checkpoint with DTensor costs 0.4-0.7 CPU-s on
+    every worker start: a run that never saves or resumes must not import it (train/checkpoint/pieces.py)."""
+    run = ["train", "--run-dir", str(tmp_path / "run"), "--training.steps", "1"]
+    run += [x for k, v in TINY.items() if k != "training.steps" for x in (f"--{k}", str(v))]
+    code = ("import sys, meshlm.cli, meshlm.train.trainer, meshlm.train.worker, meshlm.parallel.compose, "
+            "meshlm.parallel.dims.expert_parallel, meshlm.parallel.dims.context_parallel; "
+            "print('torch._dynamo' in sys.modules, 'torch.distributed.checkpoint' in sys.modules); "
+            f"assert meshlm.cli.main({run!r}) == 0; print('torch.distributed.checkpoint' in sys.modules)")
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.strip() == "False", "an import pulled in torch._dynamo (torch.compiler.disable at import?)"
+    imported, trained = res.stdout.strip().splitlines()[-2:]
+    assert imported == "False False", f"an import pulled in torch._dynamo or DCP: {imported}"
+    assert trained == "False", "a run without checkpoints imported torch.distributed.checkpoint"
 
 
 SRC = os.path.join(ROOT, "src", "meshlm")

@@ -4,14 +4,18 @@
 Checkpoints written by one layout load into any other (docs/checkpoints.md)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from torch.distributed.checkpoint.stateful import Stateful
 
 from ..core.config import Config, to_dict
 from ..core.layout import Layout
 from ..parallel import Parallelized
 from . import checkpoint as ckpt
 from .optim import LossScaler
+
+if TYPE_CHECKING:  # DCP is imported on the first save or load only (checkpoint/pieces.py)
+    from torch.distributed.checkpoint.stateful import Stateful
 
 
 class TrainState:

@@ -7,9 +7,12 @@ import io
 import os
 import pickle
 
+from typing import TYPE_CHECKING
+
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+
+if TYPE_CHECKING:  # DCP's classes are imported where a checkpoint is read (pieces.py says why)
+    from torch.distributed.checkpoint.metadata import Metadata
 
 
 class CheckpointError(RuntimeError):
@@ -36,13 +39,9 @@ class _Unpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP index")
 
 
-class CheckpointReader(dcp.FileSystemReader):
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        return read_metadata(str(self.path))
-
-
 def read_metadata(path: str) -> Metadata:
     """The checkpoint's DCP index, or a CheckpointError naming the file."""
+    from torch.distributed.checkpoint.metadata import Metadata
     f = os.path.join(path, ".metadata")
     try:
         with open(f, "rb") as fh:
@@ -75,6 +74,7 @@ def check_files(path: str, md: Metadata) -> None:
 
 def check_shapes(path: str, md: Metadata, shapes: dict[str, tuple[int, ...]]) -> None:
     """The checkpoint holds every tensor of `shapes` (in that order) with that shape."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     for key, shape in shapes.items():
         got = md.state_dict_metadata.get(key)
         if got is None:
@@ -117,6 +117,7 @@ def read_full(path: str, md: Metadata, key: str) -> torch.Tensor:
     """The whole tensor `key` of checkpoint `path` (index `md`, checked by the caller) in one process,
     chunk by chunk: a chunk that is the whole tensor is returned as loaded (no second copy), else the
     chunks are copied into one tensor, one chunk in memory at a time."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
     tmd = md.state_dict_metadata[key]
     out = None
     for chunk in tmd.chunks:

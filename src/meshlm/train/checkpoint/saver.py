@@ -12,18 +12,23 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from ...distributed.comm import Comm
 from .directory import dir_bytes, free_bytes, list_checkpoints
 from .index import CheckpointError
-from .pieces import Pieces, PiecesSavePlanner
+from .pieces import Pieces
 
 
 # -- saving ----------------------------------------------------------------------------------------
 class SaveError(CheckpointError):
     """A checkpoint that could not be written (checkpoint.on_error = "stop"): one line naming the
     directory, the bytes it needed and the bytes free; its `.tmp` is gone, the last checkpoint intact."""
+
+
+def _write_errors() -> tuple:
+    """What a failed DCP write raises: DCP's CheckpointException is a BaseException, not an Exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    return Exception, CheckpointException
 
 
 def _root_cause(e: BaseException) -> BaseException:
@@ -94,7 +99,7 @@ class Checkpointer:
             return {"save_s": time.perf_counter() - t0}
         try:
             write_s = self._write(state, tmp, None, one_file_per_piece=lazy)
-        except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - DCP raised it on every rank
+        except _write_errors() as e:  # noqa: BLE001 - DCP raised it on every rank
             return self._failed(step, tmp, need, e, t0)
         self._written(step)
         out = self._commit(tmp, final, meta, step, write_s, need)
@@ -104,6 +109,9 @@ class Checkpointer:
     def _write(state: dict[str, Pieces], tmp: str, group, one_file_per_piece: bool = False) -> float:
         """DCP's writer keeps every tensor of a file alive until the file closes: pieces read from
         files one at a time therefore get a file each."""
+        import torch.distributed.checkpoint as dcp  # on the first save only (pieces.py)
+
+        from .dcp_io import PiecesSavePlanner
         t0 = time.perf_counter()
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=not one_file_per_piece),
                  planner=PiecesSavePlanner(), process_group=group)
@@ -123,7 +131,7 @@ class Checkpointer:
         self.pending = None
         try:
             write_s = fut.result()
-        except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - every rank's write failed with it
+        except _write_errors() as e:  # noqa: BLE001 - every rank's write failed with it
             self._failed(step, tmp, need, e)
             return
         self._written(step)  # on this (the training) thread, like the sync path
