@@ -13,7 +13,7 @@ import pytest
 from fault_plugin import plugin_env
 from harness import TINY
 from meshlm.distributed.watchdog import Watchdog
-from meshlm.train.launch import after_done, exit_codes
+from meshlm.train.launch import after_done
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 
@@ -80,13 +80,10 @@ def test_abort_after_the_run_finished_is_named_and_exits_zero(tmp_path):
     assert "meshlm: rank 1 ended with signal SIGABRT after its run finished" in proc.stderr
 
 
-def test_failure_summary_is_read_per_rank():
-    summary = ("Root Cause (first observed failure):\n[0]:\n  time      : 2026-11-25_18:11:57\n"
-               "  host      : localhost\n  rank      : 1 (local_rank: 1)\n  exitcode  : -6 (pid: 10912)\n"
-               "Failures:\n[1]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 10911)\n")
-    assert exit_codes(summary) == {1: -6, 0: -15}
-    lines = after_done(exit_codes(summary), 1)
+def test_after_done_names_each_rank_that_ended_abnormally():
+    lines = after_done({1: -6, 0: -15}, 1)
     assert lines[0].startswith("meshlm: rank 0 ended with signal SIGTERM") and "rank 1" in lines[1]
+    assert "signal SIGABRT" in lines[1] and after_done({0: 3}, 1)[0].startswith("meshlm: rank 0 ended with exit 3")
     assert "torchrun exited 1" in after_done({}, 1)[0]
 
 

@@ -1,7 +1,7 @@
 """Saving on preemption (train/resilience/preempt.py): a signal of checkpoint.on_signal that reaches one rank stops
 every rank at the same step boundary with a checkpoint of that step and one line naming the signal
 and the step; the resume from it gives the uninterrupted run's losses. A real `meshlm train --nproc 2`
-whose worker gets SIGTERM exits 128 + 15 and says so."""
+whose worker, or whose launcher, gets SIGTERM exits 128 + 15 and says so."""
 import os
 import signal
 
@@ -43,10 +43,13 @@ def test_handlers_are_put_back_and_agreement_reads_the_sum():
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_worker_of_a_launch(tmp_path):
+@pytest.mark.parametrize("target", ["worker", "launcher"])
+def test_sigterm_to_one_worker_of_a_launch(tmp_path, target):
+    """SIGTERM to rank 1's worker, or to the launcher, whose torchrun agent (in its own process,
+    train/launch.py run_agent) passes it on to every worker: either way a preemption, exit 143."""
     run = tmp_path / "run"
     proc = launch_until_logging(run, ["--max-restarts", "1"], step_sleep=0.2)
-    os.kill(workers(os.getpid())[1], signal.SIGTERM)
+    os.kill(workers(os.getpid())[1] if target == "worker" else proc.pid, signal.SIGTERM)
     err = proc.communicate(timeout=180)[1]
     assert proc.returncode == 143, err[-3000:]
     stop, = [r for r in lines(run) if "preempted" in r]

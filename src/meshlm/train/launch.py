@@ -1,13 +1,11 @@
-"""Starting workers: in-process for one rank, `torch.distributed.run` for --nproc N, or joining an
-outside torchrun / Slurm job (RANK / WORLD_SIZE / MASTER_ADDR already in the environment)."""
+"""Starting workers: in-process for one rank, torchrun's elastic agent (run in the launcher's own
+process) for --nproc N, or joining an outside torchrun / Slurm job (RANK / WORLD_SIZE / MASTER_ADDR
+already in the environment)."""
 from __future__ import annotations
 
 import os
-import re
 import signal
-import subprocess
 import sys
-from collections import deque
 
 SLURM_TO_TORCH = {"SLURM_PROCID": "RANK", "SLURM_NTASKS": "WORLD_SIZE", "SLURM_LOCALID": "LOCAL_RANK"}
 
@@ -28,20 +26,11 @@ def under_launcher() -> bool:
 
 
 def spawn(nproc: int, config_path: str, run_dir: str, max_restarts: int = 0) -> int:
-    """Run `meshlm train` on `nproc` local workers through torchrun; returns its exit status.
-    `max_restarts`: torchrun's elastic agent restarts all workers up to that many times after one fails
-    (each restart resumes from the newest complete checkpoint, see train/resilience/fault.py)."""
+    """Run `meshlm train` on `nproc` local workers under torchrun's elastic agent; returns its exit status.
+    `max_restarts`: the agent restarts all workers up to that many times after one fails (each restart
+    resumes from the newest complete checkpoint, see train/resilience/fault.py)."""
     logs = fresh_logs(run_dir)
-    cmd, env = torchrun(nproc, max_restarts, logs, config_path, run_dir)
-    # torchrun's output passes through (the workers' stderr is teed into it); its last lines name
-    # each failed rank's exit code, which is all that tells which rank ended how.
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
-    tail: deque[str] = deque(maxlen=400)
-    for line in proc.stderr:
-        sys.stderr.write(line)
-        sys.stderr.flush()
-        tail.append(line)
-    code = proc.wait()
+    code, codes = run_agent(*torchrun_args(nproc, max_restarts, logs, config_path, run_dir))
     stopped = preempted(run_dir)
     if len(stopped) == nproc:  # every rank saved and stopped on checkpoint.on_signal (and exited 0)
         from .resilience.preempt import exit_status, message
@@ -49,10 +38,36 @@ def spawn(nproc: int, config_path: str, run_dir: str, max_restarts: int = 0) -> 
         print(f"meshlm: {message(name, step, saved)}", file=sys.stderr)
         return exit_status(name)
     if code and len(done_ranks(run_dir)) == nproc:
-        for line in after_done(exit_codes("".join(tail)), code):
+        for line in after_done(codes, code):
             print(line, file=sys.stderr)
         return 0
     return code
+
+
+def run_agent(args: list[str], env: dict) -> tuple[int, dict[int, int]]:
+    """torchrun's elastic agent in this process: what `python -m torch.distributed.run ARGS` runs,
+    without a second interpreter importing torch (1.3 CPU-s and about a second per launch). The workers'
+    stderr is teed onto ours (--tee). Returns (torchrun's exit status, rank -> exit code of each worker
+    that failed); a signal that stops the agent (it passes it on to the workers first) is 128 + signum."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    saved = dict(os.environ)
+    os.environ.update(env)  # the workers inherit the agent's environment
+    try:
+        run(parse_args(args))
+        return 0, {}
+    except ChildFailedError as e:  # torchrun's failure summary, as its own process would print it
+        print(e.format_msg(), file=sys.stderr, flush=True)
+        return 1, {rank: f.exitcode for rank, f in e.failures.items()}
+    except SignalException as e:
+        return 128 + int(e.sigval), {}
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        for s, h in handlers.items():  # the agent's handlers raise SignalException: not after it ended
+            signal.signal(s, h)
 
 
 def fresh_logs(run_dir: str) -> str:
@@ -65,16 +80,23 @@ def fresh_logs(run_dir: str) -> str:
     return logs
 
 
-def torchrun(nproc: int, max_restarts: int, logs: str, config_path: str, run_dir: str,
-             threads_of: int | None = None) -> tuple[list[str], dict]:
-    """The command and environment of one torchrun of `nproc` meshlm workers (`threads_of`: the local
-    workers the cores are shared by, default nproc)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--max-restarts={max_restarts}", f"--log-dir={logs}", "--redirects=2", "--tee=2",
-           "-m", "meshlm.cli", "train", "--config", config_path, "--run-dir", run_dir, "--worker"]
+def torchrun_args(nproc: int, max_restarts: int, logs: str, config_path: str, run_dir: str,
+                  threads_of: int | None = None) -> tuple[list[str], dict]:
+    """torchrun's arguments and the environment of one launch of `nproc` meshlm workers (`threads_of`:
+    the local workers the cores are shared by, default nproc)."""
+    args = ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", f"--log-dir={logs}",
+            "--redirects=2", "--tee=2", "-m", "meshlm.cli", "train", "--config", config_path, "--run-dir", run_dir,
+            "--worker"]
     share = threads_of or nproc
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // share))))
-    return cmd, env
+    return args, env
+
+
+def torchrun(nproc: int, max_restarts: int, logs: str, config_path: str, run_dir: str,
+             threads_of: int | None = None) -> tuple[list[str], dict]:
+    """The command and environment of one torchrun as a process of its own (island jobs run several)."""
+    args, env = torchrun_args(nproc, max_restarts, logs, config_path, run_dir, threads_of)
+    return [sys.executable, "-m", "torch.distributed.run", *args], env
 
 
 ERROR_PREFIX = "error_rank"
@@ -127,13 +149,6 @@ def done_ranks(run_dir: str) -> list[int]:
     logs = os.path.join(run_dir, "logs")
     names = os.listdir(logs) if os.path.isdir(logs) else []
     return sorted(int(n[len(DONE_PREFIX):-4]) for n in names if n.startswith(DONE_PREFIX) and n.endswith(".txt"))
-
-
-def exit_codes(agent_output: str) -> dict[int, int]:
-    """rank -> exit code of every failed worker in torchrun's failure summary
-    (`rank : 1 (local_rank: 1)` then `exitcode : -6 (pid: …)`)."""
-    found = re.findall(r"rank\s*:\s*(\d+)\s*\(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", agent_output)
-    return {int(r): int(c) for r, c in found}
 
 
 def after_done(codes: dict[int, int], code: int) -> list[str]:

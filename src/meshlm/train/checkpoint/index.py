@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-
 from typing import TYPE_CHECKING
 
 import torch

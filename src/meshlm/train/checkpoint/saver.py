@@ -99,7 +99,7 @@ class Checkpointer:
             return {"save_s": time.perf_counter() - t0}
         try:
             write_s = self._write(state, tmp, None, one_file_per_piece=lazy)
-        except _write_errors() as e:  # noqa: BLE001 - DCP raised it on every rank
+        except _write_errors() as e:  # DCP raised it on every rank
             return self._failed(step, tmp, need, e, t0)
         self._written(step)
         out = self._commit(tmp, final, meta, step, write_s, need)
@@ -131,7 +131,7 @@ class Checkpointer:
         self.pending = None
         try:
             write_s = fut.result()
-        except _write_errors() as e:  # noqa: BLE001 - every rank's write failed with it
+        except _write_errors() as e:  # every rank's write failed with it
             self._failed(step, tmp, need, e)
             return
         self._written(step)  # on this (the training) thread, like the sync path
