@@ -40,7 +40,9 @@ def train_worker(rank: int, world: int, port: int, cfg_dict: dict, run_dir: str,
 
 
 # What a worker imports before its work: torch._dynamo comes with the first optimizer (torch.optim).
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "meshlm.train.trainer"]
+# DCP too: the trainer imports it on its first save or load only (train/checkpoint/pieces.py), and the
+# pools' ranks save and resume often, each of which would otherwise import it (0.7 CPU-s) again
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "meshlm.train.trainer"]
 
 
 def fork_context(preload: list[str] = PRELOAD):
