@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import traceback
 
 SLURM_TO_TORCH = {"SLURM_PROCID": "RANK", "SLURM_NTASKS": "WORLD_SIZE", "SLURM_LOCALID": "LOCAL_RANK"}
 
@@ -63,6 +64,9 @@ def run_agent(args: list[str], env: dict) -> tuple[int, dict[int, int]]:
         return 1, {rank: f.exitcode for rank, f in e.failures.items()}
     except SignalException as e:
         return 128 + int(e.sigval), {}
+    except Exception:  # noqa: BLE001 - the agent itself failed (rendezvous, ports): its traceback, exit 1
+        traceback.print_exc()
+        return 1, {}
     finally:
         os.environ.clear()
         os.environ.update(saved)
