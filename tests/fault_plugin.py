@@ -23,7 +23,8 @@ MESHLM_TEST_SECONDS_PER_MICROBATCH=S0,S1,...  rank R is a slower card: before ea
                              seconds for each micro-batch it runs (the runtime's own count: its layout's
                              accumulation), and writes each step's measured sleep and runner seconds to
                              run_dir/card_times_rank<R>.jsonl (tests/test_plan_hetero_cpu.py); no
-                             planner code prices the delay
+                             planner code prices the delay. The first step (start-up, which the tests
+                             leave out) runs without delay: its sleeps measured nothing
 MESHLM_TEST_SECONDS_PER_BLOCK=S0,S1,...  the same slower cards inside the step: each block's forward
                              sleeps S_R seconds, its backward twice that (a pipeline stage is then as
                              slow as its card, block by block; the head runs at the CPU's own pace),
@@ -158,10 +159,13 @@ class SlowCard:
         self.micro_batches = trainer.layout.accum_of(trainer.ctx.index("dp"))
         self.inner, self.delay, self.json = trainer.runner, seconds_per_mb * self.micro_batches, json
         self.path = os.path.join(trainer.run_dir, f"card_times_rank{trainer.ctx.rank}.jsonl")
+        self.started = False  # the start-up step runs at the CPU's pace (the tests leave it out)
 
     def run(self, batch, scale=1.0, timed=False):
         t0 = time.perf_counter()
-        time.sleep(self.delay)
+        if self.started:
+            time.sleep(self.delay)
+        self.started = True
         t1 = time.perf_counter()
         out = self.inner.run(batch, scale, timed)
         t2 = time.perf_counter()
@@ -182,7 +186,7 @@ class SlowBlocks(SlowCard):
         import json
 
         from meshlm.model.llama import Block
-        self.inner, self.json, self.slept = trainer.runner, json, 0.0
+        self.inner, self.json, self.slept, self.started = trainer.runner, json, 0.0, False
         self.path = os.path.join(trainer.run_dir, f"card_times_rank{trainer.ctx.rank}.jsonl")
         for m in trainer.par.model.modules():
             if isinstance(m, Block):
@@ -196,6 +200,8 @@ class SlowBlocks(SlowCard):
         module.register_forward_hook(after)
 
     def _sleep(self, seconds: float) -> None:
+        if not self.started:
+            return
         t0 = time.perf_counter()
         time.sleep(seconds)
         self.slept += time.perf_counter() - t0
@@ -204,6 +210,7 @@ class SlowBlocks(SlowCard):
         self.slept = 0.0
         t0 = time.perf_counter()
         out = self.inner.run(batch, scale, timed)
+        self.started = True
         run_s = time.perf_counter() - t0
         with open(self.path, "a") as f:
             f.write(self.json.dumps({"sleep_s": self.slept, "run_s": run_s}) + "\n")

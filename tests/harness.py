@@ -105,20 +105,21 @@ def run_local(cfg: C.Config, run_dir: str | None = None, stop: int = 0) -> list[
 
 
 
-def _local_in_worker(cfg_dict: dict) -> list[dict]:
+def _local_in_worker(cfg_dict: dict, run_dir: str | None) -> list[dict]:
     import torch
     torch.set_num_threads(1)
-    return run_local(C.from_dict(cfg_dict))
+    return run_local(C.from_dict(cfg_dict), run_dir)
 
 
-def run_locals(cfgs: list[C.Config]) -> list[list[dict]]:
-    """run_local of each config, two at a time, one thread each, in processes forked from the pools'
-    server: a debug model's step is bound by Python and dispatch, not by the cores, so two side by side
-    take little more than one (the long fp8 checks: docs/architecture.md, "The test suite")."""
+def run_locals(cfgs: list[C.Config], run_dirs: list[str] | None = None) -> list[list[dict]]:
+    """run_local of each config (in `run_dirs`, when given), two at a time, one thread each, in processes
+    forked from the pools' server: a debug model's step is bound by Python and dispatch, not by the
+    cores, so two side by side take little more than one (the long fp8 and balancing checks:
+    docs/architecture.md, "The test suite")."""
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(max_workers=2, mp_context=spawn.fork_context(PRELOAD)) as ex:
-        return list(ex.map(_local_in_worker, [C.to_dict(c) for c in cfgs]))
+        return list(ex.map(_local_in_worker, [C.to_dict(c) for c in cfgs], run_dirs or [None] * len(cfgs)))
 
 
 _REFERENCES: dict[str, list[dict]] = {}

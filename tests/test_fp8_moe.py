@@ -238,9 +238,30 @@ def test_cuda_without_scaled_grouped_mm_refuses_moe_in_one_line(monkeypatch):
     assert fp8_checked(make_config(**FP8, training__device="cpu", **MOE), 1).ep == 1  # the CPU's experts emulate
 
 
+LONG_PRESETS = ["dsv3-debug", "moe-debug"]  # the longer first: the six runs then pack two at a time
+
+
+def long_configs(preset: str) -> list[C.Config]:
+    """bf16, its twin (the same run summing gradients in another grouping) and fp8: 200 steps of one
+    process on the debug corpus (the embedded sources)."""
+    long = {"model__preset": preset, "training__steps": 200, "data__path": ""}
+    return [make_config(**long, training__precision="bf16"),
+            make_config(**twin({**long, "training__precision": "bf16"})), make_config(**long, **FP8)]
+
+
+@pytest.fixture(scope="module")
+def long_runs(request) -> dict[str, list[list[dict]]]:
+    """Every selected preset's three runs in one batch of harness.run_locals (two at a time): three runs a
+    preset would leave one core idle while the third ran alone."""
+    name = "test_fp8_moe_loss_after_200_steps_near_bf16"
+    presets = [p for p in LONG_PRESETS if any(i.name == f"{name}[{p}]" for i in request.session.items)]
+    runs = run_locals([c for p in presets for c in long_configs(p)])
+    return {p: runs[3 * k:3 * k + 3] for k, p in enumerate(presets)}
+
+
 @pytest.mark.slowest
-@pytest.mark.parametrize("preset", ["moe-debug", "dsv3-debug"])
-def test_fp8_moe_loss_after_200_steps_near_bf16(preset):
+@pytest.mark.parametrize("preset", LONG_PRESETS)
+def test_fp8_moe_loss_after_200_steps_near_bf16(preset, long_runs):
     """Issue #50's long check: 200 steps of one process on the debug corpus (the embedded sources), fp8
     (float8 expert GEMMs, emulated) against bf16 on the same batches, the loss after 200 steps being
     the mean of the last 10. The issue asks for 1%, but bf16 is not within 1% of itself there: the same
@@ -253,10 +274,7 @@ def test_fp8_moe_loss_after_200_steps_near_bf16(preset):
     2.5% (the largest bf16-against-itself gap measured) or twice this run's own bf16 spread; a scale 16x
     too large is caught from step 2 on (test_fp8.py); and all three learned. docs/fp8.md's 1,000-step
     parity (0.08%) is the horizon where 1% means something."""
-    long = {"model__preset": preset, "training__steps": 200, "data__path": ""}
-    ref, other, got = run_locals([make_config(**long, training__precision="bf16"),
-                                  make_config(**twin({**long, "training__precision": "bf16"})),
-                                  make_config(**long, **FP8)])
+    ref, other, got = long_runs[preset]
     ref_t, other_t, got_t = (sum(r["loss"] for r in x[-10:]) / 10 for x in (ref, other, got))
     rel, floor = abs(got_t - ref_t) / ref_t, abs(other_t - ref_t) / ref_t
     print(f"{preset} after 200 steps: bf16 {ref_t:.4f}, bf16 twin {other_t:.4f} (rel {floor:.2e}), "
