@@ -11,13 +11,15 @@ import tempfile
 import pytest
 import torch
 
-from harness import Pool, assert_same_losses, make_config, read_metrics
+from harness import TINY, Pool, assert_same_losses, make_config, read_metrics
 from meshlm.core import config as C
 
 RESHARD = 1e-6
 # Every case shares one model (kv heads < tp at tp 4), batch and 8-step schedule; A trains with a
 # checkpoint at step 4, B resumes from it.
-BASE = {"model__n_kv_heads": 2, "training__steps": 8, "training__micro_batch": 2, "training__global_batch": 8}
+# four blocks (TINY trains two): the moves between pipelines and the rest map stage blocks to the model's
+BASE = {"model__n_kv_heads": 2, "training__steps": 8, "training__micro_batch": 2, "training__global_batch": 8,
+        "model__n_layers": 4}
 
 
 def _layout(spec: str) -> dict:
@@ -317,7 +319,8 @@ def _tree(path: str) -> list[str]:
 
 
 def _train_args(run: str, resume: str, *extra: str) -> list[str]:
-    return ["train", "--run-dir", run, "--model.preset", "debug", "--data.seq_len", "32", "--training.steps", "3",
+    return ["train", "--run-dir", run, "--model.preset", "debug", "--model.n_layers", str(TINY["model.n_layers"]),
+            "--data.seq_len", "32", "--training.steps", "3",
             "--training.global_batch", "8", "--training.micro_batch", "2", "--metrics.progress", "false",
             "--training.seed", "1", "--checkpoint.resume", resume, *extra]
 

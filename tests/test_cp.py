@@ -173,7 +173,7 @@ ROWS = [
     ("pp2-cp2-gpipe", 4, {"parallel__pp": 2, "parallel__cp": 2, "parallel__pp_schedule": "gpipe"}),
     ("pp2-cp2-zb-h1", 4, {"parallel__pp": 2, "parallel__cp": 2, "parallel__pp_schedule": "zb-h1"}),
     ("pp2-cp2-interleaved", 4, {"parallel__pp": 2, "parallel__cp": 2, "parallel__pp_schedule": "interleaved",
-                                "parallel__pp_virtual": 2}),
+                                "parallel__pp_virtual": 2, "model__n_layers": 4}),  # 4 stages: 4 blocks
     ("pp2-cp2-tied-ulysses", 4, {"parallel__pp": 2, "parallel__cp": 2, "parallel__cp_impl": "ulysses",
                                  "model__tie_embeddings": True}),
     ("cp2-allgather-gqa", 2, {**FLEX, "parallel__cp": 2, "parallel__cp_impl": "allgather", "model__n_kv_heads": 2}),
@@ -191,7 +191,7 @@ ROWS = [
                                  "parallel__cp_impl": "allgather"}),
     ("pp2-cp2-allgather-interleaved-sdpa", 4, {"parallel__pp": 2, "parallel__cp": 2, "parallel__cp_impl": "allgather",
                                                "parallel__pp_schedule": "interleaved", "parallel__pp_virtual": 2,
-                                               "model__attn_impl": "sdpa"}),
+                                               "model__attn_impl": "sdpa", "model__n_layers": 4}),
     ("pp2-cp2-allgather-zb-h1", 4, {**FLEX, "parallel__pp": 2, "parallel__cp": 2, "parallel__cp_impl": "allgather",
                                     "parallel__pp_schedule": "zb-h1"}),
     ("cp2-allgather-bf16", 2, {**FLEX, "parallel__cp": 2, "parallel__cp_impl": "allgather",

@@ -29,7 +29,7 @@ STEPS = 6  # enough updates for a wrong average or a wrong slice to show in the 
     ({"parallel__dp_weights": [3, 1], "parallel__microbatches": 3}, 2,
      "parallel.dp_weights: not with parallel.microbatches (it sets one count for every replica)"),
     ({"parallel__dp_weights": [3, 1], "parallel__pp": 2, "parallel__pp_schedule": "interleaved",
-      "parallel__pp_virtual": 2}, 4,
+      "parallel__pp_virtual": 2, "model__n_layers": 4}, 4,
      ("parallel.dp_weights: replica 0 runs 3 micro-batches: parallel.microbatches: 'interleaved' needs "
       "micro-batches divisible by pp; 3 is not a multiple of 2")),
     ({"parallel__dp_weights": [3, 1], "parallel__auto": True}, 2,

@@ -30,11 +30,12 @@ CASES = [
     ("dp2-pp2-1f1b-zero3-3-1", 4, {"parallel__dp": 2, "parallel__pp": 2, "parallel__pp_schedule": "1f1b",
                                    "parallel__zero": 3, "parallel__dp_weights": [3, 1]}, {}),
     # two chunks per rank: the reductions of both chunks meet in one order whatever the count
+    # (4 stages: four blocks, where TINY trains two)
     ("dp2-pp2-zbv-3-1", 4, {"parallel__dp": 2, "parallel__pp": 2, "parallel__pp_schedule": "zbv",
-                            "parallel__pp_virtual": 2, "parallel__dp_weights": [3, 1]}, {}),
+                            "parallel__pp_virtual": 2, "parallel__dp_weights": [3, 1]}, {"model__n_layers": 4}),
     ("dp2-pp2-interleaved-1-3", 4, {"parallel__dp": 2, "parallel__pp": 2, "parallel__pp_schedule": "interleaved",
                                     "parallel__pp_virtual": 2, "parallel__dp_weights": [1, 3]},
-     {"training__global_batch": 16}),
+     {"training__global_batch": 16, "model__n_layers": 4}),
     # EP inside a pipeline: the lighter pipeline pads so every all-to-all is met
     ("moe-dp2-pp2-ep2-3-1", 4, {"parallel__dp": 2, "parallel__pp": 2, "parallel__pp_schedule": "1f1b",
                                 "parallel__ep": 2, "parallel__dp_weights": [3, 1]}, {"model__preset": "moe-debug"}),

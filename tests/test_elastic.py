@@ -81,7 +81,7 @@ def test_grown_job_agrees_on_one_restart_count(pools, tmp_path):
 
 def test_layout_that_no_longer_fits():
     from meshlm.plan.search.auto import layout_for_run
-    cfg = make_config(parallel__tp=2, parallel__elastic="fail")
+    cfg = make_config(parallel__tp=2, parallel__elastic="fail", model__n_layers=4)  # pp 3 needs 3 blocks or more
     with pytest.raises(ConfigError) as e:
         layout_for_run(cfg, 3)  # a first launch: the usual line
     assert "elastic" not in str(e.value), e.value
@@ -89,7 +89,7 @@ def test_layout_that_no_longer_fits():
         layout_for_run(cfg, 3, restarts=1)  # the job's agreed restart count (distributed/mesh.py join_world)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("parallel") and 'parallel.elastic = "replan"' in msg, msg
-    cfg = make_config(parallel__tp=2, parallel__elastic="replan")
+    cfg = make_config(parallel__tp=2, parallel__elastic="replan", model__n_layers=4)
     layout, record = layout_for_run(cfg, 3)
     assert layout.tp * layout.dp * layout.pp * layout.cp == 3
     assert record["replanned_from"] == "tp 2" and not cfg.parallel.auto

@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 import torch
-from harness import make_config, read_metrics, reference, run_local, sources_corpus, train_case, twin
+from harness import TINY, make_config, read_metrics, reference, run_local, sources_corpus, train_case, twin
 
 from meshlm.core import config as C
 from harness import build_layout
@@ -73,7 +73,7 @@ def test_block_linears_convert_and_state_dict_keys_stay():
     materialize(model, 0, "cpu", torch.bfloat16)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     done = convert_to_float8(model, model_plan_for(model), "rowwise", emulate=True)
-    assert len(done) == 4 * 7  # wq wk wv wo w1 w2 w3 in each of the 4 blocks
+    assert len(done) == 7 * BLOCKS  # wq wk wv wo w1 w2 w3 in each block
     kinds = {n: type(m) for n, m in model.named_modules()}
     assert all(kinds[n] is Float8Linear for n in done)
     assert not any(issubclass(kinds[n], Float8Linear) for n in ("output", "tok_embeddings"))
@@ -106,19 +106,20 @@ def test_bound_catches_a_saturating_scale(monkeypatch):
         assert_near_bf16(bf16_reference(), got)
 
 
-ALL = {"Float8Linear": 28}  # 7 linears in each of the debug model's 4 blocks
+BLOCKS = TINY["model.n_layers"]
+ALL = {"Float8Linear": 7 * BLOCKS}  # wq wk wv wo w1 w2 w3 in each block
 LAYOUTS = [
     ("dp2-tp2", 4, {"parallel__dp": 2, "parallel__tp": 2}, ALL),
     # one kv head replicated over both TP ranks: wk, wv sum their gradients in a float8 subclass
     ("tp2-gqa-kv1", 2, {"parallel__tp": 2, "model__n_kv_heads": 1},
-     {"Float8Linear": 20, "Float8ReplicatedKVLinear": 8}),
+     {"Float8Linear": 5 * BLOCKS, "Float8ReplicatedKVLinear": 2 * BLOCKS}),
     # SP: the region's entry gathers through a hook, so the column-parallel linears stay nn.Linear
     ("tp2-sp-kv1", 2, {"parallel__tp": 2, "parallel__sp": True, "model__n_kv_heads": 1},
-     {"Float8Linear": 20, "Float8ReplicatedKVLinear": 8}),
+     {"Float8Linear": 5 * BLOCKS, "Float8ReplicatedKVLinear": 2 * BLOCKS}),
     # ZeRO-3 gathers the weights in float8 (training.fp8_comm "zero", tests/test_fp8_comm.py): a subclass takes them
-    ("zero3-dp2", 2, {"parallel__dp": 2, "parallel__zero": 3}, {"Float8ZeroLinear": 28}),
+    ("zero3-dp2", 2, {"parallel__dp": 2, "parallel__zero": 3}, {"Float8ZeroLinear": 7 * BLOCKS}),
     ("zero1-dp2-offload", 2, {"parallel__dp": 2, "parallel__zero": 1, "parallel__offload": "optimizer"}, ALL),
-    ("pp2", 2, {"parallel__pp": 2}, {"Float8Linear": 14}),  # each stage holds 2 blocks
+    ("pp2", 2, {"parallel__pp": 2}, {"Float8Linear": 7 * BLOCKS // 2}),  # each stage holds half the blocks
     ("cp2-ring-ac-full", 2, {"parallel__cp": 2, "training__ac": "full"}, ALL),
 ]
 

@@ -13,8 +13,9 @@ from test_fp8 import FP8, STEPS, WITHIN, assert_near_bf16, bf16_reference
 
 from meshlm.core import config as C
 
-ZERO3 = {"parallel__dp": 2, "parallel__zero": 3}
-TP_SP = {"parallel__tp": 2, "parallel__sp": True}
+# the byte and call counts below are the debug preset's four blocks (TINY trains two)
+ZERO3 = {"parallel__dp": 2, "parallel__zero": 3, "model__n_layers": 4}
+TP_SP = {"parallel__tp": 2, "parallel__sp": True, "model__n_layers": 4}
 SHORT = {"training__steps": 3, "training__micro_batch": 4}  # 2 micro-batches per step under tp2 (1 under dp2)
 
 

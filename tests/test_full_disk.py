@@ -19,7 +19,9 @@ from meshlm.train.convert import ExportError, to_hf
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 LAYOUTS = [("dp", {"parallel__dp": 2}), ("zero", {"parallel__dp": 2, "parallel__zero": 3}),
            ("tp", {"parallel__tp": 2}), ("pp", {"parallel__pp": 2})]
-SAVES = {"training__steps": 4, "checkpoint__every": 2, "checkpoint__keep": 2}
+# the sizes below are the debug preset's four blocks (TINY trains two): a 3 MB disk holds one checkpoint
+FOUR = {"model__n_layers": 4}
+SAVES = {"training__steps": 4, "checkpoint__every": 2, "checkpoint__keep": 2, **FOUR}
 
 
 @pytest.fixture
@@ -72,7 +74,7 @@ def test_full_disk_continue_trains_on(pools, disk, name, layout):
     run_dir = str(disk / "run")
     over = {**SAVES, "training__steps": 6, "checkpoint__on_error": "continue", **layout}
     pools(2).run(train_case, C.to_dict(make_config(**over)), run_dir)
-    assert_same_losses(reference(training__steps=6), read_metrics(run_dir), 1e-5)
+    assert_same_losses(reference(training__steps=6, **FOUR), read_metrics(run_dir), 1e-5)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         errors = {r["step"]: r["ckpt"]["error"] for r in map(json.loads, f) if "error" in r.get("ckpt", {})}
     assert sorted(errors) == [4, 6] and all("no space" in e for e in errors.values()), errors
@@ -82,7 +84,7 @@ def test_full_disk_continue_trains_on(pools, disk, name, layout):
 def test_no_room_for_keep_plus_one_is_refused_before_work(disk, capsys):
     run_dir = disk / "run"
     args = ["train", "--run-dir", str(run_dir), "--checkpoint.every", "5"]
-    for k, v in TINY.items():
+    for k, v in {**TINY, "model.n_layers": 4}.items():
         args += [f"--{k}", str(v)]
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
@@ -90,13 +92,13 @@ def test_no_room_for_keep_plus_one_is_refused_before_work(disk, capsys):
                                                    f"needs 7,098,624 (3 checkpoints of 2,366,208 bytes"), err
     assert not run_dir.exists()
     # keep = 0 keeps every save: one of 2.4 MB (5 steps) fits, two (10 steps) do not
-    check_room(make_config(checkpoint__every=5, checkpoint__keep=0, training__steps=5), str(run_dir))
+    check_room(make_config(checkpoint__every=5, checkpoint__keep=0, training__steps=5, **FOUR), str(run_dir))
     with pytest.raises(CheckpointError, match=r"needs 4,732,416 \(2 checkpoints"):
-        check_room(make_config(checkpoint__every=5, checkpoint__keep=0, training__steps=10), str(run_dir))
+        check_room(make_config(checkpoint__every=5, checkpoint__keep=0, training__steps=10, **FOUR), str(run_dir))
 
 
 def test_export_to_a_full_disk_is_one_line(tmp_path, disk):
-    run_local(make_config(training__steps=2, checkpoint__every=2), str(tmp_path / "run"))
+    run_local(make_config(training__steps=2, checkpoint__every=2, **FOUR), str(tmp_path / "run"))
     with open(disk / "filler", "wb") as f:
         f.write(b"\0" * 2_900_000)
     with pytest.raises(ExportError) as e:
@@ -110,7 +112,7 @@ def test_export_during_training_continues(disk):
     removed; the checkpoint it came from stays."""
     run_dir = str(disk / "run")
     run_local(make_config(training__steps=2, checkpoint__export_hf=2, checkpoint__export_dtype="fp32",
-                          checkpoint__on_error="continue"), run_dir)
+                          checkpoint__on_error="continue", **FOUR), run_dir)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         errors = [r["export_error"] for r in map(json.loads, f) if "export_error" in r]
     assert len(errors) == 1 and "no space: needs 788,736 bytes" in errors[0], errors
@@ -125,7 +127,8 @@ def test_full_disk_launch_exits_one(disk):
     subprocess.run(["mount", "-o", "remount,size=4800k", str(disk)], check=True)
     run_dir = disk / "run"
     args = [sys.executable, "-m", "meshlm.cli", "train", "--nproc", "2", "--run-dir", str(run_dir)]
-    for k, v in {**TINY, "training.steps": 4, "checkpoint.every": 2, "checkpoint.keep": 1, "parallel.dp": 2}.items():
+    for k, v in {**TINY, "model.n_layers": 4, "training.steps": 4, "checkpoint.every": 2, "checkpoint.keep": 1,
+                 "parallel.dp": 2}.items():
         args += [f"--{k}", str(v)]
     env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC), OMP_NUM_THREADS="1")
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)

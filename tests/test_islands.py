@@ -267,15 +267,18 @@ def test_cross_island_bytes_meet_the_formula_and_beat_sync_dp(pools, quantize, f
     """Same seed twice: bit-identical (H > 1); rank 0's booked outer bytes per inner step over the run
     equal plan/cost/islands.py's formula and are <= 1/H (quantised: 1/(2H)) of dp2's reduce bytes per step."""
     h = 4
+    blocks = {"model__n_layers": 4} if fragments > 2 else {}  # a fragment holds whole blocks (TINY has two)
     cfg = make_config(**{**ISLANDS, "training__outer__sync_every": h, "training__outer__quantize": quantize,
-                         "training__outer__fragments": fragments, "training__steps": 8})
+                         "training__outer__fragments": fragments, "training__steps": 8, **blocks})
     a = train_in(pools, cfg, 2, tempfile.mkdtemp(prefix="meshlm-isl-"))
     b = train_in(pools, cfg, 2, tempfile.mkdtemp(prefix="meshlm-isl-"))
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
-    if "dp2" not in _SYNC:
-        dp = train_in(pools, make_config(parallel__dp=2, training__steps=8), 2, tempfile.mkdtemp(prefix="meshlm-isl-"))
-        _SYNC["dp2"] = sum(r["comm"]["all_reduce"]["bytes"] for r in dp) / len(dp)
-    sync_bytes = _SYNC["dp2"]
+    key = f"dp2 {blocks}"
+    if key not in _SYNC:
+        dp = train_in(pools, make_config(parallel__dp=2, training__steps=8, **blocks), 2,
+                      tempfile.mkdtemp(prefix="meshlm-isl-"))
+        _SYNC[key] = sum(r["comm"]["all_reduce"]["bytes"] for r in dp) / len(dp)
+    sync_bytes = _SYNC[key]
     outer = sum(_outer_bytes(r) for r in a) / len(a)
     from meshlm.model import build_model
     from meshlm.core.config.model import model_args
@@ -289,7 +292,7 @@ def test_cross_island_bytes_meet_the_formula_and_beat_sync_dp(pools, quantize, f
     assert outer <= sync_bytes / (h * (2 if quantize != "none" else 1))
     if quantize != "none":  # the quantised outer gradient moves the model as fp32's does, nearly
         exact = train_in(pools, make_config(**{**ISLANDS, "training__outer__sync_every": h, "training__steps": 8,
-                                               "training__outer__fragments": fragments}), 2,
+                                               "training__outer__fragments": fragments, **blocks}), 2,
                          tempfile.mkdtemp(prefix="meshlm-isl-"))
         assert a[-1]["loss"] != exact[-1]["loss"] and abs(a[-1]["loss"] - exact[-1]["loss"]) < 0.01 * exact[-1]["loss"]
 

@@ -147,7 +147,7 @@ CASES = [
     ("cp2-ring", 2, {"parallel__cp": 2}),
     ("dp2-cp2-zero3", 4, {"parallel__dp": 2, "parallel__cp": 2, "parallel__zero": 3}),
     ("pp2-zbv-tied", 2, {"parallel__pp": 2, "parallel__pp_schedule": "zbv", "parallel__pp_virtual": 2,
-                         "model__tie_embeddings": True}),
+                         "model__tie_embeddings": True, "model__n_layers": 4}),
     ("dp2-fp16", 2, {"parallel__dp": 2, "training__precision": "fp16"}),
     ("zero3-dp2-bf16", 2, {"parallel__dp": 2, "parallel__zero": 3, "training__precision": "bf16"}),
     ("ep2-moe", 2, {**MOE, "parallel__dp": 2, "parallel__ep": 2}),

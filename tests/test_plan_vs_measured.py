@@ -22,7 +22,7 @@ CASES = [
     ("tp2-sp-bf16", 2, {"parallel__tp": 2, "parallel__sp": True, "training__precision": "bf16"}),
     ("dp2-tp2-zero3", 4, {"parallel__dp": 2, "parallel__tp": 2, "parallel__zero": 3}),
     ("pp2-1f1b", 2, {"parallel__pp": 2}),
-    ("pp4-zb-h1", 4, {"parallel__pp": 4, "parallel__pp_schedule": "zb-h1"}),
+    ("pp4-zb-h1", 4, {"parallel__pp": 4, "parallel__pp_schedule": "zb-h1", "model__n_layers": 4}),
     # vocabulary padding (model.vocab_multiple 128): 300 ids take 384 rows, at tp=2 512 (256 per rank)
     ("vocab300-padded", 1, {"model__vocab_size": 300}),
     ("tp2-vocab300-padded", 2, {"parallel__tp": 2, "model__vocab_size": 300}),

@@ -46,7 +46,8 @@ def test_partition_override_and_errors():
     ({"parallel__pp": 2, "parallel__pp_layers": [4]}, 2, "parallel.pp_layers: 1 entries for 2 stages"),
     ({"parallel__pp": 4, "model__n_layers": 3}, 4, "parallel.pp: 3 layers cannot fill"),
     ({"parallel__pp": 2, "parallel__pp_schedule": "interleaved"}, 2, "parallel.pp_virtual: .* needs >= 2"),
-    ({"parallel__pp": 2, "parallel__pp_virtual": 2}, 2, "parallel.pp_virtual: schedule '1f1b' runs one chunk"),
+    ({"parallel__pp": 2, "parallel__pp_virtual": 2, "model__n_layers": 4}, 2,
+     "parallel.pp_virtual: schedule '1f1b' runs one chunk"),
     ({"parallel__pp_virtual": 2}, 1, "parallel.pp_virtual: 2 chunks per rank need pp > 1"),
     ({"parallel__pp": 2, "parallel__pp_schedule": "zbv"}, 2, "parallel.pp_virtual: schedule 'zbv' runs exactly 2"),
     ({"parallel__pp": 2, "parallel__pp_schedule": "dualpipe"}, 2, "parallel.pp_schedule: 'dualpipe' is not one of"),
@@ -60,7 +61,7 @@ def test_layout_refuses_bad_pipelines(overrides, world, match):
 
 
 def test_layout_accepts_pipelines():
-    lay = build_layout(make_config(parallel__pp=2, parallel__pp_layers="1,3"), 2)
+    lay = build_layout(make_config(parallel__pp=2, parallel__pp_layers="1,3", model__n_layers=4), 2)
     assert (lay.pp, lay.microbatches) == (2, 4)
     lay = build_layout(make_config(parallel__pp=2, parallel__dp=2, parallel__tp=2), 8)
     assert (lay.pp, lay.dp, lay.tp, lay.microbatches) == (2, 2, 2, 2)
@@ -208,6 +209,7 @@ def test_one_process_checkpoint_resumes_in_pp2(pools):
 def test_zero1_reduces_once_per_step(pools):
     """dp=2 × pp=2 with ZeRO-1: each of rank 0's units (embedding, two blocks) is reduce-scattered
     once per step, not once per micro-batch."""
-    got = run_layout(pools, make_config(parallel__dp=2, parallel__pp=2, parallel__zero=1, training__steps=2), 4)
+    got = run_layout(pools, make_config(parallel__dp=2, parallel__pp=2, parallel__zero=1, training__steps=2,
+                                        model__n_layers=4), 4)  # two blocks on stage 0
     for r in got:
         assert r["comm"]["reduce_scatter"]["calls"] == 3
