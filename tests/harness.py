@@ -33,7 +33,7 @@ mp_util.get_temp_dir()
 TINY = {
     "model.preset": "debug",
     # Two blocks, not the preset's four: every dimension but the pipeline's runs the same code in each
-    # block, and a row's time is its blocks' work and collectives (the tp and dp rows: 35 -> 23 s).
+    # block, and a row's time is its blocks' work and collectives (test_tp + test_equivalence: 33 -> 26 s).
     # Other presets and Hugging Face shapes keep their own (make_config). What needs more blocks says
     # so: test_equivalence.py's pipeline rows (two blocks a stage), pp x v = 4 stages, checkpoint moves,
     # and counts of blocks or bytes measured on four.
