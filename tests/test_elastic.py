@@ -219,9 +219,12 @@ def test_a_rank_that_left_is_not_lost():
     from meshlm.distributed.watchdog import Watchdog
     store, said = dist.HashStore(), []
     done = Watchdog(store, 1, 2, silent_s=60)
-    time.sleep(1.5)  # it stamped
+    deadline = time.monotonic() + 30
+    while not store.check(["meshlm/alive/1"]):  # it stamped (its first beat comes one period in)
+        assert time.monotonic() < deadline, "rank 1's watchdog never stamped"
+        time.sleep(0.02)
     done.close()
-    watch = Watchdog(store, 0, 2, silent_s=2.0, on_silent=said.append)
-    time.sleep(4.5)
+    watch = Watchdog(store, 0, 2, silent_s=1.0, on_silent=said.append)
+    time.sleep(3.0)  # rank 0 judges at 0.2, 1.2 and 2.2 s: an unchanged live stamp is silent by the third
     watch.close()
     assert said == []

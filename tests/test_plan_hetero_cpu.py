@@ -33,7 +33,7 @@ from meshlm.plan.spec import Spec, search_knobs, shape_from_config
 
 SLOWER = 2.5         # rank 1 against rank 0
 FAST_MB_S = 0.2      # rank 0's delay per micro-batch: far above the debug model's real compute (~ms)
-STEPS = 3            # the first step (start-up) is left out of the comparison
+STEPS = 2            # the first step (start-up) is left out of the comparison
 NAMES = ("cpu-fast", "cpu-slow")
 FLAT = Options(efficiency=1.0, block_overhead_s=0.0)  # the flat model: work at the card's rate
 
