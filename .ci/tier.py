@@ -3,7 +3,8 @@ CPU time that was busy while it ran (all processes: the pools' forked ranks are 
 so the runner's own rusage undercounts them), and the exit status.
 
     python .ci/tier.py NAME LOG -- COMMAND...      # COMMAND's output goes to the terminal and to LOG
-    python .ci/tier.py --machine                   # the CPU model and meshlm's measured fp32 matmul peak
+    python .ci/tier.py --machine                   # the CPU model, meshlm's measured fp32 matmul peak, the loop
+    python .ci/tier.py --loop                      # the pure-Python loop's time alone (CI's last line)
 
 Standard library only, except --machine (torch, for the peak). Exit status: COMMAND's.
 """
@@ -35,6 +36,21 @@ def counts(text: str) -> str:
     return ", ".join(f"{n} {w}" for w, n in found.items()) or "no pytest summary"
 
 
+def python_loop() -> str:
+    """The best of three timings of a pure-Python loop: most of the suite is bound by the interpreter and
+    process start-up, not by matmuls, and a machine's (or one sitting's) speed there is what scales its
+    tier times (docs/architecture.md, "The test suite"). Printed before the tiers and after them: a
+    shared machine is not one speed through a run."""
+    best = min(_timed(lambda: sum(i * i for i in range(6 * 10**6))) for _ in range(3))
+    return f"python loop {best:.2f} s (sum of i*i, 6M)"
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def machine() -> str:
     model = "unknown CPU"
     with open("/proc/cpuinfo") as f:
@@ -48,7 +64,7 @@ def machine() -> str:
     peak, _ = measure_cpu_peak()
     return (f"ci: machine: {model}, {os.cpu_count()} cores, torch {torch.__version__} capability "
             f"{torch.backends.cpu.get_cpu_capability()}, peak_flops {peak / 1e9:.0f} GFLOP/s "
-            f"(fp32 1024² matmul, {torch.get_num_threads()} threads)")
+            f"(fp32 1024² matmul, {torch.get_num_threads()} threads), {python_loop()}")
 
 
 def run(name: str, log: str, cmd: list[str]) -> int:
@@ -76,6 +92,9 @@ def run(name: str, log: str, cmd: list[str]) -> int:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--machine"]:
         print(machine(), flush=True)
+        sys.exit(0)
+    if sys.argv[1:] == ["--loop"]:
+        print(f"ci: after the tiers: {python_loop()}", flush=True)
         sys.exit(0)
     if len(sys.argv) < 5 or sys.argv[3] != "--":
         sys.exit("usage: tier.py NAME LOG -- COMMAND...")
