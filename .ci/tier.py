@@ -38,9 +38,8 @@ def counts(text: str) -> str:
 
 def python_loop() -> str:
     """The best of three timings of a pure-Python loop: most of the suite is bound by the interpreter and
-    process start-up, not by matmuls, and a machine's (or one sitting's) speed there is what scales its
-    tier times (docs/architecture.md, "The test suite"). Printed before the tiers and after them: a
-    shared machine is not one speed through a run."""
+    process start-up, not by matmuls, so this is the CPU's speed to compare machines by. Being the best
+    of three, it does not see other work on a shared host (docs/architecture.md, "The test suite")."""
     best = min(_timed(lambda: sum(i * i for i in range(6 * 10**6))) for _ in range(3))
     return f"python loop {best:.2f} s (sum of i*i, 6M)"
 
