@@ -40,14 +40,12 @@ def python_loop() -> str:
     """The best of three timings of a pure-Python loop: most of the suite is bound by the interpreter and
     process start-up, not by matmuls, so this is the CPU's speed to compare machines by. Being the best
     of three, it does not see other work on a shared host (docs/architecture.md, "The test suite")."""
-    best = min(_timed(lambda: sum(i * i for i in range(6 * 10**6))) for _ in range(3))
-    return f"python loop {best:.2f} s (sum of i*i, 6M)"
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        sum(i * i for i in range(6 * 10**6))
+        times.append(time.perf_counter() - t0)
+    return f"python loop {min(times):.2f} s (sum of i*i, 6M)"
 
 
 def machine() -> str:
