@@ -111,3 +111,39 @@ def test_watchdog_close_joins_its_thread():
     assert store.inside.wait(5)
     assert wd.close() is None
     assert not wd._thread.is_alive()
+
+
+def test_the_command_collects_then_freezes_before_the_interpreter_exits(monkeypatch):
+    """cli.py `run` (the `meshlm` command and every worker's `python -m meshlm.cli`): what the command made
+    and dropped is finalized before the freeze, what is alive is frozen, and the status is main's."""
+    import gc
+    import tomllib
+
+    from meshlm import cli
+
+    finalized = []
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            finalized.append(True)
+
+    def command():
+        Cycle()  # garbage only a collection can find: frozen, its finalizer would never run
+        return 3
+
+    monkeypatch.setattr(cli, "main", command)
+    gc.disable()  # no automatic collection may find the cycle first
+    try:
+        with pytest.raises(SystemExit) as ended:
+            cli.run()
+        frozen = gc.get_freeze_count()
+    finally:
+        gc.unfreeze()
+        gc.enable()
+    assert ended.value.code == 3 and finalized == [True] and frozen > 0
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        assert tomllib.load(f)["project"]["scripts"]["meshlm"] == "meshlm.cli:run"
