@@ -15,6 +15,8 @@ import sys
 
 import torch
 
+from meshlm.core.process import exit_frozen
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernels as K  # noqa: E402  (Bench: CUDA-event medians; device_info: card, driver, clocks)
 
@@ -74,3 +76,4 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
+    exit_frozen()  # a child process: its exit need not free torch object by object

@@ -26,6 +26,7 @@ import torch
 
 from meshlm.core import config as C
 from meshlm.core.choices import ATTN_IMPLS
+from meshlm.core.process import exit_frozen
 from meshlm.distributed.mesh import init_context, pick_device
 from meshlm.core.layout import build_layout
 from meshlm.train.trainer import Trainer
@@ -284,4 +285,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_frozen(main())  # a child process: its exit need not free torch object by object

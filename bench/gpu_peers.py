@@ -35,6 +35,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu  # noqa: E402  (bench/gpu.py: the fresh-process measurement, largest micro-batch first)
 import torch  # noqa: E402
+from meshlm.core.process import exit_frozen  # noqa: E402
 
 from meshlm.core import config as C  # noqa: E402
 from meshlm.distributed.mesh import pick_device  # noqa: E402
@@ -232,4 +233,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_frozen(main())  # a child process: its exit need not free torch object by object

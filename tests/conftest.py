@@ -1,4 +1,3 @@
-import gc
 import os
 import shutil
 import tempfile
@@ -31,10 +30,10 @@ def pytest_unconfigure(config):
         os.environ["TMPDIR"] = env
     tempfile.tempdir = before
     shutil.rmtree(root, ignore_errors=True)
-    # as the `meshlm` command ends (cli.py `run`): the session's garbage collected, what is alive frozen,
-    # so that the interpreter's exit does not free torch's and the tests' objects one by one (1.2 s and up)
-    gc.collect()
-    gc.freeze()
+    # as every meshlm process ends: the interpreter's exit does not free torch's and the tests' objects one by
+    # one (1.2 s and up)
+    from meshlm.core.process import freeze_for_exit
+    freeze_for_exit()
 
 
 # The 30 longest items of `make test` on the developers' 2-core machine (`--durations=30`, 2026-11-26: 553 s

@@ -114,8 +114,9 @@ def test_watchdog_close_joins_its_thread():
 
 
 def test_the_command_collects_then_freezes_before_the_interpreter_exits(monkeypatch):
-    """cli.py `run` (the `meshlm` command and every worker's `python -m meshlm.cli`): what the command made
-    and dropped is finalized before the freeze, what is alive is frozen, and the status is main's."""
+    """cli.py `run` (the `meshlm` command and every worker's `python -m meshlm.cli`), through core/process.py
+    `exit_frozen`: what the command made and dropped is finalized before the freeze, what is alive is
+    frozen, and the status is main's."""
     import gc
     import tomllib
 

@@ -256,15 +256,9 @@ def _takes_extra(fn) -> bool:
 
 def run() -> None:
     """The `meshlm` command (and `python -m meshlm.cli`, which every worker is): `main` in a process that
-    ends when it returns. What the command made and no longer holds is collected here (its finalizers
-    run), then what is still alive (torch's, dynamo's and meshlm's objects) is frozen, so that the
-    interpreter's exit does not walk and free it object by object: 0.9 s of a worker's exit became 0.3
-    (docs/fault_tolerance.md, "Exit status"). atexit handlers, stream flushes and C++ destructors still run."""
-    code = main()
-    import gc
-    gc.collect()
-    gc.freeze()
-    sys.exit(code)
+    ends when it returns, through core/process.py `exit_frozen`."""
+    from .core.process import exit_frozen
+    exit_frozen(main())
 
 
 if __name__ == "__main__":
